@@ -1,0 +1,3 @@
+from moectl.cli.app import main
+
+main()

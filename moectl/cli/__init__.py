@@ -1,0 +1,1 @@
+"""The Typer CLI: thin commands over the `trainer` and `ckpt` libraries."""

@@ -1,0 +1,12 @@
+"""The `moectl` command: imports every command module (each registers itself on `app`)."""
+
+from __future__ import annotations
+
+from moectl.cli.base import app
+
+__all__ = ["app", "main"]
+
+
+def main() -> None:
+    """Console entry point."""
+    app()

@@ -1,0 +1,59 @@
+"""The Typer app object and the decorator every command goes through.
+
+`command` registers a function on an app and turns a `MoectlError` into one red line
+(`error: ... fix: ...`) and the error's exit code; `MOECTL_DEBUG=1` lets the traceback through.
+Doing it per command (rather than around `app()`) keeps it working under Typer's test runner.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any, Callable, TypeVar
+
+import typer
+
+from moectl.errors import MoectlError
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def new_app(name: str, help: str) -> typer.Typer:
+    """A Typer app (or sub-app) with moectl's settings."""
+    return typer.Typer(
+        name=name,
+        help=help,
+        no_args_is_help=True,
+        add_completion=False,
+        pretty_exceptions_enable=False,
+        rich_markup_mode="rich",
+        context_settings={"help_option_names": ["-h", "--help"]},
+    )
+
+
+app = new_app("moectl", "Train mixture-of-experts transformers on one or many GPUs and manage their checkpoints.")
+
+
+def report(e: MoectlError) -> None:
+    """Print a user error as one line on stderr."""
+    typer.secho(f"error: {e.one_line()}", err=True, fg="red")
+
+
+def command(target: typer.Typer = app, name: str | None = None, **kwargs: Any) -> Callable[[F], F]:
+    """Register `fn` as a command of `target`, with one-line user errors."""
+
+    def decorate(fn: F) -> F:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kw: Any) -> Any:
+            try:
+                return fn(*args, **kw)
+            except MoectlError as e:
+                if os.environ.get("MOECTL_DEBUG") == "1":
+                    raise
+                report(e)
+                raise typer.Exit(e.exit_code) from None
+
+        target.command(name, **kwargs)(wrapper)
+        return fn
+
+    return decorate

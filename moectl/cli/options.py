@@ -1,0 +1,35 @@
+"""Option and argument definitions shared by several commands (one definition, one help text)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+ConfigArg = Annotated[Path, typer.Argument(help="YAML config file (e.g. configs/tiny.yaml).", show_default=False)]
+OptionalConfigOpt = Annotated[
+    Optional[Path], typer.Option("--config", "-c", help="YAML config file to use instead of the checkpoint's own.")
+]
+SetOpt = Annotated[
+    Optional[list[str]],
+    typer.Option(
+        "--set",
+        "-s",
+        help="Override one config key: --set section.key=value (value parsed as YAML; repeatable).",
+        metavar="KEY=VALUE",
+    ),
+]
+JsonFlag = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout instead of a table.")]
+JsonPathOpt = Annotated[Optional[Path], typer.Option("--json", help="Also write the results as JSON to this path.")]
+WorldSizeOpt = Annotated[
+    Optional[int],
+    typer.Option("--world-size", "-w", min=1, help="Number of processes to check for (default: the smallest that fits)."),
+]
+RunDirOpt = Annotated[Optional[Path], typer.Option("--run-dir", help="Override run_dir from the config.")]
+
+
+def examples(*lines: str) -> str:
+    """An 'Examples' block for a command's help (Typer keeps the line breaks with \\b)."""
+    body = "\n".join(f"  $ {line}" for line in lines)
+    return f"\n\n\b\nExamples:\n{body}"

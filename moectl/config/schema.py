@@ -1,0 +1,219 @@
+"""The typed config: one dataclass per section, every key with its type, default and docstring.
+
+Names follow Megatron-Core where a user would recognise them (see ../shared/design/interface.md).
+Each component receives only its own section (`cfg.moe`, `cfg.parallel`, ...). Cross-field rules do
+not live here: they live in `moectl.rules`, the one place `validate-config` and `train` both run.
+Defaults make `configs/tiny.yaml` train on a CPU in about a minute.
+"""
+
+from __future__ import annotations
+
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, Literal, Optional, Union
+
+
+def doc(default: Any, help: str) -> Any:
+    """A dataclass field with a default and a docstring (shown by `--explain` and in errors)."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """The GPT decoder: sizes, positions, init."""
+
+    num_layers: int = doc(2, "Transformer layers.")
+    hidden_size: int = doc(64, "Model width (D).")
+    num_attention_heads: int = doc(4, "Query heads.")
+    num_query_groups: Optional[int] = doc(None, "Key/value heads for grouped-query attention; null = num_attention_heads.")
+    ffn_hidden_size: int = doc(128, "Hidden size of the dense SwiGLU MLP on non-MoE layers.")
+    vocab_size: int = doc(256, "Vocabulary size; 256 for the byte-level tokenizer.")
+    seq_length: int = doc(128, "Tokens per sequence.")
+    moe_layer_freq: Union[int, list[int]] = doc(
+        1, "Which layers are MoE: an int N makes every N-th layer MoE (1 = all), a list gives 1/0 per layer."
+    )
+    init_method_std: float = doc(0.02, "Std of the normal init of weight matrices.")
+    tie_embeddings: bool = doc(False, "Share the output head with the token embedding.")
+    rotary_base: float = doc(10000.0, "RoPE base (theta).")
+    qk_layernorm: bool = doc(False, "RMSNorm on queries and keys per head (Qwen3).")
+    norm_epsilon: float = doc(1e-5, "RMSNorm epsilon.")
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads, resolving `num_query_groups: null`."""
+        return self.num_query_groups or self.num_attention_heads
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer `layer` (0-based) has an MoE FFN."""
+        if isinstance(self.moe_layer_freq, list):
+            return bool(self.moe_layer_freq[layer])
+        return layer % self.moe_layer_freq == 0
+
+
+@dataclass(kw_only=True)
+class MoEConfig:
+    """Router, dispatch and the grouped expert MLP."""
+
+    num_experts: int = doc(4, "Experts per MoE layer (E).")
+    router_topk: int = doc(2, "Experts each token is routed to (k).")
+    ffn_hidden_size: int = doc(64, "Hidden size of each expert (F).")
+    router_score_function: Literal["softmax", "sigmoid"] = doc("softmax", "Router score function.")
+    router_norm_topk_prob: bool = doc(
+        False, "Renormalise the top-k probabilities to sum to 1 (Mixtral, Qwen3 norm_topk_prob)."
+    )
+    aux_loss_coeff: float = doc(0.01, "Load-balancing auxiliary loss coefficient (0 disables).")
+    z_loss_coeff: float = doc(0.0, "Router z-loss coefficient (0 disables).")
+    activation: Literal["swiglu", "quick_geglu", "squared_relu"] = doc("swiglu", "Expert activation.")
+    add_bias: bool = doc(False, "Biases on the expert linears.")
+    single_grouped_weight: bool = doc(
+        True, "Store each expert linear as one [E, out, in] parameter instead of weight0..weight{E-1}."
+    )
+    single_grouped_bias: bool = doc(False, "Store expert biases as one [E, out] parameter (needs add_bias).")
+    glu_interleave_size: Optional[int] = doc(
+        None, "Store fc1 rows as blocks [gate(I), up(I), ...] of this size instead of [gate; up]; null = contiguous."
+    )
+    backend: Literal["auto", "loop", "grouped", "fused", "te"] = doc(
+        "auto", "Expert MLP kernels: loop (reference), grouped (torch._grouped_mm), fused (Triton), te."
+    )
+    router_padding_for_quantization: bool = doc(
+        False, "Pad each expert's token count in the router (prob-0 routings) instead of in dispatch."
+    )
+    token_dispatcher: Literal["allgather", "alltoall"] = doc(
+        "alltoall", "How tokens reach experts on other expert-parallel ranks."
+    )
+    capacity_factor: Optional[float] = doc(None, "Tokens per expert = factor * T*k/E, extra tokens dropped; null = dropless.")
+    pad_expert_input_to_capacity: bool = doc(False, "Pad every expert's input to its capacity (static shapes).")
+    delay_wgrad_compute: bool = doc(False, "Compute expert weight grads after the data grads of the layer.")
+
+
+@dataclass(kw_only=True)
+class MixedPrecisionConfig:
+    """Compute precision and low-precision param storage."""
+
+    bf16: bool = doc(False, "Run the model in bf16 (fp32 masters, fp32 or bf16 grads).")
+    fp8: Optional[Literal["e4m3", "hybrid"]] = doc(None, "FP8 format for linear layers; null = off.")
+    fp8_recipe: Literal["tensorwise", "delayed", "rowwise", "blockwise", "mxfp8"] = doc(
+        "tensorwise", "FP8 scaling recipe."
+    )
+    fp4: Optional[Literal["e2m1"]] = doc(None, "FP4 format for linear layers; null = off.")
+    fp4_recipe: Literal["nvfp4"] = doc("nvfp4", "FP4 scaling recipe.")
+    fp8_param_gather: bool = doc(False, "Keep params in FP8 and all-gather them in FP8.")
+    fp4_param_gather: bool = doc(False, "Keep params in FP4 and all-gather them in FP4.")
+    reuse_grad_buf_for_mxfp8_param_ag: bool = doc(
+        False, "Stage bf16 params for the MXFP8 all-gather in the grad buffer's memory."
+    )
+    emulate: Literal["auto", "always", "never"] = doc(
+        "auto", "Emulate recipes the device has no kernels for: auto (warn), always, never (error)."
+    )
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    """Data and expert parallelism, buffers, overlap."""
+
+    expert_model_parallel_size: int = doc(1, "Expert-parallel size (ep); must divide the world size.")
+    use_distributed_optimizer: bool = doc(True, "Shard fp32 masters and optimizer state over data-parallel ranks.")
+    overlap_grad_reduce: bool = doc(False, "Reduce grads bucket by bucket during backward.")
+    overlap_param_gather: bool = doc(False, "All-gather params lazily in the next forward's pre-hooks.")
+    bucket_size: Optional[int] = doc(None, "Elements per bucket; null = max(40M, 1M * dp).")
+    gradient_accumulation_fusion: bool = doc(False, "Accumulate weight grads straight into fp32 main_grad.")
+    grad_reduce_in_fp32: bool = doc(True, "Keep and reduce grads in fp32.")
+
+
+@dataclass(kw_only=True)
+class OptimizerConfig:
+    """Optimizer, LR schedule, clipping."""
+
+    optimizer: Literal["adam", "muon", "sgd"] = doc("adam", "adam (AdamW), muon (Adam for non-matrix params), sgd.")
+    lr: float = doc(3e-3, "Peak learning rate.")
+    min_lr: float = doc(0.0, "Learning rate at the end of decay.")
+    weight_decay: float = doc(0.01, "Decoupled weight decay (not applied to norms and biases).")
+    adam_beta1: float = doc(0.9, "Adam beta1.")
+    adam_beta2: float = doc(0.95, "Adam beta2.")
+    adam_eps: float = doc(1e-8, "Adam epsilon.")
+    clip_grad: float = doc(1.0, "Global grad-norm clip; 0 disables.")
+    lr_warmup_iters: int = doc(0, "Linear warmup steps.")
+    lr_decay_style: Literal["constant", "linear", "cosine"] = doc("cosine", "Decay after warmup.")
+    lr_decay_iters: Optional[int] = doc(None, "Steps over which LR decays; null = train.train_iters.")
+    muon_momentum: float = doc(0.95, "Muon momentum.")
+    muon_nesterov: bool = doc(True, "Nesterov momentum in Muon.")
+    muon_ns_steps: int = doc(5, "Newton-Schulz iterations in Muon.")
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """Batching, length, evaluation, reproducibility."""
+
+    micro_batch_size: int = doc(4, "Sequences per micro-batch per rank.")
+    global_batch_size: int = doc(16, "Sequences per optimizer step, over all data-parallel ranks.")
+    train_iters: int = doc(200, "Optimizer steps.")
+    eval_interval: Optional[int] = doc(50, "Evaluate every N steps (and at the end); null = never.")
+    eval_iters: int = doc(4, "Micro-batches per evaluation.")
+    seed: int = doc(1234, "Seed of init and data order.")
+    deterministic: bool = doc(False, "Deterministic kernels: two runs on the same device are bit-identical.")
+    cuda_graph: bool = doc(False, "Capture the forward/backward of each micro-batch in a CUDA graph.")
+    log_interval: int = doc(1, "Write a metrics record every N steps.")
+    on_nonfinite: Literal["stop", "skip"] = doc("stop", "On a non-finite loss or grad norm: stop the run, or skip the step.")
+    device: Literal["auto", "cpu", "cuda"] = doc("auto", "auto = cuda when available, else cpu.")
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Where tokens come from."""
+
+    source: Literal["corpus", "synthetic", "tokens", "megatron", "text"] = doc(
+        "corpus", "corpus: the Python standard library's source as bytes (no download); see trainer/data."
+    )
+    path: Optional[str] = doc(None, "File or prefix for tokens, megatron and text sources.")
+    tokenizer: Optional[str] = doc(None, "A local tokenizer.json for the text source; null = bytes.")
+    eval_fraction: float = doc(0.05, "Share of the data held out for evaluation.")
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    """Saving and loading."""
+
+    save_interval: Optional[int] = doc(None, "Save every N steps (and on SIGTERM); null = never.")
+    load: Optional[str] = doc(None, "A step folder, or a checkpoints folder (then its `latest`).")
+    load_main_params_from_ckpt: bool = doc(False, "Take fp32 masters from the checkpoint but no optimizer state.")
+    no_load_optim: bool = doc(False, "Do not load optimizer state.")
+    keep_last: Optional[int] = doc(None, "Keep this many newest checkpoints; null = all.")
+
+
+@dataclass(kw_only=True)
+class LoggingConfig:
+    """What a run records."""
+
+    tensorboard: bool = doc(False, "Also write TensorBoard event files into run_dir/tb.")
+    jsonl: bool = doc(True, "Write run_dir/metrics.jsonl.")
+
+
+@dataclass(kw_only=True)
+class Config:
+    """A whole moectl run."""
+
+    run_dir: str = doc("runs/tiny", "Metrics, logs and checkpoints go here.")
+    model: ModelConfig = field(default_factory=ModelConfig, metadata={"help": ModelConfig.__doc__})
+    moe: MoEConfig = field(default_factory=MoEConfig, metadata={"help": MoEConfig.__doc__})
+    mixed_precision: MixedPrecisionConfig = field(
+        default_factory=MixedPrecisionConfig, metadata={"help": MixedPrecisionConfig.__doc__}
+    )
+    parallel: ParallelConfig = field(default_factory=ParallelConfig, metadata={"help": ParallelConfig.__doc__})
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig, metadata={"help": OptimizerConfig.__doc__})
+    train: TrainConfig = field(default_factory=TrainConfig, metadata={"help": TrainConfig.__doc__})
+    data: DataConfig = field(default_factory=DataConfig, metadata={"help": DataConfig.__doc__})
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig, metadata={"help": CheckpointConfig.__doc__})
+    logging: LoggingConfig = field(default_factory=LoggingConfig, metadata={"help": LoggingConfig.__doc__})
+
+
+SECTIONS: dict[str, type] = {f.name: f.default_factory for f in fields(Config) if f.default_factory is not MISSING}  # type: ignore[misc]
+
+
+def field_help(section: str | None, key: str) -> str:
+    """The docstring of `section.key` (or of a top-level key when `section` is None)."""
+    cls = SECTIONS[section] if section else Config
+    for f in fields(cls):
+        if f.name == key:
+            return f.metadata.get("help", "")
+    raise KeyError(key)

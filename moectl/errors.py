@@ -1,0 +1,53 @@
+"""The errors a user sees.
+
+Every failure that is the user's to fix (a config, a flag, a data file, a checkpoint) is a `MoectlError`.
+The CLI prints it as one line, `error: <what>. fix: <how>`, and exits with the error's `exit_code`;
+`MOECTL_DEBUG=1` shows the traceback instead. Anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class MoectlError(Exception):
+    """A user-facing error: what went wrong, and how to fix it."""
+
+    exit_code: int = 1
+
+    def __init__(self, message: str, fix: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.fix = fix
+
+    def one_line(self) -> str:
+        """The error as the single line the CLI prints."""
+        line = self.message.rstrip(".")
+        if self.fix:
+            line += f". fix: {self.fix.rstrip('.')}"
+        return line
+
+
+class ConfigError(MoectlError):
+    """A bad key or value in a config file or a `--set` override (exit code 2: bad usage)."""
+
+    exit_code = 2
+
+    def __init__(self, key: str, value: Any, message: str, fix: str | None = None) -> None:
+        super().__init__(f"{key}={value!r}: {message}" if key else message, fix)
+        self.key = key
+        self.value = value
+
+
+class UsageError(MoectlError):
+    """A bad command-line flag or an unreadable input file (exit code 2)."""
+
+    exit_code = 2
+
+
+class DataError(MoectlError):
+    """A data source that cannot be read as configured."""
+
+
+class CheckpointError(MoectlError):
+    """A checkpoint that is missing, incomplete, corrupt, or does not fit the model."""
