@@ -1,0 +1,62 @@
+"""The weight-grad seam between layers and the distributed buffers.
+
+A parameter may carry `main_grad`: an fp32 view into a contiguous grad buffer (set by
+`trainer.distributed`, or by a test). Layers that compute weight grads themselves (the grouped expert
+MLP under `gradient_accumulation_fusion`) accumulate straight into it and leave `.grad` unused, then
+call `grad_ready(param)` so an overlapped reduce can start as soon as a bucket is complete. Layers that
+go through plain autograd leave `.grad`, and the buffer's post-accumulate hook moves it into
+`main_grad` and calls the same `grad_ready`. Either way every parameter reports exactly once per
+backward, which is what bucket bookkeeping counts.
+"""
+
+from __future__ import annotations
+
+import torch
+
+READY_HOOK = "moectl_grad_ready_hook"
+
+
+def accumulate_wgrad(param: torch.nn.Parameter, grad: torch.Tensor, fuse: bool) -> torch.Tensor | None:
+    """Route one weight grad: into `param.main_grad` when `fuse` (returns None), else return it.
+
+    `grad` is the grad for the whole parameter (same shape). Accumulation is in the buffer's dtype
+    (fp32 by default), which is the point: micro-batch grads never round through bf16.
+    """
+    if not fuse:
+        return grad
+    main_grad = getattr(param, "main_grad", None)
+    if main_grad is None:
+        raise RuntimeError(
+            "gradient_accumulation_fusion needs param.main_grad; wrap the model with trainer.distributed "
+            "or call trainer.main_grad.attach_main_grads(model) first"
+        )
+    main_grad.add_(grad.to(main_grad.dtype))
+    grad_ready(param)
+    return None
+
+
+def grad_ready(param: torch.nn.Parameter) -> None:
+    """Tell whoever owns `param`'s grad bucket that this backward's grad for it is complete."""
+    hook = getattr(param, READY_HOOK, None)
+    if hook is not None:
+        hook(param)
+
+
+def attach_main_grads(module: torch.nn.Module, dtype: torch.dtype = torch.float32) -> None:
+    """Give every trainable parameter a zeroed `main_grad` of its own (single-device runs and tests).
+
+    Plain-autograd grads are folded in by a post-accumulate hook, so the optimizer can always read
+    `main_grad`. `trainer.distributed` replaces this with views into contiguous buffers.
+    """
+    for p in module.parameters():
+        if not p.requires_grad or getattr(p, "main_grad", None) is not None:
+            continue
+        p.main_grad = torch.zeros_like(p, dtype=dtype)
+
+        def fold(param: torch.Tensor) -> None:
+            if param.grad is not None:
+                param.main_grad.add_(param.grad.to(param.main_grad.dtype))
+                param.grad = None
+            grad_ready(param)  # type: ignore[arg-type]
+
+        p.register_post_accumulate_grad_hook(fold)
