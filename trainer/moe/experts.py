@@ -1,0 +1,231 @@
+"""GroupedMLP: the routed experts of one MoE layer, in either parameter layout, over any expert backend.
+
+Shape suffixes (logical shapes, torchtitan style):
+    T  tokens                      D  hidden size
+    F  expert ffn size             H  fc1 output: 2F for gated activations, F for squared_relu
+    E  local experts               K  experts per token (router top-k)
+    P  permuted rows: T*K routings sorted by expert, maybe dropped (capacity) or padded (alignment)
+
+Layouts (design/architecture.md, "Expert layouts"):
+    single grouped: `linear_fc1.weight` `[E, H, D]`, `linear_fc2.weight` `[E, D, F]` (biases `bias` `[E, out]`
+                    with `single_grouped_bias`)
+    per-expert:     `linear_fc1.weight0..weight{E-1}` `[H, D]`, ... (biases `bias0..`)
+Both start from one RNG draw of the whole `[E, out, in]` tensor (per-expert params are its slices) and run
+the same backend on the same values: the per-expert layout stacks its weights first. So forward and every
+grad are bitwise identical across layouts by construction, and the tests hold us to it.
+
+Weight grads never go through autograd's AccumulateGrad for the layout's sake: one autograd Function calls
+the backend and routes `dw_E..` to the params (the whole `[E, out, in]` grad, or its `unbind(0)` slices)
+through `trainer.main_grad.accumulate_wgrad`, which lands them in fp32 `main_grad` under
+`gradient_accumulation_fusion` (then `.grad` stays None).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from moectl.config.schema import MoEConfig
+from trainer.main_grad import accumulate_wgrad
+from trainer.moe.expert_backend import ExpertBackend, ExpertSpec, get_backend
+
+
+def _init_EOI(E: int, out: int, inp: int, std: float, generator: Optional[torch.Generator]) -> torch.Tensor:
+    """One normal draw of the whole `[E, out, in]` weight, in fp32 (the layouts slice the same values)."""
+    device = generator.device if generator is not None else None
+    return torch.empty(E, out, inp, dtype=torch.float32, device=device).normal_(0.0, std, generator=generator)
+
+
+class GroupedLinearParams(nn.Module):
+    """The parameters of one expert linear (fc1 or fc2) in one layout; the math lives in the backend.
+
+    `grouped_weight=True`: `weight` `[E, out, in]`; else `weight0..weight{E-1}` `[out, in]`.
+    Bias (when `bias`): `bias` `[E, out]` if `grouped_bias`, else `bias0..bias{E-1}` `[out]`; zero init.
+    """
+
+    def __init__(
+        self,
+        weight_EOI: torch.Tensor,
+        *,
+        bias: bool,
+        grouped_weight: bool,
+        grouped_bias: bool,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        E, out, _ = weight_EOI.shape
+        self.num_experts = E
+        self.grouped_weight = grouped_weight
+        self.grouped_bias = grouped_bias
+        self.has_bias = bias
+        weight_EOI = weight_EOI.to(dtype)
+        if grouped_weight:
+            self.weight = nn.Parameter(weight_EOI.clone())
+        else:
+            for e in range(E):
+                self.register_parameter(f"weight{e}", nn.Parameter(weight_EOI[e].clone()))
+        if bias:
+            bias_EO = torch.zeros(E, out, dtype=dtype, device=weight_EOI.device)
+            if grouped_bias:
+                self.bias = nn.Parameter(bias_EO)
+            else:
+                for e in range(E):
+                    self.register_parameter(f"bias{e}", nn.Parameter(bias_EO[e].clone()))
+        for p in self.parameters():
+            p.expert_parallel = True  # type: ignore[attr-defined]  # reduced over the expert-dp group
+
+    def weight_params(self) -> list[nn.Parameter]:
+        """The weight parameter(s), in expert order."""
+        if self.grouped_weight:
+            return [self.weight]
+        return [getattr(self, f"weight{e}") for e in range(self.num_experts)]
+
+    def bias_params(self) -> list[nn.Parameter]:
+        """The bias parameter(s), in expert order; empty without bias."""
+        if not self.has_bias:
+            return []
+        if self.grouped_bias:
+            return [self.bias]
+        return [getattr(self, f"bias{e}") for e in range(self.num_experts)]
+
+    @staticmethod
+    def as_grouped(params: list[torch.Tensor], grouped: bool) -> Optional[torch.Tensor]:
+        """The `[E, ...]` tensor a backend reads: the grouped param itself, or the per-expert params stacked."""
+        if not params:
+            return None
+        return params[0] if grouped else torch.stack(params)
+
+    @staticmethod
+    def route_grads(
+        params: list[nn.Parameter], grad_E: Optional[torch.Tensor], grouped: bool, fuse: bool
+    ) -> list[Optional[torch.Tensor]]:
+        """Per-param grads for autograd (None when fused into `main_grad`, or when there is no grad)."""
+        if not params:
+            return []
+        if grad_E is None:
+            return [None] * len(params)
+        grads = [grad_E] if grouped else list(grad_E.unbind(0))
+        return [accumulate_wgrad(p, g, fuse) for p, g in zip(params, grads)]
+
+
+class _ExpertMLPFunction(torch.autograd.Function):
+    """Calls the backend; routes weight grads through the layout and the main_grad seam."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        x_PD: torch.Tensor,
+        tokens_per_expert_E: torch.Tensor,
+        probs_P: Optional[torch.Tensor],
+        module: "GroupedMLP",
+        backend: ExpertBackend,
+        n_params: tuple[int, int, int, int],
+        *params: nn.Parameter,
+    ) -> torch.Tensor:
+        groups, i = [], 0
+        for n in n_params:
+            groups.append(list(params[i : i + n]))
+            i += n
+        fc1, fc2 = module.linear_fc1, module.linear_fc2
+        w1_EHD = fc1.as_grouped(groups[0], fc1.grouped_weight)
+        b1_EH = fc1.as_grouped(groups[1], fc1.grouped_bias)
+        w2_EDF = fc2.as_grouped(groups[2], fc2.grouped_weight)
+        b2_ED = fc2.as_grouped(groups[3], fc2.grouped_bias)
+        y_PD, ctx.backend_ctx = backend.forward(
+            x_PD, w1_EHD, b1_EH, w2_EDF, b2_ED, tokens_per_expert_E, probs_P, module.spec
+        )
+        ctx.backend, ctx.module, ctx.groups = backend, module, groups
+        ctx.has_probs = probs_P is not None
+        return y_PD
+
+    @staticmethod
+    def backward(ctx: Any, dy_PD: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:  # type: ignore[override]
+        if ctx.backend_ctx is None:
+            raise RuntimeError("GroupedMLP's backward ran twice on one forward (retain_graph is not supported)")
+        dx_PD, dw1_EHD, db1_EH, dw2_EDF, db2_ED, dprobs_P = ctx.backend.backward(ctx.backend_ctx, dy_PD)
+        ctx.backend_ctx = None  # free activations now, not when the graph dies
+        fc1, fc2 = ctx.module.linear_fc1, ctx.module.linear_fc2
+        fuse = ctx.module.gradient_accumulation_fusion
+        w1, b1, w2, b2 = ctx.groups
+        # Order matters only for grad_ready hooks (bucket completion): fc2 then fc1, the order backward runs.
+        g_w2 = fc2.route_grads(w2, dw2_EDF, fc2.grouped_weight, fuse)
+        g_b2 = fc2.route_grads(b2, db2_ED, fc2.grouped_bias, fuse)
+        g_w1 = fc1.route_grads(w1, dw1_EHD, fc1.grouped_weight, fuse)
+        g_b1 = fc1.route_grads(b1, db1_EH, fc1.grouped_bias, fuse)
+        dprobs_P = dprobs_P if ctx.has_probs else None
+        return (dx_PD, None, dprobs_P, None, None, None, *g_w1, *g_b1, *g_w2, *g_b2)
+
+
+class GroupedMLP(nn.Module):
+    """The experts of one MoE layer: `y = probs * (fc2(act(fc1(x) + b1)) + b2)` per expert segment.
+
+    Args:
+        cfg: the `moe` config section (num_experts, ffn_hidden_size, activation, add_bias, layouts, backend,
+            glu_interleave_size).
+        hidden_size: D.
+        num_local_experts: experts on this rank (default `cfg.num_experts`; expert parallelism slices them).
+        init_std: std of the normal init of fc1 (and of fc2 unless `output_init_std` is given).
+        output_init_std: std of fc2's init (e.g. Megatron's std / sqrt(2 * num_layers)); None = init_std.
+        params_dtype: dtype of the parameters (the init is drawn in fp32, then cast).
+        generator: RNG for the init (fc1 drawn first, then fc2).
+        gradient_accumulation_fusion: accumulate weight grads into `param.main_grad` (fp32), `.grad` unused.
+    """
+
+    def __init__(
+        self,
+        cfg: MoEConfig,
+        hidden_size: int,
+        *,
+        num_local_experts: Optional[int] = None,
+        init_std: float = 0.02,
+        output_init_std: Optional[float] = None,
+        params_dtype: torch.dtype = torch.float32,
+        generator: Optional[torch.Generator] = None,
+        gradient_accumulation_fusion: bool = False,
+    ) -> None:
+        super().__init__()
+        E = num_local_experts if num_local_experts is not None else cfg.num_experts
+        self.spec = ExpertSpec(cfg.activation, cfg.ffn_hidden_size, cfg.glu_interleave_size)
+        self.num_local_experts = E
+        self.hidden_size = hidden_size
+        self.backend_name = cfg.backend
+        self.gradient_accumulation_fusion = gradient_accumulation_fusion
+        H, Fd, D = self.spec.fc1_out, cfg.ffn_hidden_size, hidden_size
+        # single_grouped_bias without add_bias has nothing to store: no bias either way.
+        layout = dict(bias=cfg.add_bias, grouped_weight=cfg.single_grouped_weight, grouped_bias=cfg.single_grouped_bias)
+        w1_EHD = _init_EOI(E, H, D, init_std, generator)
+        w2_EDF = _init_EOI(E, D, Fd, init_std if output_init_std is None else output_init_std, generator)
+        self.linear_fc1 = GroupedLinearParams(w1_EHD, dtype=params_dtype, **layout)
+        self.linear_fc2 = GroupedLinearParams(w2_EDF, dtype=params_dtype, **layout)
+        self._backends: dict[torch.device, ExpertBackend] = {}
+
+    def backend(self, device: torch.device) -> ExpertBackend:
+        """The configured backend for `device`, resolved once per device (`auto` may differ on CPU and CUDA)."""
+        if device not in self._backends:
+            self._backends[device] = get_backend(self.backend_name, device)
+        return self._backends[device]
+
+    def forward(
+        self, x_PD: torch.Tensor, tokens_per_expert_E: torch.Tensor, probs_P: Optional[torch.Tensor]
+    ) -> torch.Tensor:
+        """Expert outputs `[P, D]` for rows grouped by expert (`tokens_per_expert_E[e]` rows each, summing to P).
+
+        `probs_P` scales each row's output (padded rows carry 0); None = no scaling.
+        """
+        fc1, fc2 = self.linear_fc1, self.linear_fc2
+        groups = (fc1.weight_params(), fc1.bias_params(), fc2.weight_params(), fc2.bias_params())
+        n_params = tuple(len(g) for g in groups)
+        flat = [p for g in groups for p in g]
+        return _ExpertMLPFunction.apply(
+            x_PD, tokens_per_expert_E, probs_P, self, self.backend(x_PD.device), n_params, *flat
+        )
+
+    def extra_repr(self) -> str:
+        s = self.spec
+        return (
+            f"experts={self.num_local_experts}, hidden={self.hidden_size}, ffn={s.ffn_size}, act={s.activation}, "
+            f"interleave={s.glu_interleave_size}, backend={self.backend_name}, "
+            f"single_grouped_weight={self.linear_fc1.grouped_weight}"
+        )
