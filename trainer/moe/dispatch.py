@@ -1,0 +1,155 @@
+"""Token dispatch on one device: permute routings by expert, pad or drop, and combine the results back.
+
+Shape suffixes: T tokens, D hidden, E experts, K experts per token, N = T*K routings (token-major: routing
+n is token n // K, choice n % K), R routings after sorting by expert (dropped ones last), P rows of the
+expert input (kept routings grouped by expert, each expert's segment padded).
+
+- Sort: a stable sort by expert id, so within an expert rows keep token order (deterministic, and the same
+  rows in the same order whatever the parameter layout).
+- Capacity (`capacity_factor`): each expert keeps at most C = ceil(factor * T*K / E) routings, the ones with
+  the highest routing prob (ties: the earlier token), Megatron's default "probs" drop policy; dropped
+  routings contribute nothing to their token's output. `pad_expert_input_to_capacity` then pads every
+  expert to exactly C rows (rounded up to `align`): P = E * C is static, no host sync.
+- Alignment (`align`): each expert's segment is padded with zero rows of prob 0 to a multiple of `align`
+  (quantized grouped GEMMs need 16/32-row groups). A prob-0 row's output is 0 and its grads are 0, so
+  padding changes neither outputs nor weight grads.
+- Combine: each kept routing's output row (already scaled by its prob inside the expert MLP) goes back to
+  its `[T, K]` slot, and the K slots of a token are summed in a fixed order: no atomics, so the result is
+  deterministic on every device.
+
+Host syncs: only to size P when it is data-dependent (alignment padding without pad-to-capacity, or drops).
+`LocalDispatcher` is the one-device dispatcher; an expert-parallel all-to-all dispatcher keeps its interface.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from moectl.errors import ConfigError
+from trainer.moe.router import RouterOutput
+
+
+@dataclass
+class DispatchPlan:
+    """How routings were laid out, so `combine` can put the expert outputs back."""
+
+    num_tokens: int  # T
+    topk: int  # K
+    order_R: torch.Tensor  # routing index (into T*K) of each sorted routing; kept ones first, by expert
+    dest_R: Optional[torch.Tensor]  # row of x_PD for each sorted routing, P for dropped ones; None = identity
+    num_rows: int  # P
+    tokens_per_expert_E: torch.Tensor  # kept routings per expert, before padding (int64)
+    rows_per_expert_E: torch.Tensor  # rows per expert in x_PD, padding included (int64)
+    num_dropped: torch.Tensor  # routings dropped by the capacity (int64 scalar)
+
+
+def capacity(capacity_factor: float, num_tokens: int, topk: int, num_experts: int) -> int:
+    """Routings an expert may take: ceil(factor * T*K / E)."""
+    return math.ceil(capacity_factor * num_tokens * topk / num_experts)
+
+
+def _round_up(n_E: torch.Tensor, align: int) -> torch.Tensor:
+    return (n_E + align - 1) // align * align
+
+
+class LocalDispatcher:
+    """Permute, pad or drop, and combine, for experts that all live on this device."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        *,
+        align: int = 1,
+        capacity_factor: Optional[float] = None,
+        pad_to_capacity: bool = False,
+    ) -> None:
+        if align < 1:
+            raise ValueError(f"align must be >= 1, got {align}")
+        if pad_to_capacity and capacity_factor is None:
+            raise ConfigError(
+                "moe.pad_expert_input_to_capacity", True, "needs a capacity to pad to",
+                "set moe.capacity_factor (e.g. 1.25) or turn pad_expert_input_to_capacity off",
+            )  # fmt: skip
+        if capacity_factor is not None and capacity_factor <= 0:
+            raise ConfigError("moe.capacity_factor", capacity_factor, "must be positive", "use e.g. 1.0 or 1.25")
+        self.num_experts = num_experts
+        self.align = align
+        self.capacity_factor = capacity_factor
+        self.pad_to_capacity = pad_to_capacity
+
+    def dispatch(
+        self, x_TD: torch.Tensor, router_out: RouterOutput
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, DispatchPlan]:
+        """Group token rows by expert: `(x_PD, rows_per_expert_E, probs_P, plan)`.
+
+        `rows_per_expert_E` (padding included) is what the expert MLP groups by; `probs_P` is 0 on padding.
+        Grads flow back to `x_TD` and to the router's probs.
+        """
+        T, K = router_out.indices_TK.shape
+        E, N = self.num_experts, T * K
+        experts_N = router_out.indices_TK.reshape(N)
+        probs_N = router_out.probs_TK.reshape(N)
+        counts_E = router_out.tokens_per_expert_E
+        dev = experts_N.device
+
+        key_N = experts_N
+        if self.capacity_factor is not None:
+            C = capacity(self.capacity_factor, T, K, E)
+            # rank each routing within its expert by prob (desc), ties by routing index; keep rank < C
+            by_prob_N = torch.argsort(probs_N.detach(), descending=True, stable=True)
+            ranked_N = by_prob_N[torch.argsort(experts_N[by_prob_N], stable=True)]
+            starts_E = torch.cumsum(counts_E, 0) - counts_E
+            rank_N = torch.arange(N, device=dev) - starts_E[experts_N[ranked_N]]
+            keep_N = torch.empty(N, dtype=torch.bool, device=dev)
+            keep_N[ranked_N] = rank_N < C
+            key_N = torch.where(keep_N, experts_N, E)  # dropped routings sort after every expert
+            counts_E = torch.clamp(counts_E, max=C)
+        order_R = torch.argsort(key_N, stable=True)
+
+        if self.pad_to_capacity:
+            C_pad = -(-C // self.align) * self.align
+            rows_E = torch.full((E,), C_pad, dtype=torch.int64, device=dev)
+            P = C_pad * E  # static: no host sync
+        elif self.align > 1:
+            rows_E = _round_up(counts_E, self.align)
+            P = int(rows_E.sum())  # host sync: P is data-dependent
+        else:
+            rows_E = counts_E
+            P = N if self.capacity_factor is None else int(counts_E.sum())
+
+        x_RD = x_TD[order_R // K]  # indexing, not index_select: its backward is deterministic under torch's flag
+        probs_R = probs_N[order_R]
+        identity = self.capacity_factor is None and self.align == 1
+        if identity:
+            dest_R = None
+            x_PD, probs_P = x_RD, probs_R
+        else:
+            key_R = key_N[order_R]
+            e_R = key_R.clamp(max=E - 1)
+            kept_start_E = torch.cumsum(counts_E, 0) - counts_E
+            row_start_E = torch.cumsum(rows_E, 0) - rows_E
+            rank_R = torch.arange(N, device=dev) - kept_start_E[e_R]
+            dest_R = torch.where(key_R < E, row_start_E[e_R] + rank_R, P)  # row P: a trash row, sliced off
+            x_PD = x_RD.new_zeros(P + 1, x_TD.shape[1]).index_put((dest_R,), x_RD)[:P]
+            probs_P = probs_R.new_zeros(P + 1).index_put((dest_R,), probs_R)[:P]
+
+        plan = DispatchPlan(
+            num_tokens=T, topk=K, order_R=order_R, dest_R=dest_R, num_rows=P,
+            tokens_per_expert_E=counts_E, rows_per_expert_E=rows_E,
+            num_dropped=router_out.tokens_per_expert_E.sum() - counts_E.sum(),
+        )  # fmt: skip
+        return x_PD, rows_E, probs_P, plan
+
+    def combine(self, y_PD: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+        """Sum each token's K expert outputs back into `[T, D]` (probs were applied in the expert MLP)."""
+        T, K, D = plan.num_tokens, plan.topk, y_PD.shape[1]
+        if plan.dest_R is None:
+            y_RD = y_PD
+        else:
+            y_RD = torch.cat([y_PD, y_PD.new_zeros(1, D)])[plan.dest_R]  # dropped routings read the zero row
+        y_NKD = y_RD.new_zeros(T * K, D).index_put((plan.order_R,), y_RD)  # order_R is a permutation: no clashes
+        return y_NKD.view(T, K, D).sum(dim=1)
