@@ -1,0 +1,230 @@
+"""The `fused` expert-MLP backend: grouped GEMM -> fused activation (with routing probs) -> grouped GEMM.
+
+Legend: T routed rows (tokens after permute, grouped by expert), D model width, H fc1 width (2F gated),
+F expert ffn width, E experts. Weights are `[E, out, in]`: w1_EHD, w2_EDF; biases b1_EH, b2_ED.
+
+Computes, per the expert-backend protocol (docs: shared/design/architecture.md),
+
+    y = probs[:, None] * (fc2(act(fc1(x) + b1)) + b2)
+
+as
+    h_TH  = grouped_mm(x, w1^T)                       (saved for backward; no bias in it)
+    a_TF  = probs * act(h + b1[expert])               (one kernel; see glu_reference for why probs go here)
+    y_TD  = grouped_mm(a, w2^T) [+ probs * b2[expert]] (bias epilogue only when there is a b2)
+
+and backward by recomputation: only h (T x H) is kept between forward and backward, never the F-wide
+activation. Backward: da = grouped_mm(dy, w2); one kernel reads h, probs, da and writes dh, the recomputed a
+and dprobs; then dw2 = grouped_mm(dy^T, a), dx = grouped_mm(dh, w1), dw1 = grouped_mm(dh^T, x)
+(2-D x 2-D -> 3-D, one group per expert, contracting over that expert's rows).
+
+On CUDA the activation runs in Triton (`glu_triton`); elsewhere in the pure-torch reference
+(`glu_reference`), through the same code path, so this backend is tested on every machine.
+
+Constraints inherited from `torch._grouped_mm`: every row stride 16-byte aligned (D, H, F multiples of 8 in
+bf16) and no stride-0 operands (a broadcast dy is made contiguous). Rows of x beyond
+sum(tokens_per_expert) are not computed by the GEMMs: the caller passes sum(tokens_per_expert) == T
+(checked where it costs no device sync, i.e. on CPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from moectl.errors import MoectlError
+from trainer.kernels import glu_reference
+
+Grads = tuple[
+    torch.Tensor,
+    torch.Tensor,
+    "torch.Tensor | None",
+    torch.Tensor,
+    "torch.Tensor | None",
+    "torch.Tensor | None",
+]
+
+
+def spec_activation(spec: Any) -> str:
+    """The activation named by an expert spec (`ExpertSpec` of trainer.moe.expert_backend, or any object)."""
+    return str(getattr(spec, "activation"))
+
+
+def spec_interleave(spec: Any) -> int | None:
+    """The fc1 gate/up interleave block of an expert spec (None: `[gate; up]`)."""
+    value = getattr(spec, "glu_interleave_size", None)
+    return int(value) if value else None
+
+
+def _kernels(device: torch.device) -> ModuleType:
+    """Triton kernels on CUDA, the pure-torch reference elsewhere (Triton is imported only here, lazily)."""
+    if device.type == "cuda":
+        from trainer.kernels import glu_triton
+
+        return glu_triton
+    return glu_reference
+
+
+def _offsets(tokens_per_expert_E: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Cumulative row ends per expert, int32 on the compute device (what grouped_mm takes)."""
+    counts = torch.as_tensor(tokens_per_expert_E)
+    return torch.cumsum(counts.to(device=device, dtype=torch.int64), 0).to(torch.int32)
+
+
+def _expert_of_row(offs_E: torch.Tensor, rows: int) -> torch.Tensor:
+    """Expert index of every row [T] (int32), without a device sync: counts ride along as a tensor."""
+    counts = torch.diff(offs_E, prepend=offs_E.new_zeros(1))
+    experts = torch.arange(offs_E.numel(), device=offs_E.device, dtype=torch.int32)
+    return torch.repeat_interleave(experts, counts, output_size=rows)
+
+
+def _segment_sum(rows_TX: torch.Tensor, expert_T: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Per-expert sum of rows [E, X] in fp32 (bias grads)."""
+    out = torch.zeros(num_experts, rows_TX.shape[1], dtype=torch.float32, device=rows_TX.device)
+    return out.index_add_(0, expert_T.long(), rows_TX.float())
+
+
+@dataclass
+class FusedCtx:
+    """What backward needs: inputs, the fc1 output h (without bias), offsets, row experts, the spec."""
+
+    x_TD: torch.Tensor
+    h_TH: torch.Tensor
+    w1_EHD: torch.Tensor
+    b1_EH: torch.Tensor | None
+    w2_EDF: torch.Tensor
+    b2_ED: torch.Tensor | None
+    probs_T: torch.Tensor | None
+    offs_E: torch.Tensor
+    expert_T: torch.Tensor | None
+    activation: str
+    interleave: int | None
+
+
+class FusedBackend:
+    """Expert-MLP backend `fused`: two grouped GEMMs around one fused activation kernel, recompute backward.
+
+    Stateless: `forward` and `backward` are static. The registry (`trainer.moe.expert_backend.get_backend`)
+    builds it as `FusedBackend(device)`; the device only documents where it was resolved.
+    """
+
+    name = "fused"
+
+    def __init__(self, device: torch.device | str | None = None) -> None:
+        self.device = torch.device(device) if device is not None else None
+
+    @staticmethod
+    def forward(
+        x_TD: torch.Tensor,
+        w1_EHD: torch.Tensor,
+        b1_EH: torch.Tensor | None,
+        w2_EDF: torch.Tensor,
+        b2_ED: torch.Tensor | None,
+        tokens_per_expert_E: torch.Tensor,
+        probs_T: torch.Tensor | None,
+        spec: Any,
+    ) -> tuple[torch.Tensor, FusedCtx]:
+        """y_TD = probs * (fc2(act(fc1(x) + b1)) + b2), and the context for `backward`."""
+        activation, interleave = spec_activation(spec), spec_interleave(spec)
+        num_experts, h_width, d_model = w1_EHD.shape
+        f = glu_reference.ffn_width(h_width, activation, interleave)
+        if w2_EDF.shape != (num_experts, d_model, f):
+            raise ValueError(f"w2_EDF has shape {tuple(w2_EDF.shape)}, expected {(num_experts, d_model, f)}")
+        _check_alignment(x_TD.dtype, d_model, h_width, f)
+        rows = x_TD.shape[0]
+        offs_E = _offsets(tokens_per_expert_E, x_TD.device)
+        if x_TD.device.type == "cpu" and rows and int(offs_E[-1]) != rows:
+            raise ValueError(f"sum(tokens_per_expert)={int(offs_E[-1])} must equal the rows of x ({rows})")
+        w1, w2 = w1_EHD.to(x_TD.dtype), w2_EDF.to(x_TD.dtype)
+        need_rows = b1_EH is not None or b2_ED is not None
+        expert_T = _expert_of_row(offs_E, rows) if need_rows else None
+        kernels = _kernels(x_TD.device)
+        if rows:
+            h_TH = torch._grouped_mm(x_TD, w1.transpose(-2, -1), offs_E)
+            a_TF = kernels.glu_forward(h_TH, probs_T, activation, interleave, b1_EH, expert_T)
+            y_TD = torch._grouped_mm(a_TF, w2.transpose(-2, -1), offs_E)
+            if b2_ED is not None:
+                assert expert_T is not None
+                y_TD = _add_row_bias(kernels, y_TD, probs_T, b2_ED.to(y_TD.dtype), expert_T)
+        else:  # grouped_mm rejects an empty contraction in backward; keep both directions trivially right
+            h_TH = x_TD.new_empty(0, h_width)
+            y_TD = x_TD.new_empty(0, d_model)
+        ctx = FusedCtx(x_TD, h_TH, w1, b1_EH, w2, b2_ED, probs_T, offs_E, expert_T, activation, interleave)
+        return y_TD, ctx
+
+    @staticmethod
+    def backward(ctx: FusedCtx, dy_TD: torch.Tensor) -> Grads:
+        """(dx, dw1, db1, dw2, db2, dprobs); None for the inputs that were None."""
+        x, h, w1, w2, probs = ctx.x_TD, ctx.h_TH, ctx.w1_EHD, ctx.w2_EDF, ctx.probs_T
+        num_experts = w1.shape[0]
+        rows = x.shape[0]
+        # grouped_mm rejects stride-0 (expanded) grads and needs aligned rows: make dy a plain tensor.
+        dy = dy_TD.to(x.dtype).contiguous()
+        if rows == 0:
+            return _empty_grads(ctx)
+        kernels = _kernels(x.device)
+        da_TF = torch._grouped_mm(dy, w2, ctx.offs_E)
+        dh_TH, dprobs_T, a_TF = kernels.glu_backward(
+            h, probs, da_TF, ctx.activation, ctx.interleave, ctx.b1_EH, ctx.expert_T
+        )
+        dw2_EDF = torch._grouped_mm(dy.t(), a_TF, ctx.offs_E)
+        dx_TD = torch._grouped_mm(dh_TH, w1, ctx.offs_E)
+        dw1_EHD = torch._grouped_mm(dh_TH.t(), x, ctx.offs_E)
+        db1_EH = db2_ED = None
+        if ctx.b1_EH is not None:
+            assert ctx.expert_T is not None
+            db1_EH = _segment_sum(dh_TH, ctx.expert_T, num_experts).to(ctx.b1_EH.dtype)
+        if ctx.b2_ED is not None:
+            assert ctx.expert_T is not None
+            dy_scaled = dy if probs is None else dy * probs.to(dy.dtype)[:, None]
+            db2_ED = _segment_sum(dy_scaled, ctx.expert_T, num_experts).to(ctx.b2_ED.dtype)
+            if dprobs_T is not None:  # y also holds p * b2: d/dp = dy . b2[expert]
+                b2_rows = ctx.b2_ED.float().index_select(0, ctx.expert_T.long())
+                dprobs_T = (dprobs_T.float() + (dy.float() * b2_rows).sum(1)).to(probs.dtype)
+        return dx_TD, dw1_EHD, db1_EH, dw2_EDF, db2_ED, dprobs_T
+
+
+def _check_alignment(dtype: torch.dtype, *widths: int) -> None:
+    """torch._grouped_mm wants 16-byte-aligned row strides: say so in the user's terms, not the kernel's."""
+    elems = 16 // torch.empty(0, dtype=dtype).element_size()
+    if any(w % elems for w in widths):
+        raise MoectlError(
+            f"the fused expert backend needs hidden size, fc1 width and expert ffn size {widths} to be multiples "
+            f"of {elems} for {dtype} (torch._grouped_mm wants 16-byte-aligned strides)",
+            "pick sizes that are multiples of 8, or set moe.backend: loop",
+        )
+
+
+def _add_row_bias(
+    kernels: ModuleType,
+    y_TD: torch.Tensor,
+    probs_T: torch.Tensor | None,
+    b2_ED: torch.Tensor,
+    expert_T: torch.Tensor,
+) -> torch.Tensor:
+    """y + probs * b2[expert]: in place in one pass on CUDA, plain torch elsewhere."""
+    if hasattr(kernels, "add_row_bias_"):
+        return kernels.add_row_bias_(y_TD, probs_T, b2_ED, expert_T)
+    bias_TD = b2_ED.float().index_select(0, expert_T.long())
+    if probs_T is not None:
+        bias_TD = bias_TD * probs_T.float()[:, None]
+    return (y_TD.float() + bias_TD).to(y_TD.dtype)
+
+
+def _empty_grads(ctx: FusedCtx) -> Grads:
+    """Grads when no row was routed here: zeros for weights and biases, empty for x and probs."""
+
+    def zeros(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else torch.zeros_like(t)
+
+    dprobs = None if ctx.probs_T is None else torch.zeros_like(ctx.probs_T)
+    return (
+        torch.zeros_like(ctx.x_TD),
+        torch.zeros_like(ctx.w1_EHD),
+        zeros(ctx.b1_EH),
+        torch.zeros_like(ctx.w2_EDF),
+        zeros(ctx.b2_ED),
+        dprobs,
+    )
