@@ -1,0 +1,22 @@
+"""Data for training: token sources, the train/eval split, and the deterministic sampler.
+
+    train, held_out = build_data(cfg.data, seq_length=cfg.model.seq_length,
+                                 vocab_size=cfg.model.vocab_size, seed=cfg.train.seed)
+    print(train.describe()); print(held_out.describe())
+    sampler = Sampler(train, seq_length=..., micro_batch_size=..., global_batch_size=...,
+                      dp_rank=rank, dp_size=world, seed=cfg.train.seed)
+    for x, y in sampler.step_batches(step): ...          # x, y: [B, S] int64
+    evals = Sampler(held_out, ...).eval_batches(cfg.train.eval_iters)
+
+Sources (`data.source`): synthetic, corpus (the default: the Python stdlib's source as bytes), tokens
+(flat uint16/uint32 .bin), megatron (.bin/.idx), text (.txt / .jsonl; bytes or a local tokenizer.json).
+Each module under `sources/` documents its format.
+"""
+
+from __future__ import annotations
+
+from .build import build_data, load_source
+from .sampler import Sampler, splitmix64
+from .stream import TokenStream, check_vocab, split_stream
+
+__all__ = ["Sampler", "TokenStream", "build_data", "check_vocab", "load_source", "split_stream", "splitmix64"]
