@@ -1,0 +1,123 @@
+"""Which checkpoint to load: committed steps, the `latest` pointer, and `checkpoint.load` paths.
+
+A step is committed when its folder is named exactly `step_<8 digits>` and holds a valid manifest.json
+(torchtitan likewise counts `step-N` only if its `.metadata` exists). In-flight (`.tmp-`), half-deleted
+(`.trash-`) and manifest-less folders are never candidates. `latest` is trusted as Megatron trusts its
+tracker file (it is written only after the commit), but if it names a step that is not there the error
+says so instead of silently taking another one. A load path that does not exist is an error, never a
+silent fresh start (Megatron's `exit_on_missing_checkpoint`).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ckpt import manifest, names
+from moectl.errors import CheckpointError
+
+_LOAD_FIX = "set checkpoint.load to a step_NNNNNNNN folder or a checkpoints folder, or to null to train from scratch"
+
+
+def list_committed(root: str | os.PathLike[str]) -> list[Path]:
+    """The committed step folders under `root`, oldest first (empty if `root` does not exist)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        step = names.parse_step_dir(p.name)
+        if step is not None and p.is_dir() and manifest.load(p)[0] is not None:
+            found.append((step, p))
+    return [p for _, p in sorted(found)]
+
+
+def list_uncommitted(root: str | os.PathLike[str]) -> list[Path]:
+    """Folders under `root` that look like checkpoints but are not committed (interrupted saves etc.).
+
+    Nothing deletes these automatically: a user (or a future `moectl ckpt` command) may, once sure no
+    save is running.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    out = []
+    for p in sorted(root.iterdir()):
+        if not p.is_dir():
+            continue
+        if names.TMP_DIR_RE.match(p.name) or names.TRASH_DIR_RE.match(p.name):
+            out.append(p)
+        elif names.parse_step_dir(p.name) is not None and manifest.load(p)[0] is None:
+            out.append(p)
+    return out
+
+
+def read_latest(root: str | os.PathLike[str]) -> str | None:
+    """The folder name `root/latest` holds, or None if there is no `latest` (error if it is garbled)."""
+    path = Path(root) / names.LATEST
+    if not path.is_file():
+        return None
+    text = path.read_text(encoding="utf-8", errors="replace").strip()
+    if names.parse_step_dir(text) is None:
+        raise CheckpointError(
+            f"{path} holds {text[:40]!r}, not a step_NNNNNNNN folder name",
+            "write the newest good step's folder name into it, or delete it to fall back on the newest committed step",
+        )
+    return text
+
+
+def find_latest(root: str | os.PathLike[str]) -> Path | None:
+    """The step folder to resume from: the one `latest` names, else the newest committed one, else None.
+
+    Raises CheckpointError if `latest` names a folder that is missing or has no manifest.json.
+    """
+    root = Path(root)
+    name = read_latest(root)
+    if name is None:
+        committed = list_committed(root)
+        return committed[-1] if committed else None
+    target = root / name
+    if not target.is_dir():
+        raise CheckpointError(
+            f"{root / names.LATEST} names {name}, which does not exist",
+            "point checkpoint.load at an existing step folder, or delete latest to fall back on the newest committed step",
+        )
+    if not (target / names.MANIFEST).is_file():
+        raise CheckpointError(
+            f"{root / names.LATEST} names {name}, which has no manifest.json (never committed)",
+            "point checkpoint.load at a committed step folder, or delete latest to fall back on the newest committed step",
+        )
+    return target
+
+
+def is_step_dir(path: Path) -> bool:
+    """Whether `path` is a single checkpoint (rather than a folder of them): by its name or its manifest."""
+    return bool(
+        (path / names.MANIFEST).is_file()
+        or names.STEP_DIR_RE.match(path.name)
+        or names.TMP_DIR_RE.match(path.name)
+    )
+
+
+def resolve_load_path(load: str | os.PathLike[str]) -> Path:
+    """The committed step folder that `load` means: itself if it is a step folder, else its latest step.
+
+    Raises CheckpointError when `load` does not exist, is an uncommitted save, or holds no committed step.
+    """
+    p = Path(load).expanduser()
+    if not p.exists():
+        raise CheckpointError(f"checkpoint path {p} does not exist", _LOAD_FIX)
+    if not p.is_dir():
+        raise CheckpointError(f"checkpoint path {p} is a file, not a checkpoint folder", _LOAD_FIX)
+    if is_step_dir(p):
+        if names.TMP_DIR_RE.match(p.name) or not (p / names.MANIFEST).is_file():
+            raise CheckpointError(
+                f"{p} is an interrupted save: it has no manifest.json, so it was never committed",
+                "load the checkpoints folder (its latest step) or another committed step_NNNNNNNN folder",
+            )
+        return p
+    found = find_latest(p)
+    if found is None:
+        hint = f"; it has a checkpoints folder: did you mean {p / 'checkpoints'}?" if (p / "checkpoints").is_dir() else ""
+        raise CheckpointError(f"no committed checkpoint in {p}{hint}", _LOAD_FIX)
+    return found

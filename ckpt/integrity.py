@@ -1,0 +1,155 @@
+"""`verify_checkpoint`: everything wrong with a checkpoint folder, each problem naming file and tensor.
+
+Checks, without executing or unpickling anything:
+- the commit marker: a `.tmp-` folder or a missing manifest.json means the save never finished;
+- the manifest: JSON, format version, schema, step vs folder name (`ckpt.manifest.check`);
+- every listed file: present, size, safetensors header (`ckpt.st_header`), the tensors in it vs the
+  manifest (names, dtype, shape), sha256 of the file; on a hash mismatch, each tensor's own sha256 so
+  the changed tensor is named (Megatron's `integrity.json` can only name the file);
+- no unlisted files: a stray `.pt`/pickle beside the shards is reported (and never opened beyond its
+  first bytes, to say what it looks like).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Any
+
+from ckpt import manifest, names
+from ckpt import problems as P
+from ckpt.discovery import is_step_dir, resolve_load_path
+from ckpt.problems import Problem
+from ckpt.st_header import TORCH_NAME, Header, read_header
+from moectl.errors import CheckpointError
+
+_CHUNK = 16 << 20
+_PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".pkl", ".pickle", ".ckpt", ".distcp")
+
+
+def verify_checkpoint(path: str | os.PathLike[str]) -> list[Problem]:
+    """All problems of the checkpoint at `path` (empty list: it is intact).
+
+    `path` is a step folder (committed or not, so an interrupted save can be inspected) or a checkpoints
+    folder (then the step `latest` names). Raises CheckpointError only if `path` is neither.
+    """
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        raise CheckpointError(f"checkpoint path {p} is not a folder", "give a step_NNNNNNNN folder or a checkpoints folder")
+    step_dir = p if is_step_dir(p) else resolve_load_path(p)
+    found: list[Problem] = []
+    if names.TMP_DIR_RE.match(step_dir.name):
+        found.append(Problem(P.INCOMPLETE, None, None, f"{step_dir.name} is an unfinished save (never committed)"))
+    m, mprobs = manifest.load(step_dir)
+    found += mprobs
+    listed: dict[str, Any] = m["files"] if m else {}
+    found += _unexpected_files(step_dir, listed, manifest_ok=m is not None)
+    if m is None:
+        return found
+    by_file: dict[str, dict[str, Any]] = {f: {} for f in listed}
+    for tname, rec in m["tensors"].items():
+        by_file[rec["file"]][tname] = rec
+    for fname, frec in listed.items():
+        found += _check_file(step_dir / fname, frec, by_file[fname])
+    return found
+
+
+def _unexpected_files(step_dir: Path, listed: dict[str, Any], manifest_ok: bool) -> list[Problem]:
+    out = []
+    for entry in sorted(step_dir.iterdir()):
+        name = entry.name
+        if name == names.MANIFEST or name in listed:
+            continue
+        if not manifest_ok and names.SHARD_RE.match(name):
+            continue  # no manifest to compare with; already reported as incomplete/unreadable
+        if _looks_pickled(entry):
+            out.append(Problem(P.UNEXPECTED_FILE, name, None,
+                               "a pickle/torch.save file, not part of the checkpoint: never loaded; delete it"))  # fmt: skip
+        else:
+            kind = "folder" if entry.is_dir() else "file"
+            out.append(Problem(P.UNEXPECTED_FILE, name, None, f"unexpected {kind}: the manifest does not list it"))
+    return out
+
+
+def _looks_pickled(entry: Path) -> bool:
+    """By name or by magic bytes (pickle protocol 2+ starts 0x80; torch.save's zip starts 'PK')."""
+    if entry.suffix in _PICKLE_SUFFIXES:
+        return True
+    if not entry.is_file():
+        return False
+    with open(entry, "rb") as f:
+        head = f.read(2)
+    return head[:1] == b"\x80" or head == b"PK"
+
+
+def _check_file(path: Path, frec: dict[str, Any], expected: dict[str, Any]) -> list[Problem]:
+    """Problems of one listed shard file; `expected` = the manifest's tensors in it."""
+    fname = path.name
+    if not path.is_file():
+        held = ", ".join(sorted(expected)[:3]) + (", ..." if len(expected) > 3 else "")
+        return [Problem(P.MISSING_FILE, fname, None, f"missing; it held {len(expected)} tensor(s): {held}")]
+    found = []
+    size = path.stat().st_size
+    size_ok = size == frec["size"]
+    if not size_ok:
+        found.append(Problem(P.SIZE, fname, None, f"is {size} bytes, the manifest says {frec['size']}"))
+    header, hprobs = read_header(path)
+    found += hprobs
+    if header is None and _looks_pickled(path):
+        # Only a hint for the user: the header check above already refused it. (The magic bytes alone
+        # prove nothing: a valid header length can start with 0x80.) Nothing here unpickles it.
+        found.append(Problem(P.UNEXPECTED_FILE, fname, None, "looks like a pickle/torch.save payload: never loaded"))
+    if header is not None:
+        found += _check_tensor_set(fname, header, expected)
+    if size_ok and _sha256(path) != frec["sha256"]:
+        changed = _changed_tensors(path, header, expected) if header is not None and not hprobs else None
+        if changed:
+            found += [Problem(P.SHA256, fname, t, "bytes differ from the saved ones (sha256 mismatch)") for t in changed]
+        elif changed == []:
+            found.append(Problem(P.SHA256, fname, None, "header bytes differ from the saved ones (sha256 mismatch)"))
+        else:
+            found.append(Problem(P.SHA256, fname, None, "sha256 differs from the manifest"))
+    return found
+
+
+def _check_tensor_set(fname: str, header: Header, expected: dict[str, Any]) -> list[Problem]:
+    out = []
+    for t in sorted(set(expected) - set(header.entries)):
+        out.append(Problem(P.TENSOR_SET, fname, t, "listed in the manifest but not in the file"))
+    for t in sorted(set(header.entries) - set(expected)):
+        out.append(Problem(P.TENSOR_SET, fname, t, "in the file but not listed in the manifest"))
+    for t in sorted(set(header.entries) & set(expected)):
+        e, rec = header.entries[t], expected[t]
+        got = (TORCH_NAME.get(e.dtype, e.dtype), list(e.shape))
+        want = (rec["dtype"], rec["shape"])
+        if got != want:
+            out.append(Problem(P.TENSOR_SET, fname, t, f"file has {got[0]}{got[1]}, the manifest says {want[0]}{want[1]}"))
+    return out
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _changed_tensors(path: Path, header: Header, expected: dict[str, Any]) -> list[str]:
+    """The tensors whose bytes no longer hash to their manifest sha256 (header assumed sane)."""
+    changed = []
+    with open(path, "rb") as f:
+        for t in sorted(set(expected) & set(header.entries)):
+            e = header.entries[t]
+            f.seek(e.start)
+            h, left = hashlib.sha256(), e.end - e.start
+            while left:
+                chunk = f.read(min(_CHUNK, left))
+                if not chunk:
+                    break
+                h.update(chunk)
+                left -= len(chunk)
+            if h.hexdigest() != expected[t]["sha256"]:
+                changed.append(t)
+    return changed

@@ -1,0 +1,35 @@
+"""A `Problem`: one thing wrong with a checkpoint, naming the file and (where it applies) the tensor."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Kinds, so tools can group and tests can assert without matching prose.
+INCOMPLETE = "incomplete"  # no commit marker: the save never finished
+MANIFEST = "manifest"  # manifest.json unreadable, wrong version or schema
+MISSING_FILE = "missing-file"  # a file the manifest lists is absent
+UNEXPECTED_FILE = "unexpected-file"  # a file the manifest does not list (e.g. a pickle)
+SIZE = "size"  # file size differs from the manifest
+SHA256 = "sha256"  # file or tensor bytes differ from the manifest
+HEADER = "header"  # the safetensors header is malformed or inconsistent
+TENSOR_SET = "tensor-set"  # tensors missing, unexpected, or with another dtype/shape than recorded
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One problem found in a checkpoint folder.
+
+    `file` is a name inside the step folder (None only when the folder itself is the problem), `tensor`
+    the tensor concerned where one is, `kind` one of the constants above.
+    """
+
+    kind: str
+    file: str | None
+    tensor: str | None
+    message: str
+
+    def __str__(self) -> str:
+        where = self.file or "<folder>"
+        if self.tensor is not None:
+            where += f" tensor {self.tensor!r}"
+        return f"{where}: {self.message}"

@@ -1,0 +1,205 @@
+"""`save_checkpoint`: every rank writes its shards, all agree, rank 0 commits. No half commit, no hang.
+
+The protocol (PyTorch DCP's write -> gather results -> coordinator `finish`, with Megatron's rule that
+the resume pointer moves only after the save is complete):
+
+1. Group rank 0 draws a nonce and broadcasts it; every rank writes its files into the same
+   `step_N.tmp-<nonce>/`, fsyncing each file and then the folder.
+2. Vote: every rank all-gathers a JSON status (its error, or its file and tensor records). This is the
+   "all-reduce of a status flag", carrying the reasons with it. Every rank applies the same checks to
+   the same statuses (any error; steps differ; two ranks wrote one file; one tensor in two files), so
+   all ranks reach the same verdict without another round. On failure every rank raises
+   `CheckpointSaveError` naming the failing ranks, and rank 0 removes the in-flight folder. Each rank
+   catches its own exceptions until the vote, so a failing rank still votes and nobody waits forever
+   (DCP's `_DistWrapper` does the same; its tests require every rank to name exactly the bad ranks).
+3. Commit, on rank 0: check every file is visible at its recorded size (catches ranks that do not share
+   the filesystem), write manifest.json and fsync it (the commit marker, written last), rename the
+   folder to `step_N` and fsync the root, replace `latest` atomically, apply retention.
+4. Rank 0 broadcasts its outcome; every rank returns the step folder or raises the same error.
+
+An interrupted save (a killed process) leaves only a `.tmp-` folder, which discovery ignores; `latest`
+still names the previous step. Fault injection for tests: `ckpt.faults` (`MOECTL_CKPT_FAIL`).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ckpt import faults, manifest, names
+from ckpt.collective import Comm, all_gather_json, broadcast_int, broadcast_json, comm_for
+from ckpt.durable import fsync_dir, replace_file, write_file
+from ckpt.retention import apply_retention
+from ckpt.shards import prepare, write_shard
+from moectl.errors import CheckpointError, MoectlError
+
+
+class CheckpointSaveError(CheckpointError):
+    """A save that failed on one or more ranks. `failures` maps global rank -> one-line reason."""
+
+    def __init__(self, step: int, root: Path, failures: dict[int, str], committed: bool = False) -> None:
+        self.failures = dict(sorted(failures.items()))
+        self.ranks = list(self.failures)
+        if len(self.ranks) == 1:
+            (rank, why), = self.failures.items()
+            where = f"rank {rank}: {why}"
+        else:
+            where = "ranks " + ", ".join(map(str, self.ranks)) + ": " + "; ".join(
+                f"rank {r}: {w}" for r, w in self.failures.items()
+            )
+        if committed:
+            super().__init__(
+                f"checkpoint step {step} under {root} was committed but finishing the save failed on {where}",
+                f"write {names.step_dir_name(step)} into {root / names.LATEST} by hand once the cause is fixed",
+            )
+        else:
+            super().__init__(
+                f"saving checkpoint step {step} under {root} failed on {where}",
+                "nothing was committed and latest is unchanged; fix the named rank's error and save again",
+            )
+        self.committed = committed
+
+
+def save_checkpoint(
+    root: str | os.PathLike[str],
+    step: int,
+    tensors_by_file: dict[str, dict[str, torch.Tensor]],
+    meta: dict[str, Any],
+    *,
+    group: Any = None,
+    keep_last: int | None = None,
+) -> Path:
+    """Save one checkpoint collectively; every rank of `group` must call it. Returns `root/step_N`.
+
+    `tensors_by_file` maps this rank's file names (`model-NNNNN.safetensors`, `optim-NNNNN.safetensors`,
+    unique across ranks) to their tensors (logical tensors or the slices the caller assembled; no name
+    in two files). `meta` is the caller's part of the manifest (see `ckpt.manifest.check_meta`); only
+    group rank 0's is used, other ranks may pass the same dict or `{}`. `keep_last` applies retention
+    after the commit (rank 0 only). Raises `CheckpointSaveError` on every rank if any rank failed.
+    """
+    comm = comm_for(group)
+    root = Path(root)
+    # Agree on the in-flight folder first: a collective that cannot fail for local reasons.
+    nonce = f"{broadcast_int(comm, secrets.randbits(62)):016x}"
+    tmp: Path | None = None
+    status: dict[str, Any] = {"rank": comm.global_rank, "step": step, "error": None, "files": {}, "tensors": {}}
+    try:
+        final = root / names.step_dir_name(step)
+        tmp = root / names.tmp_dir_name(step, nonce)
+        _check_args(comm, final, tensors_by_file, meta, keep_last)
+        tmp.mkdir(parents=True, exist_ok=True)
+        for i, fname in enumerate(sorted(tensors_by_file)):
+            rec, trecs = write_shard(tmp / fname, prepare(tensors_by_file[fname], fname))
+            status["files"][fname] = {**rec, "rank": comm.global_rank}
+            status["tensors"].update(trecs)
+            if i == 0:
+                faults.check("write", comm.global_rank)
+        fsync_dir(tmp)
+        faults.check("finalize", comm.global_rank)
+    except Exception as e:  # noqa: BLE001 - every local failure must reach the vote, or the others hang
+        status = {**status, "error": describe(e), "files": {}, "tensors": {}}
+
+    statuses = all_gather_json(comm, status)
+    failures = _verdict(statuses)
+    if failures:
+        if comm.rank == 0 and tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointSaveError(step, root, failures)
+
+    assert tmp is not None
+    outcome: dict[str, Any] = {"error": None, "committed": False}
+    if comm.rank == 0:
+        outcome = _commit(root, step, tmp, meta, statuses, keep_last)
+    outcome = broadcast_json(comm, outcome)
+    if outcome["error"]:
+        raise CheckpointSaveError(step, root, {statuses[0]["rank"]: outcome["error"]}, outcome["committed"])
+    return root / names.step_dir_name(step)
+
+
+def _check_args(comm: Comm, final: Path, tensors_by_file: Any, meta: Any, keep_last: Any) -> None:
+    """Local argument checks; raising here fails the save on every rank through the vote."""
+    if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
+        raise ValueError(f"keep_last must be a positive int or None, got {keep_last!r}")
+    if not isinstance(tensors_by_file, dict):
+        raise TypeError(f"tensors_by_file must be a dict of file name -> tensors, got {type(tensors_by_file).__name__}")
+    for fname in tensors_by_file:
+        if not isinstance(fname, str) or not names.SHARD_RE.match(fname):
+            raise ValueError(f"file name {fname!r} is not model-NNNNN.safetensors or optim-NNNNN.safetensors")
+    if comm.rank == 0:
+        errs = manifest.check_meta(meta)
+        if errs:
+            raise CheckpointError("; ".join(errs), "pass every manifest field in meta (see ckpt.manifest)")
+        if final.exists():
+            # Never overwrite a checkpoint implicitly: it may be the only good copy of that step.
+            raise CheckpointError(
+                f"{final} already exists", "delete it (or move it away) if it is stale, or save under another root"
+            )
+
+
+def describe(e: BaseException) -> str:
+    """One line for a rank's failure."""
+    text = e.one_line() if isinstance(e, MoectlError) else f"{type(e).__name__}: {e}"
+    return " ".join(text.split())
+
+
+def _verdict(statuses: list[dict[str, Any]]) -> dict[int, str]:
+    """The failing ranks and why; the same answer on every rank, since all see the same statuses."""
+    failures = {s["rank"]: s["error"] for s in statuses if s["error"]}
+    if failures:
+        return failures
+    step0 = statuses[0]["step"]
+    for s in statuses:
+        if s["step"] != step0:
+            failures[s["rank"]] = f"saved step {s['step']} while rank {statuses[0]['rank']} saved step {step0}"
+    file_owner: dict[str, int] = {}
+    tensor_file: dict[str, str] = {}
+    for s in statuses:
+        for fname in s["files"]:
+            if fname in file_owner:
+                failures[s["rank"]] = f"wrote {fname}, which rank {file_owner[fname]} wrote too"
+            file_owner.setdefault(fname, s["rank"])
+        for tname, rec in s["tensors"].items():
+            if tname in tensor_file:
+                failures[s["rank"]] = f"tensor {tname!r} is in {rec['file']} and in {tensor_file[tname]}"
+            tensor_file.setdefault(tname, rec["file"])
+    return failures
+
+
+def _commit(
+    root: Path, step: int, tmp: Path, meta: dict[str, Any], statuses: list[dict[str, Any]], keep_last: int | None
+) -> dict[str, Any]:
+    """Rank 0: write the manifest, rename the folder, move `latest`, apply retention. Returns the outcome."""
+    final = root / names.step_dir_name(step)
+    renamed = False
+    try:
+        files = {f: rec for s in statuses for f, rec in s["files"].items()}
+        tensors = {t: rec for s in statuses for t, rec in s["tensors"].items()}
+        for fname, rec in files.items():
+            size = (tmp / fname).stat().st_size if (tmp / fname).is_file() else None
+            if size != rec["size"]:
+                raise CheckpointError(
+                    f"{tmp / fname} written by rank {rec['rank']} is {size} bytes on rank 0, not {rec['size']}",
+                    "every rank must write to a filesystem shared with rank 0",
+                )
+        faults.check("before_manifest", 0)
+        write_file(tmp / names.MANIFEST, manifest.dumps(manifest.build(step, meta, files, tensors)))
+        fsync_dir(tmp)
+        os.rename(tmp, final)
+        renamed = True
+        fsync_dir(root)
+        replace_file(root / names.LATEST, f"{final.name}\n".encode())
+    except Exception as e:  # noqa: BLE001 - reported to every rank by the caller
+        if not renamed:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return {"error": describe(e), "committed": renamed}
+    try:
+        apply_retention(root, keep_last)
+    except Exception as e:  # noqa: BLE001 - the new checkpoint is good; an old one lingering is not fatal
+        warnings.warn(f"checkpoint retention under {root} failed: {describe(e)}", RuntimeWarning, stacklevel=3)
+    return {"error": None, "committed": True}
