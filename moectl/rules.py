@@ -1,0 +1,1115 @@
+"""The rule catalogue: every cross-field rule a config must satisfy, run by `validate-config` and `train`.
+
+`check(cfg, world_size, device_capability, env)` runs every rule and returns every violation (it never
+stops at the first). A rule is a small generator function registered with `@rule(...)`: a stable id, a
+family, a severity, the keys it reads and a one-line summary; its docstring is the rationale that
+`moectl validate-config --explain MOExxx` prints. A rule yields one `_Hit` per problem it finds (a rule
+that reads several keys may yield several), and must never raise on a bad value: a divisor that is zero
+or negative is skipped there and reported by MOE041 instead.
+
+Ids are stable: they are never renumbered or reused, and a new rule takes the next free id whatever its
+family. Families and their ids: precision MOE001-009, optimizer and LR schedule MOE010-015, overlap
+MOE016-017, MoE MOE018-027, parallel layout MOE028-033, CUDA graphs MOE034-035, checkpoint
+MOE036-037, hardware and environment MOE038-040, model, data and training basics MOE041-047.
+
+Environment rules (Transformer Engine, device) probe lazily and cheaply: TE is looked up through
+`importlib.util.find_spec` and package metadata, never imported; torch is imported only when a GPU
+looks present (NVIDIA device nodes) or torch is already loaded, so `validate-config` stays fast on a
+machine without GPUs. With no GPU visible and no `--device-capability`, hardware rules stay silent:
+validating on a login node must not complain about the login node.
+
+Decisions taken here:
+- Muon with `moe.single_grouped_weight`: allowed. Megatron silently sends a 3-D expert weight to Adam;
+  moectl's Muon orthogonalizes each `[out, in]` expert slice of the `[E, out, in]` parameter with one
+  batched Newton-Schulz, which is the same math as per-expert weights, so no rule rejects it.
+- Muon with low-precision param gather: only mxfp8 with the reuse buffer (MOE010, MOE011), the one
+  path where every rank quantizes the gathered bf16 masters itself, so Muon's updates stay exact.
+
+Megatron rules (section 4 of ../shared/research/megatron.md) dropped, and why:
+- 2 `overlap_param_gather_with_optimizer_step`, 9 `optimizer_cpu_offload`, 17 recompute, 20 and 22
+  EP-communication overlap, 23 `save_params_interval`: moectl has none of these options.
+- 3 and 6-8 torch-FSDP2, Megatron-FSDP and GTP variants of param gather: moectl has one path, the
+  distributed optimizer, so "param gather needs an FSDP or the distributed optimizer" became MOE004.
+- 4 "fp4 needs TE >= 2.7", `fp8_param`/`fp4_param`, custom recipes, `first_last_layers_bf16`,
+  `fp8_output_proj`: moectl's recipes are its own (native torch GEMMs or exact emulation), not TE's;
+  TE is only the optional `te` expert backend (MOE022); low-precision storage is implied by param gather.
+- 5 (runtime) grouped MXFP8 without the reuse buffer raises in Megatron because of TE's GroupedTensor;
+  moectl's staging buffer works either way, so only the memory warning (MOE009) is kept.
+- 10 non-Adam optimizers flip the distributed optimizer to layer-wise, checkpoint formats, fp16: moectl
+  picks the layer-wise owner itself for Muon, has one checkpoint format and no fp16.
+- 11 the decoupled/padded buffer-layout rules of #5479: Megatron buffer internals; the Muon parts that
+  carry over are MOE010 and MOE011, and the single-grouped-weight one is decided above.
+- 12 TP/SP warning and `moe_grouped_gemm` needs SM80: no tensor parallelism; backend `auto` picks kernels
+  the device has. 13, 14, 24, 26 grouped tensor, op fuser, `NVTE_*` variables, "single grouped weight
+  needs TE >= 2.14 / only mxfp8": the single grouped `[E, out, in]` layout is moectl's own parameter,
+  needing no TE. 15 expert-TP bias rules: no tensor parallelism.
+- 16 `moe_router_padding_for_fp8` alias and "router padding not with allgather": a Megatron dispatcher
+  limitation; kept: router padding needs a low-precision recipe (MOE007). 18 ncclep/hybridep/flex
+  dispatchers: not in moectl.
+- 19 CUDA-graph scopes: moectl has one switch (`train.cuda_graph`), so only "MoE needs drop-and-pad"
+  (MOE034) carries over. 21 `delay_wgrad_compute` needs EP-comm overlap and TE versions: TE internals;
+  kept as the warning that it has nothing to overlap without expert parallelism (MOE025).
+- 25 `bias_dropout_fusion`, `moe_apply_probs_on_input`, interleave-without-fused-kernel warning: no such
+  options, and every moectl backend reads the interleaved layout.
+- 27 interleave + expert TP (no TP); TE < 2.17 + CUDA graphs + cached FP8 weights in module GroupedLinear
+  (TE #3051): the `te` backend uses TE's op-fuser GroupedLinear, which re-quantizes every forward.
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import importlib.metadata
+import importlib.util
+import inspect
+import os
+import re
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, Literal, Mapping, Optional, Sequence
+
+from moectl.config.schema import Config
+
+Severity = Literal["error", "warning"]
+
+GATED_ACTIVATIONS = ("swiglu", "quick_geglu")
+# Elements per scaling block along a GEMM dimension, so every quantized tile is whole.
+RECIPE_BLOCK = {"tensorwise": 16, "delayed": 16, "rowwise": 16, "blockwise": 128, "mxfp8": 32, "nvfp4": 32}
+# The first compute capability with native GEMMs for a recipe; below it (and on CPU) moectl emulates.
+NATIVE_FROM = {
+    "tensorwise": (9, 0), "delayed": (9, 0), "rowwise": (9, 0),
+    "blockwise": (10, 0), "mxfp8": (10, 0), "nvfp4": (10, 0),
+}
+TE_MIN_VERSION = (2, 14)
+BYTE_LEVEL_VOCAB = 256
+
+
+@dataclass(frozen=True)
+class Violation:
+    """One broken rule: which rule, how bad, the keys involved with their values, why, and how to fix it."""
+
+    rule: str
+    severity: Severity
+    keys: dict[str, Any]
+    message: str
+    fix: str
+
+    def to_json(self) -> dict[str, Any]:
+        """The violation as the JSON object `validate-config --json` prints."""
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Device:
+    """The device a run is checked against: a CUDA GPU of some compute capability, or the CPU."""
+
+    kind: Literal["cpu", "cuda"]
+    capability: Optional[tuple[int, int]] = None
+    source: str = ""
+
+    @property
+    def label(self) -> str:
+        """`sm90`, `sm100` or `cpu`."""
+        if self.kind == "cpu" or self.capability is None:
+            return "cpu"
+        return f"sm{self.capability[0]}{self.capability[1]}"
+
+    def describe(self) -> str:
+        """The label with where it came from, for messages."""
+        return f"{self.label} ({self.source})" if self.source else self.label
+
+
+@dataclass(frozen=True)
+class TEInstall:
+    """An installed Transformer Engine, as its package metadata describes it (it is not imported)."""
+
+    version: Optional[str]
+    has_pytorch: bool
+
+    def describe(self) -> str:
+        """What was found, for messages."""
+        v = self.version or "of unknown version"
+        return f"transformer_engine {v}" + ("" if self.has_pytorch else " without its PyTorch part")
+
+
+_PROBE: Any = object()
+
+
+class Environment:
+    """What this machine offers the rules. Each part is probed lazily, once, unless given.
+
+    `te=None` means "not installed"; `device=None` means "no GPU visible and none given", which keeps the
+    hardware rules silent. Tests pass both explicitly to be independent of the machine.
+    """
+
+    def __init__(self, te: Optional[TEInstall] = _PROBE, device: Optional[Device] = _PROBE) -> None:
+        self._te = te
+        self._device = device
+
+    @functools.cached_property
+    def te(self) -> Optional[TEInstall]:
+        """The installed Transformer Engine, or None."""
+        return probe_te() if self._te is _PROBE else self._te
+
+    @functools.cached_property
+    def device(self) -> Optional[Device]:
+        """The visible GPU, or None."""
+        return probe_device() if self._device is _PROBE else self._device
+
+
+def probe_te() -> Optional[TEInstall]:
+    """Find Transformer Engine without importing it (importing it takes seconds and touches CUDA)."""
+    spec = importlib.util.find_spec("transformer_engine")
+    if spec is None:
+        return None
+    version = None
+    for dist in ("transformer_engine", "transformer-engine", "transformer_engine_torch"):
+        try:
+            version = importlib.metadata.version(dist)
+            break
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    locations = list(spec.submodule_search_locations or [])
+    has_pytorch = any((Path(loc) / "pytorch").is_dir() for loc in locations)
+    return TEInstall(version=version, has_pytorch=has_pytorch)
+
+
+def _nvidia_gpu_nodes() -> bool:
+    """Whether the NVIDIA driver exposes a GPU to this process (checked without importing torch)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return False
+    return bool(glob.glob("/dev/nvidia[0-9]*") or glob.glob("/proc/driver/nvidia/gpus/*"))
+
+
+def probe_device() -> Optional[Device]:
+    """The first visible CUDA GPU, or None. Imports torch only when a GPU looks present."""
+    if "torch" not in sys.modules and not _nvidia_gpu_nodes():
+        return None
+    import torch  # lazy: seconds to import, and only worth it when there is a GPU to ask about
+
+    if not torch.cuda.is_available():
+        return None
+    cap = torch.cuda.get_device_capability()
+    return Device("cuda", (int(cap[0]), int(cap[1])), f"torch.cuda: {torch.cuda.get_device_name()}")
+
+
+def parse_version(text: Optional[str]) -> Optional[tuple[int, int]]:
+    """`'2.14.0.dev0+abc'` -> (2, 14); None when there is no `major.minor` prefix."""
+    m = re.match(r"\s*(\d+)\.(\d+)", text or "")
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def fmt(value: Any) -> str:
+    """A value as a user writes it in YAML (null, true, 3e-4, [1, 0])."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):
+        return "[" + ", ".join(fmt(v) for v in value) + "]"
+    return str(value)
+
+
+class Context:
+    """The config plus what the rules derive from it: world size, device, active recipes, layer counts."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        world_size: Optional[int] = None,
+        device_capability: Optional[tuple[int, int]] = None,
+        env: Optional[Environment] = None,
+    ) -> None:
+        self.cfg = cfg
+        self.world_size = world_size if world_size is not None else default_world_size(cfg)
+        self.env = env if env is not None else Environment()
+        self._capability = device_capability
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel size: the world size (no tensor or pipeline parallelism)."""
+        return self.world_size
+
+    @functools.cached_property
+    def device(self) -> Optional[Device]:
+        """The device the run is checked against; None when unknown (hardware rules stay silent)."""
+        if self.cfg.train.device == "cpu":
+            return Device("cpu", None, "train.device: cpu")
+        if self._capability is not None:
+            return Device("cuda", self._capability, "--device-capability")
+        return self.env.device
+
+    @property
+    def recipes(self) -> list[tuple[str, str]]:
+        """The active low-precision recipes as (recipe, the key that selects it)."""
+        mp = self.cfg.mixed_precision
+        out = []
+        if mp.fp8 is not None:
+            out.append((mp.fp8_recipe, "mixed_precision.fp8_recipe"))
+        if mp.fp4 is not None:
+            out.append((mp.fp4_recipe, "mixed_precision.fp4_recipe"))
+        return out
+
+    @functools.cached_property
+    def moe_layers(self) -> int:
+        """How many layers are MoE (robust to a malformed `moe_layer_freq`, which MOE026 reports)."""
+        m = self.cfg.model
+        freq = m.moe_layer_freq
+        if isinstance(freq, list):
+            return sum(1 for f in freq[: max(m.num_layers, 0)] if f)
+        if freq < 1:
+            return 0
+        return len(range(0, max(m.num_layers, 0), freq))
+
+    @property
+    def dense_layers(self) -> int:
+        """How many layers have the dense MLP."""
+        return max(self.cfg.model.num_layers, 0) - self.moe_layers
+
+    def value(self, key: str) -> Any:
+        """The value behind a dotted config key, or a derived pseudo-key (world_size, device, ...)."""
+        if key == "world_size":
+            return self.world_size
+        if key == "device":
+            return self.device.describe() if self.device else None
+        if key == "transformer_engine":
+            te = self.env.te
+            return te.describe() if te else "not installed"
+        node: Any = self.cfg
+        for part in key.split("."):
+            node = getattr(node, part)
+        return node
+
+
+def default_world_size(cfg: Config) -> int:
+    """The smallest world size that fits: expert_model_parallel_size (1 when that is not positive)."""
+    return max(cfg.parallel.expert_model_parallel_size, 1)
+
+
+@dataclass(frozen=True)
+class _Hit:
+    """What a rule function yields: the reason, the fix, and optionally its own keys and severity."""
+
+    message: str
+    fix: str
+    keys: Optional[Sequence[str] | Mapping[str, Any]] = None
+    severity: Optional[Severity] = None
+
+
+RuleFn = Callable[[Context], Iterator[_Hit]]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A registered rule: id, family, default severity, the keys it reads, a summary, its rationale."""
+
+    id: str
+    name: str
+    family: str
+    severity: Severity | Literal["error|warning"]
+    keys: tuple[str, ...]
+    summary: str
+    rationale: str
+    fn: RuleFn
+
+
+RULES: dict[str, Rule] = {}
+
+
+def rule(id: str, family: str, severity: str, keys: Sequence[str], summary: str) -> Callable[[RuleFn], RuleFn]:
+    """Register a rule function; its docstring is the rationale `--explain` prints."""
+
+    def register(fn: RuleFn) -> RuleFn:
+        if id in RULES:  # pragma: no cover - a catalogue bug
+            raise ValueError(f"duplicate rule id {id}")
+        RULES[id] = Rule(id, fn.__name__, family, severity, tuple(keys), summary, inspect.cleandoc(fn.__doc__ or ""), fn)  # type: ignore[arg-type]
+        return fn
+
+    return register
+
+
+def check(
+    cfg: Config,
+    world_size: Optional[int] = None,
+    device_capability: Optional[tuple[int, int]] = None,
+    env: Optional[Environment] = None,
+) -> list[Violation]:
+    """Run every rule on `cfg` and return every violation, in rule-id order.
+
+    `world_size` defaults to the smallest that fits (expert_model_parallel_size). `device_capability`
+    checks recipes against that GPU; without it the visible GPU is used, if any. `env` replaces the
+    probes of this machine (tests use it).
+    """
+    ctx = Context(cfg, world_size, device_capability, env)
+    out: list[Violation] = []
+    for r in RULES.values():
+        for hit in r.fn(ctx):
+            keys = hit.keys if hit.keys is not None else r.keys
+            values = dict(keys) if isinstance(keys, Mapping) else {k: ctx.value(k) for k in keys}
+            severity = hit.severity or r.severity
+            out.append(Violation(r.id, severity, values, hit.message, hit.fix))  # type: ignore[arg-type]
+    return out
+
+
+def has_errors(violations: Sequence[Violation]) -> bool:
+    """Whether any violation is an error (warnings never make a config invalid)."""
+    return any(v.severity == "error" for v in violations)
+
+
+# --------------------------------------------------------------------------------------------- precision
+
+
+@rule("MOE001", "precision", "error", ["mixed_precision.fp8", "mixed_precision.fp4"], "fp8 and fp4 are exclusive")
+def fp8_fp4_exclusive(c: Context) -> Iterator[_Hit]:
+    """A linear layer runs one recipe. Turning on both FP8 and FP4 has no defined meaning (Megatron
+    rejects it too), so pick one; NVFP4 already keeps sensitive layers in higher precision itself."""
+    mp = c.cfg.mixed_precision
+    if mp.fp8 is not None and mp.fp4 is not None:
+        yield _Hit(
+            f"mixed_precision.fp8={fmt(mp.fp8)} and mixed_precision.fp4={fmt(mp.fp4)} are both on",
+            "set mixed_precision.fp4=null or mixed_precision.fp8=null",
+        )
+
+
+@rule("MOE002", "precision", "error", ["mixed_precision.fp8_param_gather", "mixed_precision.fp8"], "fp8_param_gather needs fp8")
+def fp8_param_gather_needs_fp8(c: Context) -> Iterator[_Hit]:
+    """FP8 param gather stores and all-gathers weights as FP8 with the FP8 recipe's scales. Without an
+    FP8 recipe there is nothing to quantize them with."""
+    mp = c.cfg.mixed_precision
+    if mp.fp8_param_gather and mp.fp8 is None:
+        yield _Hit(
+            "mixed_precision.fp8_param_gather=true needs mixed_precision.fp8 (e4m3 or hybrid), got null",
+            "set mixed_precision.fp8=e4m3, or mixed_precision.fp8_param_gather=false",
+        )
+
+
+@rule("MOE003", "precision", "error", ["mixed_precision.fp4_param_gather", "mixed_precision.fp4"], "fp4_param_gather needs fp4")
+def fp4_param_gather_needs_fp4(c: Context) -> Iterator[_Hit]:
+    """FP4 param gather stores and all-gathers weights as NVFP4. Without fp4 there is no FP4 recipe."""
+    mp = c.cfg.mixed_precision
+    if mp.fp4_param_gather and mp.fp4 is None:
+        yield _Hit(
+            "mixed_precision.fp4_param_gather=true needs mixed_precision.fp4=e2m1, got null",
+            "set mixed_precision.fp4=e2m1, or mixed_precision.fp4_param_gather=false",
+        )
+
+
+@rule(
+    "MOE004", "precision", "error",
+    ["mixed_precision.fp8_param_gather", "mixed_precision.fp4_param_gather", "parallel.use_distributed_optimizer"],
+    "low-precision param gather needs the distributed optimizer",
+)
+def param_gather_needs_distributed_optimizer(c: Context) -> Iterator[_Hit]:
+    """Param gather means: each rank updates its shard of the fp32 masters, quantizes (or stages) it, and
+    all-gathers the result. Without the distributed optimizer there are no shards and no gather: every
+    rank holds full masters and would keep low-precision weights with nothing to refresh them from."""
+    mp = c.cfg.mixed_precision
+    if (mp.fp8_param_gather or mp.fp4_param_gather) and not c.cfg.parallel.use_distributed_optimizer:
+        which = "fp8_param_gather" if mp.fp8_param_gather else "fp4_param_gather"
+        yield _Hit(
+            f"mixed_precision.{which}=true needs parallel.use_distributed_optimizer=true, got false",
+            f"set parallel.use_distributed_optimizer=true, or mixed_precision.{which}=false",
+        )
+
+
+@rule(
+    "MOE005", "precision", "error",
+    ["mixed_precision.reuse_grad_buf_for_mxfp8_param_ag", "mixed_precision.fp8_param_gather", "mixed_precision.fp8_recipe"],
+    "reuse_grad_buf_for_mxfp8_param_ag needs fp8_param_gather and the mxfp8 recipe",
+)
+def reuse_buffer_needs_mxfp8_param_gather(c: Context) -> Iterator[_Hit]:
+    """The reuse buffer stages bf16 masters for the MXFP8 all-gather inside the grad buffer's memory.
+    It exists only for MXFP8 param gather: other FP8 recipes gather FP8 bytes with a dp-wide scale and
+    need no bf16 staging, and without param gather there is nothing to stage."""
+    mp = c.cfg.mixed_precision
+    if not mp.reuse_grad_buf_for_mxfp8_param_ag:
+        return
+    if not mp.fp8_param_gather:
+        yield _Hit(
+            "mixed_precision.reuse_grad_buf_for_mxfp8_param_ag=true needs mixed_precision.fp8_param_gather=true, got false",
+            "set mixed_precision.fp8_param_gather=true (with fp8_recipe=mxfp8), or turn the reuse buffer off",
+        )
+    if mp.fp8_recipe != "mxfp8":
+        yield _Hit(
+            f"mixed_precision.reuse_grad_buf_for_mxfp8_param_ag=true needs mixed_precision.fp8_recipe=mxfp8, got {mp.fp8_recipe}",
+            "set mixed_precision.fp8_recipe=mxfp8, or mixed_precision.reuse_grad_buf_for_mxfp8_param_ag=false",
+        )
+
+
+@rule(
+    "MOE006", "precision", "error",
+    ["model.hidden_size", "model.ffn_hidden_size", "moe.ffn_hidden_size", "mixed_precision.fp8_recipe"],
+    "GEMM dimensions are multiples of the recipe's block",
+)
+def gemm_dims_fit_recipe_block(c: Context) -> Iterator[_Hit]:
+    """Quantized GEMMs scale their operands in blocks along both weight dimensions (rowwise for forward,
+    columnwise for backward): 16 for fp8 tensorwise/delayed/rowwise (FP8 tensor cores want multiples of
+    16), 32 for mxfp8 (one e8m0 scale per 32 values), 128 for blockwise (128x128 tiles), 32 for nvfp4
+    (16-value scale blocks; FP4 GEMM kernels want K and N in multiples of 32). A dimension that does not
+    divide evenly fails in the kernel, minutes into a job. Only dimensions the model uses are checked:
+    model.ffn_hidden_size only when some layer is dense, moe.ffn_hidden_size only when some layer is MoE."""
+    dims = ["model.hidden_size"]
+    if c.dense_layers > 0:
+        dims.append("model.ffn_hidden_size")
+    if c.moe_layers > 0:
+        dims.append("moe.ffn_hidden_size")
+    for recipe, recipe_key in c.recipes:
+        block = RECIPE_BLOCK[recipe]
+        for key in dims:
+            v = c.value(key)
+            if v > 0 and v % block:
+                up = -(-v // block) * block
+                yield _Hit(
+                    f"{key}={v} is not a multiple of {block}, the block of the {recipe} recipe",
+                    f"set {key} to a multiple of {block} (e.g. {up})",
+                    keys=(key, recipe_key),
+                )
+
+
+@rule(
+    "MOE007", "precision", "error",
+    ["moe.router_padding_for_quantization", "mixed_precision.fp8", "mixed_precision.fp4"],
+    "router_padding_for_quantization needs a low-precision recipe",
+)
+def router_padding_needs_low_precision(c: Context) -> Iterator[_Hit]:
+    """Router padding rounds each expert's token count up to the recipe's alignment (16 for FP8, 32 for
+    MXFP8/NVFP4) so quantized grouped GEMMs see whole blocks. In bf16/fp32 there is no alignment to meet,
+    and the padded routings are pure wasted compute."""
+    mp = c.cfg.mixed_precision
+    if c.cfg.moe.router_padding_for_quantization and mp.fp8 is None and mp.fp4 is None:
+        yield _Hit(
+            "moe.router_padding_for_quantization=true but neither mixed_precision.fp8 nor mixed_precision.fp4 is on",
+            "set moe.router_padding_for_quantization=false, or turn on an fp8/fp4 recipe",
+        )
+
+
+@rule("MOE008", "precision", "warning", ["mixed_precision.bf16", "mixed_precision.fp8", "mixed_precision.fp4"], "fp8/fp4 without bf16")
+def low_precision_without_bf16(c: Context) -> Iterator[_Hit]:
+    """FP8 and FP4 recipes quantize the GEMMs only; everything else (attention, norms, router, embedding,
+    unquantized weights, activations between GEMMs) runs in the model's dtype. Low-precision recipes are
+    designed and tuned on a bf16 model (Megatron, torchao); with fp32 it works but is slow and uses twice
+    the memory for little gain."""
+    if c.recipes and not c.cfg.mixed_precision.bf16:
+        yield _Hit(
+            f"{' and '.join(r for r, _ in c.recipes)} on an fp32 model (mixed_precision.bf16=false)",
+            "set mixed_precision.bf16=true",
+        )
+
+
+@rule(
+    "MOE009", "precision", "warning",
+    ["mixed_precision.fp8_recipe", "mixed_precision.fp8_param_gather", "mixed_precision.reuse_grad_buf_for_mxfp8_param_ag"],
+    "mxfp8 param gather without the reuse buffer costs memory",
+)
+def mxfp8_param_gather_without_reuse(c: Context) -> Iterator[_Hit]:
+    """MXFP8 param gather all-gathers bf16 masters and quantizes them locally (bit-identical to no
+    gather). Without `reuse_grad_buf_for_mxfp8_param_ag` the bf16 staging buffer is separate memory, 2
+    bytes per weight on every rank; with it the staging lives in the grad buffer, which is idle then."""
+    mp = c.cfg.mixed_precision
+    if mp.fp8 is not None and mp.fp8_recipe == "mxfp8" and mp.fp8_param_gather and not mp.reuse_grad_buf_for_mxfp8_param_ag:
+        yield _Hit(
+            "mxfp8 with mixed_precision.fp8_param_gather=true stages bf16 weights in a separate buffer "
+            "(reuse_grad_buf_for_mxfp8_param_ag=false)",
+            "set mixed_precision.reuse_grad_buf_for_mxfp8_param_ag=true",
+        )
+
+
+# ------------------------------------------------------------------------------- optimizer and schedule
+
+
+@rule(
+    "MOE010", "optimizer", "error",
+    ["optimizer.optimizer", "mixed_precision.fp8_param_gather", "mixed_precision.fp8_recipe",
+     "mixed_precision.reuse_grad_buf_for_mxfp8_param_ag"],
+    "Muon with fp8 param gather only with mxfp8 and the reuse buffer",
+)
+def muon_fp8_param_gather_needs_mxfp8_reuse(c: Context) -> Iterator[_Hit]:
+    """Muon owns whole parameters (layer-wise), so its updated weights must reach the other ranks as
+    values every rank can quantize identically. With mxfp8 + the reuse buffer, ranks gather bf16 masters
+    and quantize locally: exact. Per-tensor FP8 gather needs one dp-wide amax per tensor from shards
+    that Muon does not have, and without the reuse buffer a forced sync can ship stale staging (Megatron
+    #4987, #6754). Megatron's proposed rule for layer-wise optimizers is the same."""
+    mp = c.cfg.mixed_precision
+    if c.cfg.optimizer.optimizer != "muon" or not mp.fp8_param_gather:
+        return
+    if mp.fp8_recipe != "mxfp8" or not mp.reuse_grad_buf_for_mxfp8_param_ag:
+        yield _Hit(
+            f"optimizer.optimizer=muon with mixed_precision.fp8_param_gather=true needs fp8_recipe=mxfp8 and "
+            f"reuse_grad_buf_for_mxfp8_param_ag=true, got {mp.fp8_recipe} and {fmt(mp.reuse_grad_buf_for_mxfp8_param_ag)}",
+            "set mixed_precision.fp8_recipe=mxfp8 and mixed_precision.reuse_grad_buf_for_mxfp8_param_ag=true, "
+            "or mixed_precision.fp8_param_gather=false",
+        )
+
+
+@rule("MOE011", "optimizer", "error", ["optimizer.optimizer", "mixed_precision.fp4_param_gather"], "no fp4 param gather with Muon")
+def muon_no_fp4_param_gather(c: Context) -> Iterator[_Hit]:
+    """NVFP4 param gather ships 4-bit values with per-tensor and per-block scales computed across the
+    shards; Muon's whole-parameter owners cannot produce them consistently, and re-quantizing orthogonal
+    updates to 4 bits every step defeats Muon. Megatron rejects it on the same path (#5479)."""
+    if c.cfg.optimizer.optimizer == "muon" and c.cfg.mixed_precision.fp4_param_gather:
+        yield _Hit(
+            "optimizer.optimizer=muon cannot use mixed_precision.fp4_param_gather=true",
+            "set mixed_precision.fp4_param_gather=false (fp4 compute stays), or use optimizer.optimizer=adam",
+        )
+
+
+@rule(
+    "MOE012", "optimizer", "error",
+    ["optimizer.lr", "optimizer.min_lr", "optimizer.weight_decay", "optimizer.adam_beta1", "optimizer.adam_beta2",
+     "optimizer.adam_eps", "optimizer.clip_grad", "optimizer.muon_momentum"],
+    "optimizer hyperparameters are in range",
+)
+def optimizer_hyperparameters_in_range(c: Context) -> Iterator[_Hit]:
+    """A learning rate <= 0, a beta outside [0, 1), a non-positive epsilon or a negative clip or weight
+    decay is never intended: it diverges, does nothing, or divides by zero. Only the values the chosen
+    optimizer reads are checked (Adam's for adam and for Muon's non-matrix params, momentum for Muon)."""
+    o = c.cfg.optimizer
+    checks: list[tuple[str, float, bool, str]] = [
+        ("lr", o.lr, o.lr > 0, "> 0"),
+        ("min_lr", o.min_lr, o.min_lr >= 0, ">= 0"),
+        ("weight_decay", o.weight_decay, o.weight_decay >= 0, ">= 0"),
+        ("clip_grad", o.clip_grad, o.clip_grad >= 0, ">= 0 (0 disables clipping)"),
+    ]
+    if o.optimizer in ("adam", "muon"):
+        checks += [
+            ("adam_beta1", o.adam_beta1, 0 <= o.adam_beta1 < 1, "in [0, 1)"),
+            ("adam_beta2", o.adam_beta2, 0 <= o.adam_beta2 < 1, "in [0, 1)"),
+            ("adam_eps", o.adam_eps, o.adam_eps > 0, "> 0"),
+        ]
+    if o.optimizer == "muon":
+        checks.append(("muon_momentum", o.muon_momentum, 0 <= o.muon_momentum < 1, "in [0, 1)"))
+    for name, value, ok, want in checks:
+        if not ok:  # also catches NaN, for which every comparison is false
+            yield _Hit(f"optimizer.{name}={fmt(value)} must be {want}", f"set optimizer.{name} {want}", keys=(f"optimizer.{name}",))
+
+
+@rule("MOE013", "optimizer", "error", ["optimizer.min_lr", "optimizer.lr", "optimizer.lr_decay_style"], "min_lr <= lr")
+def min_lr_not_above_lr(c: Context) -> Iterator[_Hit]:
+    """The schedule decays from lr to min_lr; a min_lr above the peak makes the "decay" an increase,
+    which is always a typo (often a missing minus sign in an exponent). Constant schedules ignore min_lr."""
+    o = c.cfg.optimizer
+    if o.lr_decay_style != "constant" and o.min_lr > o.lr:
+        yield _Hit(
+            f"optimizer.min_lr={fmt(o.min_lr)} is above optimizer.lr={fmt(o.lr)}",
+            "set optimizer.min_lr <= optimizer.lr (e.g. lr / 10)",
+        )
+
+
+@rule(
+    "MOE014", "optimizer", "error",
+    ["optimizer.lr_warmup_iters", "optimizer.lr_decay_iters", "optimizer.lr_decay_style"],
+    "warmup ends before decay ends",
+)
+def warmup_before_decay_end(c: Context) -> Iterator[_Hit]:
+    """With an explicit lr_decay_iters the decay phase is lr_decay_iters - lr_warmup_iters steps long;
+    zero or negative leaves the schedule undefined (Megatron asserts warmup < decay steps too)."""
+    o = c.cfg.optimizer
+    if o.lr_decay_style != "constant" and o.lr_decay_iters is not None and o.lr_warmup_iters >= o.lr_decay_iters:
+        yield _Hit(
+            f"optimizer.lr_warmup_iters={o.lr_warmup_iters} is not below optimizer.lr_decay_iters={o.lr_decay_iters}",
+            "make optimizer.lr_warmup_iters smaller than optimizer.lr_decay_iters",
+        )
+
+
+@rule("MOE015", "optimizer", "warning", ["optimizer.lr_warmup_iters", "train.train_iters"], "warmup shorter than the run")
+def warmup_shorter_than_run(c: Context) -> Iterator[_Hit]:
+    """A warmup as long as the run never reaches the peak learning rate. It is legal (a short debug run
+    of a long config does it), so it is a warning."""
+    o, t = c.cfg.optimizer, c.cfg.train
+    if o.lr_warmup_iters > 0 and o.lr_warmup_iters >= t.train_iters:
+        yield _Hit(
+            f"optimizer.lr_warmup_iters={o.lr_warmup_iters} >= train.train_iters={t.train_iters}: lr never reaches its peak",
+            "make optimizer.lr_warmup_iters smaller than train.train_iters (a few percent of it is usual)",
+        )
+
+
+# ------------------------------------------------------------------------------------------------ overlap
+
+
+@rule(
+    "MOE016", "overlap", "error", ["parallel.overlap_param_gather", "parallel.overlap_grad_reduce"],
+    "overlap_param_gather needs overlap_grad_reduce",
+)
+def overlap_param_gather_needs_overlap_grad_reduce(c: Context) -> Iterator[_Hit]:
+    """Overlapped param gather is driven by the same bucket machinery and hooks as overlapped grad
+    reduce: buckets reduce-scatter during backward, and the gather of the next step's params starts from
+    the forward pre-hooks. Without overlapped reduce the buckets are never dispatched that way
+    (Megatron requires the same)."""
+    p = c.cfg.parallel
+    if p.overlap_param_gather and not p.overlap_grad_reduce:
+        yield _Hit(
+            "parallel.overlap_param_gather=true needs parallel.overlap_grad_reduce=true, got false",
+            "set parallel.overlap_grad_reduce=true, or parallel.overlap_param_gather=false",
+        )
+
+
+@rule(
+    "MOE017", "overlap", "error", ["parallel.overlap_param_gather", "parallel.use_distributed_optimizer"],
+    "overlap_param_gather needs the distributed optimizer",
+)
+def overlap_param_gather_needs_distributed_optimizer(c: Context) -> Iterator[_Hit]:
+    """Only the distributed optimizer shards params and then all-gathers them; without it there is no
+    param gather to overlap."""
+    p = c.cfg.parallel
+    if p.overlap_param_gather and not p.use_distributed_optimizer:
+        yield _Hit(
+            "parallel.overlap_param_gather=true needs parallel.use_distributed_optimizer=true, got false",
+            "set parallel.use_distributed_optimizer=true, or parallel.overlap_param_gather=false",
+        )
+
+
+# ---------------------------------------------------------------------------------------------------- MoE
+
+
+@rule("MOE018", "moe", "error", ["moe.router_topk", "moe.num_experts"], "1 <= router_topk <= num_experts")
+def router_topk_in_range(c: Context) -> Iterator[_Hit]:
+    """Each token goes to k distinct experts: k = 0 routes nowhere, k > E cannot be chosen."""
+    m = c.cfg.moe
+    if not 1 <= m.router_topk <= max(m.num_experts, 1):
+        yield _Hit(
+            f"moe.router_topk={m.router_topk} must be between 1 and moe.num_experts={m.num_experts}",
+            f"set moe.router_topk to 1..{max(m.num_experts, 1)}",
+        )
+
+
+@rule("MOE019", "moe", "error", ["moe.glu_interleave_size", "moe.activation"], "glu_interleave_size needs a gated activation")
+def interleave_needs_gated_activation(c: Context) -> Iterator[_Hit]:
+    """Interleaving reorders fc1's [gate; up] rows into [gate(I), up(I), ...] blocks. A non-gated
+    activation (squared_relu) has no gate/up halves, so there is nothing to interleave."""
+    m = c.cfg.moe
+    if m.glu_interleave_size is not None and m.activation not in GATED_ACTIVATIONS:
+        yield _Hit(
+            f"moe.glu_interleave_size={m.glu_interleave_size} needs a gated moe.activation (swiglu, quick_geglu), got {m.activation}",
+            "set moe.glu_interleave_size=null, or moe.activation=swiglu",
+        )
+
+
+@rule("MOE020", "moe", "error", ["moe.glu_interleave_size", "moe.ffn_hidden_size"], "glu_interleave_size divides moe.ffn_hidden_size")
+def interleave_divides_expert_ffn(c: Context) -> Iterator[_Hit]:
+    """fc1 holds F gate rows and F up rows; they are stored as F/I pairs of blocks, so I must divide F.
+    Megatron does not check this (its own list of missing rules, item 27)."""
+    m = c.cfg.moe
+    i, f = m.glu_interleave_size, m.ffn_hidden_size
+    if i is not None and i > 0 and f > 0 and f % i:
+        yield _Hit(
+            f"moe.glu_interleave_size={i} does not divide moe.ffn_hidden_size={f}",
+            "set moe.glu_interleave_size to a divisor of moe.ffn_hidden_size (e.g. 32), or null",
+        )
+
+
+@rule("MOE021", "moe", "error", ["moe.single_grouped_bias", "moe.add_bias"], "single_grouped_bias needs add_bias")
+def single_grouped_bias_needs_add_bias(c: Context) -> Iterator[_Hit]:
+    """`single_grouped_bias` chooses how expert biases are stored; without `add_bias` there are none."""
+    m = c.cfg.moe
+    if m.single_grouped_bias and not m.add_bias:
+        yield _Hit(
+            "moe.single_grouped_bias=true needs moe.add_bias=true, got false",
+            "set moe.add_bias=true, or moe.single_grouped_bias=false",
+        )
+
+
+@rule("MOE022", "moe", "error", ["moe.backend", "transformer_engine"], "backend te needs Transformer Engine >= 2.14")
+def te_backend_needs_transformer_engine(c: Context) -> Iterator[_Hit]:
+    """The `te` expert backend runs Transformer Engine's op-fuser GroupedLinear + SwiGLU, which need
+    TE >= 2.14 with its PyTorch part. This is an environment rule: it reports what this machine has
+    (found through package metadata, without importing TE, which takes seconds)."""
+    if c.cfg.moe.backend != "te":
+        return
+    te = c.env.te
+    want = ".".join(map(str, TE_MIN_VERSION))
+    fix = f"pip install 'transformer-engine[pytorch]>={want}' (or moectl[te]), or set moe.backend=auto"
+    if te is None:
+        yield _Hit(f"moe.backend=te needs Transformer Engine >= {want}; found: not installed", fix)
+        return
+    found = parse_version(te.version)
+    if found is None or found < TE_MIN_VERSION:
+        yield _Hit(f"moe.backend=te needs Transformer Engine >= {want}; found: {te.describe()}", fix)
+    elif not te.has_pytorch:
+        yield _Hit(f"moe.backend=te needs Transformer Engine's PyTorch part; found: {te.describe()}", fix)
+
+
+@rule(
+    "MOE023", "moe", "error", ["moe.aux_loss_coeff", "moe.z_loss_coeff", "moe.capacity_factor"],
+    "router loss coefficients >= 0, capacity_factor > 0",
+)
+def moe_coefficients_in_range(c: Context) -> Iterator[_Hit]:
+    """A negative load-balancing or z-loss coefficient rewards imbalance and exploding logits; a capacity
+    factor <= 0 gives every expert zero capacity and drops every token."""
+    m = c.cfg.moe
+    if not m.aux_loss_coeff >= 0:
+        yield _Hit(f"moe.aux_loss_coeff={fmt(m.aux_loss_coeff)} must be >= 0", "set moe.aux_loss_coeff >= 0 (0 disables)", keys=("moe.aux_loss_coeff",))
+    if not m.z_loss_coeff >= 0:
+        yield _Hit(f"moe.z_loss_coeff={fmt(m.z_loss_coeff)} must be >= 0", "set moe.z_loss_coeff >= 0 (0 disables)", keys=("moe.z_loss_coeff",))
+    if m.capacity_factor is not None and not m.capacity_factor > 0:
+        yield _Hit(
+            f"moe.capacity_factor={fmt(m.capacity_factor)} must be > 0",
+            "set moe.capacity_factor > 0 (1.0-1.25 is usual), or null for dropless",
+            keys=("moe.capacity_factor",),
+        )
+
+
+@rule("MOE024", "moe", "error", ["moe.pad_expert_input_to_capacity", "moe.capacity_factor"], "pad_expert_input_to_capacity needs capacity_factor")
+def pad_to_capacity_needs_capacity_factor(c: Context) -> Iterator[_Hit]:
+    """Padding to capacity pads every expert's input to capacity_factor * T*k/E tokens; dropless routing
+    (capacity_factor null) has no capacity to pad to."""
+    m = c.cfg.moe
+    if m.pad_expert_input_to_capacity and m.capacity_factor is None:
+        yield _Hit(
+            "moe.pad_expert_input_to_capacity=true needs moe.capacity_factor, got null",
+            "set moe.capacity_factor (e.g. 1.25), or moe.pad_expert_input_to_capacity=false",
+        )
+
+
+@rule(
+    "MOE025", "moe", "warning", ["moe.delay_wgrad_compute", "parallel.expert_model_parallel_size"],
+    "delay_wgrad_compute has nothing to overlap without expert parallelism",
+)
+def delay_wgrad_without_expert_parallel(c: Context) -> Iterator[_Hit]:
+    """Delaying the expert weight-grad GEMMs exists to hide the expert-parallel all-to-all of the data
+    grads behind them. With expert_model_parallel_size 1 there is no all-to-all: the same work runs later,
+    and the wgrad inputs live longer (more memory)."""
+    if c.cfg.moe.delay_wgrad_compute and c.cfg.parallel.expert_model_parallel_size <= 1:
+        yield _Hit(
+            "moe.delay_wgrad_compute=true with parallel.expert_model_parallel_size=1: no all-to-all to overlap",
+            "set moe.delay_wgrad_compute=false, or use expert parallelism",
+        )
+
+
+@rule("MOE026", "moe", "error", ["model.moe_layer_freq", "model.num_layers"], "moe_layer_freq fits num_layers")
+def moe_layer_freq_matches_layers(c: Context) -> Iterator[_Hit]:
+    """An int N makes every N-th layer MoE and must be >= 1; a list gives 1 (MoE) or 0 (dense) per layer
+    and must have exactly num_layers entries, or layers would silently get the wrong MLP."""
+    m = c.cfg.model
+    f = m.moe_layer_freq
+    if isinstance(f, list):
+        if len(f) != m.num_layers:
+            yield _Hit(
+                f"model.moe_layer_freq has {len(f)} entries but model.num_layers={m.num_layers}",
+                "give one 1/0 entry per layer, or an int N (every N-th layer is MoE)",
+            )
+        if any(v not in (0, 1) for v in f):
+            yield _Hit(f"model.moe_layer_freq={fmt(f)} may hold only 1 (MoE) and 0 (dense)", "write 1 or 0 per layer")
+    elif f < 1:
+        yield _Hit(f"model.moe_layer_freq={f} must be >= 1", "set model.moe_layer_freq=1 (every layer MoE) or N >= 1")
+
+
+@rule("MOE027", "moe", "warning", ["model.moe_layer_freq", "model.num_layers"], "the model has at least one MoE layer")
+def model_has_moe_layer(c: Context) -> Iterator[_Hit]:
+    """moectl trains MoE models; a config whose moe_layer_freq selects no layer trains a dense model and
+    silently ignores the whole `moe` section, which is rarely what was meant."""
+    f = c.cfg.model.moe_layer_freq
+    well_formed = len(f) == c.cfg.model.num_layers if isinstance(f, list) else f >= 1
+    if well_formed and c.cfg.model.num_layers > 0 and c.moe_layers == 0:
+        yield _Hit(f"model.moe_layer_freq={fmt(f)} selects no MoE layer: the moe section is unused", "mark at least one layer 1")
+
+
+# ----------------------------------------------------------------------------------------------- parallel
+
+
+@rule("MOE028", "parallel", "error", ["moe.num_experts", "parallel.expert_model_parallel_size"], "num_experts divisible by ep")
+def experts_divisible_by_ep(c: Context) -> Iterator[_Hit]:
+    """Experts are sharded evenly over the expert-parallel ranks; E/ep must be a whole number."""
+    e, ep = c.cfg.moe.num_experts, c.cfg.parallel.expert_model_parallel_size
+    if e > 0 and ep > 0 and e % ep:
+        yield _Hit(
+            f"moe.num_experts={e} is not divisible by parallel.expert_model_parallel_size={ep}",
+            "make parallel.expert_model_parallel_size a divisor of moe.num_experts",
+        )
+
+
+@rule("MOE029", "parallel", "error", ["world_size", "parallel.expert_model_parallel_size"], "world size divisible by ep")
+def world_size_divisible_by_ep(c: Context) -> Iterator[_Hit]:
+    """The dp = world-size ranks split into expert-parallel groups of ep ranks, each expert replicated
+    over dp/ep of them (the expert-data-parallel group); ep must divide the world size."""
+    ep = c.cfg.parallel.expert_model_parallel_size
+    if ep > 0 and c.world_size % ep:
+        yield _Hit(
+            f"world size {c.world_size} is not divisible by parallel.expert_model_parallel_size={ep}",
+            "run on a multiple of expert_model_parallel_size processes (--world-size / --nproc-per-node), or change ep",
+        )
+
+
+@rule(
+    "MOE030", "parallel", "error", ["train.global_batch_size", "train.micro_batch_size", "world_size"],
+    "global_batch_size divisible by micro_batch_size x dp",
+)
+def global_batch_divisible(c: Context) -> Iterator[_Hit]:
+    """Each step every one of the dp ranks runs the same number of micro-batches:
+    global = micro x dp x accumulation steps, with a whole number of steps."""
+    t = c.cfg.train
+    per_step = t.micro_batch_size * c.dp
+    if t.micro_batch_size > 0 and t.global_batch_size > 0 and t.global_batch_size % per_step:
+        yield _Hit(
+            f"train.global_batch_size={t.global_batch_size} is not divisible by train.micro_batch_size={t.micro_batch_size} "
+            f"x dp={c.dp} (= {per_step})",
+            f"set train.global_batch_size to a multiple of {per_step}",
+        )
+
+
+@rule("MOE031", "parallel", "error", ["model.hidden_size", "model.num_attention_heads"], "hidden_size divisible by heads")
+def hidden_divisible_by_heads(c: Context) -> Iterator[_Hit]:
+    """Attention splits the hidden size into equal heads: head_dim = hidden_size / heads."""
+    m = c.cfg.model
+    if m.hidden_size > 0 and m.num_attention_heads > 0 and m.hidden_size % m.num_attention_heads:
+        yield _Hit(
+            f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads={m.num_attention_heads}",
+            "make model.num_attention_heads a divisor of model.hidden_size",
+        )
+
+
+@rule("MOE032", "parallel", "error", ["model.num_attention_heads", "model.num_query_groups"], "heads divisible by query groups")
+def heads_divisible_by_query_groups(c: Context) -> Iterator[_Hit]:
+    """Grouped-query attention shares each key/value head among heads/groups query heads."""
+    m = c.cfg.model
+    g = m.num_query_groups
+    if g is not None and g > 0 and m.num_attention_heads > 0 and m.num_attention_heads % g:
+        yield _Hit(
+            f"model.num_attention_heads={m.num_attention_heads} is not divisible by model.num_query_groups={g}",
+            "make model.num_query_groups a divisor of model.num_attention_heads (or null)",
+        )
+
+
+@rule("MOE033", "parallel", "error", ["model.hidden_size", "model.num_attention_heads"], "head_dim is even (RoPE)")
+def head_dim_even_for_rope(c: Context) -> Iterator[_Hit]:
+    """Rotary embeddings rotate pairs of channels (i, i + head_dim/2); an odd head_dim leaves one out."""
+    m = c.cfg.model
+    if m.hidden_size > 0 and m.num_attention_heads > 0 and m.hidden_size % m.num_attention_heads == 0:
+        hd = m.hidden_size // m.num_attention_heads
+        if hd % 2:
+            yield _Hit(
+                f"head_dim = model.hidden_size={m.hidden_size} / model.num_attention_heads={m.num_attention_heads} = {hd} is odd",
+                "choose sizes with an even head_dim (64 or 128 is usual)",
+            )
+
+
+# -------------------------------------------------------------------------------------------- CUDA graphs
+
+
+@rule(
+    "MOE034", "cuda_graph", "error",
+    ["train.cuda_graph", "moe.capacity_factor", "moe.pad_expert_input_to_capacity"],
+    "an MoE model under CUDA graphs needs drop-and-pad",
+)
+def cuda_graph_needs_drop_and_pad(c: Context) -> Iterator[_Hit]:
+    """A CUDA graph replays fixed shapes and launches with no host syncs. Dropless routing gives each
+    expert a data-dependent token count (and a device-to-host sync to size the grouped GEMM); only a
+    capacity factor with padding to capacity makes every expert's input static (Megatron: the `moe`
+    graph scope is for drop-and-pad only)."""
+    m = c.cfg.moe
+    if c.cfg.train.cuda_graph and c.moe_layers > 0 and (m.capacity_factor is None or not m.pad_expert_input_to_capacity):
+        yield _Hit(
+            f"train.cuda_graph=true with dropless experts (moe.capacity_factor={fmt(m.capacity_factor)}, "
+            f"moe.pad_expert_input_to_capacity={fmt(m.pad_expert_input_to_capacity)})",
+            "set moe.capacity_factor (e.g. 1.25) and moe.pad_expert_input_to_capacity=true, or train.cuda_graph=false",
+        )
+
+
+@rule("MOE035", "cuda_graph", "error", ["train.cuda_graph", "device"], "CUDA graphs need a CUDA device")
+def cuda_graph_needs_cuda_device(c: Context) -> Iterator[_Hit]:
+    """CUDA graphs capture CUDA kernels; a run on the CPU has none to capture."""
+    if c.cfg.train.cuda_graph and c.device is not None and c.device.kind == "cpu":
+        yield _Hit(f"train.cuda_graph=true on {c.device.describe()}", "set train.cuda_graph=false, or run on a GPU")
+
+
+# --------------------------------------------------------------------------------------------- checkpoint
+
+
+@rule(
+    "MOE036", "checkpoint", "error",
+    ["checkpoint.load_main_params_from_ckpt", "checkpoint.load", "checkpoint.no_load_optim"],
+    "load_main_params_from_ckpt needs load and no_load_optim",
+)
+def load_main_params_needs_load_and_no_load_optim(c: Context) -> Iterator[_Hit]:
+    """`load_main_params_from_ckpt` takes the fp32 masters from a checkpoint and starts the optimizer
+    afresh. It needs a checkpoint to load, and loading the optimizer state as well would contradict it
+    (Megatron requires `--no-load-optim` too)."""
+    k = c.cfg.checkpoint
+    if not k.load_main_params_from_ckpt:
+        return
+    missing = []
+    if not k.load:
+        missing.append("checkpoint.load")
+    if not k.no_load_optim:
+        missing.append("checkpoint.no_load_optim=true")
+    if missing:
+        yield _Hit(
+            f"checkpoint.load_main_params_from_ckpt=true needs {' and '.join(missing)} "
+            f"(got load={fmt(k.load)}, no_load_optim={fmt(k.no_load_optim)})",
+            "set checkpoint.load to a checkpoint and checkpoint.no_load_optim=true, or load_main_params_from_ckpt=false",
+        )
+
+
+@rule("MOE037", "checkpoint", "warning", ["checkpoint.no_load_optim", "checkpoint.load"], "no_load_optim without load")
+def no_load_optim_without_load(c: Context) -> Iterator[_Hit]:
+    """`no_load_optim` changes what is read from `checkpoint.load`; without a checkpoint to load it does
+    nothing, which usually means the load path was forgotten."""
+    k = c.cfg.checkpoint
+    if k.no_load_optim and not k.load:
+        yield _Hit("checkpoint.no_load_optim=true has no effect without checkpoint.load", "set checkpoint.load, or drop no_load_optim")
+
+
+# ----------------------------------------------------------------------------------- hardware, environment
+
+
+@rule(
+    "MOE038", "hardware", "error|warning", ["mixed_precision.fp8_recipe", "mixed_precision.emulate", "device"],
+    "the device runs the recipe natively (else: warning, or error under emulate: never)",
+)
+def recipe_native_on_device(c: Context) -> Iterator[_Hit]:
+    """moectl never pretends: a recipe the device has no GEMM for is emulated exactly (real FP8/FP4 values
+    and scales, dequantized, high-precision matmul), which is correct but slow. Hopper (sm90) runs fp8
+    tensorwise, rowwise and delayed natively and emulates blockwise, mxfp8 and nvfp4; sm100 and newer
+    run all of them; a CPU emulates everything. Under `emulate: auto` (or `always`) that is a warning;
+    `emulate: never` turns it into an error. Checked only against a known device: a visible GPU,
+    `--device-capability`, or `train.device: cpu`."""
+    dev = c.device
+    if dev is None:
+        return
+    never = c.cfg.mixed_precision.emulate == "never"
+    for recipe, key in c.recipes:
+        native = dev.kind == "cuda" and dev.capability is not None and dev.capability >= NATIVE_FROM[recipe]
+        if not native:
+            yield _Hit(
+                f"{key}={recipe} has no native kernels on {dev.describe()}: it runs emulated (exact, slow)",
+                "run on a device with native kernels (sm100+ for blockwise/mxfp8/nvfp4), or accept emulation"
+                + (" with mixed_precision.emulate=auto" if never else ""),
+                keys=(key, "mixed_precision.emulate", "device"),
+                severity="error" if never else "warning",
+            )
+
+
+@rule("MOE039", "hardware", "warning", ["mixed_precision.bf16", "device"], "bf16 needs sm80+")
+def bf16_native_on_device(c: Context) -> Iterator[_Hit]:
+    """bf16 tensor cores arrived with Ampere (sm80); older GPUs run bf16 GEMMs slowly or not at all."""
+    dev = c.device
+    if c.cfg.mixed_precision.bf16 and dev is not None and dev.kind == "cuda" and dev.capability and dev.capability < (8, 0):
+        yield _Hit(f"mixed_precision.bf16=true on {dev.describe()}: no bf16 tensor cores before sm80", "run on sm80+ or set bf16=false")
+
+
+@rule("MOE040", "hardware", "error", ["moe.backend", "device"], "backend te needs a CUDA device")
+def te_backend_needs_gpu(c: Context) -> Iterator[_Hit]:
+    """Transformer Engine's kernels are CUDA only; on the CPU use backend auto (it picks the reference)."""
+    if c.cfg.moe.backend == "te" and c.device is not None and c.device.kind == "cpu":
+        yield _Hit(f"moe.backend=te on {c.device.describe()}", "set moe.backend=auto")
+
+
+# ------------------------------------------------------------------------------- model, data and training
+
+
+_COUNTS = (
+    "model.num_layers", "model.hidden_size", "model.num_attention_heads", "model.ffn_hidden_size",
+    "model.vocab_size", "model.seq_length", "moe.num_experts", "moe.ffn_hidden_size",
+    "parallel.expert_model_parallel_size", "train.micro_batch_size", "train.global_batch_size",
+    "train.train_iters", "train.log_interval",
+)
+_OPTIONAL_COUNTS = (  # null = off; checked only when set
+    "model.num_query_groups", "moe.glu_interleave_size", "parallel.bucket_size", "train.eval_interval",
+    "optimizer.lr_decay_iters", "checkpoint.save_interval", "checkpoint.keep_last",
+)
+_CONDITIONAL_COUNTS = ("train.eval_iters", "optimizer.muon_ns_steps", "optimizer.lr_warmup_iters")
+
+
+def _positive_keys(c: Context) -> Iterator[tuple[str, Any, int]]:
+    """(key, value, minimum) for every count the run uses."""
+    for key in _COUNTS:
+        yield key, c.value(key), 1
+    for key in _OPTIONAL_COUNTS:
+        if c.value(key) is not None:
+            yield key, c.value(key), 1
+    if c.cfg.train.eval_interval is not None:
+        yield "train.eval_iters", c.cfg.train.eval_iters, 1
+    if c.cfg.optimizer.optimizer == "muon":
+        yield "optimizer.muon_ns_steps", c.cfg.optimizer.muon_ns_steps, 1
+    yield "optimizer.lr_warmup_iters", c.cfg.optimizer.lr_warmup_iters, 0
+
+
+@rule(
+    "MOE041", "model", "error",
+    _COUNTS + _OPTIONAL_COUNTS + _CONDITIONAL_COUNTS,
+    "sizes, counts and intervals are positive",
+)
+def sizes_positive(c: Context) -> Iterator[_Hit]:
+    """Layer counts, widths, heads, sequence length, vocabulary, experts, batch sizes, iteration counts,
+    intervals and `keep_last` must be >= 1 (warmup >= 0): a zero divides by zero or silently disables a
+    thing the config says it wants. Optional ones (null = off) are checked only when set. Other rules skip
+    a divisor that is not positive and leave the report to this one."""
+    for key, value, minimum in _positive_keys(c):
+        if value < minimum:
+            yield _Hit(f"{key}={fmt(value)} must be >= {minimum}", f"set {key} to an integer >= {minimum}", keys=(key,))
+
+
+@rule(
+    "MOE042", "model", "error", ["model.init_method_std", "model.norm_epsilon", "model.rotary_base"],
+    "init std > 0, norm epsilon > 0, RoPE base > 1",
+)
+def model_numerics_in_range(c: Context) -> Iterator[_Hit]:
+    """A zero init std makes every weight equal (no symmetry breaking); a norm epsilon <= 0 divides by
+    zero on a zero row; a RoPE base <= 1 makes frequencies grow with the channel instead of falling."""
+    m = c.cfg.model
+    for key, value, ok, want in (
+        ("model.init_method_std", m.init_method_std, m.init_method_std > 0, "> 0"),
+        ("model.norm_epsilon", m.norm_epsilon, m.norm_epsilon > 0, "> 0"),
+        ("model.rotary_base", m.rotary_base, m.rotary_base > 1, "> 1 (10000 is usual)"),
+    ):
+        if not ok:
+            yield _Hit(f"{key}={fmt(value)} must be {want}", f"set {key} {want}", keys=(key,))
+
+
+@rule("MOE043", "data", "error", ["model.vocab_size", "data.source", "data.tokenizer"], "byte-level sources need vocab_size >= 256")
+def byte_level_vocab(c: Context) -> Iterator[_Hit]:
+    """The built-in corpus, and the text source without a tokenizer, feed raw bytes: token ids 0..255.
+    A smaller vocabulary makes the embedding lookup fail on the first batch."""
+    d, v = c.cfg.data, c.cfg.model.vocab_size
+    byte_level = d.source == "corpus" or (d.source == "text" and d.tokenizer is None)
+    if byte_level and v < BYTE_LEVEL_VOCAB:
+        yield _Hit(
+            f"data.source={d.source} feeds bytes (ids up to 255) but model.vocab_size={v}",
+            f"set model.vocab_size >= {BYTE_LEVEL_VOCAB}",
+        )
+
+
+@rule("MOE044", "data", "error", ["data.source", "data.path"], "tokens, megatron and text sources need data.path")
+def data_path_required(c: Context) -> Iterator[_Hit]:
+    """The tokens, megatron and text sources read the user's files; only corpus and synthetic need none."""
+    d = c.cfg.data
+    if d.source in ("tokens", "megatron", "text") and not d.path:
+        hint = "the .bin/.idx prefix" if d.source == "megatron" else "the file"
+        yield _Hit(f"data.source={d.source} needs data.path, got null", f"set data.path to {hint}")
+
+
+@rule("MOE045", "data", "warning", ["data.source", "data.path"], "data.path exists")
+def data_path_exists(c: Context) -> Iterator[_Hit]:
+    """A missing data file is caught here rather than after the job is scheduled. A warning, not an error:
+    configs are often validated on a machine other than the one that has the data. For the megatron
+    source, data.path is a prefix and `<prefix>.bin` is looked for."""
+    d = c.cfg.data
+    if d.source not in ("tokens", "megatron", "text") or not d.path:
+        return
+    p = Path(d.path)
+    if not (p.exists() or (d.source == "megatron" and Path(f"{d.path}.bin").exists())):
+        yield _Hit(f"data.path={d.path} does not exist here", "check the path (relative paths are from the working directory)")
+
+
+@rule("MOE046", "data", "warning", ["data.tokenizer", "data.source"], "data.tokenizer is used only by the text source")
+def tokenizer_only_for_text(c: Context) -> Iterator[_Hit]:
+    """Only the text source tokenizes; the others read token ids (or bytes), so a tokenizer set elsewhere
+    is silently ignored, which usually means the wrong source was chosen."""
+    d = c.cfg.data
+    if d.tokenizer is not None and d.source != "text":
+        yield _Hit(f"data.tokenizer={d.tokenizer} is ignored by data.source={d.source}", "set data.source=text, or data.tokenizer=null")
+
+
+@rule("MOE047", "data", "error", ["data.eval_fraction", "train.eval_interval"], "eval_fraction fits the eval settings")
+def eval_fraction_fits(c: Context) -> Iterator[_Hit]:
+    """eval_fraction is the share of the data held out for evaluation: it must be < 1 (something is left
+    to train on), and > 0 when evaluation is on (eval_interval set), or there is nothing to evaluate."""
+    f, every = c.cfg.data.eval_fraction, c.cfg.train.eval_interval
+    if every is not None and not 0 < f < 1:
+        yield _Hit(
+            f"data.eval_fraction={fmt(f)} must be in (0, 1) with train.eval_interval={every}",
+            "set data.eval_fraction to e.g. 0.05, or train.eval_interval=null",
+        )
+    elif every is None and not 0 <= f < 1:
+        yield _Hit(f"data.eval_fraction={fmt(f)} must be in [0, 1)", "set data.eval_fraction to e.g. 0.05")
