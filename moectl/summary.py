@@ -1,0 +1,258 @@
+"""The run summary `validate-config` prints: world layout, parameter counts, per-rank memory estimate.
+
+Pure arithmetic on the config: no model is built and torch is not imported. The counts follow the
+model in `trainer/model.py`: no linear biases outside the experts, RMSNorm weights only, QKV of
+(heads + 2 x query groups) x head_dim rows, a dense SwiGLU MLP (fc1 `[2F, D]`, fc2 `[D, F]`) on
+non-MoE layers, a bias-free router `[E, D]`, expert fc1 `[2F, D]` for gated activations (`[F, D]`
+otherwise) and fc2 `[D, F]`.
+
+Memory is per rank and leaves out activations, temporary quantized copies and communication buffers:
+- weights: bf16 (2 bytes) or fp32 (4); with low-precision param gather the GEMM weights (attention,
+  dense MLP, experts) are stored quantized with a rowwise and a columnwise plane (fp8: 1 byte each plus
+  scales; nvfp4: half a byte plus one fp8 scale per 16), and MXFP8 gather without the reuse buffer adds
+  a bf16 staging copy; embeddings, norms, router and biases stay in the model dtype.
+- grads: one grad buffer for all local params, fp32 when `grad_reduce_in_fp32`, else the model dtype.
+- fp32 masters (only when params are not fp32) and optimizer state (Adam: 2 fp32 moments; Muon: one
+  fp32 momentum for matrices and Adam for the rest; SGD: none), divided over the data-parallel ranks
+  for dense params and over the expert-data-parallel ranks (dp / ep) for expert params when the
+  distributed optimizer is on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from moectl.config.schema import Config
+
+GATED = ("swiglu", "quick_geglu")
+# Bytes per element of a quantized weight, both planes (rowwise for forward, columnwise for backward).
+QUANTIZED_WEIGHT_BYTES = {
+    "tensorwise": 2.0, "delayed": 2.0, "rowwise": 2.0, "blockwise": 2.0,
+    "mxfp8": 2 * (1 + 1 / 32),  # one e8m0 scale per 32 values
+    "nvfp4": 2 * (0.5 + 1 / 16),  # one e4m3 scale per 16 values
+}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How ranks are arranged: dp = world size; experts sharded over ep, replicated over dp / ep."""
+
+    world_size: int
+    dp: int
+    ep: int
+    expert_dp: int
+    experts_per_rank: int
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Parameter counts of the whole model, by kind (experts counted over all E)."""
+
+    embedding: int  # word embeddings plus the untied output head
+    attention: int  # QKV and output projections
+    dense_mlp: int
+    router: int
+    experts: int  # expert weights and biases
+    norms: int
+    total: int
+    active: int  # per token: only top-k of E experts
+    per_rank: int  # everything except experts, plus this rank's E / ep experts
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Estimated bytes per rank (no activations)."""
+
+    weights: int
+    grads: int
+    masters: int
+    optimizer: int
+    total: int
+    weight_storage: str
+    grad_dtype: str
+    sharded_over: str
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """Layout, parameter counts and memory estimate of a resolved config."""
+
+    layout: Layout
+    params: ParamCounts
+    memory: Memory
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain data for `--json`."""
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class _Groups:
+    """Parameter counts split the way storage and optimizers treat them."""
+
+    gemm: int  # quantizable matrices outside the experts (attention, dense MLP)
+    router: int
+    embedding: int
+    vectors: int  # norms
+    expert_gemm: int
+    expert_bias: int
+
+
+def _groups(cfg: Config) -> _Groups:
+    m, e = cfg.model, cfg.moe
+    d, heads = m.hidden_size, m.num_attention_heads
+    head_dim = d // heads
+    kv = m.num_query_groups or heads
+    attention = (heads + 2 * kv) * head_dim * d + heads * head_dim * d
+    qk_norms = 2 * head_dim if m.qk_layernorm else 0
+    moe_layers = sum(1 for i in range(m.num_layers) if m.is_moe_layer(i))
+    dense_layers = m.num_layers - moe_layers
+    fc1_rows = 2 * e.ffn_hidden_size if e.activation in GATED else e.ffn_hidden_size
+    per_expert = fc1_rows * d + d * e.ffn_hidden_size
+    per_expert_bias = fc1_rows + d if e.add_bias else 0
+    return _Groups(
+        gemm=m.num_layers * attention + dense_layers * 3 * d * m.ffn_hidden_size,
+        router=moe_layers * e.num_experts * d,
+        embedding=m.vocab_size * d * (1 if m.tie_embeddings else 2),
+        vectors=m.num_layers * (2 * d + qk_norms) + d,
+        expert_gemm=moe_layers * e.num_experts * per_expert,
+        expert_bias=moe_layers * e.num_experts * per_expert_bias,
+    )
+
+
+def layout(cfg: Config, world_size: int) -> Layout:
+    """The world layout; raises ValueError when the sizes do not divide (the rules say which)."""
+    ep, e = cfg.parallel.expert_model_parallel_size, cfg.moe.num_experts
+    if world_size < 1 or ep < 1 or world_size % ep or e < 1 or e % ep:
+        raise ValueError("world size, expert_model_parallel_size and num_experts do not fit together")
+    return Layout(world_size=world_size, dp=world_size, ep=ep, expert_dp=world_size // ep, experts_per_rank=e // ep)
+
+
+def param_counts(cfg: Config, world_size: int) -> ParamCounts:
+    """Total, active-per-token and per-rank parameter counts."""
+    g = _groups(cfg)
+    lay = layout(cfg, world_size)
+    k, e = cfg.moe.router_topk, cfg.moe.num_experts
+    experts = g.expert_gemm + g.expert_bias
+    rest = g.gemm + g.router + g.embedding + g.vectors
+    return ParamCounts(
+        embedding=g.embedding,
+        attention=g.gemm - _dense_mlp(cfg),
+        dense_mlp=_dense_mlp(cfg),
+        router=g.router,
+        experts=experts,
+        norms=g.vectors,
+        total=rest + experts,
+        active=rest + experts * k // e,
+        per_rank=rest + experts // lay.ep,
+    )
+
+
+def _dense_mlp(cfg: Config) -> int:
+    m = cfg.model
+    dense_layers = sum(1 for i in range(m.num_layers) if not m.is_moe_layer(i))
+    return dense_layers * 3 * m.hidden_size * m.ffn_hidden_size
+
+
+def memory(cfg: Config, world_size: int) -> Memory:
+    """Per-rank bytes of weights, grads, fp32 masters and optimizer state."""
+    g = _groups(cfg)
+    lay = layout(cfg, world_size)
+    mp, par, opt = cfg.mixed_precision, cfg.parallel, cfg.optimizer
+    hp = 2 if mp.bf16 else 4
+    lp_recipe = mp.fp8_recipe if (mp.fp8 and mp.fp8_param_gather) else (mp.fp4_recipe if (mp.fp4 and mp.fp4_param_gather) else None)
+    q_bytes = QUANTIZED_WEIGHT_BYTES[lp_recipe] if lp_recipe else hp
+    staging = 2 if lp_recipe == "mxfp8" and not mp.reuse_grad_buf_for_mxfp8_param_ag else 0
+
+    local_gemm = g.gemm + g.expert_gemm / lay.ep
+    local_other = g.router + g.embedding + g.vectors + g.expert_bias / lay.ep
+    local = local_gemm + local_other
+    weights = local_gemm * (q_bytes + staging) + local_other * hp
+
+    grad_bytes = 4 if par.grad_reduce_in_fp32 else hp
+    grads = local * grad_bytes
+
+    # What one rank keeps of the optimizer's per-param state: dense over dp, experts over dp / ep.
+    dense_share = 1 / lay.dp if par.use_distributed_optimizer else 1.0
+    expert_share = 1 / lay.expert_dp if par.use_distributed_optimizer else 1.0
+    dense_gemm, dense_other = g.gemm + g.router, g.embedding + g.vectors
+    expert_gemm, expert_other = g.expert_gemm / lay.ep, g.expert_bias / lay.ep
+
+    def sharded(matrix_bytes: float, other_bytes: float) -> float:
+        return (dense_gemm * matrix_bytes + dense_other * other_bytes) * dense_share + (
+            expert_gemm * matrix_bytes + expert_other * other_bytes
+        ) * expert_share
+
+    params_fp32 = not mp.bf16 and lp_recipe is None
+    masters = 0.0 if params_fp32 else sharded(4, 4)
+    if opt.optimizer == "adam":
+        state = sharded(8, 8)
+    elif opt.optimizer == "muon":  # matrices (router included) take Muon's momentum, the rest Adam's moments
+        state = sharded(4, 8)
+    else:
+        state = 0.0
+    storage = f"{lp_recipe} (+bf16 staging)" if staging else (lp_recipe or ("bf16" if mp.bf16 else "fp32"))
+    return Memory(
+        weights=int(weights),
+        grads=int(grads),
+        masters=int(masters),
+        optimizer=int(state),
+        total=int(weights) + int(grads) + int(masters) + int(state),
+        weight_storage=storage,
+        grad_dtype="fp32" if grad_bytes == 4 else "bf16",
+        sharded_over=(f"dp {lay.dp}, experts over expert-dp {lay.expert_dp}" if par.use_distributed_optimizer else "not sharded"),
+    )
+
+
+def summarize(cfg: Config, world_size: int) -> RunSummary:
+    """The whole summary; raises ValueError when the sizes make it meaningless (the rules report why)."""
+    m = cfg.model
+    if min(m.num_layers, m.hidden_size, m.num_attention_heads, m.vocab_size, cfg.moe.num_experts) < 1:
+        raise ValueError("model sizes must be positive")
+    if isinstance(m.moe_layer_freq, list) and len(m.moe_layer_freq) != m.num_layers:
+        raise ValueError("moe_layer_freq does not fit num_layers")
+    if not isinstance(m.moe_layer_freq, list) and m.moe_layer_freq < 1:
+        raise ValueError("moe_layer_freq must be >= 1")
+    return RunSummary(layout(cfg, world_size), param_counts(cfg, world_size), memory(cfg, world_size))
+
+
+def human_count(n: float) -> str:
+    """1234567 -> '1.23M'."""
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.3g}{unit}"
+    return str(int(n))
+
+
+def human_bytes(n: float) -> str:
+    """Bytes in binary units: '1.5 GiB'."""
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{int(n)} B"
+
+
+def summary_lines(s: RunSummary, cfg: Config) -> list[tuple[str, str]]:
+    """(label, text) rows for the human summary."""
+    lay, p, mem = s.layout, s.params, s.memory
+    ranks = "rank" if lay.world_size == 1 else "ranks"
+    return [
+        (
+            "world",
+            f"{lay.world_size} {ranks}: dp {lay.dp}, ep {lay.ep}, expert-dp {lay.expert_dp} "
+            f"({lay.experts_per_rank} of {cfg.moe.num_experts} experts per rank)",
+        ),
+        (
+            "params",
+            f"{human_count(p.total)} total, {human_count(p.active)} active per token "
+            f"(top-{cfg.moe.router_topk} of {cfg.moe.num_experts} experts), {human_count(p.per_rank)} per rank",
+        ),
+        (
+            "memory",
+            f"{human_bytes(mem.total)} per rank without activations: weights {human_bytes(mem.weights)} "
+            f"({mem.weight_storage}), grads {human_bytes(mem.grads)} ({mem.grad_dtype}), fp32 masters "
+            f"{human_bytes(mem.masters)}, {cfg.optimizer.optimizer} state {human_bytes(mem.optimizer)} "
+            f"(sharded: {mem.sharded_over})",
+        ),
+    ]
