@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from moectl.cli.base import app
+from moectl.cli import validate  # noqa: F401
 
 __all__ = ["app", "main"]
 
