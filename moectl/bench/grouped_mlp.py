@@ -1,0 +1,331 @@
+"""`moectl bench grouped-mlp`: the routed-expert MLP, forward and forward+backward, path by path.
+
+Legend: E experts, D hidden (h), F expert ffn (f), m rows per expert, T = E*m routed rows, N = T/k tokens.
+
+Paths (all compute the same function, y = probs * fc2(swiglu(fc1(x))), bf16 on CUDA):
+    loop     a per-expert Python loop of matmuls over per-expert weights (Megatron's SequentialMLP way)
+    eager    torch._grouped_mm for fc1 (gate and up in one GEMM) and fc2, eager silu*mul between,
+             probs applied to the output in fp32 (torchtitan's GroupedExperts way, with w1/w3 merged)
+    compile  the same function under torch.compile (default mode)
+    grouped  moectl's `grouped` backend (trainer.moe.expert_backend)
+    fused    moectl's `fused` backend (trainer.kernels.fused_expert_mlp: Triton activation with probs)
+plus `ceiling`: a dense size^3 matmul measured in the same run, against which every number is also given
+as a percentage.
+
+TFLOP/s count only the GEMMs, 2*M*N*K each: forward = fc1 + fc2 = 2*T*D*(H + F); forward+backward = 3x
+that (dgrad and wgrad of both). Two sets of rows: the expert MLP alone, and with the permute/unpermute of
+`trainer.moe.dispatch.LocalDispatcher` around it (sort by expert, gather, and the combine back to tokens;
+each token routed to k experts). Routing is balanced, m rows per expert, so the shapes are the ones named.
+Every timed call uses a real upstream grad (`randn_like(y)`), never an expanded one. The weights of every
+default shape are hundreds of MB, far over the L2 (50-60 MB), so repeated calls do not run from cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from moectl.bench.timing import dense_ceiling_tflops, median_ms
+
+PATHS = ("loop", "eager", "compile", "grouped", "fused")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One benchmark shape: experts, hidden, expert ffn, rows per expert."""
+
+    experts: int
+    hidden: int
+    ffn: int
+    tokens_per_expert: int
+
+    @property
+    def rows(self) -> int:
+        return self.experts * self.tokens_per_expert
+
+    def label(self) -> str:
+        return f"E={self.experts} h={self.hidden} f={self.ffn} m={self.tokens_per_expert}"
+
+    def gemm_flops(self, backward: bool) -> float:
+        """2*M*N*K per GEMM; fc1 has N = 2f (gate and up), fc2 K = f. Backward doubles it (dgrad + wgrad)."""
+        fwd = 2.0 * self.rows * self.hidden * (2 * self.ffn + self.ffn)
+        return 3.0 * fwd if backward else fwd
+
+    @staticmethod
+    def parse(text: str) -> "Shape":
+        """'E,h,f,m' -> Shape."""
+        parts = [int(p) for p in text.replace("x", ",").split(",")]
+        if len(parts) != 4 or min(parts) <= 0:
+            raise ValueError(f"shape {text!r}: expected four positive integers E,h,f,m")
+        return Shape(*parts)
+
+
+DEFAULT_SHAPES = (
+    Shape(8, 4096, 14336, 2048),
+    Shape(32, 4096, 1536, 1024),
+    Shape(64, 2048, 1408, 512),
+    Shape(128, 7168, 2048, 256),
+)
+QUICK_SHAPES = (Shape(4, 64, 96, 32), Shape(8, 32, 64, 16))
+
+
+@dataclass
+class BenchConfig:
+    """What to run. `quick`: tiny shapes, few iterations (CI smoke); fp32 on CPU."""
+
+    shapes: tuple[Shape, ...] = DEFAULT_SHAPES
+    paths: tuple[str, ...] = PATHS
+    permute: bool = True
+    warmup: int = 5
+    iters: int = 20
+    device: str = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype: torch.dtype = torch.bfloat16
+    ceiling_size: int = 8192
+    topk: Optional[int] = None  # None: 2 for E <= 8, else 8 (Mixtral-like vs DeepSeek/Qwen-like)
+    compile_on_cpu: bool = False
+    seed: int = 0
+
+    @staticmethod
+    def quick_config(device: Optional[str] = None) -> "BenchConfig":
+        dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        return BenchConfig(
+            shapes=QUICK_SHAPES, warmup=1, iters=3, device=dev,
+            dtype=torch.bfloat16 if dev == "cuda" else torch.float32, ceiling_size=256 if dev == "cpu" else 2048,
+        )  # fmt: skip
+
+
+@dataclass
+class BenchResult:
+    """Rows (one per shape x pass x permute) and what the run measured them against."""
+
+    meta: dict[str, Any]
+    ceiling_tflops: float
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"meta": self.meta, "ceiling_tflops": self.ceiling_tflops, "rows": self.rows, "notes": self.notes}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the baselines, written the way a user would
+
+
+def eager_expert_mlp(
+    x_TD: torch.Tensor, w1_EHD: torch.Tensor, w2_EDF: torch.Tensor, offs_E: torch.Tensor, probs_T: torch.Tensor
+) -> torch.Tensor:
+    """torchtitan's GroupedExperts (w1/w3 as one [gate; up] GEMM): grouped GEMMs + eager silu*mul + probs."""
+    h_TH = torch._grouped_mm(x_TD, w1_EHD.transpose(-2, -1), offs=offs_E)
+    g_TF, u_TF = h_TH.chunk(2, dim=-1)
+    y_TD = torch._grouped_mm(F.silu(g_TF) * u_TF, w2_EDF.transpose(-2, -1), offs=offs_E)
+    return (y_TD.float() * probs_T[:, None]).to(y_TD.dtype)
+
+
+def loop_expert_mlp(
+    x_TD: torch.Tensor, w1s: list[torch.Tensor], w2s: list[torch.Tensor], splits: list[int], probs_T: torch.Tensor
+) -> torch.Tensor:
+    """Per-expert matmuls over per-expert weights (a loop over experts, splits known on the host)."""
+    outs = []
+    for x_e, w1, w2 in zip(torch.split(x_TD, splits), w1s, w2s):
+        g, u = (x_e @ w1.t()).chunk(2, dim=-1)
+        outs.append((F.silu(g) * u) @ w2.t())
+    y_TD = torch.cat(outs)
+    return (y_TD.float() * probs_T[:, None]).to(y_TD.dtype)
+
+
+class _BackendFunction(torch.autograd.Function):
+    """A moectl expert backend (protocol: forward/backward over plain tensors) as an autograd node."""
+
+    @staticmethod
+    def forward(ctx: Any, x, w1, w2, probs, counts, backend, spec):  # type: ignore[no-untyped-def, override]
+        y, ctx.backend_ctx = backend.forward(x, w1, None, w2, None, counts, probs, spec)
+        ctx.backend = backend
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, dy):  # type: ignore[no-untyped-def, override]
+        dx, dw1, _, dw2, _, dprobs = ctx.backend.backward(ctx.backend_ctx, dy)
+        ctx.backend_ctx = None
+        return dx, dw1, dw2, dprobs, None, None, None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# one shape
+
+
+@dataclass
+class _Inputs:
+    """Everything every path reads, drawn once per shape from one seed (random data: zeros run faster)."""
+
+    x_TD: torch.Tensor  # the expert input (already permuted)
+    x_ND: torch.Tensor  # the tokens, for the permute rows
+    w1_EHD: torch.Tensor
+    w2_EDF: torch.Tensor
+    w1s: list[torch.Tensor]
+    w2s: list[torch.Tensor]
+    probs_T: torch.Tensor
+    probs_NK: torch.Tensor
+    indices_NK: torch.Tensor
+    counts_E: torch.Tensor
+    offs_E: torch.Tensor
+    splits: list[int]
+
+
+def _inputs(shape: Shape, topk: int, device: torch.device, dtype: torch.dtype, seed: int) -> _Inputs:
+    g = torch.Generator(device=device).manual_seed(seed)
+    E, D, Fd, m, T = shape.experts, shape.hidden, shape.ffn, shape.tokens_per_expert, shape.rows
+
+    def randn(*size: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*size, device=device, generator=g) * scale).to(dtype).requires_grad_()
+
+    w1 = randn(E, 2 * Fd, D, scale=D**-0.5)
+    w2 = randn(E, D, Fd, scale=Fd**-0.5)
+    # Balanced routing: every expert gets exactly m of the T = N*k routings (a token may pick one twice).
+    slot_T = torch.randperm(T, device=device, generator=g)
+    counts = torch.full((E,), m, dtype=torch.int64, device=device)
+    return _Inputs(
+        x_TD=randn(T, D),
+        x_ND=randn(T // topk, D),
+        w1_EHD=w1,
+        w2_EDF=w2,
+        w1s=[w.detach().clone().requires_grad_() for w in w1.unbind(0)],
+        w2s=[w.detach().clone().requires_grad_() for w in w2.unbind(0)],
+        probs_T=torch.rand(T, device=device, generator=g).requires_grad_(),
+        probs_NK=torch.rand(T // topk, topk, device=device, generator=g).requires_grad_(),
+        indices_NK=(slot_T // m).view(T // topk, topk),
+        counts_E=counts,
+        offs_E=torch.cumsum(counts, 0).to(torch.int32),
+        splits=[m] * E,
+    )
+
+
+def _expert_fn(path: str, inp: _Inputs, spec: Any, compiled: Optional[Callable[..., torch.Tensor]]):
+    """(fn(x, probs) -> y, the weight leaves to differentiate) for one path."""
+    if path == "loop":
+        return (lambda x, p: loop_expert_mlp(x, inp.w1s, inp.w2s, inp.splits, p)), [*inp.w1s, *inp.w2s]
+    if path in ("eager", "compile"):
+        f = compiled if path == "compile" else eager_expert_mlp
+        assert f is not None
+        return (lambda x, p: f(x, inp.w1_EHD, inp.w2_EDF, inp.offs_E, p)), [inp.w1_EHD, inp.w2_EDF]
+    from trainer.moe.expert_backend import get_backend
+
+    backend = get_backend(path, inp.x_TD.device)
+    return (
+        lambda x, p: _BackendFunction.apply(x, inp.w1_EHD, inp.w2_EDF, p, inp.counts_E, backend, spec)
+    ), [inp.w1_EHD, inp.w2_EDF]
+
+
+def _step(fn, inp: _Inputs, weights: list[torch.Tensor], permute: bool, backward: bool, dy: torch.Tensor):  # type: ignore[no-untyped-def]
+    """One timed call: forward (training mode: autograd records), then optionally a backward."""
+    if permute:
+        from trainer.moe.dispatch import LocalDispatcher
+        from trainer.moe.router import RouterOutput
+
+        E = inp.counts_E.numel()
+        zero = inp.probs_NK.new_zeros(())
+        route = RouterOutput(inp.probs_NK, inp.indices_NK, inp.counts_E, zero, zero)
+        dispatcher = LocalDispatcher(E)
+
+        def call() -> None:
+            x_PD, _, probs_P, plan = dispatcher.dispatch(inp.x_ND, route)
+            y = dispatcher.combine(fn(x_PD, probs_P), plan)
+            if backward:
+                torch.autograd.grad(y, [inp.x_ND, inp.probs_NK, *weights], dy)
+
+    else:
+
+        def call() -> None:
+            y = fn(inp.x_TD, inp.probs_T)
+            if backward:
+                torch.autograd.grad(y, [inp.x_TD, inp.probs_T, *weights], dy)
+
+    return call
+
+
+def bench_shape(
+    shape: Shape, cfg: BenchConfig, ceiling: float, notes: list[str], log: Callable[[str], None]
+) -> list[dict[str, Any]]:
+    """The rows of one shape: (fwd, fwd+bwd) x (experts only, with permute)."""
+    from trainer.moe.expert_backend import ExpertSpec
+
+    device = torch.device(cfg.device)
+    topk = cfg.topk or (2 if shape.experts <= 8 else 8)
+    inp = _inputs(shape, topk, device, cfg.dtype, cfg.seed)
+    spec = ExpertSpec("swiglu", shape.ffn, None)
+    compiled = None
+    if "compile" in cfg.paths and (device.type == "cuda" or cfg.compile_on_cpu):
+        compiled = torch.compile(eager_expert_mlp, dynamic=False)
+    rows: list[dict[str, Any]] = []
+    for permute in (False, True) if cfg.permute else (False,):
+        n_out = inp.x_ND.shape[0] if permute else shape.rows
+        dy = torch.randn(n_out, shape.hidden, device=device, dtype=cfg.dtype)
+        for backward in (False, True):
+            flops = shape.gemm_flops(backward)
+            row: dict[str, Any] = {
+                "shape": shape.label(), **asdict(shape), "pass": "fwd+bwd" if backward else "fwd",
+                "permute": permute, "topk": topk, "gemm_tflop": flops / 1e12,
+            }  # fmt: skip
+            for path in PATHS:
+                ms = None
+                if path in cfg.paths and not (path == "compile" and compiled is None):
+                    fn, weights = _expert_fn(path, inp, spec, compiled)
+                    ms = median_ms(_step(fn, inp, weights, permute, backward, dy), device, cfg.warmup, cfg.iters)
+                tflops = None if ms is None else flops / (ms * 1e-3) / 1e12
+                row[f"{path}_ms"] = ms
+                row[f"{path}_tflops"] = tflops
+                row[f"{path}_pct_ceiling"] = None if tflops is None else 100.0 * tflops / ceiling
+            for base in ("eager", "compile"):
+                ok = row["fused_ms"] is not None and row[f"{base}_ms"] is not None
+                row[f"fused_vs_{base}"] = row[f"{base}_ms"] / row["fused_ms"] if ok else None
+            rows.append(row)
+            log(_row_line(row))
+    if "compile" in cfg.paths and compiled is None:
+        notes.append("compile skipped on CPU (slow to build; a CUDA run measures it)")
+    del inp
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _row_line(row: dict[str, Any]) -> str:
+    cells = " ".join(
+        f"{p}={row[f'{p}_tflops']:.3g}" if row[f"{p}_tflops"] is not None else f"{p}=-" for p in PATHS
+    )
+    return f"{row['shape']} {row['pass']}{' +permute' if row['permute'] else ''}: {cells} TFLOP/s"
+
+
+def environment(device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    """Device and software versions, for the report."""
+    meta: dict[str, Any] = {"device": str(device), "dtype": str(dtype).replace("torch.", ""), "torch": torch.__version__}
+    if device.type == "cuda":
+        meta["device_name"] = torch.cuda.get_device_name(device)
+        meta["cuda"] = torch.version.cuda
+        try:
+            import triton
+
+            meta["triton"] = triton.__version__
+        except ImportError:
+            meta["triton"] = None
+    else:
+        meta["device_name"] = "cpu"
+    return meta
+
+
+def run(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None) -> BenchResult:
+    """Measure the ceiling, then every shape; returns all rows."""
+    device = torch.device(cfg.device)
+    unknown = set(cfg.paths) - set(PATHS)
+    if unknown:
+        raise ValueError(f"unknown paths {sorted(unknown)}; choose from {PATHS}")
+    ceiling = dense_ceiling_tflops(device, cfg.dtype, cfg.ceiling_size, cfg.warmup, cfg.iters, cfg.seed)
+    log(f"dense {cfg.ceiling_size}^3 {cfg.dtype} matmul: {ceiling:.3g} TFLOP/s")
+    meta = environment(device, cfg.dtype)
+    meta.update(warmup=cfg.warmup, iters=cfg.iters, ceiling_size=cfg.ceiling_size, paths=list(cfg.paths))
+    result = BenchResult(meta=meta, ceiling_tflops=ceiling)
+    for shape in cfg.shapes:
+        result.rows.extend(bench_shape(shape, cfg, ceiling, result.notes, log))
+    result.notes = sorted(set(result.notes))
+    return result

@@ -1,0 +1,42 @@
+"""`moectl bench grouped-mlp --quick` end to end through the CLI (CPU, fp32, tiny shapes): the CI smoke test."""
+
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from moectl.bench.grouped_mlp import PATHS, QUICK_SHAPES
+from moectl.cli.app import app
+
+
+def test_quick_bench_writes_json_with_every_column(tmp_path):
+    out = tmp_path / "bench.json"
+    result = CliRunner().invoke(app, ["bench", "grouped-mlp", "--quick", "--device", "cpu", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "grouped expert MLP" in result.output and "compile skipped on CPU" in result.output
+
+    data = json.loads(out.read_text())
+    assert data["meta"]["device"] == "cpu" and data["meta"]["dtype"] == "float32"
+    assert data["ceiling_tflops"] > 0
+    rows = data["rows"]
+    # every shape x {fwd, fwd+bwd} x {experts only, with permute}
+    assert len(rows) == len(QUICK_SHAPES) * 4
+    assert {(r["pass"], r["permute"]) for r in rows} == {(p, q) for p in ("fwd", "fwd+bwd") for q in (False, True)}
+    for row in rows:
+        for key in ("experts", "hidden", "ffn", "tokens_per_expert", "gemm_tflop", "fused_vs_eager"):
+            assert key in row
+        for path in PATHS:
+            for suffix in ("ms", "tflops", "pct_ceiling"):
+                assert f"{path}_{suffix}" in row
+        for path in ("loop", "eager", "grouped", "fused"):
+            assert row[f"{path}_tflops"] > 0
+            assert abs(row[f"{path}_pct_ceiling"] - 100 * row[f"{path}_tflops"] / data["ceiling_tflops"]) < 1e-6
+        assert row["compile_tflops"] is None  # skipped on CPU in quick mode, and the table says so
+        assert row["fused_vs_eager"] == row["eager_ms"] / row["fused_ms"]
+
+
+def test_bad_shape_is_a_one_line_usage_error():
+    result = CliRunner().invoke(app, ["bench", "grouped-mlp", "--quick", "--shape", "8,4096"])
+    assert result.exit_code == 2
+    assert "expected four positive integers" in result.output
