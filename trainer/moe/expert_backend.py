@@ -21,12 +21,14 @@ computed in fp32 and the output is cast back to x's dtype, so bf16 runs do not r
 
 Backends by name (`get_backend`): `loop` (reference), `grouped` (torch._grouped_mm), `fused` (lazily
 imported from `trainer.kernels.fused_expert_mlp:FusedBackend`), `auto` (-> `grouped`, see `_resolve_auto`).
-A registry target is called as `target(device)` and must return an object with `name`, `forward`, `backward`.
+A registry target is a class or factory; it is called as `target(device)` when it takes an argument, else as
+`target()`, and must return an object with `name`, `forward`, `backward`.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol
 
@@ -34,6 +36,9 @@ import torch
 import torch.nn.functional as F
 
 from moectl.errors import MoectlError
+
+Tensor = torch.Tensor
+OptTensor = Optional[torch.Tensor]
 
 ACTIVATIONS = ("swiglu", "quick_geglu", "squared_relu")
 GATED = ("swiglu", "quick_geglu")
@@ -206,7 +211,9 @@ class LoopBackend:
         self.device = device
 
     @staticmethod
-    def _expert(x, w1, b1, w2, b2, p, spec):  # type: ignore[no-untyped-def]
+    def _expert(
+        x: Tensor, w1: Tensor, b1: OptTensor, w2: Tensor, b2: OptTensor, p: OptTensor, spec: ExpertSpec
+    ) -> Tensor:
         h = x @ w1.t()
         if b1 is not None:
             h = h + b1
@@ -215,7 +222,10 @@ class LoopBackend:
             z = z + b2
         return _scale_by_probs(z, p)
 
-    def forward(self, x_TD, w1_EHD, b1_EH, w2_EDF, b2_ED, tokens_per_expert_E, probs_T, spec):  # type: ignore[no-untyped-def]
+    def forward(
+        self, x_TD: Tensor, w1_EHD: Tensor, b1_EH: OptTensor, w2_EDF: Tensor, b2_ED: OptTensor,
+        tokens_per_expert_E: Tensor, probs_T: OptTensor, spec: ExpertSpec,
+    ) -> tuple[Tensor, _LoopCtx]:  # fmt: skip
         """See the module docstring."""
         counts = [int(c) for c in tokens_per_expert_E.tolist()]
         y_TD = x_TD.new_zeros(x_TD.shape[0], w2_EDF.shape[1])
@@ -230,7 +240,7 @@ class LoopBackend:
             start += n
         return y_TD, _LoopCtx(x_TD, w1_EHD, b1_EH, w2_EDF, b2_ED, counts, probs_T, spec)
 
-    def backward(self, ctx: _LoopCtx, dy_TD: torch.Tensor):  # type: ignore[no-untyped-def]
+    def backward(self, ctx: _LoopCtx, dy_TD: Tensor) -> tuple[OptTensor, ...]:
         """See the module docstring."""
         grads = [
             torch.zeros_like(t) if t is not None else None
@@ -290,7 +300,7 @@ def _expert_of_row(tokens_per_expert_E: torch.Tensor, rows: int) -> torch.Tensor
 
 
 def _segment_sum(v_TX: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
-    """Per-expert row sums `[E, X]` (bias grads). segment_reduce, not index_add: no atomics, deterministic."""
+    """Per-expert row sums `[E, X]` (bias grads): one reduction per segment, no index_add atomics."""
     return torch.segment_reduce(v_TX, "sum", lengths=tokens_per_expert_E.long(), axis=0)
 
 
@@ -317,7 +327,10 @@ class GroupedBackend:
                 "pick sizes that are multiples of 8, or set moe.backend: loop",
             )
 
-    def forward(self, x_TD, w1_EHD, b1_EH, w2_EDF, b2_ED, tokens_per_expert_E, probs_T, spec):  # type: ignore[no-untyped-def]
+    def forward(
+        self, x_TD: Tensor, w1_EHD: Tensor, b1_EH: OptTensor, w2_EDF: Tensor, b2_ED: OptTensor,
+        tokens_per_expert_E: Tensor, probs_T: OptTensor, spec: ExpertSpec,
+    ) -> tuple[Tensor, _GroupedCtx]:  # fmt: skip
         """See the module docstring."""
         self._check(x_TD, w2_EDF)
         x_TD = x_TD.contiguous()
@@ -339,7 +352,7 @@ class GroupedBackend:
         )  # fmt: skip
         return y_TD, ctx
 
-    def backward(self, ctx: _GroupedCtx, dy_TD: torch.Tensor):  # type: ignore[no-untyped-def]
+    def backward(self, ctx: _GroupedCtx, dy_TD: Tensor) -> tuple[OptTensor, ...]:
         """See the module docstring."""
         # _grouped_mm rejects stride-0 (expanded) operands, which is what autograd hands us for y.sum().
         dy_TD = dy_TD.contiguous()
@@ -352,8 +365,9 @@ class GroupedBackend:
         dh_TH = activation_backward(ctx.h_TH, da_TF, spec)
         dw1_EHD = torch._grouped_mm(dh_TH.t(), ctx.x_TD, offs=offs_E)
         dx_TD = torch._grouped_mm(dh_TH, ctx.w1_EHD, offs=offs_E)
-        db1_EH = None if ctx.b1_EH is None else _segment_sum(dh_TH, ctx.tokens_per_expert_E).to(ctx.b1_EH.dtype)
-        db2_ED = None if ctx.b2_ED is None else _segment_sum(dz_TD, ctx.tokens_per_expert_E).to(ctx.b2_ED.dtype)
+        counts_E = ctx.tokens_per_expert_E
+        db1_EH = None if ctx.b1_EH is None else _segment_sum(dh_TH, counts_E).to(ctx.b1_EH.dtype)
+        db2_ED = None if ctx.b2_ED is None else _segment_sum(dz_TD, counts_E).to(ctx.b2_ED.dtype)
         return dx_TD, dw1_EHD, db1_EH, dw2_EDF, db2_ED, dprobs_T
 
 
@@ -369,8 +383,8 @@ _REGISTRY: dict[str, Any] = {
 }
 
 
-def register_backend(name: str, target: Callable[[torch.device], ExpertBackend] | str) -> None:
-    """Add or replace a backend: a factory called as `target(device)`, or a lazy "module:attr" path."""
+def register_backend(name: str, target: Callable[..., ExpertBackend] | str) -> None:
+    """Add or replace a backend: a class/factory (`target(device)` or `target()`), or a lazy "module:attr" path."""
     _REGISTRY[name] = target
 
 
@@ -402,4 +416,8 @@ def get_backend(name: str, device: torch.device | str | None = None) -> ExpertBa
                 "set moe.backend: grouped (or auto)",
             ) from e
         target = getattr(module, attr)
-    return target(device)
+    try:
+        takes_device = len(inspect.signature(target).parameters) > 0
+    except (TypeError, ValueError):  # a builtin without a signature: assume the plain form
+        takes_device = False
+    return target(device) if takes_device else target()
