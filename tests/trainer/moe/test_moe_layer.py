@@ -47,8 +47,10 @@ def test_same_init_in_both_layouts_from_one_draw():
     w = g["experts.linear_fc1.weight"]
     assert not torch.equal(w[0], w[1])  # slices of one draw, not one draw repeated
     # params_dtype casts the fp32 draw: a bf16 layer starts from the rounded fp32 values
-    f32, b16 = (MoELayer(MoEConfig(num_experts=4), D, init_std=0.2, params_dtype=dt,
-                         generator=torch.Generator().manual_seed(0)) for dt in (torch.float32, torch.bfloat16))  # fmt: skip
+    f32, b16 = (
+        MoELayer(MoEConfig(num_experts=4), D, init_std=0.2, params_dtype=dt, generator=torch.Generator().manual_seed(0))
+        for dt in (torch.float32, torch.bfloat16)
+    )
     assert b16.experts.linear_fc1.weight.dtype == torch.bfloat16
     assert torch.equal(b16.experts.linear_fc1.weight, f32.experts.linear_fc1.weight.bfloat16())
     assert b16.router.weight.dtype == torch.float32
