@@ -1,0 +1,102 @@
+"""Contiguous param and grad buffers, one per `BufferKey`.
+
+Invariants of a `ParamAndGradBuffer`:
+- params are laid out in the order given (backward order: reverse registration), see `layout.py`;
+- every param's `main_grad` is a view of `grad_data` (grad dtype: fp32 with `grad_reduce_in_fp32`);
+- with high-precision storage, every param's `.data` is a view of `param_data`, so the all-gather of a
+  bucket *is* the param update; with aliased staging, `param_data` is a view of `grad_data`'s memory
+  (reinterpreted in the staging dtype) and params keep their own storage;
+- padding elements of both buffers are zero, and stay zero (grads never land there; masters of padding
+  start at zero and get zero updates);
+- all params of a buffer share dtype, grad dtype, expert-ness (hence process group), owning optimizer
+  and storage strategy: that is the key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+
+from trainer.distributed.bucket import Bucket
+from trainer.distributed.layout import BufferPlan, plan_buffer
+from trainer.distributed.param_storage import ParamStorage
+from trainer.distributed.parallel_state import Group
+
+if TYPE_CHECKING:
+    from trainer.distributed.bucket_group import BucketGroup
+
+
+@dataclass(frozen=True)
+class BufferKey:
+    """What must be equal for two params to share a buffer."""
+
+    param_dtype: torch.dtype  # storage dtype (uint8 for quantized storage)
+    grad_dtype: torch.dtype
+    is_expert: bool  # expert params reduce over expert-dp, dense params over dp
+    optimizer_tag: str  # which optimizer owns (steps and gathers) these params
+    storage: str  # the ParamStorage strategy's key
+
+    def describe(self) -> str:
+        kind = "expert" if self.is_expert else "dense"
+        return f"{kind}/{self.optimizer_tag}/{self.param_dtype}->{self.grad_dtype}/{self.storage}"
+
+
+def alias_as(grad_data: torch.Tensor, dtype: torch.dtype, numel: int) -> torch.Tensor:
+    """A 1-D `dtype` view of the first `numel` elements' worth of `grad_data`'s memory.
+
+    With fp32 grads and bf16 staging the staging buffer spans only the first half of the grad memory,
+    so bucket k's staging aliases other buckets' grads (as in Megatron): zero only staging slices.
+    """
+    if torch.empty((), dtype=dtype).element_size() > grad_data.element_size():
+        raise ValueError(f"cannot stage {dtype} in a {grad_data.dtype} grad buffer: the staging dtype is wider")
+    return grad_data.view(dtype)[:numel]
+
+
+class ParamAndGradBuffer:
+    def __init__(self, key: BufferKey, params: Sequence[torch.nn.Parameter], names: dict[torch.nn.Parameter, str],
+                 storage: ParamStorage, group: Group, bucket_size: int) -> None:
+        if not params:
+            raise ValueError("a buffer needs at least one param")
+        devices = {p.device for p in params}
+        if len(devices) != 1:
+            raise ValueError(f"params of one buffer must share a device, got {devices}")
+        self.key = key
+        self.params = tuple(params)
+        self.names = {p: names[p] for p in params}
+        self.storage = storage
+        self.group = group
+        self.device = devices.pop()
+        self.plan: BufferPlan = plan_buffer([p.numel() for p in params], bucket_size, group.size)
+        self.param_ranges = {p: self.plan.param_ranges[i] for i, p in enumerate(params)}
+        total = self.plan.total
+
+        self.grad_data = torch.zeros(total, dtype=key.grad_dtype, device=self.device)
+        buffer_dtypes = {storage.buffer_dtype(p) for p in params}
+        if len(buffer_dtypes) != 1:
+            raise ValueError(f"one buffer, one param-buffer dtype; got {buffer_dtypes}")
+        buffer_dtype = buffer_dtypes.pop()
+        if storage.aliases_grad:
+            self.param_data = alias_as(self.grad_data, buffer_dtype, total)
+        else:
+            self.param_data = torch.zeros(total, dtype=buffer_dtype, device=self.device)
+
+        for p in params:
+            start, end = self.param_ranges[p]
+            storage.bind(p, self.param_data[start:end])
+            p.main_grad = self.grad_data[start:end].view(p.shape)
+
+        self.buckets = tuple(
+            Bucket(self, bp, [params[i] for i in bp.param_indices], self.param_ranges) for bp in self.plan.buckets
+        )
+        #: set by DistributedModel once bucket groups exist
+        self.bucket_groups: list["BucketGroup"] = []
+
+    @property
+    def numel(self) -> int:
+        return self.plan.total
+
+    def zero_grad(self) -> None:
+        """Zero the whole grad buffer (the caller re-stages aliased staging values afterwards)."""
+        self.grad_data.zero_()

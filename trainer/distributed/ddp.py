@@ -1,0 +1,314 @@
+"""`DistributedModel`: wrap a single-device model for data (and expert) parallel training.
+
+The model code is written for one device; this wrapper (torchtitan's "parallelize" idea) lays its
+trainable params out in contiguous buffers, gives each a `main_grad` view, hooks grad readiness, reduces
+grads per bucket group, and drives the param all-gather. Optimizers see buffers and bucket groups, not
+modules. Invariants:
+
+- every trainable param is in exactly one buffer and one bucket group; its `main_grad` is a view of the
+  grad buffer, and (high-precision storage) its `.data` is a view of the param buffer;
+- every param reports its grad exactly once per backward (`trainer.main_grad.grad_ready`): fused layers
+  accumulate into `main_grad` and report themselves; plain-autograd grads are folded in by a
+  post-accumulate hook, which reports only when autograd actually produced a `.grad` (the hook also
+  fires with `.grad is None` for params whose grad a custom Function returned as None);
+- grads are scaled by 1/dp before the SUM collective, for dense and expert params alike: an expert
+  param's grad on its owner already sums the contributions of the tokens of every ep rank (the
+  all-to-all backward), so reducing over expert-dp (dp/ep ranks) and scaling by 1/dp averages over the
+  whole global batch (Megatron's `expert_gradient_scaling_factor`). With ep = 1 this is dividing by the
+  group size;
+- a param never gets a grad while its group's param gather is pending: its forward would have used
+  stale weights (checked on every grad);
+- with the distributed optimizer, after `finish_grad_sync` only this rank's shard of each bucket holds
+  reduced grads (the rest is scratch).
+
+Per step, the training loop does::
+
+    dmodel.zero_grad_buffer()                 # also re-stages pending aliased staging (must follow the zero)
+    for i, mb in enumerate(micro_batches):
+        ctx = dmodel.no_sync() if i < len(micro_batches) - 1 else contextlib.nullcontext()
+        with ctx:
+            loss = dmodel(mb) / len(micro_batches)
+            loss.backward()                   # overlap_grad_reduce: buckets launch during the last backward
+    dmodel.finish_grad_sync()                 # wait (or run) every reduce
+    result = optimizer.step(lr)               # masters, clip, write-back, gather now or in the next forward
+    ...
+    dmodel.force_param_sync()                 # before eval, checkpoint save, hash checks, exit
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from collections import OrderedDict
+from typing import Any, Callable, Iterator, Mapping
+
+import torch
+
+from trainer.distributed import comm
+from trainer.distributed.bucket_group import BucketGroup, GradSyncState
+from trainer.distributed.buffers import BufferKey, ParamAndGradBuffer
+from trainer.distributed.layout import default_bucket_size
+from trainer.distributed.param_storage import HighPrecisionStorage, ParamStorage
+from trainer.distributed.param_sync import SETTLED, ParamSyncError, ParamSyncState
+from trainer.distributed.parallel_state import ParallelState
+from trainer.main_grad import READY_HOOK, grad_ready
+
+from moectl.config.schema import ParallelConfig
+
+DEFAULT_OPTIMIZER_TAG = "adam"
+
+TagSpec = Callable[[str, torch.nn.Parameter], str] | Mapping[str, str] | None
+StorageSpec = Callable[[str, torch.nn.Parameter], ParamStorage] | None
+
+
+def is_expert_param(param: torch.nn.Parameter) -> bool:
+    return bool(getattr(param, "expert_parallel", False))
+
+
+def _tensor_digest(t: torch.Tensor) -> str:
+    data = t.detach().reshape(-1).contiguous().cpu().view(torch.uint8)
+    return hashlib.sha256(data.numpy().tobytes()).hexdigest()
+
+
+class DistributedModel:
+    def __init__(self, module: torch.nn.Module, parallel_cfg: ParallelConfig, pstate: ParallelState,
+                 optimizer_tags: TagSpec = None, storage: StorageSpec = None) -> None:
+        self.module = module
+        self.cfg = parallel_cfg
+        self.pstate = pstate
+        self.use_distributed_optimizer = parallel_cfg.use_distributed_optimizer
+        self.overlap_grad_reduce = parallel_cfg.overlap_grad_reduce
+        self.overlap_param_gather = parallel_cfg.overlap_param_gather
+        self._is_last_microbatch = True
+        self._owners: dict[str, Any] = {}
+
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError("the model has no trainable parameters")
+        self.names: dict[torch.nn.Parameter, str] = {p: n for n, p in named}
+        self.params_by_name: dict[str, torch.nn.Parameter] = {n: p for n, p in named}
+        registration = {p: i for i, (_, p) in enumerate(named)}
+
+        tag_of = self._tag_fn(optimizer_tags)
+        storage_of = storage or (lambda name, p: HighPrecisionStorage())
+        bucket_size = parallel_cfg.bucket_size or default_bucket_size(pstate.dp.size)
+
+        # Backward order: reverse registration. Buffers appear in the order their first param does.
+        by_key: "OrderedDict[BufferKey, list[torch.nn.Parameter]]" = OrderedDict()
+        storages: dict[BufferKey, ParamStorage] = {}
+        for name, p in reversed(named):
+            st = storage_of(name, p)
+            grad_dtype = torch.float32 if parallel_cfg.grad_reduce_in_fp32 else p.dtype
+            key = BufferKey(st.storage_dtype(p), grad_dtype, is_expert_param(p), tag_of(name, p), st.key)
+            by_key.setdefault(key, []).append(p)
+            storages.setdefault(key, st)
+
+        self.buffers: list[ParamAndGradBuffer] = [
+            ParamAndGradBuffer(key, ps, self.names, storages[key], pstate.group_for(key.is_expert), bucket_size)
+            for key, ps in by_key.items()
+        ]
+
+        grad_scale = 1.0 / pstate.dp.size
+        self.bucket_groups: list[BucketGroup] = []
+        self._group_of: dict[torch.nn.Parameter, BucketGroup] = {}
+        for buf in self.buffers:
+            for bucket in buf.buckets:
+                g = BucketGroup(len(self.bucket_groups), [bucket], self.use_distributed_optimizer, grad_scale)
+                self.bucket_groups.append(g)
+                buf.bucket_groups.append(g)
+                for p in bucket.params:
+                    self._group_of[p] = g
+
+        # Forward order: the order the model first touches a group's params (registration order).
+        self.forward_order = sorted(self.bucket_groups, key=lambda g: min(registration[p] for p in g.params))
+        self._next_in_forward = {
+            g: (self.forward_order[i + 1] if i + 1 < len(self.forward_order) else None)
+            for i, g in enumerate(self.forward_order)
+        }
+
+        for p in self.names:
+            setattr(p, READY_HOOK, self._on_grad_ready)
+            p.register_post_accumulate_grad_hook(self._fold_grad)
+
+        self._module_groups: dict[torch.nn.Module, list[BucketGroup]] = {}
+        if self.overlap_param_gather:
+            order = {g: i for i, g in enumerate(self.forward_order)}
+            for m in module.modules():
+                groups = {self._group_of[p] for p in m.parameters(recurse=False) if p in self._group_of}
+                if groups:
+                    self._module_groups[m] = sorted(groups, key=order.__getitem__)
+                    m.register_forward_pre_hook(self._forward_pre_hook)
+
+    # ---------------------------------------------------------------- plumbing
+    @staticmethod
+    def _tag_fn(spec: TagSpec) -> Callable[[str, torch.nn.Parameter], str]:
+        if spec is None:
+            return lambda name, p: DEFAULT_OPTIMIZER_TAG
+        if callable(spec):
+            return spec
+        mapping = dict(spec)
+        return lambda name, p: mapping.get(name, DEFAULT_OPTIMIZER_TAG)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def group_of(self, param: torch.nn.Parameter) -> BucketGroup:
+        return self._group_of[param]
+
+    def groups_for(self, tag: str | None) -> list[BucketGroup]:
+        """Bucket groups owned by `tag` (all of them for None), in forward order."""
+        return [g for g in self.forward_order if tag is None or g.tag == tag]
+
+    def buffers_for(self, tag: str) -> list[ParamAndGradBuffer]:
+        return [b for b in self.buffers if b.key.optimizer_tag == tag]
+
+    def register_optimizer(self, tag: str, owner: Any, stager: Callable[[BucketGroup], None]) -> list[BucketGroup]:
+        """Make `owner` the one optimizer that stages and gathers the groups of `tag`."""
+        if tag in self._owners:
+            raise ValueError(f"optimizer tag {tag!r} already has an owner; two optimizers cannot step one buffer")
+        groups = self.groups_for(tag)
+        if not groups:
+            raise ValueError(f"no params are tagged {tag!r} (tags: {sorted({g.tag for g in self.bucket_groups})})")
+        self._owners[tag] = owner
+        for g in groups:
+            g.stager = stager
+        return groups
+
+    # ---------------------------------------------------------------- grads
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Run a non-last micro-batch: grads accumulate into main_grad, no reduce is launched."""
+        prev = self._is_last_microbatch
+        self._is_last_microbatch = False
+        try:
+            yield
+        finally:
+            self._is_last_microbatch = prev
+
+    @property
+    def is_last_microbatch(self) -> bool:
+        return self._is_last_microbatch
+
+    def _fold_grad(self, param: torch.nn.Parameter) -> None:
+        """Post-accumulate hook: move an autograd `.grad` into `main_grad`, then report it."""
+        if param.grad is None:
+            return  # a fused layer accumulated into main_grad and reported already
+        param.main_grad.add_(param.grad)
+        param.grad = None
+        grad_ready(param)
+
+    def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
+        g = self._group_of[param]
+        self._check_params_settled(g, param)
+        if self.overlap_grad_reduce and self._is_last_microbatch:
+            g.grad_ready(param)
+
+    def _check_params_settled(self, g: BucketGroup, param: torch.nn.Parameter) -> None:
+        if g.aliases_grad:  # any staged value still in this grad memory would be summed into the grads
+            pending = [x for x in g.buckets[0].buffer.bucket_groups if x.state not in SETTLED]
+        else:
+            pending = [g] if g.state not in SETTLED else []
+        if pending:
+            raise ParamSyncError(
+                f"{self.names[param]} got a grad while {pending[0].name} is {pending[0].state.value}: its forward "
+                "ran on stale weights, or staged values sit in the grad buffer (call the module through "
+                "__call__ so its pre-hook gathers, or force_param_sync() before running it)"
+            )
+
+    def zero_grad_buffer(self) -> None:
+        """Zero every grad buffer; then re-stage groups whose staging lives in grad memory.
+
+        Re-staging here makes the Megatron #4987 freeze impossible: with the staging buffer aliased on the
+        grad buffer and the gather deferred to the next forward, zeroing grads would otherwise make that
+        gather ship zeros.
+        """
+        for g in self.bucket_groups:
+            if g.aliases_grad and g.state in (ParamSyncState.DISPATCHED, ParamSyncState.GATHERED):
+                raise ParamSyncError(
+                    f"{g.name}: zeroing grads while its gather is {g.state.value} would destroy the values in flight"
+                )
+        for g in self.bucket_groups:
+            g.reset_grad_sync()
+        for buf in self.buffers:
+            buf.zero_grad()
+        for g in self.bucket_groups:
+            if g.aliases_grad and g.state is ParamSyncState.STAGED:
+                g.stage()
+
+    def start_grad_sync(self) -> None:
+        """Launch the reduce of every group not launched yet (async)."""
+        for g in self.bucket_groups:
+            g.start_grad_sync()
+
+    def finish_grad_sync(self) -> None:
+        """Launch what is left and wait for every reduce; call once per step, before the optimizer."""
+        for g in self.bucket_groups:
+            g.finish_grad_sync()
+
+    def grads_reduced(self, tag: str | None = None) -> bool:
+        return all(g.grad_state is GradSyncState.REDUCED for g in self.groups_for(tag))
+
+    # ---------------------------------------------------------------- params
+    def _forward_pre_hook(self, module: torch.nn.Module, args: Any) -> None:
+        for g in self._module_groups[module]:
+            if g.state not in SETTLED:
+                g.complete_param_sync(force_sync=False, prefetch=self._next_in_forward[g])
+
+    def start_param_sync(self, force_sync: bool = False, tag: str | None = None) -> None:
+        """Gather staged groups (of `tag`, or all).
+
+        With `overlap_param_gather` and not `force_sync`: dispatch async gathers; the forward pre-hooks
+        wait and post-process. Otherwise: gather synchronously and post-process now, through the same
+        `complete_param_sync` as the hooks (a forced sync that skipped post-processing left stale
+        weights for the next step, Megatron #4562).
+        """
+        if self.overlap_param_gather and not force_sync:
+            for g in self.groups_for(tag):
+                if g.state is ParamSyncState.STAGED:
+                    g.dispatch()
+            return
+        with torch.no_grad():
+            for g in self.groups_for(tag):
+                g.complete_param_sync(force_sync=True)
+
+    def force_param_sync(self) -> None:
+        """Make every param current now (eval, checkpoint save, hash checks, exit)."""
+        self.start_param_sync(force_sync=True)
+
+    def broadcast_params(self) -> None:
+        """Give every replica the params of its group's first rank (dense: dp, expert: expert-dp).
+
+        Call once after init and before building optimizers (masters are built from the params).
+        """
+        if self._owners:
+            raise RuntimeError("broadcast_params() must run before optimizers build their masters")
+        with torch.no_grad():
+            for buf in self.buffers:
+                if buf.storage.aliases_grad:
+                    for p in buf.params:
+                        comm.broadcast(p.data, buf.group)
+                else:
+                    comm.broadcast(buf.param_data, buf.group)
+            for p in self.module.parameters():
+                if p not in self._group_of:  # frozen params live outside the buffers
+                    comm.broadcast(p.data, self.pstate.group_for(is_expert_param(p)))
+
+    def check_param_hashes(self) -> list[str]:
+        """Names of params that differ between replicas (dense: all dp ranks; expert: same ep rank).
+
+        Collective; every rank returns the same list (empty when all replicas agree).
+        """
+        local = {n: _tensor_digest(p) for n, p in self.module.named_parameters()}
+        expert = {n for n, p in self.module.named_parameters() if is_expert_param(p)}
+        everyone = comm.all_gather_object((self.pstate.ep_rank, local), self.pstate.dp)
+        bad = []
+        for name in local:
+            if name in expert:
+                by_ep: dict[int, set[str]] = {}
+                for ep_rank, digests in everyone:
+                    by_ep.setdefault(ep_rank, set()).add(digests.get(name, ""))
+                if any(len(v) > 1 for v in by_ep.values()):
+                    bad.append(name)
+            elif len({digests.get(name, "") for _, digests in everyone}) > 1:
+                bad.append(name)
+        return sorted(bad)

@@ -1,0 +1,185 @@
+"""Process groups (dp, ep, expert-dp) and per-rank seeds.
+
+There is no tensor or pipeline parallelism yet, so the data-parallel group is the whole world and every
+rank reads its own micro-batches. Expert parallelism splits the world into blocks of `ep` consecutive
+ranks (one block = one full set of experts); the ranks that hold the same experts (same ep rank, one per
+block) form the expert-data-parallel group, over which expert grads are reduced and expert masters are
+sharded. Invariants:
+
+- `dp.size == world_size`, `ep.size * expert_dp.size == world_size`, and a rank's ep rank is
+  `rank % ep`, its expert-dp rank is `rank // ep`.
+- A `Group` of one rank has `pg = None`: no collective is ever issued on it (so world size 1 needs no
+  `torch.distributed` at all).
+- Every rank creates every process group, in the same order (a `new_group` requirement).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from moectl.errors import ConfigError
+
+if TYPE_CHECKING:
+    from moectl.config.schema import ParallelConfig
+
+DEFAULT_TIMEOUT_S = 600.0
+# Expert params must differ across ep ranks (each holds different experts), and agree across expert-dp
+# replicas. Megatron offsets its expert RNG the same way (seed + fixed offset + per-ep-rank stride).
+EXPERT_SEED_OFFSET = 1024
+EXPERT_SEED_STRIDE = 100
+
+
+@dataclass(frozen=True)
+class Group:
+    """A set of global ranks that communicate together.
+
+    `rank` is this process's index inside `ranks`; `pg` is None exactly when the group has one rank.
+    """
+
+    ranks: tuple[int, ...]
+    rank: int
+    pg: dist.ProcessGroup | None
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def first_global_rank(self) -> int:
+        """The global rank of index 0 in this group (the source of broadcasts)."""
+        return self.ranks[0]
+
+    @staticmethod
+    def single(global_rank: int) -> "Group":
+        return Group(ranks=(global_rank,), rank=0, pg=None)
+
+
+@dataclass(frozen=True)
+class ParallelState:
+    """Who this process is and which groups it belongs to."""
+
+    world_size: int
+    rank: int
+    local_rank: int
+    dp: Group
+    ep: Group
+    expert_dp: Group
+    backend: str | None  # None when torch.distributed is not in use (world size 1)
+    device: torch.device
+
+    @property
+    def ep_rank(self) -> int:
+        return self.ep.rank
+
+    @property
+    def dp_rank(self) -> int:
+        return self.dp.rank
+
+    @staticmethod
+    def trivial(device: torch.device | str | None = None) -> "ParallelState":
+        """World size 1 without torch.distributed: every group is this rank alone."""
+        dev = torch.device(device) if device is not None else _default_device(0)
+        one = Group.single(0)
+        return ParallelState(1, 0, 0, one, one, one, None, dev)
+
+    def group_for(self, is_expert: bool) -> Group:
+        """The group a param's grads are reduced (and its masters sharded) over."""
+        return self.expert_dp if is_expert else self.dp
+
+
+def _default_device(local_rank: int) -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def check_ep_size(world_size: int, ep: int) -> None:
+    """Refuse an expert-parallel size that does not divide the world (a user error)."""
+    if ep < 1 or world_size % ep != 0:
+        raise ConfigError(
+            "parallel.expert_model_parallel_size",
+            ep,
+            f"must be a positive divisor of the world size ({world_size})",
+            fix=f"choose one of {[d for d in range(1, world_size + 1) if world_size % d == 0]}",
+        )
+
+
+def build_parallel_state(ep: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> ParallelState:
+    """Build dp/ep/expert-dp groups over an already initialized default process group (collective)."""
+    if not dist.is_initialized():
+        check_ep_size(1, ep)
+        return ParallelState.trivial()
+    world = dist.get_world_size()
+    rank = dist.get_rank()
+    check_ep_size(world, ep)
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    backend = dist.get_backend()
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    timeout = timedelta(seconds=timeout_s)
+
+    def make(sets: list[tuple[int, ...]]) -> Group:
+        mine: Group | None = None
+        for ranks in sets:  # every rank walks every set in the same order
+            if len(ranks) == 1:
+                pg = None
+            elif len(ranks) == world:
+                pg = dist.group.WORLD
+            else:
+                pg = dist.new_group(list(ranks), timeout=timeout)
+            if rank in ranks:
+                mine = Group(ranks=ranks, rank=ranks.index(rank), pg=pg)
+        assert mine is not None
+        return mine
+
+    dp = Group(ranks=tuple(range(world)), rank=rank, pg=dist.group.WORLD if world > 1 else None)
+    ep_group = make([tuple(range(b, b + ep)) for b in range(0, world, ep)])
+    edp_group = make([tuple(range(e, world, ep)) for e in range(ep)])
+    return ParallelState(world, rank, local_rank, dp, ep_group, edp_group, backend, device)
+
+
+def init_distributed(parallel_cfg: "ParallelConfig", timeout_s: float = DEFAULT_TIMEOUT_S) -> ParallelState:
+    """Join the job torchrun started and build the groups.
+
+    Reads the torchrun variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT). World size 1
+    (no variables, or WORLD_SIZE=1) returns the trivial state without touching torch.distributed.
+    NCCL on CUDA (after `torch.cuda.set_device(LOCAL_RANK)`), gloo on CPU. `timeout_s` bounds every
+    collective: a dead peer makes the others fail instead of hanging forever.
+    """
+    ep = parallel_cfg.expert_model_parallel_size
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if not dist.is_initialized():
+        if world == 1:
+            check_ep_size(1, ep)
+            return ParallelState.trivial(_default_device(int(os.environ.get("LOCAL_RANK", "0"))))
+        check_ep_size(world, ep)  # fail before the rendezvous, with a readable error
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        if torch.cuda.is_available():
+            torch.cuda.set_device(local_rank)
+            backend = "nccl"
+        else:
+            backend = "gloo"
+        dist.init_process_group(backend=backend, init_method="env://", timeout=timedelta(seconds=timeout_s))
+    return build_parallel_state(ep, timeout_s)
+
+
+def destroy_distributed() -> None:
+    """Tear down the default process group, if any (end of a run or a test)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def dense_seed(seed: int, pstate: ParallelState) -> int:
+    """The init seed of replicated (dense) params: the same on every rank, so dp replicas agree."""
+    del pstate  # identical everywhere by design; the argument documents the intent at call sites
+    return seed
+
+
+def expert_seed(seed: int, pstate: ParallelState) -> int:
+    """The init seed of expert-parallel params: equal across expert-dp replicas, distinct per ep rank."""
+    return seed + EXPERT_SEED_OFFSET + EXPERT_SEED_STRIDE * pstate.ep_rank

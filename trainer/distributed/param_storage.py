@@ -1,0 +1,136 @@
+"""How a param's values live in (or beside) the param buffer: the seam for quantized storage.
+
+A `ParamStorage` strategy answers, for the params of one buffer:
+- what the param buffer holds (`buffer_dtype`; uint8 bytes for a quantized recipe) and whether it is a
+  view of the grad buffer's memory (`aliases_grad`, the MXFP8 "reuse grad buffer" staging trick);
+- `bind`: how a param is tied to its buffer slice at wrap time;
+- `stage`: how new values for a rank's shard are written from the fp32 masters after a step (cast; a
+  per-tensor FP8 recipe would quantize with a dp-agreed amax here);
+- `post_gather`: what every rank does after the all-gather of a bucket (nothing; or quantize the
+  gathered bf16 into the param and build columnwise copies, then zero the staging slice);
+- `init_source` / `release_init_source`: the high-precision values the optimizer builds its masters
+  from, and freeing them afterwards on every rank (never dequantize a low-precision param for masters:
+  Megatron #4987 lost 0.27 nats that way; never leak the CPU copies of params a rank does not own, #5470).
+
+Only high-precision strategies are implemented here; the recipes in `trainer/precision/` subclass these.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from trainer.distributed.bucket import Bucket
+
+
+class ParamStorage(ABC):
+    """Strategy for the params of one buffer. All params of a buffer share one strategy (it is part of the key)."""
+
+    #: True when the param buffer is a view of the grad buffer's memory: staged values are wiped by
+    #: zeroing grads (so they must be re-staged) and must be zeroed after post-processing.
+    aliases_grad: bool = False
+
+    @property
+    @abstractmethod
+    def key(self) -> str:
+        """A name that separates buffers of different strategies (part of `BufferKey`)."""
+
+    @abstractmethod
+    def buffer_dtype(self, param: torch.nn.Parameter) -> torch.dtype:
+        """The element dtype of the param buffer for this param (uint8 for quantized bytes)."""
+
+    def storage_dtype(self, param: torch.nn.Parameter) -> torch.dtype:
+        """The dtype the param is stored in (the buffer key's param dtype). uint8 for quantized storage."""
+        return param.dtype
+
+    @abstractmethod
+    def bind(self, param: torch.nn.Parameter, view: torch.Tensor) -> None:
+        """Tie `param` to its 1-D slice `view` of the param buffer (called once, at wrap time)."""
+
+    def stage(self, bucket: "Bucket", lo: int, hi: int, master: torch.Tensor) -> None:
+        """Write new values of elements [lo, hi) of `bucket` (bucket-local) from the fp32 `master` slice."""
+        bucket.param_data[lo:hi].copy_(master)
+
+    @abstractmethod
+    def post_gather(self, bucket: "Bucket") -> None:
+        """Run on every rank after `bucket.param_data` holds the gathered values of the whole bucket."""
+
+    def init_source(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """The high-precision values masters are built from (logical shape of `param`)."""
+        return param.detach()
+
+    def release_init_source(self, param: torch.nn.Parameter) -> None:
+        """Free whatever `init_source` kept alive; called on every rank once masters exist."""
+
+
+class HighPrecisionStorage(ParamStorage):
+    """The param's `.data` is a view of the param buffer (same dtype as the param).
+
+    The gathered bucket *is* the params, so there is nothing to post-process. Binding is `param.data =
+    view`: right for plain `nn.Parameter`s, including a 3-D `[E, out, in]` expert weight (tested: grads
+    still reach it). Never do this to a wrapper tensor type whose `.data` setter does not remap storage
+    (Megatron's grouped tensors silently stopped training that way, #6228).
+    """
+
+    @property
+    def key(self) -> str:
+        return "high_precision"
+
+    def buffer_dtype(self, param: torch.nn.Parameter) -> torch.dtype:
+        return param.dtype
+
+    def bind(self, param: torch.nn.Parameter, view: torch.Tensor) -> None:
+        if type(param) is not torch.nn.Parameter:
+            raise TypeError(
+                f"HighPrecisionStorage binds plain nn.Parameter only, got {type(param).__name__}; a tensor "
+                "subclass needs its own storage strategy that remaps its storage explicitly"
+            )
+        with torch.no_grad():
+            view.copy_(param.detach().reshape(-1))
+        param.data = view.view(param.shape)
+
+    def post_gather(self, bucket: "Bucket") -> None:
+        return None
+
+
+class AliasedStagingStorage(ParamStorage):
+    """Params keep their own storage; new values travel through a staging buffer aliased on the grad buffer.
+
+    This is the MXFP8 "reuse grad buffer for param all-gather" flow without the quantization: the
+    optimizer stages `staging_dtype(master)` into the staging buffer (which *is* grad memory), the
+    all-gather ships it, and `post_gather` writes the gathered values into each param (a quantized recipe
+    overrides `write_param` to quantize rowwise + columnwise instead), then zeroes only this bucket's
+    staging slice so the next backward accumulates onto zeros. Because zeroing grads wipes staged values,
+    `DistributedModel.zero_grad_buffer` re-stages pending groups (Megatron #4987: a deferred gather of a
+    zeroed staging buffer froze the weights).
+    """
+
+    aliases_grad = True
+
+    def __init__(self, staging_dtype: torch.dtype | None = None) -> None:
+        self.staging_dtype = staging_dtype
+
+    @property
+    def key(self) -> str:
+        return f"aliased_staging:{self.staging_dtype}"
+
+    def buffer_dtype(self, param: torch.nn.Parameter) -> torch.dtype:
+        return self.staging_dtype or param.dtype
+
+    def bind(self, param: torch.nn.Parameter, view: torch.Tensor) -> None:
+        return None  # the param's own storage stays; `view` is grad memory, zero until staged
+
+    def write_param(self, param: torch.nn.Parameter, gathered: torch.Tensor) -> None:
+        """Turn the gathered staging values of one param (1-D) into its stored form."""
+        param.detach().copy_(gathered.view(param.shape))
+
+    def post_gather(self, bucket: "Bucket") -> None:
+        with torch.no_grad():
+            for param in bucket.params:
+                start, end = bucket.param_ranges[param]
+                self.write_param(param, bucket.param_data[start:end])
+            # Only the aliased slice: the rest of the grad buffer may hold other buckets' staged values.
+            bucket.param_data.zero_()

@@ -1,0 +1,30 @@
+"""What an optimizer step did, and the error a non-finite step raises under `on_nonfinite: stop`.
+
+`StepResult` has the fields of `trainer.engine.StepResult` (the loop reads `grad_norm` and `skipped`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moectl.errors import MoectlError
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """The global grad norm before clipping (the same on every rank), and whether the update was skipped."""
+
+    grad_norm: float
+    skipped: bool
+
+
+class NonFiniteGradError(MoectlError):
+    """A non-finite grad (on any rank) under `train.on_nonfinite: stop`; raised on every rank, before any update."""
+
+    def __init__(self, grad_norm: float, step: int) -> None:
+        super().__init__(
+            f"non-finite gradient (global grad norm {grad_norm}) at optimizer step {step}; no update was applied",
+            "lower optimizer.lr or raise optimizer.lr_warmup_iters, or set train.on_nonfinite=skip",
+        )
+        self.grad_norm = grad_norm
+        self.step = step
