@@ -1,0 +1,309 @@
+"""Layout, buffers, bucket groups and DistributedModel hooks, on one process (trivial ParallelState)."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from dist_toy import Run, ToyMoE, forward_backward, make
+from moectl.config.schema import ParallelConfig
+from moectl.errors import ConfigError
+from trainer.distributed import (
+    AliasedStagingStorage,
+    DistributedModel,
+    GradSyncError,
+    ParallelState,
+    ParamSyncError,
+    ParamSyncState,
+)
+from trainer.distributed.bucket_group import BucketGroup
+from trainer.distributed.layout import PARAM_ALIGN, default_bucket_size, plan_buffer
+from trainer.distributed.parallel_state import check_ep_size, expert_seed, init_distributed
+from trainer.main_grad import accumulate_wgrad
+
+ONE = ParallelState.trivial()
+
+
+# ------------------------------------------------------------------------------------------ layout
+@pytest.mark.parametrize("group_size", [1, 2, 3, 8])
+@pytest.mark.parametrize("bucket_size", [1, 100, 1000, 10**9])
+def test_plan_invariants(group_size: int, bucket_size: int) -> None:
+    numels = [5, 300, 64, 1, 129, 2000, 7]
+    plan = plan_buffer(numels, bucket_size, group_size)
+    divisor = math.lcm(group_size, 128)
+    prev_end = 0
+    for (s, e), n in zip(plan.param_ranges, numels):
+        assert s % PARAM_ALIGN == 0 and e - s == n and s >= prev_end
+        prev_end = e
+    assert plan.buckets[0].start == 0 and plan.buckets[-1].end == plan.total
+    seen = []
+    for b, nxt in zip(plan.buckets, plan.buckets[1:] + (None,)):
+        assert b.numel % divisor == 0 and b.numel % group_size == 0
+        if nxt is not None:
+            assert nxt.start == b.end
+        for i in b.param_indices:  # a param never straddles buckets
+            s, e = plan.param_ranges[i]
+            assert b.start <= s and e <= b.end
+        seen.extend(b.param_indices)
+        if nxt is not None:  # a bucket closes only once it is full
+            last = plan.param_ranges[b.param_indices[-1]][1]
+            assert last - b.start >= bucket_size
+    assert seen == list(range(len(numels)))
+    if bucket_size == 1:
+        assert len(plan.buckets) == len(numels)
+    if bucket_size == 10**9:
+        assert len(plan.buckets) == 1
+
+
+def test_default_bucket_size() -> None:
+    assert default_bucket_size(8) == 40_000_000
+    assert default_bucket_size(64) == 64_000_000
+
+
+# ------------------------------------------------------------------------------------------ buffers
+def test_params_are_views_of_the_buffers_and_grads_reach_main_grad() -> None:
+    model = ToyMoE()
+    ref = copy.deepcopy(model)
+    dm = DistributedModel(model, ParallelConfig(bucket_size=200), ONE)
+    assert sorted(b.key.is_expert for b in dm.buffers) == [False, True]
+    names = dict(model.named_parameters())
+    order = [n for n, _ in reversed(list(model.named_parameters()))]
+    for buf in dm.buffers:
+        assert [buf.names[p] for p in buf.params] == [n for n in order if names[n] in buf.param_ranges]
+        for p in buf.params:
+            s, e = buf.param_ranges[p]
+            # .data is a view of the param buffer, main_grad of the grad buffer (also for the 3-D expert weight)
+            assert p.data_ptr() == buf.param_data[s:e].data_ptr() and p.shape == names[buf.names[p]].shape
+            assert p.main_grad.data_ptr() == buf.grad_data[s:e].data_ptr() and p.main_grad.shape == p.shape
+    for n, p in model.named_parameters():
+        assert torch.equal(p, dict(ref.named_parameters())[n])  # binding kept the values
+
+    # writing the buffer writes the param, including the [E, out, in] expert weight
+    w = model.experts.weight
+    assert w.dim() == 3
+    buf = next(b for b in dm.buffers if b.key.is_expert)
+    s, _ = buf.param_ranges[w]
+    with torch.no_grad():
+        buf.param_data[s] += 1.0
+    assert w[0, 0, 0] == ref.experts.weight[0, 0, 0] + 1.0
+    with torch.no_grad():
+        buf.param_data[s] -= 1.0
+
+    x = torch.randn(5, 8)
+    dm.zero_grad_buffer()
+    model(x).square().mean().backward()
+    ref(x).square().mean().backward()
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert p.grad is None, n  # folded into main_grad
+        torch.testing.assert_close(p.main_grad, q.grad, rtol=0, atol=0, msg=n)
+
+
+class _FusedMatmul(torch.autograd.Function):
+    """A layer that accumulates its weight grad itself (gradient_accumulation_fusion) and returns None for it."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x)
+        ctx.w = w
+        return x @ w.t()
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):  # type: ignore[override]
+        (x,) = ctx.saved_tensors
+        accumulate_wgrad(ctx.w, dy.t() @ x, fuse=True)
+        return dy @ ctx.w, None
+
+
+class _FusedModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 3))
+        self.b = nn.Parameter(torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _FusedMatmul.apply(x, self.w) + self.b
+
+
+def test_fused_wgrad_reports_exactly_once_and_launches_the_bucket() -> None:
+    """The post-accumulate hook fires with .grad None for a fused param; it must not report again."""
+    model = _FusedModel()
+    dm = DistributedModel(model, ParallelConfig(overlap_grad_reduce=True), ONE)
+    reported: list[str] = []
+    group = dm.bucket_groups[0]
+    original = group.grad_ready
+    group.grad_ready = lambda p: (reported.append(dm.names[p]), original(p))  # type: ignore[method-assign]
+    x = torch.randn(2, 3, requires_grad=True)
+    dm.zero_grad_buffer()
+    dm(x).sum().backward()
+    assert sorted(reported) == ["b", "w"]
+    assert group.grad_state.value == "launched"  # both reported: the reduce started during backward
+    torch.testing.assert_close(model.w.main_grad, torch.ones(2, 4).t() @ x.detach())
+    dm.finish_grad_sync()
+
+
+def test_grad_after_launch_means_a_missing_no_sync() -> None:
+    model = ToyMoE()
+    dm = DistributedModel(model, ParallelConfig(overlap_grad_reduce=True), ONE)
+    x = torch.randn(3, 8)
+    dm.zero_grad_buffer()
+    dm(x).sum().backward()  # last micro-batch: every group launches
+    with pytest.raises(GradSyncError, match="no_sync"):
+        dm(x).sum().backward()  # a second micro-batch not under no_sync()
+
+
+def test_no_sync_accumulates_without_launching() -> None:
+    model = ToyMoE()
+    dm = DistributedModel(model, ParallelConfig(overlap_grad_reduce=True), ONE)
+    x = torch.randn(3, 8)
+    dm.zero_grad_buffer()
+    with dm.no_sync():
+        dm(x).sum().backward()
+    assert all(g.grad_state.value == "accumulating" for g in dm.bucket_groups)
+    dm(x).sum().backward()
+    assert all(g.grad_state.value == "launched" for g in dm.bucket_groups)
+    ref = copy.deepcopy(ToyMoE())
+    (2 * ref(x).sum()).backward()
+    torch.testing.assert_close(model.inp.weight.main_grad, ref.inp.weight.grad)
+    dm.finish_grad_sync()
+
+
+def test_a_param_reporting_twice_is_an_error() -> None:
+    model = ToyMoE()
+    dm = DistributedModel(model, ParallelConfig(overlap_grad_reduce=True), ONE)
+    g = dm.group_of(model.inp.weight)
+    g.grad_ready(model.inp.weight)
+    with pytest.raises(GradSyncError, match="twice"):
+        g.grad_ready(model.inp.weight)
+
+
+def test_step_before_finish_grad_sync_is_an_error() -> None:
+    _, dm, opt = make(ONE, ParallelConfig(), Run())
+    dm.zero_grad_buffer()
+    forward_backward(dm, ONE, Run(), 0)
+    with pytest.raises(GradSyncError, match="finish_grad_sync"):
+        opt.step(0.1)
+
+
+def test_bucket_group_refuses_mixed_optimizers() -> None:
+    model = ToyMoE()
+    dm = DistributedModel(model, ParallelConfig(), ONE,
+                          optimizer_tags=lambda n, p: "muon" if p.dim() == 2 and "experts" not in n else "adam")
+    dense = [b for b in dm.buffers if not b.key.is_expert]
+    assert sorted(b.key.optimizer_tag for b in dense) == ["adam", "muon"]
+    with pytest.raises(ValueError, match="mixes optimizers"):
+        BucketGroup(99, [dense[0].buckets[0], dense[1].buckets[0]], True, 1.0)
+
+
+def test_grad_reduce_in_bf16() -> None:
+    model = ToyMoE(dtype=torch.bfloat16)
+    dm = DistributedModel(model, ParallelConfig(grad_reduce_in_fp32=False), ONE)
+    assert {b.grad_data.dtype for b in dm.buffers} == {torch.bfloat16}
+    assert model.inp.weight.main_grad.dtype == torch.bfloat16
+    dm32 = DistributedModel(ToyMoE(dtype=torch.bfloat16), ParallelConfig(grad_reduce_in_fp32=True), ONE)
+    assert {b.grad_data.dtype for b in dm32.buffers} == {torch.float32}
+    assert {b.param_data.dtype for b in dm32.buffers} == {torch.bfloat16}
+
+
+# ------------------------------------------------------------------------------------------ aliased staging
+def test_zeroing_an_aliased_staging_slice_leaves_the_rest_of_the_grad_memory() -> None:
+    """fp32 grads, bf16 staging: post-processing zeroes only its bucket's staging slice."""
+    model = ToyMoE(dtype=torch.bfloat16)
+    dm = DistributedModel(model, ParallelConfig(bucket_size=100), ONE,
+                          storage=lambda n, p: AliasedStagingStorage(torch.bfloat16))
+    buf = next(b for b in dm.buffers if not b.key.is_expert)
+    assert buf.param_data.dtype == torch.bfloat16 and buf.grad_data.dtype == torch.float32
+    assert buf.param_data.untyped_storage().data_ptr() == buf.grad_data.untyped_storage().data_ptr()
+    assert len(buf.buckets) >= 2
+    bucket = buf.buckets[1]
+    group = buf.bucket_groups[1]
+    raw = buf.grad_data.view(torch.uint8)
+    raw.fill_(0x3F)  # sentinel bytes everywhere in the grad memory
+    group.stager = lambda g: None  # values are already "staged" (the sentinel)
+    group.stage()
+    group.gather()
+    before = raw.clone()
+    group.post_process()
+    itemsize = 2
+    lo, hi = bucket.start * itemsize, bucket.end * itemsize
+    assert torch.all(raw[lo:hi] == 0)
+    assert torch.equal(raw[:lo], before[:lo]) and torch.equal(raw[hi:], before[hi:])
+    p = bucket.params[0]
+    assert torch.all(p == torch.tensor([0x3F3F], dtype=torch.int16).view(torch.bfloat16))  # written into the param
+
+
+def _step_once(dm: DistributedModel, opt, step: int, run: Run) -> None:
+    dm.zero_grad_buffer()
+    forward_backward(dm, ONE, run, step)
+    dm.finish_grad_sync()
+    opt.step(run.lr)
+
+
+def test_zero_grad_buffer_restages_pending_aliased_groups() -> None:
+    """Megatron #4987: with overlap_param_gather the deferred gather must not ship a zeroed staging buffer."""
+    run = Run(steps=3)
+    cfg = ParallelConfig(overlap_param_gather=True, overlap_grad_reduce=True)
+    model, dm, opt = make(ONE, cfg, run, storage=lambda n, p: AliasedStagingStorage())
+    ref_model, ref_dm, ref_opt = make(ONE, ParallelConfig(), run)
+    for step in range(run.steps):
+        _step_once(dm, opt, step, run)
+        _step_once(ref_dm, ref_opt, step, run)
+    assert all(g.state is ParamSyncState.STAGED for g in dm.bucket_groups)
+    dm.zero_grad_buffer()
+    for buf in dm.buffers:  # staged values survived the zero (re-staged), so they are the masters
+        assert buf.param_data.abs().sum() > 0
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        y = dm(x)  # pre-hooks gather and post-process
+    assert all(g.state is ParamSyncState.POST_PROCESSED for g in dm.bucket_groups)
+    assert all(torch.all(buf.grad_data == 0) for buf in dm.buffers)  # staging slices zeroed again
+    torch.testing.assert_close(y, ref_model(x), rtol=0, atol=0)
+    for (n, p), (_, q) in zip(model.named_parameters(), ref_model.named_parameters()):
+        assert torch.equal(p, q), n
+
+
+def test_forced_sync_finalises_a_gather_in_flight() -> None:
+    run = Run(steps=1)
+    cfg = ParallelConfig(overlap_param_gather=True)
+    model, dm, opt = make(ONE, cfg, run, storage=lambda n, p: AliasedStagingStorage())
+    _step_once(dm, opt, 0, run)
+    dm.zero_grad_buffer()
+    g = dm.bucket_groups[0]
+    g.dispatch()
+    assert g.state is ParamSyncState.DISPATCHED
+    with pytest.raises(ParamSyncError, match="destroy the values in flight"):
+        dm.zero_grad_buffer()
+    dm.force_param_sync()
+    assert all(x.state is ParamSyncState.POST_PROCESSED for x in dm.bucket_groups)
+    assert all(torch.all(buf.grad_data == 0) for buf in dm.buffers)
+    masters = opt.gather_logical_state()["params"]
+    for n, p in model.named_parameters():
+        assert torch.equal(p, masters[n]["master"]), n
+
+
+def test_stale_weights_are_detected_on_backward() -> None:
+    """A param used without its module's __call__ would skip the pre-hook gather: refuse its grad."""
+    run = Run(steps=1)
+    model, dm, opt = make(ONE, ParallelConfig(overlap_param_gather=True), run)
+    _step_once(dm, opt, 0, run)
+    dm.zero_grad_buffer()
+    y = torch.randn(2, 8) @ model.inp.weight.t()  # bypasses model.inp's pre-hook
+    with pytest.raises(ParamSyncError, match="stale weights"):
+        y.sum().backward()
+
+
+# ------------------------------------------------------------------------------------------ parallel state
+def test_trivial_state_and_ep_checks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    st = init_distributed(ParallelConfig())
+    assert (st.world_size, st.rank, st.dp.size, st.ep.size, st.expert_dp.size) == (1, 0, 1, 1, 1)
+    assert st.dp.pg is None and st.backend is None
+    with pytest.raises(ConfigError, match="expert_model_parallel_size"):
+        init_distributed(ParallelConfig(expert_model_parallel_size=2))
+    check_ep_size(8, 4)
+    with pytest.raises(ConfigError, match="divisor"):
+        check_ep_size(6, 4)
+    assert expert_seed(7, st) == expert_seed(7, ParallelState.trivial())
