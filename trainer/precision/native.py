@@ -1,0 +1,167 @@
+"""Native low-precision GEMMs: `torch._scaled_mm` and `torch._scaled_grouped_mm` on CUDA.
+
+What torch 2.13 offers and what we use (Hopper, sm90; checked against torch/_meta_registrations.py and
+torchao/prototype/moe_training/fp8_grouped_mm.py):
+- `torch._scaled_mm(a [M,K] row-major, b [K,N] column-major, scale_a, scale_b, out_dtype, use_fast_accum)`
+  computes (a * scale_a) @ (b * scale_b) with fp32 accumulation. Tensorwise: both scales are 1-element
+  fp32 (any e4m3/e5m2 pair but e5m2 x e5m2; fp32 output allowed). Rowwise: scale_a `[M, 1]`,
+  scale_b `[1, N]` fp32, e4m3 operands, bf16 output. K and N must be multiples of 16. Needs sm89+.
+- `torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs, out_dtype=bf16)`: e4m3 operands only, fp32
+  per-row scales, bf16 output, `offs` int32 cumulative group ends; sm90 (and sm100).
+  2d x 3d (forward, data grad): a `[T, K]` row-major with scale_a `[T]`, b `[E, K, N]` column-major
+  with scale_b `[E, N]`; groups along T. 2d x 2d (weight grad): a `[M, T]` row-major, b `[T, N]`
+  column-major, groups along the contraction dim T, scale_a `[G * M]` and scale_b `[G * N]` laid out
+  group-major; the result is `[G, M, N]`.
+Per-tensor scales are passed to the rowwise kernels expanded to rows (every row of a group gets its
+group's scale), which computes exactly the per-tensor product.
+
+MXFP8 / NVFP4 GEMMs need Blackwell (sm100); DeepSeek-style blockwise scaled_mm needs a cuBLAS/torch
+combination we do not rely on: those recipes are emulated on Hopper (see `report.describe`).
+
+Everything CUDA-only is behind `torch.cuda.is_available()`; this module imports and answers "no" on CPU.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .quantized_tensor import QuantizedTensor
+
+
+def capability(device: torch.device | str | None) -> Optional[tuple[int, int]]:
+    """CUDA compute capability of `device`, or None for a non-CUDA device / no CUDA."""
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability(device)
+
+
+def has_scaled_mm(device: torch.device | str | None) -> bool:
+    """Whether fp8 `torch._scaled_mm` runs on `device` (sm89 or newer)."""
+    cc = capability(device)
+    return cc is not None and cc >= (8, 9) and hasattr(torch, "_scaled_mm")
+
+
+def has_scaled_grouped_mm(device: torch.device | str | None) -> bool:
+    """Whether fp8 `torch._scaled_grouped_mm` runs on `device` (sm90 / sm100)."""
+    cc = capability(device)
+    return cc is not None and cc[0] in (9, 10) and hasattr(torch, "_scaled_grouped_mm")
+
+
+def kernel_supports(kind: str, fmt_a: str, fmt_b: str, *, grouped: bool, device: torch.device | str | None) -> bool:
+    """The one place that says which operand pairs have a native fp8 kernel on `device` (see module doc)."""
+    if kind not in ("tensor", "row"):
+        return False
+    if grouped:
+        return has_scaled_grouped_mm(device) and fmt_a == "e4m3" and fmt_b == "e4m3"
+    if not has_scaled_mm(device):
+        return False
+    if kind == "tensor":
+        return not (fmt_a == "e5m2" and fmt_b == "e5m2")
+    return fmt_a == "e4m3" and fmt_b == "e4m3"
+
+
+def _pair_ok(a: QuantizedTensor, b: QuantizedTensor, grouped: bool) -> bool:
+    return a.scheme.kind == b.scheme.kind and kernel_supports(
+        a.scheme.kind, a.scheme.fmt, b.scheme.fmt, grouped=grouped, device=a.device
+    )
+
+
+def mm_supported(a: QuantizedTensor, a_copy: str, b: QuantizedTensor, b_copy: str) -> bool:
+    """Whether `_scaled_mm` can run a[a_copy] @ b[b_copy]^T (kinds, formats, device, K and N % 16)."""
+    if a.groups is not None or b.groups is not None or len(a.shape) != 2 or len(b.shape) != 2:
+        return False
+    if not _pair_ok(a, b, grouped=False):
+        return False
+    K, N = a.copy_shape(a_copy)[-1], b.copy_shape(b_copy)[-2]
+    return K % 16 == 0 and N % 16 == 0
+
+
+def mm(a: QuantizedTensor, a_copy: str, b: QuantizedTensor, b_copy: str, out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
+    """a[a_copy] `[M, K]` @ b[b_copy] `[N, K]`^T with `torch._scaled_mm` (check `mm_supported` first)."""
+    qa, qb = a.copy(a_copy), b.copy(b_copy)
+    mat_b = qb.data.t()  # stored [N, K] row-major -> [K, N] column-major, as the kernel wants
+    if a.scheme.kind == "tensor":
+        sa, sb, dtype = qa.scale.reshape(1), qb.scale.reshape(1), out_dtype
+    else:  # row: [M, 1] and [1, N]; the rowwise kernel writes bf16
+        sa, sb, dtype = qa.scale.reshape(-1, 1), qb.scale.reshape(1, -1), torch.bfloat16
+    out = torch._scaled_mm(qa.data, mat_b, sa, sb, out_dtype=dtype, use_fast_accum=fast_accum)
+    return out.to(out_dtype)
+
+
+def _row_scales(q: QuantizedTensor, which: str) -> torch.Tensor:
+    """Per-row decode scales of a 2-D copy `[R, K]` whose rows may be token rows (jagged)."""
+    qd = q.copy(which)
+    if q.scheme.kind == "row":
+        return qd.scale.reshape(-1)
+    jag = q.jagged(which)
+    rows = q.copy_shape(which)[-2]
+    if jag is None:
+        return qd.scale.reshape(1).expand(rows).contiguous()
+    return qd.scale[q.groups.ids].contiguous()  # type: ignore[union-attr]
+
+
+def _expert_row_scales(q: QuantizedTensor, which: str) -> torch.Tensor:
+    """Per-(expert, row) decode scales `[E, R]` of a grouped weight copy `[E, R, K]`."""
+    qd = q.copy(which)
+    E, R = q.copy_shape(which)[0], q.copy_shape(which)[1]
+    if q.scheme.kind == "row":
+        return qd.scale.reshape(E, R)
+    return qd.scale.reshape(E, 1).expand(E, R).contiguous()
+
+
+def _group_col_scales(q: QuantizedTensor) -> torch.Tensor:
+    """Group-major per-(group, row) scales `[G * R]` of a jagged columnwise copy `[R, T]`."""
+    qd = q.copy("columnwise")
+    R = q.copy_shape("columnwise")[0]
+    assert q.groups is not None
+    if q.scheme.kind == "row":
+        return qd.scale.t().contiguous().reshape(-1)  # [R, G] -> [G, R]
+    return qd.scale.repeat_interleave(R)  # [G] -> [G * R]
+
+
+def grouped_supported(a: QuantizedTensor, a_copy: str, b: QuantizedTensor, b_copy: str) -> bool:
+    """Whether `_scaled_grouped_mm` can run a[a_copy] times b[b_copy]: e4m3 tensor/row kinds on
+    sm90/sm100 with the non-token dims multiples of 16. Token groups must be multiples of 16 too; that is
+    the dispatcher's contract (`Recipe.align_size`), not checked here because it would cost a host sync."""
+    if not _pair_ok(a, b, grouped=True):
+        return False
+    if a_copy == b_copy == "columnwise":  # weight grad: [O, T] x [D, T]
+        dims = [a.copy_shape(a_copy)[0], b.copy_shape(b_copy)[0]]
+    else:  # [T, K] x [E, N, K]
+        dims = [a.copy_shape(a_copy)[-1], b.copy_shape(b_copy)[-2]]
+    return all(d % 16 == 0 for d in dims)
+
+
+def grouped_mm_2d3d(a: QuantizedTensor, a_copy: str, b: QuantizedTensor, b_copy: str, out_dtype: torch.dtype) -> torch.Tensor:
+    """Jagged a[a_copy] `[T, K]` times expert b[b_copy] `[E, N, K]`^T -> `[T, N]` (forward, data grad)."""
+    assert a.groups is not None
+    qa, qb = a.copy(a_copy), b.copy(b_copy)
+    out = torch._scaled_grouped_mm(
+        qa.data,
+        qb.data.transpose(-2, -1),  # [E, N, K] row-major -> [E, K, N] column-major
+        _row_scales(a, a_copy),
+        _expert_row_scales(b, b_copy),
+        offs=a.groups.offsets.to(torch.int32),
+        out_dtype=torch.bfloat16,
+        use_fast_accum=a_copy == "rowwise" and b_copy == "rowwise",
+    )
+    return out.to(out_dtype)
+
+
+def grouped_mm_2d2d(g: QuantizedTensor, x: QuantizedTensor) -> torch.Tensor:
+    """Weight grad: g columnwise `[O, T]` times x columnwise `[D, T]`^T per token group -> `[E, O, D]`."""
+    assert g.groups is not None
+    qg, qx = g.copy("columnwise"), x.copy("columnwise")
+    out = torch._scaled_grouped_mm(
+        qg.data,
+        qx.data.t(),  # [D, T] row-major -> [T, D] column-major
+        _group_col_scales(g),
+        _group_col_scales(x),
+        offs=g.groups.offsets.to(torch.int32),
+        out_dtype=torch.bfloat16,
+        use_fast_accum=False,
+    )
+    return out.to(torch.float32)

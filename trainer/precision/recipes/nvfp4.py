@@ -1,0 +1,31 @@
+"""`nvfp4`: E2M1 in 1x16 blocks with E4M3 block scales and an fp32 per-tensor scale (kinds/nvfp4.py).
+
+Spec: NVIDIA's NVFP4 recipe (arXiv 2509.25149) and TE's NVFP4BlockScaling: weights use 16x16 tiles, so
+the weight's columnwise copy is its exact transpose; activations and grads use 1x16 blocks, re-quantized
+along tokens for the weight grad. Per-tensor global scales are per expert for a grouped weight and per
+token group for grouped activations/grads. Not implemented here: TE's random Hadamard transform on the
+weight-grad operands and stochastic rounding of grads (plain round-to-nearest-even). Token groups must
+start on multiples of 16; `align_size` is 32 as in Megatron (the FP4 GEMM's K-granularity for the weight
+grad, which contracts over tokens). Emulated on Hopper and CPU (FP4 GEMMs need sm100).
+"""
+
+from __future__ import annotations
+
+from ..scheme import Scheme
+from .base import Recipe
+
+
+class NVFP4Recipe(Recipe):
+    """NVFP4 two-level block scaling."""
+
+    name = "nvfp4"
+    align_size = 32
+
+    def weight_scheme(self) -> Scheme:
+        return Scheme("nvfp4", "e2m1", (16, 16))
+
+    def activation_scheme(self) -> Scheme:
+        return Scheme("nvfp4", "e2m1", (1, 16))
+
+    def grad_scheme(self) -> Scheme:
+        return Scheme("nvfp4", "e2m1", (1, 16))
