@@ -78,8 +78,12 @@ GATED_ACTIVATIONS = ("swiglu", "quick_geglu")
 RECIPE_BLOCK = {"tensorwise": 16, "delayed": 16, "rowwise": 16, "blockwise": 128, "mxfp8": 32, "nvfp4": 32}
 # The first compute capability with native GEMMs for a recipe; below it (and on CPU) moectl emulates.
 NATIVE_FROM = {
-    "tensorwise": (9, 0), "delayed": (9, 0), "rowwise": (9, 0),
-    "blockwise": (10, 0), "mxfp8": (10, 0), "nvfp4": (10, 0),
+    "tensorwise": (9, 0),
+    "delayed": (9, 0),
+    "rowwise": (9, 0),
+    "blockwise": (10, 0),
+    "mxfp8": (10, 0),
+    "nvfp4": (10, 0),
 }
 TE_MIN_VERSION = (2, 14)
 BYTE_LEVEL_VOCAB = 256
@@ -324,7 +328,8 @@ def rule(id: str, family: str, severity: str, keys: Sequence[str], summary: str)
     def register(fn: RuleFn) -> RuleFn:
         if id in RULES:  # pragma: no cover - a catalogue bug
             raise ValueError(f"duplicate rule id {id}")
-        RULES[id] = Rule(id, fn.__name__, family, severity, tuple(keys), summary, inspect.cleandoc(fn.__doc__ or ""), fn)  # type: ignore[arg-type]
+        rationale = inspect.cleandoc(fn.__doc__ or "")
+        RULES[id] = Rule(id, fn.__name__, family, severity, tuple(keys), summary, rationale, fn)  # type: ignore[arg-type]
         return fn
 
     return register
@@ -373,7 +378,13 @@ def fp8_fp4_exclusive(c: Context) -> Iterator[_Hit]:
         )
 
 
-@rule("MOE002", "precision", "error", ["mixed_precision.fp8_param_gather", "mixed_precision.fp8"], "fp8_param_gather needs fp8")
+@rule(
+    "MOE002",
+    "precision",
+    "error",
+    ["mixed_precision.fp8_param_gather", "mixed_precision.fp8"],
+    "fp8_param_gather needs fp8",
+)
 def fp8_param_gather_needs_fp8(c: Context) -> Iterator[_Hit]:
     """FP8 param gather stores and all-gathers weights as FP8 with the FP8 recipe's scales. Without an
     FP8 recipe there is nothing to quantize them with."""
@@ -385,7 +396,13 @@ def fp8_param_gather_needs_fp8(c: Context) -> Iterator[_Hit]:
         )
 
 
-@rule("MOE003", "precision", "error", ["mixed_precision.fp4_param_gather", "mixed_precision.fp4"], "fp4_param_gather needs fp4")
+@rule(
+    "MOE003",
+    "precision",
+    "error",
+    ["mixed_precision.fp4_param_gather", "mixed_precision.fp4"],
+    "fp4_param_gather needs fp4",
+)
 def fp4_param_gather_needs_fp4(c: Context) -> Iterator[_Hit]:
     """FP4 param gather stores and all-gathers weights as NVFP4. Without fp4 there is no FP4 recipe."""
     mp = c.cfg.mixed_precision
@@ -397,7 +414,9 @@ def fp4_param_gather_needs_fp4(c: Context) -> Iterator[_Hit]:
 
 
 @rule(
-    "MOE004", "precision", "error",
+    "MOE004",
+    "precision",
+    "error",
     ["mixed_precision.fp8_param_gather", "mixed_precision.fp4_param_gather", "parallel.use_distributed_optimizer"],
     "low-precision param gather needs the distributed optimizer",
 )
@@ -415,8 +434,14 @@ def param_gather_needs_distributed_optimizer(c: Context) -> Iterator[_Hit]:
 
 
 @rule(
-    "MOE005", "precision", "error",
-    ["mixed_precision.reuse_grad_buf_for_mxfp8_param_ag", "mixed_precision.fp8_param_gather", "mixed_precision.fp8_recipe"],
+    "MOE005",
+    "precision",
+    "error",
+    [
+        "mixed_precision.reuse_grad_buf_for_mxfp8_param_ag",
+        "mixed_precision.fp8_param_gather",
+        "mixed_precision.fp8_recipe",
+    ],
     "reuse_grad_buf_for_mxfp8_param_ag needs fp8_param_gather and the mxfp8 recipe",
 )
 def reuse_buffer_needs_mxfp8_param_gather(c: Context) -> Iterator[_Hit]:
@@ -428,18 +453,22 @@ def reuse_buffer_needs_mxfp8_param_gather(c: Context) -> Iterator[_Hit]:
         return
     if not mp.fp8_param_gather:
         yield _Hit(
-            "mixed_precision.reuse_grad_buf_for_mxfp8_param_ag=true needs mixed_precision.fp8_param_gather=true, got false",
+            "mixed_precision.reuse_grad_buf_for_mxfp8_param_ag=true needs "
+            "mixed_precision.fp8_param_gather=true, got false",
             "set mixed_precision.fp8_param_gather=true (with fp8_recipe=mxfp8), or turn the reuse buffer off",
         )
     if mp.fp8_recipe != "mxfp8":
         yield _Hit(
-            f"mixed_precision.reuse_grad_buf_for_mxfp8_param_ag=true needs mixed_precision.fp8_recipe=mxfp8, got {mp.fp8_recipe}",
+            "mixed_precision.reuse_grad_buf_for_mxfp8_param_ag=true needs "
+            f"mixed_precision.fp8_recipe=mxfp8, got {mp.fp8_recipe}",
             "set mixed_precision.fp8_recipe=mxfp8, or mixed_precision.reuse_grad_buf_for_mxfp8_param_ag=false",
         )
 
 
 @rule(
-    "MOE006", "precision", "error",
+    "MOE006",
+    "precision",
+    "error",
     ["model.hidden_size", "model.ffn_hidden_size", "moe.ffn_hidden_size", "mixed_precision.fp8_recipe"],
     "GEMM dimensions are multiples of the recipe's block",
 )
@@ -469,7 +498,9 @@ def gemm_dims_fit_recipe_block(c: Context) -> Iterator[_Hit]:
 
 
 @rule(
-    "MOE007", "precision", "error",
+    "MOE007",
+    "precision",
+    "error",
     ["moe.router_padding_for_quantization", "mixed_precision.fp8", "mixed_precision.fp4"],
     "router_padding_for_quantization needs a low-precision recipe",
 )
@@ -485,7 +516,13 @@ def router_padding_needs_low_precision(c: Context) -> Iterator[_Hit]:
         )
 
 
-@rule("MOE008", "precision", "warning", ["mixed_precision.bf16", "mixed_precision.fp8", "mixed_precision.fp4"], "fp8/fp4 without bf16")
+@rule(
+    "MOE008",
+    "precision",
+    "warning",
+    ["mixed_precision.bf16", "mixed_precision.fp8", "mixed_precision.fp4"],
+    "fp8/fp4 without bf16",
+)
 def low_precision_without_bf16(c: Context) -> Iterator[_Hit]:
     """FP8 and FP4 recipes quantize the GEMMs only; everything else (attention, norms, router, embedding,
     unquantized weights, activations between GEMMs) runs in the model's dtype. Low-precision recipes are
@@ -499,8 +536,14 @@ def low_precision_without_bf16(c: Context) -> Iterator[_Hit]:
 
 
 @rule(
-    "MOE009", "precision", "warning",
-    ["mixed_precision.fp8_recipe", "mixed_precision.fp8_param_gather", "mixed_precision.reuse_grad_buf_for_mxfp8_param_ag"],
+    "MOE009",
+    "precision",
+    "warning",
+    [
+        "mixed_precision.fp8_recipe",
+        "mixed_precision.fp8_param_gather",
+        "mixed_precision.reuse_grad_buf_for_mxfp8_param_ag",
+    ],
     "mxfp8 param gather without the reuse buffer costs memory",
 )
 def mxfp8_param_gather_without_reuse(c: Context) -> Iterator[_Hit]:
@@ -508,7 +551,12 @@ def mxfp8_param_gather_without_reuse(c: Context) -> Iterator[_Hit]:
     gather). Without `reuse_grad_buf_for_mxfp8_param_ag` the bf16 staging buffer is separate memory, 2
     bytes per weight on every rank; with it the staging lives in the grad buffer, which is idle then."""
     mp = c.cfg.mixed_precision
-    if mp.fp8 is not None and mp.fp8_recipe == "mxfp8" and mp.fp8_param_gather and not mp.reuse_grad_buf_for_mxfp8_param_ag:
+    if (
+        mp.fp8 is not None
+        and mp.fp8_recipe == "mxfp8"
+        and mp.fp8_param_gather
+        and not mp.reuse_grad_buf_for_mxfp8_param_ag
+    ):
         yield _Hit(
             "mxfp8 with mixed_precision.fp8_param_gather=true stages bf16 weights in a separate buffer "
             "(reuse_grad_buf_for_mxfp8_param_ag=false)",
@@ -520,9 +568,15 @@ def mxfp8_param_gather_without_reuse(c: Context) -> Iterator[_Hit]:
 
 
 @rule(
-    "MOE010", "optimizer", "error",
-    ["optimizer.optimizer", "mixed_precision.fp8_param_gather", "mixed_precision.fp8_recipe",
-     "mixed_precision.reuse_grad_buf_for_mxfp8_param_ag"],
+    "MOE010",
+    "optimizer",
+    "error",
+    [
+        "optimizer.optimizer",
+        "mixed_precision.fp8_param_gather",
+        "mixed_precision.fp8_recipe",
+        "mixed_precision.reuse_grad_buf_for_mxfp8_param_ag",
+    ],
     "Muon with fp8 param gather only with mxfp8 and the reuse buffer",
 )
 def muon_fp8_param_gather_needs_mxfp8_reuse(c: Context) -> Iterator[_Hit]:
@@ -537,13 +591,20 @@ def muon_fp8_param_gather_needs_mxfp8_reuse(c: Context) -> Iterator[_Hit]:
     if mp.fp8_recipe != "mxfp8" or not mp.reuse_grad_buf_for_mxfp8_param_ag:
         yield _Hit(
             f"optimizer.optimizer=muon with mixed_precision.fp8_param_gather=true needs fp8_recipe=mxfp8 and "
-            f"reuse_grad_buf_for_mxfp8_param_ag=true, got {mp.fp8_recipe} and {fmt(mp.reuse_grad_buf_for_mxfp8_param_ag)}",
+            f"reuse_grad_buf_for_mxfp8_param_ag=true, got {mp.fp8_recipe} and "
+            f"{fmt(mp.reuse_grad_buf_for_mxfp8_param_ag)}",
             "set mixed_precision.fp8_recipe=mxfp8 and mixed_precision.reuse_grad_buf_for_mxfp8_param_ag=true, "
             "or mixed_precision.fp8_param_gather=false",
         )
 
 
-@rule("MOE011", "optimizer", "error", ["optimizer.optimizer", "mixed_precision.fp4_param_gather"], "no fp4 param gather with Muon")
+@rule(
+    "MOE011",
+    "optimizer",
+    "error",
+    ["optimizer.optimizer", "mixed_precision.fp4_param_gather"],
+    "no fp4 param gather with Muon",
+)
 def muon_no_fp4_param_gather(c: Context) -> Iterator[_Hit]:
     """NVFP4 param gather ships 4-bit values with per-tensor and per-block scales computed across the
     shards; Muon's whole-parameter owners cannot produce them consistently, and re-quantizing orthogonal
@@ -556,9 +617,19 @@ def muon_no_fp4_param_gather(c: Context) -> Iterator[_Hit]:
 
 
 @rule(
-    "MOE012", "optimizer", "error",
-    ["optimizer.lr", "optimizer.min_lr", "optimizer.weight_decay", "optimizer.adam_beta1", "optimizer.adam_beta2",
-     "optimizer.adam_eps", "optimizer.clip_grad", "optimizer.muon_momentum"],
+    "MOE012",
+    "optimizer",
+    "error",
+    [
+        "optimizer.lr",
+        "optimizer.min_lr",
+        "optimizer.weight_decay",
+        "optimizer.adam_beta1",
+        "optimizer.adam_beta2",
+        "optimizer.adam_eps",
+        "optimizer.clip_grad",
+        "optimizer.muon_momentum",
+    ],
     "optimizer hyperparameters are in range",
 )
 def optimizer_hyperparameters_in_range(c: Context) -> Iterator[_Hit]:
@@ -582,7 +653,11 @@ def optimizer_hyperparameters_in_range(c: Context) -> Iterator[_Hit]:
         checks.append(("muon_momentum", o.muon_momentum, 0 <= o.muon_momentum < 1, "in [0, 1)"))
     for name, value, ok, want in checks:
         if not ok:  # also catches NaN, for which every comparison is false
-            yield _Hit(f"optimizer.{name}={fmt(value)} must be {want}", f"set optimizer.{name} {want}", keys=(f"optimizer.{name}",))
+            yield _Hit(
+                f"optimizer.{name}={fmt(value)} must be {want}",
+                f"set optimizer.{name} {want}",
+                keys=(f"optimizer.{name}",),
+            )
 
 
 @rule("MOE013", "optimizer", "error", ["optimizer.min_lr", "optimizer.lr", "optimizer.lr_decay_style"], "min_lr <= lr")
@@ -598,7 +673,9 @@ def min_lr_not_above_lr(c: Context) -> Iterator[_Hit]:
 
 
 @rule(
-    "MOE014", "optimizer", "error",
+    "MOE014",
+    "optimizer",
+    "error",
     ["optimizer.lr_warmup_iters", "optimizer.lr_decay_iters", "optimizer.lr_decay_style"],
     "warmup ends before decay ends",
 )
@@ -613,14 +690,17 @@ def warmup_before_decay_end(c: Context) -> Iterator[_Hit]:
         )
 
 
-@rule("MOE015", "optimizer", "warning", ["optimizer.lr_warmup_iters", "train.train_iters"], "warmup shorter than the run")
+@rule(
+    "MOE015", "optimizer", "warning", ["optimizer.lr_warmup_iters", "train.train_iters"], "warmup shorter than the run"
+)
 def warmup_shorter_than_run(c: Context) -> Iterator[_Hit]:
     """A warmup as long as the run never reaches the peak learning rate. It is legal (a short debug run
     of a long config does it), so it is a warning."""
     o, t = c.cfg.optimizer, c.cfg.train
     if o.lr_warmup_iters > 0 and o.lr_warmup_iters >= t.train_iters:
         yield _Hit(
-            f"optimizer.lr_warmup_iters={o.lr_warmup_iters} >= train.train_iters={t.train_iters}: lr never reaches its peak",
+            f"optimizer.lr_warmup_iters={o.lr_warmup_iters} >= train.train_iters={t.train_iters}: "
+            "lr never reaches its peak",
             "make optimizer.lr_warmup_iters smaller than train.train_iters (a few percent of it is usual)",
         )
 
@@ -629,7 +709,10 @@ def warmup_shorter_than_run(c: Context) -> Iterator[_Hit]:
 
 
 @rule(
-    "MOE016", "overlap", "error", ["parallel.overlap_param_gather", "parallel.overlap_grad_reduce"],
+    "MOE016",
+    "overlap",
+    "error",
+    ["parallel.overlap_param_gather", "parallel.overlap_grad_reduce"],
     "overlap_param_gather needs overlap_grad_reduce",
 )
 def overlap_param_gather_needs_overlap_grad_reduce(c: Context) -> Iterator[_Hit]:
@@ -646,7 +729,10 @@ def overlap_param_gather_needs_overlap_grad_reduce(c: Context) -> Iterator[_Hit]
 
 
 @rule(
-    "MOE017", "overlap", "error", ["parallel.overlap_param_gather", "parallel.use_distributed_optimizer"],
+    "MOE017",
+    "overlap",
+    "error",
+    ["parallel.overlap_param_gather", "parallel.use_distributed_optimizer"],
     "overlap_param_gather needs the distributed optimizer",
 )
 def overlap_param_gather_needs_distributed_optimizer(c: Context) -> Iterator[_Hit]:
@@ -674,19 +760,32 @@ def router_topk_in_range(c: Context) -> Iterator[_Hit]:
         )
 
 
-@rule("MOE019", "moe", "error", ["moe.glu_interleave_size", "moe.activation"], "glu_interleave_size needs a gated activation")
+@rule(
+    "MOE019",
+    "moe",
+    "error",
+    ["moe.glu_interleave_size", "moe.activation"],
+    "glu_interleave_size needs a gated activation",
+)
 def interleave_needs_gated_activation(c: Context) -> Iterator[_Hit]:
     """Interleaving reorders fc1's [gate; up] rows into [gate(I), up(I), ...] blocks. A non-gated
     activation (squared_relu) has no gate/up halves, so there is nothing to interleave."""
     m = c.cfg.moe
     if m.glu_interleave_size is not None and m.activation not in GATED_ACTIVATIONS:
         yield _Hit(
-            f"moe.glu_interleave_size={m.glu_interleave_size} needs a gated moe.activation (swiglu, quick_geglu), got {m.activation}",
+            f"moe.glu_interleave_size={m.glu_interleave_size} needs a gated moe.activation "
+            f"(swiglu, quick_geglu), got {m.activation}",
             "set moe.glu_interleave_size=null, or moe.activation=swiglu",
         )
 
 
-@rule("MOE020", "moe", "error", ["moe.glu_interleave_size", "moe.ffn_hidden_size"], "glu_interleave_size divides moe.ffn_hidden_size")
+@rule(
+    "MOE020",
+    "moe",
+    "error",
+    ["moe.glu_interleave_size", "moe.ffn_hidden_size"],
+    "glu_interleave_size divides moe.ffn_hidden_size",
+)
 def interleave_divides_expert_ffn(c: Context) -> Iterator[_Hit]:
     """fc1 holds F gate rows and F up rows; they are stored as F/I pairs of blocks, so I must divide F.
     Megatron does not check this (its own list of missing rules, item 27)."""
@@ -731,7 +830,10 @@ def te_backend_needs_transformer_engine(c: Context) -> Iterator[_Hit]:
 
 
 @rule(
-    "MOE023", "moe", "error", ["moe.aux_loss_coeff", "moe.z_loss_coeff", "moe.capacity_factor"],
+    "MOE023",
+    "moe",
+    "error",
+    ["moe.aux_loss_coeff", "moe.z_loss_coeff", "moe.capacity_factor"],
     "router loss coefficients >= 0, capacity_factor > 0",
 )
 def moe_coefficients_in_range(c: Context) -> Iterator[_Hit]:
@@ -739,9 +841,17 @@ def moe_coefficients_in_range(c: Context) -> Iterator[_Hit]:
     factor <= 0 gives every expert zero capacity and drops every token."""
     m = c.cfg.moe
     if not m.aux_loss_coeff >= 0:
-        yield _Hit(f"moe.aux_loss_coeff={fmt(m.aux_loss_coeff)} must be >= 0", "set moe.aux_loss_coeff >= 0 (0 disables)", keys=("moe.aux_loss_coeff",))
+        yield _Hit(
+            f"moe.aux_loss_coeff={fmt(m.aux_loss_coeff)} must be >= 0",
+            "set moe.aux_loss_coeff >= 0 (0 disables)",
+            keys=("moe.aux_loss_coeff",),
+        )
     if not m.z_loss_coeff >= 0:
-        yield _Hit(f"moe.z_loss_coeff={fmt(m.z_loss_coeff)} must be >= 0", "set moe.z_loss_coeff >= 0 (0 disables)", keys=("moe.z_loss_coeff",))
+        yield _Hit(
+            f"moe.z_loss_coeff={fmt(m.z_loss_coeff)} must be >= 0",
+            "set moe.z_loss_coeff >= 0 (0 disables)",
+            keys=("moe.z_loss_coeff",),
+        )
     if m.capacity_factor is not None and not m.capacity_factor > 0:
         yield _Hit(
             f"moe.capacity_factor={fmt(m.capacity_factor)} must be > 0",
@@ -750,7 +860,13 @@ def moe_coefficients_in_range(c: Context) -> Iterator[_Hit]:
         )
 
 
-@rule("MOE024", "moe", "error", ["moe.pad_expert_input_to_capacity", "moe.capacity_factor"], "pad_expert_input_to_capacity needs capacity_factor")
+@rule(
+    "MOE024",
+    "moe",
+    "error",
+    ["moe.pad_expert_input_to_capacity", "moe.capacity_factor"],
+    "pad_expert_input_to_capacity needs capacity_factor",
+)
 def pad_to_capacity_needs_capacity_factor(c: Context) -> Iterator[_Hit]:
     """Padding to capacity pads every expert's input to capacity_factor * T*k/E tokens; dropless routing
     (capacity_factor null) has no capacity to pad to."""
@@ -763,7 +879,10 @@ def pad_to_capacity_needs_capacity_factor(c: Context) -> Iterator[_Hit]:
 
 
 @rule(
-    "MOE025", "moe", "warning", ["moe.delay_wgrad_compute", "parallel.expert_model_parallel_size"],
+    "MOE025",
+    "moe",
+    "warning",
+    ["moe.delay_wgrad_compute", "parallel.expert_model_parallel_size"],
     "delay_wgrad_compute has nothing to overlap without expert parallelism",
 )
 def delay_wgrad_without_expert_parallel(c: Context) -> Iterator[_Hit]:
@@ -802,13 +921,22 @@ def model_has_moe_layer(c: Context) -> Iterator[_Hit]:
     f = c.cfg.model.moe_layer_freq
     well_formed = len(f) == c.cfg.model.num_layers if isinstance(f, list) else f >= 1
     if well_formed and c.cfg.model.num_layers > 0 and c.moe_layers == 0:
-        yield _Hit(f"model.moe_layer_freq={fmt(f)} selects no MoE layer: the moe section is unused", "mark at least one layer 1")
+        yield _Hit(
+            f"model.moe_layer_freq={fmt(f)} selects no MoE layer: the moe section is unused",
+            "mark at least one layer 1",
+        )
 
 
 # ----------------------------------------------------------------------------------------------- parallel
 
 
-@rule("MOE028", "parallel", "error", ["moe.num_experts", "parallel.expert_model_parallel_size"], "num_experts divisible by ep")
+@rule(
+    "MOE028",
+    "parallel",
+    "error",
+    ["moe.num_experts", "parallel.expert_model_parallel_size"],
+    "num_experts divisible by ep",
+)
 def experts_divisible_by_ep(c: Context) -> Iterator[_Hit]:
     """Experts are sharded evenly over the expert-parallel ranks; E/ep must be a whole number."""
     e, ep = c.cfg.moe.num_experts, c.cfg.parallel.expert_model_parallel_size
@@ -819,7 +947,9 @@ def experts_divisible_by_ep(c: Context) -> Iterator[_Hit]:
         )
 
 
-@rule("MOE029", "parallel", "error", ["world_size", "parallel.expert_model_parallel_size"], "world size divisible by ep")
+@rule(
+    "MOE029", "parallel", "error", ["world_size", "parallel.expert_model_parallel_size"], "world size divisible by ep"
+)
 def world_size_divisible_by_ep(c: Context) -> Iterator[_Hit]:
     """The dp = world-size ranks split into expert-parallel groups of ep ranks, each expert replicated
     over dp/ep of them (the expert-data-parallel group); ep must divide the world size."""
@@ -832,7 +962,10 @@ def world_size_divisible_by_ep(c: Context) -> Iterator[_Hit]:
 
 
 @rule(
-    "MOE030", "parallel", "error", ["train.global_batch_size", "train.micro_batch_size", "world_size"],
+    "MOE030",
+    "parallel",
+    "error",
+    ["train.global_batch_size", "train.micro_batch_size", "world_size"],
     "global_batch_size divisible by micro_batch_size x dp",
 )
 def global_batch_divisible(c: Context) -> Iterator[_Hit]:
@@ -842,13 +975,16 @@ def global_batch_divisible(c: Context) -> Iterator[_Hit]:
     per_step = t.micro_batch_size * c.dp
     if t.micro_batch_size > 0 and t.global_batch_size > 0 and t.global_batch_size % per_step:
         yield _Hit(
-            f"train.global_batch_size={t.global_batch_size} is not divisible by train.micro_batch_size={t.micro_batch_size} "
+            f"train.global_batch_size={t.global_batch_size} is not divisible by "
+            f"train.micro_batch_size={t.micro_batch_size} "
             f"x dp={c.dp} (= {per_step})",
             f"set train.global_batch_size to a multiple of {per_step}",
         )
 
 
-@rule("MOE031", "parallel", "error", ["model.hidden_size", "model.num_attention_heads"], "hidden_size divisible by heads")
+@rule(
+    "MOE031", "parallel", "error", ["model.hidden_size", "model.num_attention_heads"], "hidden_size divisible by heads"
+)
 def hidden_divisible_by_heads(c: Context) -> Iterator[_Hit]:
     """Attention splits the hidden size into equal heads: head_dim = hidden_size / heads."""
     m = c.cfg.model
@@ -859,7 +995,13 @@ def hidden_divisible_by_heads(c: Context) -> Iterator[_Hit]:
         )
 
 
-@rule("MOE032", "parallel", "error", ["model.num_attention_heads", "model.num_query_groups"], "heads divisible by query groups")
+@rule(
+    "MOE032",
+    "parallel",
+    "error",
+    ["model.num_attention_heads", "model.num_query_groups"],
+    "heads divisible by query groups",
+)
 def heads_divisible_by_query_groups(c: Context) -> Iterator[_Hit]:
     """Grouped-query attention shares each key/value head among heads/groups query heads."""
     m = c.cfg.model
@@ -879,7 +1021,8 @@ def head_dim_even_for_rope(c: Context) -> Iterator[_Hit]:
         hd = m.hidden_size // m.num_attention_heads
         if hd % 2:
             yield _Hit(
-                f"head_dim = model.hidden_size={m.hidden_size} / model.num_attention_heads={m.num_attention_heads} = {hd} is odd",
+                f"head_dim = model.hidden_size={m.hidden_size} / "
+                f"model.num_attention_heads={m.num_attention_heads} = {hd} is odd",
                 "choose sizes with an even head_dim (64 or 128 is usual)",
             )
 
@@ -888,7 +1031,9 @@ def head_dim_even_for_rope(c: Context) -> Iterator[_Hit]:
 
 
 @rule(
-    "MOE034", "cuda_graph", "error",
+    "MOE034",
+    "cuda_graph",
+    "error",
     ["train.cuda_graph", "moe.capacity_factor", "moe.pad_expert_input_to_capacity"],
     "an MoE model under CUDA graphs needs drop-and-pad",
 )
@@ -898,7 +1043,11 @@ def cuda_graph_needs_drop_and_pad(c: Context) -> Iterator[_Hit]:
     capacity factor with padding to capacity makes every expert's input static (Megatron: the `moe`
     graph scope is for drop-and-pad only)."""
     m = c.cfg.moe
-    if c.cfg.train.cuda_graph and c.moe_layers > 0 and (m.capacity_factor is None or not m.pad_expert_input_to_capacity):
+    if (
+        c.cfg.train.cuda_graph
+        and c.moe_layers > 0
+        and (m.capacity_factor is None or not m.pad_expert_input_to_capacity)
+    ):
         yield _Hit(
             f"train.cuda_graph=true with dropless experts (moe.capacity_factor={fmt(m.capacity_factor)}, "
             f"moe.pad_expert_input_to_capacity={fmt(m.pad_expert_input_to_capacity)})",
@@ -917,7 +1066,9 @@ def cuda_graph_needs_cuda_device(c: Context) -> Iterator[_Hit]:
 
 
 @rule(
-    "MOE036", "checkpoint", "error",
+    "MOE036",
+    "checkpoint",
+    "error",
     ["checkpoint.load_main_params_from_ckpt", "checkpoint.load", "checkpoint.no_load_optim"],
     "load_main_params_from_ckpt needs load and no_load_optim",
 )
@@ -937,7 +1088,8 @@ def load_main_params_needs_load_and_no_load_optim(c: Context) -> Iterator[_Hit]:
         yield _Hit(
             f"checkpoint.load_main_params_from_ckpt=true needs {' and '.join(missing)} "
             f"(got load={fmt(k.load)}, no_load_optim={fmt(k.no_load_optim)})",
-            "set checkpoint.load to a checkpoint and checkpoint.no_load_optim=true, or load_main_params_from_ckpt=false",
+            "set checkpoint.load to a checkpoint and checkpoint.no_load_optim=true, "
+            "or checkpoint.load_main_params_from_ckpt=false",
         )
 
 
@@ -947,14 +1099,20 @@ def no_load_optim_without_load(c: Context) -> Iterator[_Hit]:
     nothing, which usually means the load path was forgotten."""
     k = c.cfg.checkpoint
     if k.no_load_optim and not k.load:
-        yield _Hit("checkpoint.no_load_optim=true has no effect without checkpoint.load", "set checkpoint.load, or drop no_load_optim")
+        yield _Hit(
+            "checkpoint.no_load_optim=true has no effect without checkpoint.load",
+            "set checkpoint.load, or drop no_load_optim",
+        )
 
 
 # ----------------------------------------------------------------------------------- hardware, environment
 
 
 @rule(
-    "MOE038", "hardware", "error|warning", ["mixed_precision.fp8_recipe", "mixed_precision.emulate", "device"],
+    "MOE038",
+    "hardware",
+    "error|warning",
+    ["mixed_precision.fp8_recipe", "mixed_precision.emulate", "device"],
     "the device runs the recipe natively (else: warning, or error under emulate: never)",
 )
 def recipe_native_on_device(c: Context) -> Iterator[_Hit]:
@@ -984,8 +1142,17 @@ def recipe_native_on_device(c: Context) -> Iterator[_Hit]:
 def bf16_native_on_device(c: Context) -> Iterator[_Hit]:
     """bf16 tensor cores arrived with Ampere (sm80); older GPUs run bf16 GEMMs slowly or not at all."""
     dev = c.device
-    if c.cfg.mixed_precision.bf16 and dev is not None and dev.kind == "cuda" and dev.capability and dev.capability < (8, 0):
-        yield _Hit(f"mixed_precision.bf16=true on {dev.describe()}: no bf16 tensor cores before sm80", "run on sm80+ or set bf16=false")
+    if (
+        c.cfg.mixed_precision.bf16
+        and dev is not None
+        and dev.kind == "cuda"
+        and dev.capability
+        and dev.capability < (8, 0)
+    ):
+        yield _Hit(
+            f"mixed_precision.bf16=true on {dev.describe()}: no bf16 tensor cores before sm80",
+            "run on sm80+ or set bf16=false",
+        )
 
 
 @rule("MOE040", "hardware", "error", ["moe.backend", "device"], "backend te needs a CUDA device")
@@ -999,14 +1166,28 @@ def te_backend_needs_gpu(c: Context) -> Iterator[_Hit]:
 
 
 _COUNTS = (
-    "model.num_layers", "model.hidden_size", "model.num_attention_heads", "model.ffn_hidden_size",
-    "model.vocab_size", "model.seq_length", "moe.num_experts", "moe.ffn_hidden_size",
-    "parallel.expert_model_parallel_size", "train.micro_batch_size", "train.global_batch_size",
-    "train.train_iters", "train.log_interval",
+    "model.num_layers",
+    "model.hidden_size",
+    "model.num_attention_heads",
+    "model.ffn_hidden_size",
+    "model.vocab_size",
+    "model.seq_length",
+    "moe.num_experts",
+    "moe.ffn_hidden_size",
+    "parallel.expert_model_parallel_size",
+    "train.micro_batch_size",
+    "train.global_batch_size",
+    "train.train_iters",
+    "train.log_interval",
 )
 _OPTIONAL_COUNTS = (  # null = off; checked only when set
-    "model.num_query_groups", "moe.glu_interleave_size", "parallel.bucket_size", "train.eval_interval",
-    "optimizer.lr_decay_iters", "checkpoint.save_interval", "checkpoint.keep_last",
+    "model.num_query_groups",
+    "moe.glu_interleave_size",
+    "parallel.bucket_size",
+    "train.eval_interval",
+    "optimizer.lr_decay_iters",
+    "checkpoint.save_interval",
+    "checkpoint.keep_last",
 )
 _CONDITIONAL_COUNTS = ("train.eval_iters", "optimizer.muon_ns_steps", "optimizer.lr_warmup_iters")
 
@@ -1026,7 +1207,9 @@ def _positive_keys(c: Context) -> Iterator[tuple[str, Any, int]]:
 
 
 @rule(
-    "MOE041", "model", "error",
+    "MOE041",
+    "model",
+    "error",
     _COUNTS + _OPTIONAL_COUNTS + _CONDITIONAL_COUNTS,
     "sizes, counts and intervals are positive",
 )
@@ -1041,7 +1224,10 @@ def sizes_positive(c: Context) -> Iterator[_Hit]:
 
 
 @rule(
-    "MOE042", "model", "error", ["model.init_method_std", "model.norm_epsilon", "model.rotary_base"],
+    "MOE042",
+    "model",
+    "error",
+    ["model.init_method_std", "model.norm_epsilon", "model.rotary_base"],
     "init std > 0, norm epsilon > 0, RoPE base > 1",
 )
 def model_numerics_in_range(c: Context) -> Iterator[_Hit]:
@@ -1057,7 +1243,13 @@ def model_numerics_in_range(c: Context) -> Iterator[_Hit]:
             yield _Hit(f"{key}={fmt(value)} must be {want}", f"set {key} {want}", keys=(key,))
 
 
-@rule("MOE043", "data", "error", ["model.vocab_size", "data.source", "data.tokenizer"], "byte-level sources need vocab_size >= 256")
+@rule(
+    "MOE043",
+    "data",
+    "error",
+    ["model.vocab_size", "data.source", "data.tokenizer"],
+    "byte-level sources need vocab_size >= 256",
+)
 def byte_level_vocab(c: Context) -> Iterator[_Hit]:
     """The built-in corpus, and the text source without a tokenizer, feed raw bytes: token ids 0..255.
     A smaller vocabulary makes the embedding lookup fail on the first batch."""
@@ -1089,7 +1281,9 @@ def data_path_exists(c: Context) -> Iterator[_Hit]:
         return
     p = Path(d.path)
     if not (p.exists() or (d.source == "megatron" and Path(f"{d.path}.bin").exists())):
-        yield _Hit(f"data.path={d.path} does not exist here", "check the path (relative paths are from the working directory)")
+        yield _Hit(
+            f"data.path={d.path} does not exist here", "check the path (relative paths are from the working directory)"
+        )
 
 
 @rule("MOE046", "data", "warning", ["data.tokenizer", "data.source"], "data.tokenizer is used only by the text source")
@@ -1098,7 +1292,10 @@ def tokenizer_only_for_text(c: Context) -> Iterator[_Hit]:
     is silently ignored, which usually means the wrong source was chosen."""
     d = c.cfg.data
     if d.tokenizer is not None and d.source != "text":
-        yield _Hit(f"data.tokenizer={d.tokenizer} is ignored by data.source={d.source}", "set data.source=text, or data.tokenizer=null")
+        yield _Hit(
+            f"data.tokenizer={d.tokenizer} is ignored by data.source={d.source}",
+            "set data.source=text, or data.tokenizer=null",
+        )
 
 
 @rule("MOE047", "data", "error", ["data.eval_fraction", "train.eval_interval"], "eval_fraction fits the eval settings")

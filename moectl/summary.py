@@ -28,7 +28,10 @@ from moectl.config.schema import Config
 GATED = ("swiglu", "quick_geglu")
 # Bytes per element of a quantized weight, both planes (rowwise for forward, columnwise for backward).
 QUANTIZED_WEIGHT_BYTES = {
-    "tensorwise": 2.0, "delayed": 2.0, "rowwise": 2.0, "blockwise": 2.0,
+    "tensorwise": 2.0,
+    "delayed": 2.0,
+    "rowwise": 2.0,
+    "blockwise": 2.0,
     "mxfp8": 2 * (1 + 1 / 32),  # one e8m0 scale per 32 values
     "nvfp4": 2 * (0.5 + 1 / 16),  # one e4m3 scale per 16 values
 }
@@ -161,7 +164,11 @@ def memory(cfg: Config, world_size: int) -> Memory:
     lay = layout(cfg, world_size)
     mp, par, opt = cfg.mixed_precision, cfg.parallel, cfg.optimizer
     hp = 2 if mp.bf16 else 4
-    lp_recipe = mp.fp8_recipe if (mp.fp8 and mp.fp8_param_gather) else (mp.fp4_recipe if (mp.fp4 and mp.fp4_param_gather) else None)
+    lp_recipe = (
+        mp.fp8_recipe
+        if (mp.fp8 and mp.fp8_param_gather)
+        else (mp.fp4_recipe if (mp.fp4 and mp.fp4_param_gather) else None)
+    )
     q_bytes = QUANTIZED_WEIGHT_BYTES[lp_recipe] if lp_recipe else hp
     staging = 2 if lp_recipe == "mxfp8" and not mp.reuse_grad_buf_for_mxfp8_param_ag else 0
 
@@ -201,7 +208,9 @@ def memory(cfg: Config, world_size: int) -> Memory:
         total=int(weights) + int(grads) + int(masters) + int(state),
         weight_storage=storage,
         grad_dtype="fp32" if grad_bytes == 4 else "bf16",
-        sharded_over=(f"dp {lay.dp}, experts over expert-dp {lay.expert_dp}" if par.use_distributed_optimizer else "not sharded"),
+        sharded_over=(
+            f"dp {lay.dp}, experts over expert-dp {lay.expert_dp}" if par.use_distributed_optimizer else "not sharded"
+        ),
     )
 
 

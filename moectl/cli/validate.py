@@ -38,7 +38,9 @@ DeviceCapabilityOpt = Annotated[
 ]
 ExplainOpt = Annotated[
     Optional[str],
-    typer.Option("--explain", metavar="RULE", help="Print why rule RULE exists (e.g. MOE012; 'all' lists every rule) and exit."),
+    typer.Option(
+        "--explain", metavar="RULE", help="Print why rule RULE exists (e.g. MOE012; 'all' lists every rule) and exit."
+    ),
 ]
 
 
@@ -86,7 +88,9 @@ def _explain(rule_id: str, as_json: bool, console: Console) -> None:
     rid = rule_id.strip().upper()
     if rid not in RULES:
         close = difflib.get_close_matches(rid, list(RULES), n=1, cutoff=0.6)
-        hint = f"did you mean {close[0]}?" if close else f"rules are {min(RULES)}..{max(RULES)}; --explain all lists them"
+        hint = (
+            f"did you mean {close[0]}?" if close else f"rules are {min(RULES)}..{max(RULES)}; --explain all lists them"
+        )
         raise UsageError(f"--explain {rule_id!r}: no such rule", hint)
     if as_json:
         typer.echo(json.dumps(_rule_json(rid), indent=2))
@@ -100,8 +104,14 @@ def _explain(rule_id: str, as_json: bool, console: Console) -> None:
 
 def _rule_json(rid: str) -> dict[str, Any]:
     r = RULES[rid]
-    return {"rule": r.id, "family": r.family, "severity": r.severity, "keys": list(r.keys), "summary": r.summary,
-            "rationale": r.rationale}
+    return {
+        "rule": r.id,
+        "family": r.family,
+        "severity": r.severity,
+        "keys": list(r.keys),
+        "summary": r.summary,
+        "rationale": r.rationale,
+    }
 
 
 @command(
@@ -164,7 +174,11 @@ def _print_human(
 ) -> None:
     if violations:
         print_violations(violations, console)
-    rows = summary_lines(summary, cfg) if summary is not None else [("summary", "skipped: fix the size errors above first")]
+    rows = (
+        summary_lines(summary, cfg)
+        if summary is not None
+        else [("summary", "skipped: fix the size errors above first")]
+    )
     where = device.describe() if device else "unknown: no GPU visible (pass --device-capability 9.0 to check recipes)"
     for label, text in [*rows, ("device", where)]:
         console.print(f"[bold]{label:7}[/] {text}", highlight=False)
