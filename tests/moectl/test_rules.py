@@ -1,0 +1,605 @@
+"""The rule catalogue: every rule has a config that triggers it and one near its boundary that passes.
+
+All checks run against an explicit `Environment` (no TE, no GPU) so the results do not depend on the
+machine; the probes themselves are tested at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import pytest
+
+from moectl import rules
+from moectl.config import Config, load_config
+from moectl.config.load import yaml_scalar
+from moectl.rules import RULES, Device, Environment, TEInstall, Violation, check, has_errors
+
+REPO = Path(__file__).resolve().parents[2]
+NO_MACHINE = Environment(te=None, device=None)
+TE_OK = TEInstall("2.14.0", has_pytorch=True)
+
+BF16 = ["mixed_precision.bf16=true"]
+FP8 = [*BF16, "mixed_precision.fp8=e4m3"]
+MXFP8_GATHER = [
+    *FP8,
+    "mixed_precision.fp8_recipe=mxfp8",
+    "mixed_precision.fp8_param_gather=true",
+    "mixed_precision.reuse_grad_buf_for_mxfp8_param_ag=true",
+]
+FP4 = [*BF16, "mixed_precision.fp4=e2m1"]
+DROP_AND_PAD = ["moe.capacity_factor=1.25", "moe.pad_expert_input_to_capacity=true"]
+
+
+def cfg(*sets: str) -> Config:
+    """The defaults (a valid tiny config) with dotted overrides."""
+    return load_config(None, list(sets))
+
+
+def run(
+    sets: list[str], world: Optional[int] = None, cap: Optional[tuple[int, int]] = None, env: Environment = NO_MACHINE
+) -> list[Violation]:
+    return check(cfg(*sets), world_size=world, device_capability=cap, env=env)
+
+
+@dataclass
+class Case:
+    """A rule, overrides that trigger it, and overrides near the boundary that do not."""
+
+    rule: str
+    trigger: list[str]
+    passing: list[str]
+    world: Optional[int] = None
+    pass_world: Optional[int] = None
+    cap: Optional[tuple[int, int]] = None
+    pass_cap: Optional[tuple[int, int]] = None
+    env: Environment = field(default_factory=lambda: NO_MACHINE)
+    pass_env: Optional[Environment] = None
+    severity: str = "error"
+    name: str = ""
+
+    @property
+    def id(self) -> str:
+        return f"{self.rule}-{self.name}" if self.name else self.rule
+
+
+CASES = [
+    # precision
+    Case("MOE001", [*FP8, "mixed_precision.fp4=e2m1"], [*FP8, "mixed_precision.fp4=null"]),
+    Case("MOE002", ["mixed_precision.fp8_param_gather=true"], [*FP8, "mixed_precision.fp8_param_gather=true"]),
+    Case("MOE003", ["mixed_precision.fp4_param_gather=true"], [*FP4, "mixed_precision.fp4_param_gather=true"]),
+    Case(
+        "MOE004",
+        [*FP8, "mixed_precision.fp8_param_gather=true", "parallel.use_distributed_optimizer=false"],
+        [*FP8, "mixed_precision.fp8_param_gather=true", "parallel.use_distributed_optimizer=true"],
+        name="fp8",
+    ),
+    Case(
+        "MOE004",
+        [*FP4, "mixed_precision.fp4_param_gather=true", "parallel.use_distributed_optimizer=false"],
+        [*FP4, "mixed_precision.fp4_param_gather=false", "parallel.use_distributed_optimizer=false"],
+        name="fp4",
+    ),
+    Case("MOE005", [*MXFP8_GATHER, "mixed_precision.fp8_param_gather=false"], MXFP8_GATHER, name="no-gather"),
+    Case("MOE005", [*MXFP8_GATHER, "mixed_precision.fp8_recipe=tensorwise"], MXFP8_GATHER, name="not-mxfp8"),
+    Case("MOE006", [*FP8, "model.hidden_size=72"], [*FP8, "model.hidden_size=80"], name="tensorwise"),
+    Case(
+        "MOE006",
+        [*FP8, "mixed_precision.fp8_recipe=delayed", "moe.ffn_hidden_size=40"],
+        [*FP8, "mixed_precision.fp8_recipe=delayed", "moe.ffn_hidden_size=48"],
+        name="delayed",
+    ),
+    Case(
+        "MOE006",
+        [*FP8, "mixed_precision.fp8_recipe=rowwise", "moe.ffn_hidden_size=8"],
+        [*FP8, "mixed_precision.fp8_recipe=rowwise", "moe.ffn_hidden_size=16"],
+        name="rowwise",
+    ),
+    Case(
+        "MOE006",
+        [*FP8, "mixed_precision.fp8_recipe=mxfp8", "moe.ffn_hidden_size=48"],
+        [*FP8, "mixed_precision.fp8_recipe=mxfp8", "moe.ffn_hidden_size=32"],
+        name="mxfp8",
+    ),
+    Case(
+        "MOE006",
+        [*FP8, "mixed_precision.fp8_recipe=blockwise", "model.hidden_size=64", "model.num_attention_heads=4"],
+        [*FP8, "mixed_precision.fp8_recipe=blockwise", "model.hidden_size=128", "moe.ffn_hidden_size=128"],
+        name="blockwise",
+    ),
+    Case("MOE006", [*FP4, "moe.ffn_hidden_size=48"], [*FP4, "moe.ffn_hidden_size=96"], name="nvfp4"),
+    Case(
+        "MOE006",
+        [*FP8, "model.moe_layer_freq=[0, 1]", "model.ffn_hidden_size=100"],
+        [*FP8, "model.moe_layer_freq=1", "model.ffn_hidden_size=100"],
+        name="dense-ffn-only-when-used",
+    ),
+    Case("MOE007", ["moe.router_padding_for_quantization=true"], [*FP8, "moe.router_padding_for_quantization=true"]),
+    Case("MOE008", ["mixed_precision.fp8=e4m3"], FP8, severity="warning"),
+    Case(
+        "MOE009",
+        [*MXFP8_GATHER, "mixed_precision.reuse_grad_buf_for_mxfp8_param_ag=false"],
+        MXFP8_GATHER,
+        severity="warning",
+    ),
+    # optimizer and schedule
+    Case(
+        "MOE010",
+        [*FP8, "optimizer.optimizer=muon", "mixed_precision.fp8_param_gather=true"],
+        ["optimizer.optimizer=muon", *MXFP8_GATHER],
+        name="tensorwise",
+    ),
+    Case(
+        "MOE010",
+        ["optimizer.optimizer=muon", *MXFP8_GATHER, "mixed_precision.reuse_grad_buf_for_mxfp8_param_ag=false"],
+        ["optimizer.optimizer=muon", *MXFP8_GATHER],
+        name="no-reuse",
+    ),
+    Case(
+        "MOE011",
+        [*FP4, "optimizer.optimizer=muon", "mixed_precision.fp4_param_gather=true"],
+        [*FP4, "optimizer.optimizer=muon", "mixed_precision.fp4_param_gather=false"],
+    ),
+    Case("MOE012", ["optimizer.lr=0"], ["optimizer.lr=1e-9"], name="lr"),
+    Case("MOE012", ["optimizer.adam_beta2=1.0"], ["optimizer.adam_beta2=0.999"], name="beta2"),
+    Case("MOE012", ["optimizer.adam_eps=0"], ["optimizer.adam_eps=1e-12"], name="eps"),
+    Case("MOE012", ["optimizer.clip_grad=-1"], ["optimizer.clip_grad=0"], name="clip"),
+    Case("MOE012", ["optimizer.weight_decay=-0.1"], ["optimizer.weight_decay=0"], name="wd"),
+    Case(
+        "MOE012",
+        ["optimizer.optimizer=muon", "optimizer.muon_momentum=1.0"],
+        ["optimizer.optimizer=muon", "optimizer.muon_momentum=0.99"],
+        name="muon-momentum",
+    ),
+    Case(
+        "MOE012",
+        ["optimizer.optimizer=adam", "optimizer.adam_beta1=-0.5"],
+        ["optimizer.optimizer=sgd", "optimizer.adam_beta1=-0.5"],
+        name="unused-by-sgd",
+    ),
+    Case("MOE013", ["optimizer.lr=1e-3", "optimizer.min_lr=2e-3"], ["optimizer.lr=1e-3", "optimizer.min_lr=1e-3"]),
+    Case(
+        "MOE013",
+        ["optimizer.lr=1e-3", "optimizer.min_lr=2e-3"],
+        ["optimizer.lr=1e-3", "optimizer.min_lr=2e-3", "optimizer.lr_decay_style=constant"],
+        name="constant",
+    ),
+    Case(
+        "MOE014",
+        ["optimizer.lr_warmup_iters=10", "optimizer.lr_decay_iters=10"],
+        ["optimizer.lr_warmup_iters=9", "optimizer.lr_decay_iters=10"],
+    ),
+    Case(
+        "MOE015",
+        ["optimizer.lr_warmup_iters=150", "train.train_iters=150"],
+        ["optimizer.lr_warmup_iters=149", "train.train_iters=150"],
+        severity="warning",
+    ),
+    # overlap
+    Case(
+        "MOE016",
+        ["parallel.overlap_param_gather=true"],
+        ["parallel.overlap_param_gather=true", "parallel.overlap_grad_reduce=true"],
+    ),
+    Case(
+        "MOE017",
+        [
+            "parallel.overlap_param_gather=true",
+            "parallel.overlap_grad_reduce=true",
+            "parallel.use_distributed_optimizer=false",
+        ],
+        ["parallel.overlap_param_gather=true", "parallel.overlap_grad_reduce=true"],
+    ),
+    # MoE
+    Case("MOE018", ["moe.router_topk=5"], ["moe.router_topk=4"], name="above"),
+    Case("MOE018", ["moe.router_topk=0"], ["moe.router_topk=1"], name="zero"),
+    Case(
+        "MOE019",
+        ["moe.glu_interleave_size=32", "moe.activation=squared_relu"],
+        ["moe.glu_interleave_size=32", "moe.activation=quick_geglu"],
+    ),
+    Case("MOE020", ["moe.glu_interleave_size=24"], ["moe.glu_interleave_size=32"]),
+    Case("MOE020", ["moe.glu_interleave_size=128"], ["moe.glu_interleave_size=64"], name="larger-than-F"),
+    Case("MOE021", ["moe.single_grouped_bias=true"], ["moe.single_grouped_bias=true", "moe.add_bias=true"]),
+    Case("MOE022", ["moe.backend=te"], ["moe.backend=auto"], name="not-installed"),
+    Case(
+        "MOE022",
+        ["moe.backend=te"],
+        ["moe.backend=te"],
+        env=Environment(te=TEInstall("2.13.0", True), device=None),
+        pass_env=Environment(te=TEInstall("2.14.0", True), device=None),
+        name="too-old",
+    ),
+    Case("MOE023", ["moe.aux_loss_coeff=-0.01"], ["moe.aux_loss_coeff=0"], name="aux"),
+    Case("MOE023", ["moe.z_loss_coeff=-1e-3"], ["moe.z_loss_coeff=0"], name="z"),
+    Case("MOE023", ["moe.capacity_factor=0"], ["moe.capacity_factor=0.01"], name="capacity"),
+    Case("MOE024", ["moe.pad_expert_input_to_capacity=true"], DROP_AND_PAD),
+    Case(
+        "MOE025",
+        ["moe.delay_wgrad_compute=true"],
+        ["moe.delay_wgrad_compute=true", "parallel.expert_model_parallel_size=2"],
+        severity="warning",
+    ),
+    Case("MOE026", ["model.moe_layer_freq=[1]"], ["model.moe_layer_freq=[1, 0]"], name="length"),
+    Case("MOE026", ["model.moe_layer_freq=[1, 2]"], ["model.moe_layer_freq=[1, 1]"], name="entries"),
+    Case("MOE026", ["model.moe_layer_freq=0"], ["model.moe_layer_freq=3"], name="int"),
+    Case("MOE027", ["model.moe_layer_freq=[0, 0]"], ["model.moe_layer_freq=[0, 1]"], severity="warning"),
+    # parallel
+    Case(
+        "MOE028",
+        ["moe.num_experts=6", "parallel.expert_model_parallel_size=4"],
+        ["moe.num_experts=8", "parallel.expert_model_parallel_size=4"],
+    ),
+    Case(
+        "MOE029",
+        ["parallel.expert_model_parallel_size=2"],
+        ["parallel.expert_model_parallel_size=2"],
+        world=3,
+        pass_world=6,
+    ),
+    Case(
+        "MOE030",
+        ["train.global_batch_size=16", "train.micro_batch_size=4"],
+        ["train.global_batch_size=24", "train.micro_batch_size=4"],
+        world=3,
+        pass_world=3,
+    ),
+    Case("MOE030", ["train.global_batch_size=18"], ["train.global_batch_size=20"], name="one-rank"),
+    Case("MOE031", ["model.hidden_size=66"], ["model.hidden_size=72"]),
+    Case("MOE032", ["model.num_query_groups=3"], ["model.num_query_groups=4"]),
+    Case("MOE033", ["model.hidden_size=68"], ["model.hidden_size=72"]),
+    # CUDA graphs
+    Case("MOE034", ["train.cuda_graph=true"], ["train.cuda_graph=true", *DROP_AND_PAD], name="dropless"),
+    Case(
+        "MOE034",
+        ["train.cuda_graph=true", "moe.capacity_factor=1.0"],
+        ["train.cuda_graph=true", *DROP_AND_PAD],
+        name="no-pad",
+    ),
+    Case(
+        "MOE034",
+        ["train.cuda_graph=true", "model.moe_layer_freq=[0, 1]"],
+        ["train.cuda_graph=true", "model.moe_layer_freq=[0, 0]"],
+        name="dense-model",
+    ),
+    Case(
+        "MOE035",
+        ["train.cuda_graph=true", *DROP_AND_PAD, "train.device=cpu"],
+        ["train.cuda_graph=true", *DROP_AND_PAD, "train.device=cuda"],
+    ),
+    # checkpoint
+    Case(
+        "MOE036",
+        ["checkpoint.load_main_params_from_ckpt=true", "checkpoint.no_load_optim=true"],
+        ["checkpoint.load_main_params_from_ckpt=true", "checkpoint.no_load_optim=true", "checkpoint.load=ck/step_1"],
+        name="no-load",
+    ),
+    Case(
+        "MOE036",
+        ["checkpoint.load_main_params_from_ckpt=true", "checkpoint.load=ck/step_1"],
+        ["checkpoint.load_main_params_from_ckpt=true", "checkpoint.no_load_optim=true", "checkpoint.load=ck/step_1"],
+        name="loads-optim",
+    ),
+    Case(
+        "MOE037",
+        ["checkpoint.no_load_optim=true"],
+        ["checkpoint.no_load_optim=true", "checkpoint.load=ck"],
+        severity="warning",
+    ),
+    # hardware
+    Case(
+        "MOE038",
+        [*FP8, "mixed_precision.fp8_recipe=mxfp8"],
+        [*FP8, "mixed_precision.fp8_recipe=mxfp8"],
+        cap=(9, 0),
+        pass_cap=(10, 0),
+        severity="warning",
+        name="mxfp8-on-hopper",
+    ),
+    Case(
+        "MOE038",
+        [*FP8, "mixed_precision.fp8_recipe=mxfp8", "mixed_precision.emulate=never"],
+        [*FP8, "mixed_precision.fp8_recipe=tensorwise", "mixed_precision.emulate=never"],
+        cap=(9, 0),
+        pass_cap=(9, 0),
+        name="emulate-never",
+    ),
+    Case(
+        "MOE038",
+        [*FP8, "mixed_precision.emulate=always"],
+        [*FP8, "mixed_precision.emulate=always"],
+        cap=(8, 9),
+        pass_cap=(9, 0),
+        severity="warning",
+        name="tensorwise-before-hopper",
+    ),
+    Case("MOE038", [*FP4], [*FP4], cap=(9, 0), pass_cap=(12, 0), severity="warning", name="nvfp4"),
+    Case("MOE038", [*FP8, "train.device=cpu"], [*BF16, "train.device=cpu"], severity="warning", name="cpu"),
+    Case("MOE039", BF16, BF16, cap=(7, 5), pass_cap=(8, 0), severity="warning"),
+    Case(
+        "MOE040",
+        ["moe.backend=te", "train.device=cpu"],
+        ["moe.backend=te", "train.device=cuda"],
+        env=Environment(te=TE_OK, device=None),
+    ),
+    # model, data, training
+    Case("MOE041", ["model.seq_length=0"], ["model.seq_length=1"], name="seq_length"),
+    Case("MOE041", ["checkpoint.keep_last=0"], ["checkpoint.keep_last=1"], name="keep_last"),
+    Case("MOE041", ["train.eval_interval=0"], ["train.eval_interval=1"], name="eval_interval"),
+    Case("MOE041", ["train.eval_iters=0"], ["train.eval_iters=0", "train.eval_interval=null"], name="eval_iters"),
+    Case("MOE041", ["optimizer.lr_warmup_iters=-1"], ["optimizer.lr_warmup_iters=0"], name="warmup"),
+    Case("MOE041", ["parallel.bucket_size=0"], ["parallel.bucket_size=1"], name="bucket"),
+    Case(
+        "MOE041",
+        ["optimizer.optimizer=muon", "optimizer.muon_ns_steps=0"],
+        ["optimizer.optimizer=adam", "optimizer.muon_ns_steps=0"],
+        name="muon_ns_steps",
+    ),
+    Case("MOE042", ["model.init_method_std=0"], ["model.init_method_std=1e-6"], name="std"),
+    Case("MOE042", ["model.rotary_base=1"], ["model.rotary_base=1.5"], name="rope"),
+    Case("MOE042", ["model.norm_epsilon=0"], ["model.norm_epsilon=1e-12"], name="eps"),
+    Case("MOE043", ["model.vocab_size=255"], ["model.vocab_size=256"], name="corpus"),
+    Case(
+        "MOE043",
+        ["data.source=text", "data.path=x.txt", "model.vocab_size=100"],
+        ["data.source=text", "data.path=x.txt", "data.tokenizer=tok.json", "model.vocab_size=100"],
+        name="text",
+    ),
+    Case("MOE043", ["model.vocab_size=100"], ["data.source=synthetic", "model.vocab_size=100"], name="synthetic"),
+    Case("MOE044", ["data.source=tokens"], ["data.source=tokens", "data.path=x.bin"], name="tokens"),
+    Case("MOE044", ["data.source=megatron"], ["data.source=corpus"], name="megatron"),
+    Case(
+        "MOE046",
+        ["data.tokenizer=tok.json"],
+        ["data.tokenizer=tok.json", "data.source=text", "data.path=x.txt"],
+        severity="warning",
+    ),
+    Case("MOE047", ["data.eval_fraction=0"], ["data.eval_fraction=0", "train.eval_interval=null"], name="no-holdout"),
+    Case(
+        "MOE047",
+        ["data.eval_fraction=1.0", "train.eval_interval=null"],
+        ["data.eval_fraction=0.99", "train.eval_interval=null"],
+        name="all-holdout",
+    ),
+]
+
+# Rules whose boundary needs files or probes; each has its own tests below.
+TESTED_ELSEWHERE = {"MOE045"}
+
+
+def hits(violations: list[Violation], rule: str) -> list[Violation]:
+    return [v for v in violations if v.rule == rule]
+
+
+def test_defaults_and_tiny_are_clean() -> None:
+    assert run([]) == []
+    assert check(load_config(REPO / "configs" / "tiny.yaml"), env=NO_MACHINE) == []
+
+
+def test_every_rule_has_a_case() -> None:
+    assert {c.rule for c in CASES} | TESTED_ELSEWHERE == set(RULES)
+
+
+def test_ids_are_sequential_and_documented() -> None:
+    ids = list(RULES)
+    assert ids == [f"MOE{i:03d}" for i in range(1, len(ids) + 1)]
+    for r in RULES.values():
+        assert r.rationale and r.summary and r.keys and r.severity in ("error", "warning", "error|warning")
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_rule_triggers(case: Case) -> None:
+    found = hits(run(case.trigger, case.world, case.cap, case.env), case.rule)
+    assert found, f"{case.rule} did not fire"
+    overridden = {s.split("=", 1)[0]: yaml_scalar(s.split("=", 1)[1]) for s in case.trigger}
+    shown: dict = {}
+    for v in found:
+        assert v.severity == case.severity
+        assert v.message and v.fix and v.keys
+        json.dumps(v.to_json())  # keys and values are plain data
+        shown.update(v.keys)
+    # the violation names the keys it is about, with the values the config has
+    named = [k for k in overridden if k in shown]
+    assert named or case.world or case.cap or "device" in shown, (shown, overridden)
+    for k in named:
+        assert shown[k] == overridden[k], k
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_rule_passes_at_its_boundary(case: Case) -> None:
+    world = case.pass_world if case.pass_world is not None else case.world
+    cap = case.pass_cap if case.pass_cap is not None else case.cap
+    env = case.pass_env if case.pass_env is not None else case.env
+    assert hits(run(case.passing, world, cap, env), case.rule) == []
+
+
+def test_gemm_dims_violation_names_each_bad_dim() -> None:
+    found = hits(
+        run(
+            [
+                *FP8,
+                "mixed_precision.fp8_recipe=mxfp8",
+                "model.hidden_size=48",
+                "model.num_attention_heads=4",
+                "moe.ffn_hidden_size=80",
+            ]
+        ),
+        "MOE006",
+    )
+    assert sorted(next(iter(v.keys)) for v in found) == ["model.hidden_size", "moe.ffn_hidden_size"]
+    assert all(v.keys["mixed_precision.fp8_recipe"] == "mxfp8" for v in found)
+    assert "e.g. 64" in found[0].fix  # the next multiple of 32 above 48
+
+
+def test_te_rule_reports_what_it_found() -> None:
+    def te_message(te: Optional[TEInstall]) -> list[str]:
+        return [v.message for v in hits(run(["moe.backend=te"], env=Environment(te=te, device=None)), "MOE022")]
+
+    assert "not installed" in te_message(None)[0]
+    assert "2.13.0" in te_message(TEInstall("2.13.0", True))[0]
+    assert "PyTorch" in te_message(TEInstall("2.15.1", False))[0]
+    assert "unknown version" in te_message(TEInstall(None, True))[0]
+    assert te_message(TEInstall("2.14.0.dev0+abc", True)) == []
+    assert te_message(TEInstall("3.0", True)) == []
+    v = hits(run(["moe.backend=te"], env=Environment(te=TEInstall("2.13.0", True), device=None)), "MOE022")[0]
+    assert v.keys == {"moe.backend": "te", "transformer_engine": "transformer_engine 2.13.0"}
+
+
+def test_hardware_rule_is_silent_without_a_known_device() -> None:
+    assert hits(run([*FP8, "mixed_precision.fp8_recipe=mxfp8", "mixed_precision.emulate=never"]), "MOE038") == []
+
+
+def test_hardware_rule_uses_the_visible_gpu_when_no_capability_is_given() -> None:
+    h100 = Environment(te=None, device=Device("cuda", (9, 0), "torch.cuda: NVIDIA H100"))
+    found = hits(
+        run(
+            [*FP8, "mixed_precision.fp8_recipe=blockwise", "model.hidden_size=128", "moe.ffn_hidden_size=128"], env=h100
+        ),
+        "MOE038",
+    )
+    assert [v.keys["device"] for v in found] == ["sm90 (torch.cuda: NVIDIA H100)"]
+    # an explicit capability wins over the visible GPU
+    assert hits(run([*FP8, "mixed_precision.fp8_recipe=mxfp8"], cap=(10, 0), env=h100), "MOE038") == []
+
+
+def test_cpu_training_emulates_every_recipe() -> None:
+    found = hits(
+        run(
+            [*FP8, "mixed_precision.fp8_recipe=tensorwise", "train.device=cpu", "mixed_precision.emulate=never"],
+            cap=(10, 0),
+        ),
+        "MOE038",
+    )
+    assert [v.severity for v in found] == ["error"]  # train.device: cpu wins over the capability
+    assert "cpu" in found[0].message
+
+
+@pytest.mark.parametrize(
+    "source, name, make",
+    [
+        ("tokens", "x.bin", "x.bin"),
+        ("text", "x.txt", "x.txt"),
+        ("megatron", "prefix", "prefix.bin"),
+    ],
+)
+def test_data_path_exists(tmp_path: Path, source: str, name: str, make: str) -> None:
+    sets = [f"data.source={source}", f"data.path={tmp_path / name}", "data.tokenizer=null"]
+    found = hits(run(sets), "MOE045")
+    assert [v.severity for v in found] == ["warning"]
+    assert found[0].keys["data.path"] == str(tmp_path / name)
+    (tmp_path / make).write_bytes(b"\0\0")
+    assert hits(run(sets), "MOE045") == []
+
+
+def test_data_path_ignored_for_builtin_sources() -> None:
+    assert hits(run(["data.source=corpus", "data.path=/definitely/not/here"]), "MOE045") == []
+
+
+def test_several_families_are_all_reported() -> None:
+    found = run(
+        [
+            *FP8,
+            "mixed_precision.fp4=e2m1",  # precision: MOE001
+            "optimizer.optimizer=muon",
+            "mixed_precision.fp4_param_gather=true",  # optimizer: MOE011
+            "parallel.overlap_param_gather=true",  # overlap: MOE016
+            "moe.router_topk=5",  # MoE: MOE018
+            "model.num_query_groups=3",  # parallel: MOE032
+            "train.cuda_graph=true",  # CUDA graphs: MOE034
+            "checkpoint.load_main_params_from_ckpt=true",  # checkpoint: MOE036
+            "mixed_precision.emulate=never",  # hardware: MOE038 (sm90)
+        ],
+        world=3,
+        cap=(9, 0),
+    )
+    ids = {v.rule for v in found}
+    assert {"MOE001", "MOE011", "MOE016", "MOE018", "MOE032", "MOE034", "MOE036", "MOE038", "MOE030"} <= ids
+    assert [v.rule for v in found] == sorted(v.rule for v in found)  # reported in id order
+    assert has_errors(found)
+
+
+def test_legal_mxfp8_param_gather_with_reuse_and_overlap_is_valid() -> None:
+    sets = [
+        *MXFP8_GATHER,
+        "parallel.overlap_grad_reduce=true",
+        "parallel.overlap_param_gather=true",
+        "parallel.use_distributed_optimizer=true",
+        "parallel.expert_model_parallel_size=2",
+        "moe.glu_interleave_size=32",
+        "train.global_batch_size=64",
+    ]
+    assert run(sets, world=8, cap=(10, 0)) == []
+    on_hopper = run(sets, world=8, cap=(9, 0))
+    assert not has_errors(on_hopper) and {v.rule for v in on_hopper} == {"MOE038"}
+    # the same with Muon is legal too
+    assert run([*sets, "optimizer.optimizer=muon"], world=8, cap=(10, 0)) == []
+
+
+def test_warnings_alone_keep_a_config_valid() -> None:
+    found = run(["mixed_precision.fp8=e4m3"])  # MOE008 warning only
+    assert found and not has_errors(found)
+
+
+def test_no_rule_crashes_on_zero_sizes() -> None:
+    zeros = [f"{k}=0" for k in rules._COUNTS]
+    found = run(zeros, world=1)
+    reported = {next(iter(v.keys)) for v in hits(found, "MOE041")}
+    assert reported == set(rules._COUNTS)
+
+
+def test_world_size_defaults_to_ep() -> None:
+    # ep=4 alone needs 4 ranks; global 16 = micro 4 x dp 4 fits, 8 experts split 2 per rank
+    assert run(["parallel.expert_model_parallel_size=4", "moe.num_experts=8"]) == []
+    assert rules.default_world_size(cfg("parallel.expert_model_parallel_size=0")) == 1
+
+
+def test_parse_version() -> None:
+    assert rules.parse_version("2.14.0+cu12") == (2, 14)
+    assert rules.parse_version("garbage") is None and rules.parse_version(None) is None
+
+
+def test_probe_te_without_importing_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(rules.importlib.util, "find_spec", lambda name: None)
+    assert rules.probe_te() is None
+
+    pkg = tmp_path / "transformer_engine"
+    (pkg / "pytorch").mkdir(parents=True)
+
+    class Spec:
+        submodule_search_locations = [str(pkg)]
+
+    monkeypatch.setattr(rules.importlib.util, "find_spec", lambda name: Spec())
+    monkeypatch.setattr(rules.importlib.metadata, "version", lambda dist: "2.14.1")
+    assert rules.probe_te() == TEInstall("2.14.1", True)
+    (pkg / "pytorch").rmdir()
+    assert rules.probe_te() == TEInstall("2.14.1", False)
+
+
+def test_probe_device_respects_cuda_visible_devices(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert rules._nvidia_gpu_nodes() is False
+
+
+@pytest.mark.skipif(bool(rules.glob.glob("/dev/nvidia[0-9]*")), reason="a GPU is visible: torch is imported on purpose")
+def test_validate_path_never_imports_torch() -> None:
+    code = (
+        "import sys\n"
+        "import moectl.cli.app\n"
+        "from moectl.config import load_config\n"
+        "from moectl.rules import check\n"
+        "from moectl.summary import summarize\n"
+        "cfg = load_config('configs/fp8_tensorwise.yaml', ['moe.backend=te'])\n"
+        "check(cfg, world_size=8)\n"
+        "summarize(cfg, 8)\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+        "assert 'transformer_engine' not in sys.modules\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
