@@ -1,0 +1,187 @@
+"""`moectl validate-config` through Typer's runner on the real app: exit codes, output, --json shape."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from moectl.cli.app import app
+from moectl.rules import RULES
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = str(REPO / "configs" / "tiny.yaml")
+runner = CliRunner()
+VIOLATION_KEYS = {"rule", "severity", "keys", "message", "fix"}
+
+
+def invoke(*args: str):
+    # a wide terminal keeps table cells on one line, so the asserts can look for whole keys
+    return runner.invoke(app, ["validate-config", *args], env={"COLUMNS": "200", "MOECTL_DEBUG": ""})
+
+
+def as_json(result) -> dict:
+    return json.loads(result.stdout)
+
+
+def test_valid_config_exits_0_with_a_summary() -> None:
+    r = invoke(TINY)
+    assert r.exit_code == 0, r.output
+    assert "valid" in r.stdout and "invalid" not in r.stdout
+    for label in ("world", "params", "memory", "device"):
+        assert label in r.stdout
+    assert "156K total" in r.stdout  # the tiny model's parameter count
+
+
+def test_violations_exit_1_and_show_rule_keys_and_fix() -> None:
+    r = invoke(TINY, "--set", "parallel.overlap_param_gather=true", "--set", "moe.router_topk=9")
+    assert r.exit_code == 1, r.output
+    for text in ("MOE016", "MOE018", "moe.router_topk=9", "parallel.overlap_grad_reduce=true", "error", "invalid"):
+        assert text in r.stdout
+
+
+def test_warnings_alone_exit_0() -> None:
+    r = invoke(TINY, "--set", "mixed_precision.fp8=e4m3", "--device-capability", "9.0")
+    assert r.exit_code == 0, r.output
+    assert "MOE008" in r.stdout and "warning" in r.stdout
+
+
+def test_json_shape_valid() -> None:
+    r = invoke(TINY, "--json")
+    assert r.exit_code == 0, r.output
+    out = as_json(r)
+    assert set(out) == {"valid", "violations", "summary"}
+    assert out["valid"] is True and out["violations"] == []
+    s = out["summary"]
+    assert s["layout"] == {"world_size": 1, "dp": 1, "ep": 1, "expert_dp": 1, "experts_per_rank": 4}
+    assert s["params"]["total"] == 156480 and s["params"]["active"] == 107328
+    assert s["memory"]["total"] == sum(s["memory"][k] for k in ("weights", "grads", "masters", "optimizer"))
+
+
+def test_json_shape_with_violations() -> None:
+    r = invoke(TINY, "--json", "--set", "mixed_precision.fp8_param_gather=true", "--set", "model.num_query_groups=3")
+    assert r.exit_code == 1
+    out = as_json(r)
+    assert out["valid"] is False
+    assert [v["rule"] for v in out["violations"]] == ["MOE002", "MOE032"]
+    for v in out["violations"]:
+        assert set(v) == VIOLATION_KEYS
+        assert v["severity"] in ("error", "warning") and isinstance(v["keys"], dict)
+    assert out["violations"][0]["keys"] == {"mixed_precision.fp8_param_gather": True, "mixed_precision.fp8": None}
+
+
+def test_world_size_is_checked() -> None:
+    sets = ["--set", "parallel.expert_model_parallel_size=2", "--json"]
+    assert invoke(TINY, *sets).exit_code == 0  # default world size = ep = 2; 16 = 4 x 2 x 2
+    r = invoke(TINY, *sets, "--world-size", "3")
+    assert r.exit_code == 1
+    assert {v["rule"] for v in as_json(r)["violations"]} == {"MOE029", "MOE030"}
+    r = invoke(TINY, *sets, "--world-size", "4")
+    assert r.exit_code == 0 and as_json(r)["summary"]["layout"]["expert_dp"] == 2
+
+
+def test_world_size_must_be_positive() -> None:
+    assert invoke(TINY, "--world-size", "0").exit_code == 2
+
+
+def test_device_capability_makes_emulation_an_error_under_emulate_never() -> None:
+    sets = [
+        "--set",
+        "mixed_precision.bf16=true",
+        "--set",
+        "mixed_precision.fp8=e4m3",
+        "--set",
+        "mixed_precision.fp8_recipe=mxfp8",
+        "--set",
+        "mixed_precision.emulate=never",
+        "--json",
+    ]
+    r = invoke(TINY, *sets, "--device-capability", "9.0")
+    assert r.exit_code == 1
+    (v,) = as_json(r)["violations"]
+    assert v["rule"] == "MOE038" and v["severity"] == "error" and v["keys"]["device"].startswith("sm90")
+    assert invoke(TINY, *sets, "--device-capability", "sm100").exit_code == 0
+    assert invoke(TINY, *sets, "--device-capability", "cpu").exit_code == 1
+
+
+def test_bad_device_capability_is_a_usage_error() -> None:
+    r = invoke(TINY, "--device-capability", "hopper")
+    assert r.exit_code == 2
+    assert "--device-capability" in r.stderr and "fix:" in r.stderr
+
+
+def test_unknown_key_exits_2_with_did_you_mean(tmp_path: Path) -> None:
+    p = tmp_path / "typo.yaml"
+    p.write_text("moe:\n  num_expert: 8\n")
+    r = invoke(str(p))
+    assert r.exit_code == 2
+    assert "moe.num_expert" in r.stderr and "did you mean 'num_experts'" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and r.stdout == ""
+
+
+def test_unknown_set_key_exits_2() -> None:
+    r = invoke(TINY, "--set", "optimizer.lrr=1e-3")
+    assert r.exit_code == 2 and "did you mean 'lr'" in r.stderr
+
+
+def test_type_error_exits_2_naming_key_value_and_type() -> None:
+    r = invoke(TINY, "--set", "moe.num_experts=many")
+    assert r.exit_code == 2
+    assert "moe.num_experts='many'" in r.stderr and "expected int" in r.stderr
+
+
+def test_bad_yaml_exits_2(tmp_path: Path) -> None:
+    p = tmp_path / "bad.yaml"
+    p.write_text("model: [unclosed\n")
+    r = invoke(str(p))
+    assert r.exit_code == 2
+    assert "not valid YAML" in r.stderr and "line" in r.stderr
+
+
+def test_missing_file_exits_2(tmp_path: Path) -> None:
+    r = invoke(str(tmp_path / "nope.yaml"), "--json")
+    assert r.exit_code == 2
+    assert "not found" in r.stderr and r.stdout == ""
+
+
+def test_missing_config_exits_2() -> None:
+    r = invoke()
+    assert r.exit_code == 2 and "CONFIG" in r.stderr
+
+
+def test_explain_prints_the_rationale_without_a_config() -> None:
+    r = invoke("--explain", "moe010")
+    assert r.exit_code == 0, r.output
+    assert r.stdout.startswith("MOE010")
+    assert RULES["MOE010"].rationale.split()[0] in r.stdout and "mixed_precision.fp8_param_gather" in r.stdout
+
+
+def test_explain_json_and_all() -> None:
+    r = invoke("--explain", "MOE034", "--json")
+    assert as_json(r)["rule"] == "MOE034" and as_json(r)["rationale"] == RULES["MOE034"].rationale
+    r = invoke("--explain", "all", "--json")
+    assert [x["rule"] for x in as_json(r)] == list(RULES)
+    r = invoke("--explain", "all")
+    assert r.exit_code == 0 and all(rid in r.stdout for rid in RULES)
+
+
+def test_explain_unknown_rule_exits_2_with_suggestion() -> None:
+    r = invoke("--explain", "MOE0100")
+    assert r.exit_code == 2 and "did you mean MOE010" in r.stderr
+    r = invoke("--explain", "nonsense")
+    assert r.exit_code == 2 and "--explain all" in r.stderr
+
+
+def test_help_has_examples() -> None:
+    r = invoke("--help")
+    assert r.exit_code == 0
+    assert "Examples:" in r.stdout and "moectl validate-config configs/tiny.yaml" in r.stdout
+
+
+@pytest.mark.parametrize("flag", ["--set", "-s"])
+def test_set_is_repeatable_with_short_form(flag: str) -> None:
+    r = invoke(TINY, flag, "moe.num_experts=8", flag, "moe.router_topk=9", "--json")
+    assert [v["rule"] for v in as_json(r)["violations"]] == ["MOE018"]
+    assert as_json(r)["violations"][0]["keys"] == {"moe.router_topk": 9, "moe.num_experts": 8}
