@@ -130,8 +130,10 @@ def load(step_dir: Path) -> tuple[dict[str, Any] | None, list[Problem]]:
                               "missing: the save never committed (manifest.json is written last)")]  # fmt: skip
     try:
         obj = json.loads(path.read_bytes().decode("utf-8"), parse_constant=_refuse_constant)
-    except (UnicodeDecodeError, ValueError) as e:
-        return None, [Problem(P.MANIFEST, names.MANIFEST, None, f"not valid JSON: {e}")]
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        return None, [Problem(P.MANIFEST, names.MANIFEST, None, f"not valid JSON: {e or type(e).__name__}")]
+    except OSError as e:
+        return None, [Problem(P.UNREADABLE, names.MANIFEST, None, f"cannot be read: {e.strerror or e}")]
     errs = check(obj, names.parse_step_dir(step_dir.name))
     bad = [Problem(P.MANIFEST, names.MANIFEST, None, m) for m in errs]
     return (None if bad else obj), bad

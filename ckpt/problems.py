@@ -13,6 +13,7 @@ SIZE = "size"  # file size differs from the manifest
 SHA256 = "sha256"  # file or tensor bytes differ from the manifest
 HEADER = "header"  # the safetensors header is malformed or inconsistent
 TENSOR_SET = "tensor-set"  # tensors missing, unexpected, or with another dtype/shape than recorded
+UNREADABLE = "unreadable"  # the operating system refused to read a file (permissions, I/O error)
 
 
 @dataclass(frozen=True)

@@ -88,7 +88,9 @@ def save_checkpoint(
     # Agree on the in-flight folder first: a collective that cannot fail for local reasons.
     nonce = f"{broadcast_int(comm, secrets.randbits(62)):016x}"
     tmp: Path | None = None
-    status: dict[str, Any] = {"rank": comm.global_rank, "step": step, "error": None, "files": {}, "tensors": {}}
+    # Everything in `status` must be JSON, or this rank would fail inside the vote and the others hang.
+    step_json = step if isinstance(step, int) else repr(step)
+    status: dict[str, Any] = {"rank": comm.global_rank, "step": step_json, "error": None, "files": {}, "tensors": {}}
     try:
         final = root / names.step_dir_name(step)
         tmp = root / names.tmp_dir_name(step, nonce)
@@ -144,7 +146,10 @@ def _check_args(comm: Comm, final: Path, tensors_by_file: Any, meta: Any, keep_l
 
 def describe(e: BaseException) -> str:
     """One line for a rank's failure."""
-    text = e.one_line() if isinstance(e, MoectlError) else f"{type(e).__name__}: {e}"
+    try:
+        text = e.one_line() if isinstance(e, MoectlError) else f"{type(e).__name__}: {e}"
+    except Exception:  # noqa: BLE001 - an exception whose str() fails must still be reported
+        text = type(e).__name__
     return " ".join(text.split())
 
 

@@ -57,6 +57,7 @@ class Header:
     data_start: int
     entries: dict[str, Entry]
     metadata: dict[str, str] | None
+    malformed: frozenset[str]  # tensors named in the header whose record is unusable (already reported)
 
 
 def read_header(path: Path, label: str | None = None) -> tuple[Header | None, list[Problem]]:
@@ -94,8 +95,8 @@ def read_header(path: Path, label: str | None = None) -> tuple[Header | None, li
         return None, found
     try:
         obj = json.loads(text, object_pairs_hook=_no_duplicates)
-    except (ValueError, _Duplicate) as e:
-        bad(f"header is not valid JSON: {e}")
+    except (ValueError, _Duplicate, RecursionError) as e:  # RecursionError: absurdly nested JSON
+        bad(f"header is not valid JSON: {type(e).__name__ if isinstance(e, RecursionError) else e}")
         return None, found
     if not isinstance(obj, dict):
         bad("header JSON is not an object")
@@ -115,7 +116,7 @@ def read_header(path: Path, label: str | None = None) -> tuple[Header | None, li
         if entry is not None:
             entries[name] = entry
     _check_coverage(entries, data_start, size, bad)
-    return Header(data_start, entries, metadata), found
+    return Header(data_start, entries, metadata, frozenset(obj) - set(entries)), found
 
 
 class _Duplicate(Exception):
