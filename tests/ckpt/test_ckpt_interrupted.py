@@ -1,0 +1,128 @@
+"""Acceptance test 3 (storage half): an interrupted save keeps the previous checkpoint; discovery and load paths.
+
+A crash is simulated with `MOECTL_CKPT_FAIL=0:<phase>:crash`, which skips all cleanup, as a killed process
+would. (The multi-rank variant of a clean failure is in test_ckpt_multirank.py.)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from ckpt_fixtures import make_meta, mixed_tensors, save_simple
+
+from ckpt import (
+    CheckpointSaveError,
+    find_latest,
+    list_committed,
+    list_uncommitted,
+    open_checkpoint,
+    resolve_load_path,
+    save_checkpoint,
+    verify_checkpoint,
+)
+from ckpt import problems as P
+from ckpt.faults import InjectedCrash
+from moectl.errors import CheckpointError
+
+THREE_FILES = {
+    "model-00000.safetensors": {"a": torch.ones(3)},
+    "model-00001.safetensors": {"b": torch.ones(3)},
+    "optim-00000.safetensors": {"a.exp_avg": torch.ones(3)},
+}
+
+
+@pytest.mark.parametrize("phase, files_left", [("write", 1), ("before_manifest", 3)])
+def test_crash_mid_save_keeps_latest_on_the_previous_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, phase: str, files_left: int
+) -> None:
+    root = tmp_path / "checkpoints"
+    save_simple(root, 5, seed=5)
+    monkeypatch.setenv("MOECTL_CKPT_FAIL", f"0:{phase}:crash")
+    with pytest.raises(InjectedCrash):
+        save_checkpoint(root, 10, THREE_FILES, make_meta())
+    monkeypatch.delenv("MOECTL_CKPT_FAIL")
+
+    (partial,) = [p for p in root.iterdir() if p.name.startswith("step_00000010")]
+    assert partial.name.startswith("step_00000010.tmp-")
+    assert sorted(p.name for p in partial.iterdir()) == sorted(THREE_FILES)[:files_left]  # no manifest.json
+    assert (root / "latest").read_text() == "step_00000005\n"
+    assert list_committed(root) == [root / "step_00000005"]
+    assert list_uncommitted(root) == [partial]
+    assert find_latest(root) == resolve_load_path(root) == root / "step_00000005"
+    problems = verify_checkpoint(partial)
+    assert {p.kind for p in problems} == {P.INCOMPLETE} and any(p.file == "manifest.json" for p in problems)
+    with pytest.raises(CheckpointError, match="interrupted save"):
+        open_checkpoint(partial)
+    # Resume works: the previous step loads, and the next save of step 10 succeeds beside the debris.
+    with open_checkpoint(root) as ck:
+        assert ck.step == 5 and torch.equal(ck.read("flags"), mixed_tensors(5)["flags"])
+    save_simple(root, 10, seed=10)
+    assert find_latest(root) == root / "step_00000010" and partial.exists()
+
+
+def test_a_clean_failure_removes_its_folder_and_names_the_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    save_simple(tmp_path, 5)
+    monkeypatch.setenv("MOECTL_CKPT_FAIL", "0:before_manifest")
+    with pytest.raises(CheckpointSaveError, match="failed on rank 0: InjectedFault") as err:
+        save_checkpoint(tmp_path, 10, THREE_FILES, make_meta())
+    assert err.value.ranks == [0] and not err.value.committed
+    assert "latest is unchanged" in err.value.one_line()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000005"]
+
+
+def test_fault_spec_is_checked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MOECTL_CKPT_FAIL", "1:before_manifest")
+    with pytest.raises(CheckpointSaveError, match="before_manifest happens on rank 0 only"):
+        save_checkpoint(tmp_path, 1, THREE_FILES, make_meta())
+    monkeypatch.setenv("MOECTL_CKPT_FAIL", "0:writ")
+    with pytest.raises(CheckpointSaveError, match="each item must be"):
+        save_checkpoint(tmp_path, 1, THREE_FILES, make_meta())
+
+
+def test_discovery_ignores_folders_without_a_valid_manifest(tmp_path: Path) -> None:
+    for step in (5, 10, 15):
+        save_simple(tmp_path, step)
+    (tmp_path / "step_00000015" / "manifest.json").unlink()  # lost its commit marker
+    (tmp_path / "step_00000020").mkdir()  # empty
+    (tmp_path / "step_00000025.tmp-00ff").mkdir()
+    (tmp_path / "step_00000030").mkdir()
+    (tmp_path / "step_00000030" / "manifest.json").write_text("{not json")
+    (tmp_path / "notes.txt").write_text("hi")
+    assert list_committed(tmp_path) == [tmp_path / "step_00000005", tmp_path / "step_00000010"]
+    assert [p.name for p in list_uncommitted(tmp_path)] == [
+        "step_00000015", "step_00000020", "step_00000025.tmp-00ff", "step_00000030",
+    ]  # fmt: skip
+    (tmp_path / "latest").unlink()  # no tracker: the newest committed step
+    assert find_latest(tmp_path) == tmp_path / "step_00000010"
+
+
+def test_latest_is_trusted_and_a_bad_latest_is_a_clear_error(tmp_path: Path) -> None:
+    save_simple(tmp_path, 5)
+    save_simple(tmp_path, 10)
+    (tmp_path / "latest").write_text("step_00000005\n")  # e.g. a crash between the rename and `latest`
+    assert resolve_load_path(tmp_path) == tmp_path / "step_00000005"
+    (tmp_path / "latest").write_text("step_00000099\n")
+    with pytest.raises(CheckpointError, match="names step_00000099, which does not exist"):
+        resolve_load_path(tmp_path)
+    (tmp_path / "step_00000099").mkdir()
+    with pytest.raises(CheckpointError, match="which has no manifest.json"):
+        open_checkpoint(tmp_path)
+    (tmp_path / "latest").write_text("garbage")
+    with pytest.raises(CheckpointError, match="holds 'garbage', not a step_NNNNNNNN folder name"):
+        find_latest(tmp_path)
+
+
+def test_a_wrong_load_path_is_an_error_never_a_fresh_start(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="does not exist") as err:
+        resolve_load_path(tmp_path / "nope")
+    assert "or to null to train from scratch" in err.value.one_line()
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    with pytest.raises(CheckpointError, match="did you mean .*checkpoints"):
+        resolve_load_path(tmp_path / "run")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(CheckpointError, match="is a file"):
+        open_checkpoint(tmp_path / "file")
+    save_simple(tmp_path / "run" / "checkpoints", 3)
+    assert resolve_load_path(tmp_path / "run" / "checkpoints" / "step_00000003").name == "step_00000003"
