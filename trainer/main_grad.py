@@ -54,9 +54,12 @@ def attach_main_grads(module: torch.nn.Module, dtype: torch.dtype = torch.float3
         p.main_grad = torch.zeros_like(p, dtype=dtype)
 
         def fold(param: torch.Tensor) -> None:
-            if param.grad is not None:
-                param.main_grad.add_(param.grad.to(param.main_grad.dtype))
-                param.grad = None
+            # torch runs this hook even when a fused Function returned None for the param; that
+            # path already accumulated into main_grad and reported, so report only real grads.
+            if param.grad is None:
+                return
+            param.main_grad.add_(param.grad.to(param.main_grad.dtype))
+            param.grad = None
             grad_ready(param)  # type: ignore[arg-type]
 
         p.register_post_accumulate_grad_hook(fold)

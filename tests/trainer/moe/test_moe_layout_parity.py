@@ -90,7 +90,7 @@ def test_single_grouped_equals_per_expert_bitwise(backend, act, bias, interleave
 
 
 def attach_bare_main_grads(mlp: GroupedMLP, calls: dict[int, int]) -> None:
-    """fp32 main_grads and a counting ready hook, without attach_main_grads' fold hook (see the xfail below)."""
+    """fp32 main_grads and a counting ready hook, without attach_main_grads' fold hook."""
     for p in mlp.parameters():
         p.main_grad = torch.zeros_like(p, dtype=torch.float32)
         p.moectl_grad_ready_hook = lambda q: calls.__setitem__(id(q), calls.get(id(q), 0) + 1)
@@ -110,11 +110,6 @@ def test_main_grad_accumulates_across_micro_batches_and_reports_ready_once(backe
             assert torch.equal(fused[key], 2 * plain[key]), key  # 0 + g + g == 2g exactly
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="trainer/main_grad.py: attach_main_grads' fold hook also calls grad_ready when .grad is None, and "
-    "torch runs post-accumulate hooks even for a None grad, so a fused param reports twice per backward",
-)
 def test_attach_main_grads_reports_fused_params_once():
     mlp = build("grouped", "swiglu", False, None, grouped=True, fuse=True)
     calls: dict[int, int] = {}

@@ -1,0 +1,69 @@
+"""Causal self-attention: RoPE, grouped-query attention through `scaled_dot_product_attention`.
+
+`linear_qkv.weight` follows Megatron-Core's layout: rows grouped per query group, each group holding
+its `heads // groups` query heads, then its key head, then its value head. Checkpoint converters rely
+on this order (HF stores q, k, v separately).
+Shapes: B batch, S sequence, D hidden, N query heads, G query groups (kv heads), C head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainer.norm import RMSNorm
+
+
+def rope_cache(seq_length: int, head_dim: int, base: float, device: torch.device | None = None) -> torch.Tensor:
+    """cos/sin tables `[S, C/2, 2]` in fp32 for rotate-half RoPE."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+    angles = torch.outer(torch.arange(seq_length, dtype=torch.float32, device=device), inv_freq)
+    return torch.stack([angles.cos(), angles.sin()], dim=-1)
+
+
+def apply_rope(x_BNSC: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE (GPT-NeoX / Llama / Megatron convention): pairs (i, i + C/2)."""
+    s = x_BNSC.shape[-2]
+    cos, sin = cache[:s, :, 0], cache[:s, :, 1]  # [S, C/2]
+    x1, x2 = x_BNSC.float().chunk(2, dim=-1)
+    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return out.to(x_BNSC.dtype)
+
+
+class SelfAttention(nn.Module):
+    """GQA self-attention with Megatron-style `linear_qkv` / `linear_proj` parameters."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_groups: int,
+        *,
+        qk_layernorm: bool = False,
+        norm_epsilon: float = 1e-5,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        self.num_heads, self.num_groups = num_heads, num_groups
+        self.head_dim = hidden_size // num_heads
+        qkv_rows = (num_heads + 2 * num_groups) * self.head_dim
+        self.linear_qkv = nn.Linear(hidden_size, qkv_rows, bias=False, dtype=dtype)
+        self.linear_proj = nn.Linear(num_heads * self.head_dim, hidden_size, bias=False, dtype=dtype)
+        self.q_layernorm = RMSNorm(self.head_dim, norm_epsilon, dtype=dtype) if qk_layernorm else None
+        self.k_layernorm = RMSNorm(self.head_dim, norm_epsilon, dtype=dtype) if qk_layernorm else None
+
+    def forward(self, x_BSD: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x_BSD.shape
+        per_group = self.num_heads // self.num_groups
+        qkv = self.linear_qkv(x_BSD).view(b, s, self.num_groups, per_group + 2, self.head_dim)
+        q_BSNC = qkv[:, :, :, :per_group].reshape(b, s, self.num_heads, self.head_dim)
+        k_BSGC, v_BSGC = qkv[:, :, :, per_group], qkv[:, :, :, per_group + 1]
+        if self.q_layernorm is not None:
+            q_BSNC, k_BSGC = self.q_layernorm(q_BSNC), self.k_layernorm(k_BSGC)
+        q, k, v = (t.transpose(1, 2) for t in (q_BSNC, k_BSGC, v_BSGC))  # [B, heads, S, C]
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        out_BNSC = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=self.num_groups != self.num_heads
+        )
+        return self.linear_proj(out_BNSC.transpose(1, 2).reshape(b, s, -1))

@@ -1,0 +1,48 @@
+"""Build a run's parts from its config: model, engine, data. Each part gets only its own section."""
+
+from __future__ import annotations
+
+import torch
+
+from moectl.config.schema import Config
+from trainer.engine import Engine, LocalEngine
+from trainer.model import GPTMoE
+from trainer.runtime import Runtime
+
+
+def params_dtype(cfg: Config) -> torch.dtype:
+    """bf16 model params under `mixed_precision.bf16` (fp32 masters live in the optimizer), else fp32."""
+    return torch.bfloat16 if cfg.mixed_precision.bf16 else torch.float32
+
+
+def build_model(cfg: Config, device: torch.device) -> GPTMoE:
+    """The single-device model, initialised from `train.seed` on the CPU, then moved to `device`."""
+    model = GPTMoE(
+        cfg.model,
+        cfg.moe,
+        seed=cfg.train.seed,
+        params_dtype=params_dtype(cfg),
+        gradient_accumulation_fusion=cfg.parallel.gradient_accumulation_fusion,
+    )
+    return model.to(device)
+
+
+def build_engine(cfg: Config, model: GPTMoE, rt: Runtime) -> Engine:
+    """The optimizer side for this run."""
+    return LocalEngine(model, cfg.optimizer)
+
+
+def build_data_for(cfg: Config, rt: Runtime):  # -> (train sampler, eval sampler)
+    """Train and held-out samplers for this rank; batches are a pure function of (seed, step, rank)."""
+    from trainer.data import Sampler, build_data
+
+    train_src, eval_src = build_data(cfg.data, seq_length=cfg.model.seq_length, vocab_size=cfg.model.vocab_size, seed=cfg.train.seed)
+    tc = cfg.train
+    common = dict(
+        seq_length=cfg.model.seq_length,
+        micro_batch_size=tc.micro_batch_size,
+        global_batch_size=tc.global_batch_size,
+        dp_rank=rt.rank,
+        dp_size=rt.world_size,
+    )
+    return Sampler(train_src, seed=tc.seed, **common), Sampler(eval_src, seed=tc.seed + 1, **common)

@@ -1,0 +1,89 @@
+"""The optimizer side of a training step, behind one small interface the loop calls.
+
+`LocalEngine` is the one-device engine: `torch.optim.AdamW` (or SGD) over fp32 params, global-norm
+clipping, a non-finite guard. The distributed engine (`trainer.distributed`) offers the same methods,
+so `trainer.loop` does not know which one it drives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from moectl.config.schema import OptimizerConfig
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step did: the global grad norm before clipping, and whether it was skipped."""
+
+    grad_norm: float
+    skipped: bool
+
+
+class Engine(Protocol):
+    """What the loop needs from the optimizer side."""
+
+    def zero_grad(self) -> None: ...
+
+    def micro_batch(self, is_last: bool) -> contextlib.AbstractContextManager[None]: ...
+
+    def step(self, lr: float) -> StepResult: ...
+
+    def sync_params_for_eval(self) -> None: ...
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW groups: decay on matrices (2-D and grouped 3-D), none on norms and biases (1-D)."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+class LocalEngine:
+    """One device, fp32 params: torch's AdamW/SGD, global-norm clipping, non-finite guard."""
+
+    def __init__(self, model: nn.Module, cfg: OptimizerConfig) -> None:
+        self.model, self.cfg = model, cfg
+        groups = param_groups(model, cfg.weight_decay)
+        if cfg.optimizer == "sgd":
+            self.optimizer: torch.optim.Optimizer = torch.optim.SGD(groups, lr=cfg.lr)
+        elif cfg.optimizer == "adam":
+            self.optimizer = torch.optim.AdamW(
+                groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps
+            )
+        else:
+            from moectl.errors import MoectlError
+
+            raise MoectlError(
+                f"optimizer.optimizer={cfg.optimizer!r} needs the distributed optimizer engine",
+                "set optimizer.optimizer=adam for a single-device run",
+            )
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def micro_batch(self, is_last: bool) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def step(self, lr: float) -> StepResult:
+        """Clip and step; a non-finite grad norm leaves params and optimizer state untouched."""
+        params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+        max_norm = self.cfg.clip_grad if self.cfg.clip_grad > 0 else math.inf
+        norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        if not math.isfinite(norm):
+            return StepResult(norm, skipped=True)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        return StepResult(norm, skipped=False)
+
+    def sync_params_for_eval(self) -> None:
+        """Nothing to gather on one device."""

@@ -1,0 +1,212 @@
+"""The training loop: micro-batches to the global batch, step, evaluate, record, stop cleanly.
+
+One step: zero grads -> for each micro-batch: forward, loss / n_micro, backward (the last one lets
+the engine launch grad reduction) -> engine.step(lr) -> metrics. A non-finite loss or grad norm stops
+the run with a clear message (`train.on_nonfinite: stop`) or skips the update (`skip`).
+SIGINT/SIGTERM end the run after the current step, with metrics flushed.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+
+from moectl.config.load import dump_config
+from moectl.config.schema import Config
+from moectl.errors import MoectlError
+from trainer.build import build_data_for, build_engine, build_model
+from trainer.flops import flops_per_token, peak_tflops
+from trainer.metrics import MetricsWriter, ProgressDisplay, expert_balance
+from trainer.model import count_params
+from trainer.optim.lr_schedule import lr_at
+from trainer.runtime import Runtime, setup_runtime
+
+
+class NonFiniteError(MoectlError):
+    """A non-finite loss or grad norm under `train.on_nonfinite: stop`."""
+
+
+@dataclass
+class TrainResult:
+    """How a run ended."""
+
+    steps: int
+    losses: list[float] = field(default_factory=list)
+    eval_losses: list[tuple[int, float]] = field(default_factory=list)
+    skipped_steps: int = 0
+    stopped_by: str | None = None
+    run_dir: Path | None = None
+
+
+class _StopFlag:
+    """SIGINT/SIGTERM set a flag; the loop ends after the step in flight (a second Ctrl-C aborts)."""
+
+    def __init__(self) -> None:
+        self.signal: str | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> "_StopFlag":
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self._previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread (e.g. under a test runner): no handler
+                pass
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signal is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signal = signal.Signals(signum).name
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+class Trainer:
+    """Runs `cfg` to `train.train_iters` steps on this process's device."""
+
+    def __init__(self, cfg: Config, console: Console | None = None, runtime: Runtime | None = None) -> None:
+        self.cfg = cfg
+        self.rt = runtime or setup_runtime(cfg.train)
+        self.console = console or Console(stderr=False)
+        tc = cfg.train
+        self.dp = self.rt.world_size
+        self.n_micro = tc.global_batch_size // (tc.micro_batch_size * self.dp)
+        self.model = build_model(cfg, self.rt.device)
+        self.engine = build_engine(cfg, self.model, self.rt)
+        self.train_data, eval_sampler = build_data_for(cfg, self.rt)
+        # The same held-out batches at every evaluation, so eval losses are comparable across steps.
+        self.eval_batches = eval_sampler.eval_batches(cfg.train.eval_iters) if cfg.train.eval_interval else []
+        self.run_dir = Path(cfg.run_dir)
+        self.tokens_per_step = tc.global_batch_size * cfg.model.seq_length
+        self.flops_per_step = flops_per_token(cfg.model, cfg.moe) * self.tokens_per_step
+        self.peak = peak_tflops(self.rt.device, "fp8" if cfg.mixed_precision.fp8 else "bf16")
+
+    # --- one step ---------------------------------------------------------------------------
+    def _train_step(self, step: int) -> dict[str, Any]:
+        model, engine = self.model, self.engine
+        model.train()
+        engine.zero_grad()
+        lm_sum = torch.zeros((), device=self.rt.device, dtype=torch.float64)
+        aux_sum = torch.zeros((), device=self.rt.device, dtype=torch.float64)
+        for micro in range(self.n_micro):
+            tokens, targets = self.train_data.micro_batch(step, micro)
+            tokens, targets = tokens.to(self.rt.device), targets.to(self.rt.device)
+            with engine.micro_batch(is_last=micro == self.n_micro - 1):
+                parts = model.loss(tokens, targets)
+                (parts.total / self.n_micro).backward()
+            lm_sum += parts.lm_loss.detach().double()
+            aux_sum += parts.aux_loss.detach().double()
+        lm = self._mean_over_dp(lm_sum / self.n_micro)
+        lr = lr_at(step, self.cfg.optimizer, self.cfg.train.train_iters)
+        result = engine.step(lr)
+        record: dict[str, Any] = {
+            "step": step + 1,
+            "loss": lm,
+            "aux_loss": self._mean_over_dp(aux_sum / self.n_micro),
+            "grad_norm": result.grad_norm,
+            "lr": lr,
+            "skipped": result.skipped,
+            "expert_balance": expert_balance(
+                [m.tokens_per_expert.tolist() for m in model.moe_layers() if m.tokens_per_expert is not None]
+            ),
+        }
+        if not math.isfinite(lm) or not math.isfinite(result.grad_norm):
+            record["skipped"] = True
+            if self.cfg.train.on_nonfinite == "stop":
+                raise NonFiniteError(
+                    f"non-finite {'loss' if not math.isfinite(lm) else 'grad norm'} at step {step + 1} "
+                    f"(loss={lm}, grad_norm={result.grad_norm}); no update was applied",
+                    "lower optimizer.lr or raise optimizer.lr_warmup_iters, or set train.on_nonfinite=skip",
+                )
+        return record
+
+    def _mean_over_dp(self, value: torch.Tensor) -> float:
+        if self.dp > 1:
+            value = value.clone()
+            torch.distributed.all_reduce(value)
+            value /= self.dp
+        return float(value)
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean LM loss over `train.eval_iters` fixed held-out micro-batches (same batches every time)."""
+        self.engine.sync_params_for_eval()
+        self.model.eval()
+        total = torch.zeros((), device=self.rt.device, dtype=torch.float64)
+        for tokens, targets in self.eval_batches:
+            total += self.model.loss(tokens.to(self.rt.device), targets.to(self.rt.device)).lm_loss.double()
+        self.model.train()
+        return self._mean_over_dp(total / len(self.eval_batches))
+
+    # --- the run ----------------------------------------------------------------------------
+    def _banner(self) -> None:
+        cfg = self.cfg
+        total, active = count_params(self.model, cfg.moe)
+        self.console.print(
+            f"[bold]moectl train[/] {cfg.model.num_layers} layers, d={cfg.model.hidden_size}, "
+            f"{cfg.moe.num_experts} experts top-{cfg.moe.router_topk}: {total / 1e6:.2f}M params "
+            f"({active / 1e6:.2f}M active/token) on {self.rt.device} x{self.rt.world_size}"
+        )
+        self.console.print(
+            f"  data: {self.train_data.stream.describe()} | batch {cfg.train.global_batch_size} x {cfg.model.seq_length} "
+            f"tokens ({self.n_micro} micro-batches of {cfg.train.micro_batch_size}/rank) | run_dir {self.run_dir}"
+        )
+
+    def run(self) -> TrainResult:
+        """Train to `train.train_iters`; returns the per-step losses and how the run ended."""
+        cfg, tc, main = self.cfg, self.cfg.train, self.rt.is_main
+        result = TrainResult(steps=0, run_dir=self.run_dir)
+        if main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.yaml").write_text(dump_config(cfg))
+            self._banner()
+        writer = MetricsWriter(self.run_dir, jsonl=cfg.logging.jsonl, tensorboard=cfg.logging.tensorboard) if main else None
+        start = 0
+        try:
+            with _StopFlag() as stop, ProgressDisplay(tc.train_iters, start, self.console, enabled=main) as bar:
+                for step in range(start, tc.train_iters):
+                    t0 = time.perf_counter()
+                    record = self._train_step(step)
+                    if self.rt.device.type == "cuda":
+                        torch.cuda.synchronize()
+                    dt = time.perf_counter() - t0
+                    record["tokens_per_s"] = self.tokens_per_step / dt
+                    if self.peak is not None:
+                        record["mfu"] = self.flops_per_step / dt / (self.peak * 1e12 * self.rt.world_size)
+                    result.steps = step + 1
+                    result.losses.append(record["loss"])
+                    result.skipped_steps += int(record["skipped"])
+                    if writer is not None and (step + 1) % tc.log_interval == 0:
+                        writer.write(record)
+                    bar.update(step + 1, record)
+                    if record["skipped"]:
+                        bar.log(f"step {step + 1}: non-finite loss or grad norm, update skipped")
+                    last = step + 1 == tc.train_iters
+                    if tc.eval_interval and ((step + 1) % tc.eval_interval == 0 or last):
+                        eval_loss = self.evaluate()
+                        result.eval_losses.append((step + 1, eval_loss))
+                        if writer is not None:
+                            writer.write({"step": step + 1, "eval_loss": eval_loss})
+                        bar.show_eval(eval_loss)
+                    if stop.signal is not None:
+                        result.stopped_by = stop.signal
+                        bar.log(f"{stop.signal}: stopped cleanly after step {step + 1}")
+                        break
+        finally:
+            if writer is not None:
+                writer.close()
+        return result
+
+
+def train(cfg: Config, console: Console | None = None) -> TrainResult:
+    """Run `cfg` on this process (rank and world from torchrun's environment when launched by it)."""
+    return Trainer(cfg, console).run()

@@ -1,0 +1,188 @@
+"""The GPT decoder with MoE FFNs, written for one device (parallelism wraps it from outside).
+
+    tokens -> embedding -> [RMSNorm -> attention -> + ; RMSNorm -> MoE or dense SwiGLU -> +] x L
+           -> final RMSNorm -> output head (optionally tied to the embedding)
+
+State-dict keys follow Megatron-Core's GPT so checkpoints and converters read naturally:
+`embedding.word_embeddings.weight`, `decoder.layers.N.self_attention.linear_qkv.weight`,
+`decoder.layers.N.mlp.router.weight`, `decoder.layers.N.mlp.experts.linear_fc1.weight` (or `weight3`),
+`decoder.final_layernorm.weight`, `output_layer.weight`.
+Init is one seeded generator drawn in construction order, so equal seeds give equal models, and an
+expert layer draws its whole `[E, out, in]` weight at once whatever its storage layout.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moectl.config.schema import ModelConfig, MoEConfig
+from trainer.attention import SelfAttention, rope_cache
+from trainer.moe import MoELayer
+from trainer.norm import RMSNorm
+
+
+class DenseMLP(nn.Module):
+    """SwiGLU MLP of the non-MoE layers; `linear_fc1` rows are `[gate; up]` as in the experts."""
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.linear_fc1 = nn.Linear(hidden_size, 2 * ffn_hidden_size, bias=False, dtype=dtype)
+        self.linear_fc2 = nn.Linear(ffn_hidden_size, hidden_size, bias=False, dtype=dtype)
+
+    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        gate, up = self.linear_fc1(x_BSD).chunk(2, dim=-1)
+        return self.linear_fc2(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm transformer block; `mlp` is an MoE layer or a dense SwiGLU MLP."""
+
+    def __init__(self, mcfg: ModelConfig, moe_cfg: MoEConfig | None, mlp: nn.Module, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(mcfg.hidden_size, mcfg.norm_epsilon, dtype=dtype)
+        self.self_attention = SelfAttention(
+            mcfg.hidden_size,
+            mcfg.num_attention_heads,
+            mcfg.kv_heads,
+            qk_layernorm=mcfg.qk_layernorm,
+            norm_epsilon=mcfg.norm_epsilon,
+            dtype=dtype,
+        )
+        self.pre_mlp_layernorm = RMSNorm(mcfg.hidden_size, mcfg.norm_epsilon, dtype=dtype)
+        self.mlp = mlp
+
+    def forward(self, x_BSD: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        x_BSD = x_BSD + self.self_attention(self.input_layernorm(x_BSD), rope)
+        return x_BSD + self.mlp(self.pre_mlp_layernorm(x_BSD))
+
+
+class Decoder(nn.Module):
+    """The stack of layers and the final norm (Megatron's `decoder`)."""
+
+    def __init__(self, layers: list[DecoderLayer], final_layernorm: RMSNorm) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+        self.final_layernorm = final_layernorm
+
+
+class Embedding(nn.Module):
+    """Token embedding (Megatron's `embedding.word_embeddings`)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.word_embeddings = nn.Embedding(vocab_size, hidden_size, dtype=dtype)
+
+    def forward(self, tokens_BS: torch.Tensor) -> torch.Tensor:
+        return self.word_embeddings(tokens_BS)
+
+
+@dataclass
+class LossParts:
+    """The total training loss and what it is made of (all scalars; `total` carries the graph)."""
+
+    total: torch.Tensor
+    lm_loss: torch.Tensor
+    aux_loss: torch.Tensor
+
+
+class GPTMoE(nn.Module):
+    """Decoder-only MoE transformer. `forward(tokens) -> logits`; `loss(tokens, targets) -> LossParts`."""
+
+    def __init__(
+        self,
+        mcfg: ModelConfig,
+        moe_cfg: MoEConfig,
+        *,
+        seed: int = 0,
+        params_dtype: torch.dtype = torch.float32,
+        gradient_accumulation_fusion: bool = False,
+        expert_align: int = 1,
+        moe_layer_kwargs: dict | None = None,
+    ) -> None:
+        super().__init__()
+        self.cfg = mcfg
+        gen = torch.Generator().manual_seed(seed)
+        std = mcfg.init_method_std
+        # Megatron's output_layer_init_method: residual-branch outputs start smaller with depth.
+        out_std = std / math.sqrt(2.0 * mcfg.num_layers)
+
+        self.embedding = Embedding(mcfg.vocab_size, mcfg.hidden_size, params_dtype)
+        layers = []
+        for i in range(mcfg.num_layers):
+            if mcfg.is_moe_layer(i):
+                mlp: nn.Module = MoELayer(
+                    moe_cfg,
+                    mcfg.hidden_size,
+                    init_std=std,
+                    output_init_std=out_std,
+                    params_dtype=params_dtype,
+                    generator=gen,
+                    gradient_accumulation_fusion=gradient_accumulation_fusion,
+                    align=expert_align,
+                    **(moe_layer_kwargs or {}),
+                )
+            else:
+                mlp = DenseMLP(mcfg.hidden_size, mcfg.ffn_hidden_size, params_dtype)
+            layers.append(DecoderLayer(mcfg, moe_cfg, mlp, params_dtype))
+        self.decoder = Decoder(layers, RMSNorm(mcfg.hidden_size, mcfg.norm_epsilon, dtype=params_dtype))
+        self.output_layer = (
+            None if mcfg.tie_embeddings else nn.Linear(mcfg.hidden_size, mcfg.vocab_size, bias=False, dtype=params_dtype)
+        )
+        self._init_dense(gen, std, out_std)
+        self.register_buffer(
+            "rope", rope_cache(mcfg.seq_length, mcfg.hidden_size // mcfg.num_attention_heads, mcfg.rotary_base),
+            persistent=False,
+        )
+
+    @torch.no_grad()
+    def _init_dense(self, gen: torch.Generator, std: float, out_std: float) -> None:
+        """Normal init of every non-expert matrix (experts and routers init themselves, in order)."""
+
+        def draw(p: torch.Tensor, s: float) -> None:
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32).mul_(s))
+
+        draw(self.embedding.word_embeddings.weight, std)
+        for layer in self.decoder.layers:
+            draw(layer.self_attention.linear_qkv.weight, std)
+            draw(layer.self_attention.linear_proj.weight, out_std)
+            if isinstance(layer.mlp, DenseMLP):
+                draw(layer.mlp.linear_fc1.weight, std)
+                draw(layer.mlp.linear_fc2.weight, out_std)
+        if self.output_layer is not None:
+            draw(self.output_layer.weight, std)
+
+    def moe_layers(self) -> list[MoELayer]:
+        """The MoE layers, in depth order (for aux losses and load-balance metrics)."""
+        return [layer.mlp for layer in self.decoder.layers if isinstance(layer.mlp, MoELayer)]
+
+    def forward(self, tokens_BS: torch.Tensor) -> torch.Tensor:
+        x_BSD = self.embedding(tokens_BS)
+        for layer in self.decoder.layers:
+            x_BSD = layer(x_BSD, self.rope)
+        x_BSD = self.decoder.final_layernorm(x_BSD)
+        head = self.output_layer.weight if self.output_layer is not None else self.embedding.word_embeddings.weight
+        return F.linear(x_BSD, head)
+
+    def loss(self, tokens_BS: torch.Tensor, targets_BS: torch.Tensor) -> LossParts:
+        """Mean next-token cross-entropy (in fp32) plus the routers' auxiliary losses."""
+        logits_BSV = self(tokens_BS)
+        lm_loss = F.cross_entropy(logits_BSV.float().flatten(0, 1), targets_BS.flatten())
+        aux = sum((m.aux_loss for m in self.moe_layers()), torch.zeros((), device=lm_loss.device))
+        return LossParts(total=lm_loss + aux, lm_loss=lm_loss, aux_loss=aux)
+
+
+def count_params(model: GPTMoE, moe_cfg: MoEConfig) -> tuple[int, int]:
+    """(total parameters, parameters active per token): only top-k of E experts count as active."""
+    total = active = 0
+    for name, p in model.named_parameters():
+        total += p.numel()
+        if ".experts." in name:
+            active += p.numel() * moe_cfg.router_topk // moe_cfg.num_experts
+        else:
+            active += p.numel()
+    return total, active

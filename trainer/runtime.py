@@ -1,0 +1,62 @@
+"""Where a run executes: device choice, seeds and determinism, this process's rank.
+
+Rank information comes from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK); a plain
+`moectl train` is rank 0 of 1. Process groups themselves are built by `trainer.distributed`.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass
+
+import torch
+
+from moectl.config.schema import TrainConfig
+from moectl.errors import MoectlError
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """This process's device and place in the world."""
+
+    device: torch.device
+    rank: int
+    world_size: int
+    local_rank: int
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 prints, writes metrics and commits checkpoints."""
+        return self.rank == 0
+
+
+def pick_device(choice: str, local_rank: int) -> torch.device:
+    """`auto` -> this process's GPU when CUDA is available, else the CPU."""
+    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise MoectlError("train.device='cuda' but no CUDA device is visible", "set train.device=auto or cpu")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def set_determinism(seed: int, deterministic: bool) -> None:
+    """Seed every RNG; with `deterministic`, also force deterministic kernels (bit-identical reruns)."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    if deterministic:
+        # cuBLAS needs a fixed workspace to be deterministic; must be set before the first GEMM.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
+
+
+def setup_runtime(cfg: TrainConfig) -> Runtime:
+    """Read torchrun's environment, choose the device, seed."""
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = pick_device(cfg.device, local_rank)
+    set_determinism(cfg.seed, cfg.deterministic)
+    return Runtime(device=device, rank=rank, world_size=world, local_rank=local_rank)
