@@ -328,7 +328,8 @@ def rule(id: str, family: str, severity: str, keys: Sequence[str], summary: str)
     def register(fn: RuleFn) -> RuleFn:
         if id in RULES:  # pragma: no cover - a catalogue bug
             raise ValueError(f"duplicate rule id {id}")
-        rationale = inspect.cleandoc(fn.__doc__ or "")
+        # one line per paragraph, so the terminal (not the source's line breaks) decides the wrapping
+        rationale = re.sub(r"(?<!\n)\n(?!\n)", " ", inspect.cleandoc(fn.__doc__ or ""))
         RULES[id] = Rule(id, fn.__name__, family, severity, tuple(keys), summary, rationale, fn)  # type: ignore[arg-type]
         return fn
 
@@ -469,7 +470,13 @@ def reuse_buffer_needs_mxfp8_param_gather(c: Context) -> Iterator[_Hit]:
     "MOE006",
     "precision",
     "error",
-    ["model.hidden_size", "model.ffn_hidden_size", "moe.ffn_hidden_size", "mixed_precision.fp8_recipe"],
+    [
+        "model.hidden_size",
+        "model.ffn_hidden_size",
+        "moe.ffn_hidden_size",
+        "mixed_precision.fp8_recipe",
+        "mixed_precision.fp4_recipe",
+    ],
     "GEMM dimensions are multiples of the recipe's block",
 )
 def gemm_dims_fit_recipe_block(c: Context) -> Iterator[_Hit]:
@@ -952,9 +959,11 @@ def experts_divisible_by_ep(c: Context) -> Iterator[_Hit]:
 )
 def world_size_divisible_by_ep(c: Context) -> Iterator[_Hit]:
     """The dp = world-size ranks split into expert-parallel groups of ep ranks, each expert replicated
-    over dp/ep of them (the expert-data-parallel group); ep must divide the world size."""
+    over dp/ep of them (the expert-data-parallel group); ep must divide the world size (which is >= 1)."""
     ep = c.cfg.parallel.expert_model_parallel_size
-    if ep > 0 and c.world_size % ep:
+    if c.world_size < 1:
+        yield _Hit(f"world size {c.world_size} must be >= 1", "check for at least one process (--world-size N)")
+    elif ep > 0 and c.world_size % ep:
         yield _Hit(
             f"world size {c.world_size} is not divisible by parallel.expert_model_parallel_size={ep}",
             "run on a multiple of expert_model_parallel_size processes (--world-size / --nproc-per-node), or change ep",
@@ -973,7 +982,7 @@ def global_batch_divisible(c: Context) -> Iterator[_Hit]:
     global = micro x dp x accumulation steps, with a whole number of steps."""
     t = c.cfg.train
     per_step = t.micro_batch_size * c.dp
-    if t.micro_batch_size > 0 and t.global_batch_size > 0 and t.global_batch_size % per_step:
+    if per_step > 0 and t.global_batch_size > 0 and t.global_batch_size % per_step:
         yield _Hit(
             f"train.global_batch_size={t.global_batch_size} is not divisible by "
             f"train.micro_batch_size={t.micro_batch_size} "
@@ -1112,7 +1121,7 @@ def no_load_optim_without_load(c: Context) -> Iterator[_Hit]:
     "MOE038",
     "hardware",
     "error|warning",
-    ["mixed_precision.fp8_recipe", "mixed_precision.emulate", "device"],
+    ["mixed_precision.fp8_recipe", "mixed_precision.fp4_recipe", "mixed_precision.emulate", "device"],
     "the device runs the recipe natively (else: warning, or error under emulate: never)",
 )
 def recipe_native_on_device(c: Context) -> Iterator[_Hit]:

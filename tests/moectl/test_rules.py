@@ -553,6 +553,11 @@ def test_no_rule_crashes_on_zero_sizes() -> None:
     assert reported == set(rules._COUNTS)
 
 
+def test_world_size_zero_is_reported_not_a_crash() -> None:
+    found = run([], world=0)
+    assert [(v.rule, v.keys["world_size"]) for v in found] == [("MOE029", 0)]
+
+
 def test_world_size_defaults_to_ep() -> None:
     # ep=4 alone needs 4 ranks; global 16 = micro 4 x dp 4 fits, 8 experts split 2 per rank
     assert run(["parallel.expert_model_parallel_size=4", "moe.num_experts=8"]) == []
