@@ -22,13 +22,14 @@ default shape are hundreds of MB, far over the L2 (50-60 MB), so repeated calls 
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
-from moectl.bench.timing import dense_ceiling_tflops, median_ms
+from moectl.bench.timing import dense_ceiling_tflops, interleaved_ms
 
 PATHS = ("loop", "eager", "compile", "grouped", "fused")
 
@@ -80,7 +81,8 @@ class BenchConfig:
     paths: tuple[str, ...] = PATHS
     permute: bool = True
     warmup: int = 5
-    iters: int = 20
+    iters: int = 30  # timed calls per path and row, spread over `rounds` interleaved rounds
+    rounds: int = 5
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
     dtype: torch.dtype = torch.bfloat16
     ceiling_size: int = 8192
@@ -92,7 +94,7 @@ class BenchConfig:
     def quick_config(device: Optional[str] = None) -> "BenchConfig":
         dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
         return BenchConfig(
-            shapes=QUICK_SHAPES, warmup=1, iters=3, device=dev,
+            shapes=QUICK_SHAPES, warmup=1, iters=3, rounds=1, device=dev,
             dtype=torch.bfloat16 if dev == "cuda" else torch.float32, ceiling_size=256 if dev == "cpu" else 2048,
         )  # fmt: skip
 
@@ -268,13 +270,21 @@ def bench_shape(
                 "shape": shape.label(), **asdict(shape), "pass": "fwd+bwd" if backward else "fwd",
                 "permute": permute, "topk": topk, "gemm_tflop": flops / 1e12,
             }  # fmt: skip
+            calls = {}
+            for path in cfg.paths:
+                if path == "compile" and compiled is None:
+                    continue
+                fn, weights = _expert_fn(path, inp, spec, compiled)
+                calls[path] = _step(fn, inp, weights, permute, backward, dy)
+            rounds = max(1, min(cfg.rounds, cfg.iters))
+            samples = interleaved_ms(calls, device, cfg.warmup, rounds, -(-cfg.iters // rounds))
             for path in PATHS:
-                ms = None
-                if path in cfg.paths and not (path == "compile" and compiled is None):
-                    fn, weights = _expert_fn(path, inp, spec, compiled)
-                    ms = median_ms(_step(fn, inp, weights, permute, backward, dy), device, cfg.warmup, cfg.iters)
+                times = samples.get(path)
+                ms = statistics.median(times) if times else None
                 tflops = None if ms is None else flops / (ms * 1e-3) / 1e12
                 row[f"{path}_ms"] = ms
+                row[f"{path}_ms_min"] = min(times) if times else None
+                row[f"{path}_ms_max"] = max(times) if times else None
                 row[f"{path}_tflops"] = tflops
                 row[f"{path}_pct_ceiling"] = None if tflops is None else 100.0 * tflops / ceiling
             for base in ("eager", "compile"):
@@ -323,9 +333,15 @@ def run(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None) -> BenchR
     ceiling = dense_ceiling_tflops(device, cfg.dtype, cfg.ceiling_size, cfg.warmup, cfg.iters, cfg.seed)
     log(f"dense {cfg.ceiling_size}^3 {cfg.dtype} matmul: {ceiling:.3g} TFLOP/s")
     meta = environment(device, cfg.dtype)
-    meta.update(warmup=cfg.warmup, iters=cfg.iters, ceiling_size=cfg.ceiling_size, paths=list(cfg.paths))
+    meta.update(
+        warmup=cfg.warmup, iters=cfg.iters, rounds=cfg.rounds, ceiling_size=cfg.ceiling_size, paths=list(cfg.paths)
+    )  # fmt: skip
     result = BenchResult(meta=meta, ceiling_tflops=ceiling)
     for shape in cfg.shapes:
         result.rows.extend(bench_shape(shape, cfg, ceiling, result.notes, log))
+    if result.rows:  # the ceiling again at the end: how far the device drifted over the run
+        end = dense_ceiling_tflops(device, cfg.dtype, cfg.ceiling_size, cfg.warmup, cfg.iters, cfg.seed)
+        meta["ceiling_end_tflops"] = end
+        log(f"dense {cfg.ceiling_size}^3 matmul again at the end: {end:.3g} TFLOP/s")
     result.notes = sorted(set(result.notes))
     return result

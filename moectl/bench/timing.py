@@ -3,6 +3,11 @@
 On CUDA each call is bracketed by CUDA events (device time, launch overhead included as it is in training),
 after warm-up calls that keep compilation, autotuning and handle creation out of the numbers; the median
 of the timed calls is reported (robust to the odd slow call). On CPU a host clock does the same.
+
+Competing versions are timed in interleaved rounds (`interleaved_ms`): a few calls of each version in turn,
+repeated, so that a drift of the device's state (clocks, temperature) over the run is shared by all of them
+instead of favouring whichever ran first. Back-to-back runs of the same version on an H200 moved by up to
+~5%; interleaving is what makes side-by-side ratios trustworthy.
 """
 
 from __future__ import annotations
@@ -18,6 +23,25 @@ def median_ms(fn: Callable[[], object], device: torch.device, warmup: int, iters
     """Median wall time of `fn()` in milliseconds over `iters` calls, after `warmup` untimed calls."""
     for _ in range(warmup):
         fn()
+    return statistics.median(_timed(fn, device, iters))
+
+
+def interleaved_ms(
+    fns: dict[str, Callable[[], object]], device: torch.device, warmup: int, rounds: int, per_round: int
+) -> dict[str, list[float]]:
+    """All timed calls (ms) of each version, measured in `rounds` interleaved rounds of `per_round` calls."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            samples[name].extend(_timed(fn, device, per_round))
+    return samples
+
+
+def _timed(fn: Callable[[], object], device: torch.device, iters: int) -> list[float]:
+    """Times (ms) of `iters` consecutive calls."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
@@ -27,14 +51,13 @@ def median_ms(fn: Callable[[], object], device: torch.device, warmup: int, iters
             fn()
             end.record()
         torch.cuda.synchronize(device)
-        times = [s.elapsed_time(e) for s, e in zip(starts, ends)]
-    else:
-        times = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+        return [s.elapsed_time(e) for s, e in zip(starts, ends)]
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
 
 
 def dense_ceiling_tflops(

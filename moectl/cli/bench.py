@@ -50,7 +50,7 @@ def render(result: Any, console: Console) -> None:
         title=f"grouped expert MLP, {meta['dtype']} on {meta['device_name']} ({versions})",
         caption=(
             f"GEMM TFLOP/s (% of the dense {meta['ceiling_size']}^3 matmul: {result.ceiling_tflops:.3g} TFLOP/s); "
-            f"median of {meta['iters']} after {meta['warmup']} warm-up"
+            f"median of {meta['iters']} calls in {meta['rounds']} interleaved rounds, after {meta['warmup']} warm-up"
             + "".join(f"\n{n}" for n in result.notes)
         ),
     )

@@ -19,6 +19,8 @@ Imported lazily by the fused backend on CUDA only; importing it needs Triton.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -149,10 +151,19 @@ def _row_bias_kernel(
     tl.store(y_ptr + y_offs, (y + bias).to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def _tile(width: int, elems: int) -> tuple[int, int]:
-    """(BLOCK_rows, BLOCK_cols): up to 128 columns (256 contiguous bytes of bf16 per row), `elems` per tile."""
-    block_cols = min(128, triton.next_power_of_2(max(width, 16)))
-    return max(1, elems // block_cols), block_cols
+@dataclass(frozen=True)
+class Tile:
+    """Launch shape of a kernel: rows and columns per program (powers of two) and warps per program."""
+
+    rows: int
+    cols: int
+    warps: int = 4
+
+
+def _tile(width: int, elems: int, max_cols: int = 128, warps: int = 4) -> Tile:
+    """Up to `max_cols` columns per row (at least 256 contiguous bytes of bf16 at 128), `elems` per tile."""
+    cols = min(max_cols, triton.next_power_of_2(max(width, 16)))
+    return Tile(max(1, elems // cols), cols, warps)
 
 
 def _check(h_PH: torch.Tensor, activation: str, interleave: int | None) -> int:
@@ -181,8 +192,12 @@ def glu_forward(
     interleave: int | None = None,
     bias_EH: torch.Tensor | None = None,
     expert_P: torch.Tensor | None = None,
+    tile: Tile | None = None,
 ) -> torch.Tensor:
-    """a_PF = probs * act(h + b1[expert]); same contract as `glu_reference.glu_forward`."""
+    """a_PF = probs * act(h + b1[expert]); same contract as `glu_reference.glu_forward`.
+
+    `tile` overrides the launch shape (for tuning; the default is what the benchmark chose).
+    """
     f = _check(h_PH, activation, interleave)
     p_rows = h_PH.shape[0]
     a_PF = torch.empty(p_rows, f, dtype=h_PH.dtype, device=h_PH.device)
@@ -190,13 +205,14 @@ def glu_forward(
         return a_PF
     b, e, stride_b = _bias_args(h_PH, bias_EH, expert_P)
     probs = probs_P.contiguous() if probs_P is not None else h_PH
-    block_p, block_f = _tile(f, 4096)
-    grid = (triton.cdiv(p_rows, block_p), triton.cdiv(f, block_f))
+    # 8 x 512 tiles: measured on an H200 at the benchmark's shapes, 2-4% faster than 32 x 128 (fewer programs)
+    t = tile or _tile(f, 4096, max_cols=512)
+    grid = (triton.cdiv(p_rows, t.rows), triton.cdiv(f, t.cols))
     _glu_fwd_kernel[grid](
         h_PH, probs, b, e, a_PF, p_rows, f, h_PH.stride(0), a_PF.stride(0), stride_b,
         ACT=_ACT_CODE[activation], INTERLEAVE=(interleave or 0) if is_gated(activation) else 0,
         HAS_PROBS=probs_P is not None, HAS_BIAS=bias_EH is not None, SCALE=_sigmoid_scale(activation),
-        BLOCK_P=block_p, BLOCK_F=block_f, num_warps=4,
+        BLOCK_P=t.rows, BLOCK_F=t.cols, num_warps=t.warps,
     )  # fmt: skip
     return a_PF
 
@@ -209,8 +225,12 @@ def glu_backward(
     interleave: int | None = None,
     bias_EH: torch.Tensor | None = None,
     expert_P: torch.Tensor | None = None,
+    tile: Tile | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """(dh_PH, dprobs_P, a_PF recomputed); same contract as `glu_reference.glu_backward`."""
+    """(dh_PH, dprobs_P, a_PF recomputed); same contract as `glu_reference.glu_backward`.
+
+    `tile.cols` is the column step of each program's walk over F; `tile` overrides the default.
+    """
     f = _check(h_PH, activation, interleave)
     p_rows = h_PH.shape[0]
     if da_PF.shape != (p_rows, f):
@@ -222,13 +242,14 @@ def glu_backward(
     if p_rows and f:
         b, e, stride_b = _bias_args(h_PH, bias_EH, expert_P)
         probs = probs_P.contiguous() if probs_P is not None else h_PH
-        block_p, block_f = _tile(f, 2048)
-        _glu_bwd_kernel[(triton.cdiv(p_rows, block_p),)](
+        # 4 rows x 512 columns per step: measured on an H200, up to 10% faster than 16 x 128 at F = 14336
+        t = tile or _tile(f, 2048, max_cols=512)
+        _glu_bwd_kernel[(triton.cdiv(p_rows, t.rows),)](
             h_PH, probs, b, e, da_PF, dh_PH, a_PF, dp32_P if dp32_P is not None else h_PH,
             p_rows, f, h_PH.stride(0), da_PF.stride(0), dh_PH.stride(0), a_PF.stride(0), stride_b,
             ACT=_ACT_CODE[activation], INTERLEAVE=(interleave or 0) if is_gated(activation) else 0,
             HAS_PROBS=probs_P is not None, HAS_BIAS=bias_EH is not None, SCALE=_sigmoid_scale(activation),
-            BLOCK_P=block_p, BLOCK_F=block_f, num_warps=4,
+            BLOCK_P=t.rows, BLOCK_F=t.cols, num_warps=t.warps,
         )  # fmt: skip
     elif dp32_P is not None:
         dp32_P.zero_()
@@ -246,11 +267,11 @@ def add_row_bias_(
     if y_PD.stride(1) != 1:
         raise ValueError("y_PD must have contiguous rows")
     bias_ED = bias_ED.contiguous()
-    block_p, block_d = _tile(d, 4096)
-    grid = (triton.cdiv(p_rows, block_p), triton.cdiv(d, block_d))
+    t = _tile(d, 4096)
+    grid = (triton.cdiv(p_rows, t.rows), triton.cdiv(d, t.cols))
     _row_bias_kernel[grid](
         y_PD, probs_P.contiguous() if probs_P is not None else y_PD, bias_ED, expert_P.contiguous(),
         p_rows, d, y_PD.stride(0), bias_ED.stride(0),
-        HAS_PROBS=probs_P is not None, BLOCK_P=block_p, BLOCK_D=block_d, num_warps=4,
+        HAS_PROBS=probs_P is not None, BLOCK_P=t.rows, BLOCK_D=t.cols, num_warps=t.warps,
     )  # fmt: skip
     return y_PD
