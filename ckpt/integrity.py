@@ -68,7 +68,7 @@ def _unexpected_files(step_dir: Path, listed: dict[str, Any], manifest_ok: bool)
             continue  # no manifest to compare with; already reported as incomplete/unreadable
         if _looks_pickled(entry):
             out.append(Problem(P.UNEXPECTED_FILE, name, None,
-                               "a pickle/torch.save file, not part of the checkpoint: never loaded; delete it"))  # fmt: skip
+                               "looks like a pickle/torch.save file, not part of the checkpoint: never loaded; delete it"))  # fmt: skip
         else:
             kind = "folder" if entry.is_dir() else "file"
             out.append(Problem(P.UNEXPECTED_FILE, name, None, f"unexpected {kind}: the manifest does not list it"))
