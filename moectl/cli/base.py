@@ -34,6 +34,22 @@ def new_app(name: str, help: str) -> typer.Typer:
 app = new_app("moectl", "Train mixture-of-experts transformers on one or many GPUs and manage their checkpoints.")
 
 
+def _version(value: bool) -> None:
+    if value:
+        from moectl import __version__
+
+        typer.echo(f"moectl {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit."),
+) -> None:
+    """Train mixture-of-experts transformers on one or many GPUs and manage their checkpoints."""
+    # A callback keeps `moectl` a command group even if only one command were registered.
+
+
 def report(e: MoectlError) -> None:
     """Print a user error as one line on stderr."""
     typer.secho(f"error: {e.one_line()}", err=True, fg="red")

@@ -18,6 +18,7 @@ from typing import Any, Iterable, Literal, Union
 import yaml
 
 from moectl.config.schema import Config
+from moectl.errors import ConfigError, UsageError
 
 
 class _Loader(yaml.SafeLoader):
@@ -34,7 +35,6 @@ _Loader.add_implicit_resolver(
 def yaml_scalar(raw: str) -> Any:
     """Parse one YAML value with moectl's loader."""
     return yaml.load(raw, Loader=_Loader)
-from moectl.errors import ConfigError, UsageError
 
 
 def _suggest(name: str, options: Iterable[str]) -> str:
