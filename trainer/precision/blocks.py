@@ -43,3 +43,9 @@ def block_amax(x: torch.Tensor, bh: int, bw: int) -> torch.Tensor:
 def per_block(s: torch.Tensor) -> torch.Tensor:
     """Reshape block values `[..., Mb, Kb]` to broadcast against `to_blocks` output."""
     return s.unsqueeze(-1).unsqueeze(-3)
+
+
+def transposed(x: torch.Tensor) -> torch.Tensor:
+    """`x` with its last two dims swapped, in standard contiguous strides (also for size-1 dims, which
+    `.contiguous()` would leave strided and which then cannot be viewed as raw bytes)."""
+    return x.transpose(-2, -1).clone(memory_format=torch.contiguous_format)

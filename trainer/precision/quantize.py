@@ -11,6 +11,7 @@ from typing import Optional
 
 import torch
 
+from .blocks import transposed
 from .groups import Jagged, TokenGroups
 from .kinds import KIND_MODULES
 from .quantized_tensor import QuantizedTensor
@@ -66,7 +67,7 @@ def quantize(
             col = kind.transpose(row, scheme)
         else:
             col = kind.quantize(
-                hp.transpose(-2, -1).contiguous(), scheme, Jagged(groups, -1) if groups else None, **overrides
+                transposed(hp), scheme, Jagged(groups, -1) if groups else None, **overrides
             )
     return QuantizedTensor(
         scheme=scheme, shape=x.shape, dtype=x.dtype, rowwise=row, columnwise=col, groups=groups, recipe=recipe

@@ -21,7 +21,7 @@ after the gather) finds each piece's offset in `ByteLayout.segments`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 import torch
@@ -80,7 +80,6 @@ class QuantizedTensor:
     columnwise: Optional[QuantizedData] = None
     groups: Optional[TokenGroups] = None  # token groups along dim 0 (grouped activations and grads)
     recipe: str = ""
-    meta: dict = field(default_factory=dict)  # free-form annotations of the owner (never serialised)
 
     def __post_init__(self) -> None:
         self.shape = torch.Size(self.shape)
@@ -239,7 +238,6 @@ class QuantizedTensor:
             self,
             rowwise=self.rowwise.map(torch.clone) if self.rowwise is not None else None,
             columnwise=self.columnwise.map(torch.clone) if self.columnwise is not None else None,
-            meta=dict(self.meta),
         )
 
     # ---- experts --------------------------------------------------------------------------------
@@ -252,7 +250,6 @@ class QuantizedTensor:
             shape=self.shape[1:],
             rowwise=self.rowwise.map(lambda t: t[index]) if self.rowwise is not None else None,
             columnwise=self.columnwise.map(lambda t: t[index]) if self.columnwise is not None else None,
-            meta={},
         )
 
     def unbind(self) -> list["QuantizedTensor"]:

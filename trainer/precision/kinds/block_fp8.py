@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from ..blocks import block_amax, from_blocks, per_block, to_blocks
+from ..blocks import block_amax, from_blocks, per_block, to_blocks, transposed
 from ..fp8_scale import inverse, scale_from_amax
 from ..formats import cast_to_fp8, fp8_format
 from ..groups import Jagged
@@ -56,5 +56,5 @@ def transpose(q: QuantizedData, scheme: Scheme) -> QuantizedData:
     if scheme.block[0] != scheme.block[1]:
         raise ValueError(f"a {scheme.block} block copy cannot be transposed; re-quantize from high precision")
     return QuantizedData(
-        data=q.data.transpose(-2, -1).contiguous(), scale=q.scale.transpose(-2, -1).contiguous()
+        data=transposed(q.data), scale=transposed(q.scale)
     )

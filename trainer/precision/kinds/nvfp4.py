@@ -32,7 +32,7 @@ from typing import Optional
 
 import torch
 
-from ..blocks import block_amax, from_blocks, per_block, to_blocks
+from ..blocks import block_amax, from_blocks, per_block, to_blocks, transposed
 from ..formats import E4M3, FLT_MAX, cast_to_fp8
 from ..fp4 import E2M1_MAX, decode_e2m1, encode_e2m1, pack_e2m1, unpack_e2m1
 from ..groups import Jagged
@@ -108,11 +108,11 @@ def transpose(q: QuantizedData, scheme: Scheme) -> QuantizedData:
     """Columnwise copy of 16x16 tiles: codes, the tile grid of scales transposed; same global scale."""
     if scheme.block[0] != scheme.block[1]:
         raise ValueError(f"a {scheme.block} NVFP4 copy cannot be transposed; re-quantize from high precision")
-    codes = unpack_e2m1(q.data).transpose(-2, -1).contiguous()
+    codes = transposed(unpack_e2m1(q.data))
     assert q.global_scale is not None
     return QuantizedData(
         data=pack_e2m1(codes),
-        scale=q.scale.transpose(-2, -1).contiguous(),
+        scale=transposed(q.scale),
         global_scale=q.global_scale.clone(),
     )
 

@@ -16,6 +16,7 @@ from typing import Optional
 
 import torch
 
+from ..blocks import transposed
 from ..fp8_scale import inverse, scale_from_amax
 from ..formats import cast_to_fp8, fp8_format
 from ..groups import Jagged
@@ -67,4 +68,4 @@ def dequantize(q: QuantizedData, scheme: Scheme, jagged: Optional[Jagged], shape
 
 def transpose(q: QuantizedData, scheme: Scheme) -> QuantizedData:
     """The columnwise copy from the rowwise one: the same bytes transposed, the same scale (exact)."""
-    return QuantizedData(data=q.data.transpose(-2, -1).contiguous(), scale=q.scale.clone())
+    return QuantizedData(data=transposed(q.data), scale=q.scale.clone())

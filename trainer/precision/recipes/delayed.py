@@ -18,16 +18,15 @@ grouped GEMM still equals the per-expert loop. The state is per layer: `recipe.n
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
 from ..fp8_scale import scale_from_amax
 from ..formats import fp8_format
-from ..groups import TokenGroups
+from ..groups import Jagged, TokenGroups
 from ..kinds.per_tensor import tensor_amax
-from ..groups import Jagged
 from ..quantize import quantize
 from ..quantized_tensor import QuantizedTensor
 from ..scheme import Scheme
@@ -77,7 +76,6 @@ class DelayedState:
     input: AmaxHistory
     weight: AmaxHistory
     grad: AmaxHistory
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class DelayedRecipe(Recipe):

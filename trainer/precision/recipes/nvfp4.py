@@ -11,8 +11,10 @@ grad, which contracts over tokens). Emulated on Hopper and CPU (FP4 GEMMs need s
 
 from __future__ import annotations
 
+from typing import Optional
+
 from ..scheme import Scheme
-from .base import Recipe
+from .base import Emulate, Recipe
 
 
 class NVFP4Recipe(Recipe):
@@ -20,6 +22,10 @@ class NVFP4Recipe(Recipe):
 
     name = "nvfp4"
     align_size = 32
+
+    def __init__(self, fp8_format: Optional[str] = None, emulate: Emulate = "auto") -> None:
+        # fp8_format is meaningless here (every operand is e2m1); kept for get_recipe's uniform call
+        super().__init__(fp8_format, emulate)
 
     def weight_scheme(self) -> Scheme:
         return Scheme("nvfp4", "e2m1", (16, 16))
