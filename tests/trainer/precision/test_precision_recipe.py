@@ -1,0 +1,88 @@
+"""Recipe selection from the config, alignment, device capability and the emulation report."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moectl.config.schema import MixedPrecisionConfig
+from moectl.errors import ConfigError, MoectlError
+from trainer.precision import (
+    BlockwiseRecipe,
+    DelayedRecipe,
+    MXFP8Recipe,
+    NVFP4Recipe,
+    RowwiseRecipe,
+    TensorwiseRecipe,
+    describe,
+    get_recipe,
+)
+
+
+def test_off_gives_none() -> None:
+    assert get_recipe(MixedPrecisionConfig()) is None
+    assert get_recipe(MixedPrecisionConfig(bf16=True)) is None
+
+
+@pytest.mark.parametrize(
+    "name, cls, align",
+    [
+        ("tensorwise", TensorwiseRecipe, 16),
+        ("delayed", DelayedRecipe, 16),
+        ("rowwise", RowwiseRecipe, 16),
+        ("blockwise", BlockwiseRecipe, 128),
+        ("mxfp8", MXFP8Recipe, 32),
+    ],
+)
+def test_fp8_recipes(name: str, cls: type, align: int) -> None:
+    r = get_recipe(MixedPrecisionConfig(fp8="hybrid", fp8_recipe=name, emulate="always"))
+    assert type(r) is cls and r.align_size == align and r.emulate == "always"
+    assert r.grad_scheme().fmt == "e5m2" and r.weight_scheme().fmt == "e4m3"
+    assert get_recipe(MixedPrecisionConfig(fp8="e4m3", fp8_recipe=name)).grad_scheme().fmt == "e4m3"
+
+
+def test_fp4_recipe_and_exclusivity() -> None:
+    r = get_recipe(MixedPrecisionConfig(fp4="e2m1"))
+    assert isinstance(r, NVFP4Recipe) and r.align_size == 32
+    assert r.weight_scheme().block == (16, 16) and r.activation_scheme().block == (1, 16)
+    with pytest.raises(ConfigError, match="exclusive"):
+        get_recipe(MixedPrecisionConfig(fp8="e4m3", fp4="e2m1"))
+
+
+def test_cpu_is_all_emulated_and_says_so() -> None:
+    for r in (TensorwiseRecipe(), RowwiseRecipe(), MXFP8Recipe(), NVFP4Recipe(None)):
+        assert r.native("cpu") is False
+        assert not any(r.native_gemms("cpu").values())
+        text = describe(r, "cpu")
+        assert "native" not in text.replace("native kernel", "") and text.count("emulated") >= 6
+    assert "no fp8/fp4 recipe" in describe(None, "cpu")
+
+
+def test_emulate_never_refuses_a_device_without_kernels() -> None:
+    r = TensorwiseRecipe(emulate="never")
+    with pytest.raises(MoectlError, match="emulate"):
+        r.check_device("cpu")
+    TensorwiseRecipe(emulate="auto").check_device("cpu")  # auto: fine, emulated
+    x, w = torch.randn(16, 32), torch.randn(16, 32)
+    with pytest.raises(RuntimeError, match="never"):
+        r.linear(x, w)
+
+
+def test_native_rules_per_format(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Pretend to be an H100 (sm90): which GEMMs does each recipe claim as native?
+    from trainer.precision import native
+
+    monkeypatch.setattr(native, "capability", lambda device: (9, 0))
+    full = {f"{f}.{g}": True for f in ("linear", "grouped") for g in ("fprop", "dgrad", "wgrad")}
+    assert TensorwiseRecipe().native_gemms("cuda") == full
+    assert RowwiseRecipe().native_gemms("cuda") == full
+    hybrid = TensorwiseRecipe("hybrid").native_gemms("cuda")
+    # e5m2 grads: _scaled_mm takes e5m2 x e4m3, _scaled_grouped_mm is e4m3 only
+    assert hybrid["linear.dgrad"] and hybrid["linear.wgrad"]
+    assert hybrid["grouped.fprop"] and not hybrid["grouped.dgrad"] and not hybrid["grouped.wgrad"]
+    assert not RowwiseRecipe("hybrid").native_gemms("cuda")["linear.dgrad"]
+    for r in (BlockwiseRecipe(), MXFP8Recipe(), NVFP4Recipe(None)):
+        assert not any(r.native_gemms("cuda").values())
+    assert not any(TensorwiseRecipe(emulate="always").native_gemms("cuda").values())
+    text = TensorwiseRecipe("hybrid").describe("cuda")
+    assert "grouped GEMMs: fprop native, dgrad emulated, wgrad emulated via torch._scaled_grouped_mm" in text
