@@ -108,3 +108,14 @@ def test_error_bound_random() -> None:
     for scheme in (ACT, WEIGHT):
         d = quantize(x, scheme).dequantize()
         assert ((d - x).norm() / x.norm()).item() < 0.15
+
+
+def test_block_scale_multiply_order_is_tes() -> None:
+    # TE computes amax_block * (S_enc * fl(1/6)). With S_enc = 64 (tensor amax 42) and a block amax of
+    # b = 1.78125 - 2^-23: b * fl(64/6) = 18.99999932 rounds to fp32 19.0, a tie in e4m3 between 18 and 20
+    # -> 20 (even mantissa). The other order, fl(b / 6) * 64 = 18.999998, would give 18.
+    x = torch.zeros(1, 32)
+    x[0, 0] = 42.0
+    x[0, 16] = 1.78125 - 2.0**-23
+    q = quantize(x, ACT)
+    assert q.rowwise.scale.float().tolist() == [[448.0, 20.0]]

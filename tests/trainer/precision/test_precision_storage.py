@@ -145,3 +145,17 @@ def test_with_columnwise_refuses_one_d_blocks() -> None:
         q.with_columnwise()
     with pytest.raises(ValueError, match="no columnwise copy"):
         q.dequantize_copy("columnwise")
+
+
+def test_shard_cast_with_global_amax_gives_the_slice_bytes() -> None:
+    # Per-tensor FP8 param gather: each rank casts only its flat shard of the master with the amax
+    # all-reduced over ranks; the shards' bytes concatenate to exactly the whole tensor's rowwise data.
+    torch.manual_seed(5)
+    w = torch.randn(48, 64)
+    scheme = TensorwiseRecipe().weight_scheme()
+    whole = quantize(w, scheme)
+    flat, amax = w.reshape(-1), w.abs().amax()
+    shards = [quantize(flat[i : i + 1000].view(1, -1), scheme, amax=amax) for i in range(0, flat.numel(), 1000)]
+    got = torch.cat([s.rowwise.data.view(torch.uint8).reshape(-1) for s in shards])
+    assert torch.equal(got, whole.rowwise.data.view(torch.uint8).reshape(-1))
+    assert all(s.rowwise.scale.item() == whole.rowwise.scale.item() for s in shards)
