@@ -9,8 +9,9 @@ Paths (all compute the same function, y = probs * fc2(swiglu(fc1(x))), bf16 on C
     compile  the same function under torch.compile (default mode)
     grouped  moectl's `grouped` backend (trainer.moe.expert_backend)
     fused    moectl's `fused` backend (trainer.kernels.fused_expert_mlp: Triton activation with probs)
-plus `ceiling`: a dense size^3 matmul measured in the same run, against which every number is also given
-as a percentage.
+plus the ceiling: a dense size^3 bf16 matmul measured at the start of the run, against which every number
+is also given as a percentage; the same matmul is timed again inside every row's interleaved rounds
+(`dense_row_tflops`), which shows how much the device itself slowed down while the row was measured.
 
 TFLOP/s count only the GEMMs, 2*M*N*K each: forward = fc1 + fc2 = 2*T*D*(H + F); forward+backward = 3x
 that (dgrad and wgrad of both). Two sets of rows: the expert MLP alone, and with the permute/unpermute of
@@ -29,7 +30,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from moectl.bench.timing import dense_ceiling_tflops, interleaved_ms
+from moectl.bench.timing import dense_ceiling_tflops, dense_matmul, interleaved_ms
 
 PATHS = ("loop", "eager", "compile", "grouped", "fused")
 
@@ -248,7 +249,12 @@ def _step(fn, inp: _Inputs, weights: list[torch.Tensor], permute: bool, backward
 
 
 def bench_shape(
-    shape: Shape, cfg: BenchConfig, ceiling: float, notes: list[str], log: Callable[[str], None]
+    shape: Shape,
+    cfg: BenchConfig,
+    ceiling: float,
+    dense: Callable[[], object],
+    notes: list[str],
+    log: Callable[[str], None],
 ) -> list[dict[str, Any]]:
     """The rows of one shape: (fwd, fwd+bwd) x (experts only, with permute)."""
     from trainer.moe.expert_backend import ExpertSpec
@@ -276,8 +282,11 @@ def bench_shape(
                     continue
                 fn, weights = _expert_fn(path, inp, spec, compiled)
                 calls[path] = _step(fn, inp, weights, permute, backward, dy)
+            calls["dense"] = dense  # the ceiling again, in the same rounds: what the device gives right now
             rounds = max(1, min(cfg.rounds, cfg.iters))
             samples = interleaved_ms(calls, device, cfg.warmup, rounds, -(-cfg.iters // rounds))
+            dense_ms = statistics.median(samples["dense"])
+            row["dense_row_tflops"] = 2 * cfg.ceiling_size**3 / (dense_ms * 1e-3) / 1e12
             for path in PATHS:
                 times = samples.get(path)
                 ms = statistics.median(times) if times else None
@@ -330,6 +339,7 @@ def run(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None) -> BenchR
     unknown = set(cfg.paths) - set(PATHS)
     if unknown:
         raise ValueError(f"unknown paths {sorted(unknown)}; choose from {PATHS}")
+    dense = dense_matmul(device, cfg.dtype, cfg.ceiling_size, cfg.seed)
     ceiling = dense_ceiling_tflops(device, cfg.dtype, cfg.ceiling_size, cfg.warmup, cfg.iters, cfg.seed)
     log(f"dense {cfg.ceiling_size}^3 {cfg.dtype} matmul: {ceiling:.3g} TFLOP/s")
     meta = environment(device, cfg.dtype)
@@ -338,7 +348,7 @@ def run(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None) -> BenchR
     )  # fmt: skip
     result = BenchResult(meta=meta, ceiling_tflops=ceiling)
     for shape in cfg.shapes:
-        result.rows.extend(bench_shape(shape, cfg, ceiling, result.notes, log))
+        result.rows.extend(bench_shape(shape, cfg, ceiling, dense, result.notes, log))
     if result.rows:  # the ceiling again at the end: how far the device drifted over the run
         end = dense_ceiling_tflops(device, cfg.dtype, cfg.ceiling_size, cfg.warmup, cfg.iters, cfg.seed)
         meta["ceiling_end_tflops"] = end

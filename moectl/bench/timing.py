@@ -6,8 +6,10 @@ of the timed calls is reported (robust to the odd slow call). On CPU a host cloc
 
 Competing versions are timed in interleaved rounds (`interleaved_ms`): a few calls of each version in turn,
 repeated, so that a drift of the device's state (clocks, temperature) over the run is shared by all of them
-instead of favouring whichever ran first. Back-to-back runs of the same version on an H200 moved by up to
-~5%; interleaving is what makes side-by-side ratios trustworthy.
+instead of favouring whichever ran first; each round starts with one untimed call per version, so that no
+version pays for the allocator state the previous one left. Back-to-back runs of the same version on an H200
+moved by up to ~5%, and its dense matmul rate fell from ~805 to ~730 TFLOP/s over a 2-minute run;
+interleaving is what makes side-by-side ratios trustworthy.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ def interleaved_ms(
     samples: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
+            fn()  # untimed: back to this version's steady state (caching allocator, caches) after the others
             samples[name].extend(_timed(fn, device, per_round))
     return samples
 
@@ -60,12 +63,17 @@ def _timed(fn: Callable[[], object], device: torch.device, iters: int) -> list[f
     return times
 
 
-def dense_ceiling_tflops(
-    device: torch.device, dtype: torch.dtype, size: int, warmup: int, iters: int, seed: int = 0
-) -> float:
-    """TFLOP/s of one dense size^3 matmul on random data (zeros run faster than real data on some GPUs)."""
+def dense_matmul(device: torch.device, dtype: torch.dtype, size: int, seed: int = 0) -> Callable[[], object]:
+    """One dense size^3 matmul on random data (zeros run faster than real data on some GPUs), as a call."""
     g = torch.Generator(device=device).manual_seed(seed)
     a = torch.randn(size, size, device=device, dtype=dtype, generator=g)
     b = torch.randn(size, size, device=device, dtype=dtype, generator=g)
-    ms = median_ms(lambda: torch.mm(a, b), device, warmup, iters)
+    return lambda: torch.mm(a, b)
+
+
+def dense_ceiling_tflops(
+    device: torch.device, dtype: torch.dtype, size: int, warmup: int, iters: int, seed: int = 0
+) -> float:
+    """TFLOP/s of one dense size^3 matmul on random data."""
+    ms = median_ms(dense_matmul(device, dtype, size, seed), device, warmup, iters)
     return 2 * size**3 / (ms * 1e-3) / 1e12

@@ -58,12 +58,13 @@ def render(result: Any, console: Console) -> None:
     table.add_column("pass")
     for path in PATHS:
         table.add_column(path, justify="right")
+    table.add_column("dense\nsame rounds", justify="right")
     table.add_column("fused/\neager", justify="right")
     table.add_column("fused/\ncompile", justify="right")
     for row in result.rows:
         table.add_row(
             f"{row['experts']},{row['hidden']},{row['ffn']},{row['tokens_per_expert']}", row["pass"] + (" +perm" if row["permute"] else ""), *(_cell(row, p) for p in PATHS),
-            _ratio(row["fused_vs_eager"]), _ratio(row["fused_vs_compile"]),
+            f"{row['dense_row_tflops']:.3g}", _ratio(row["fused_vs_eager"]), _ratio(row["fused_vs_compile"]),
         )  # fmt: skip
     console.print(table)
 

@@ -24,7 +24,7 @@ def test_quick_bench_writes_json_with_every_column(tmp_path):
     assert len(rows) == len(QUICK_SHAPES) * 4
     assert {(r["pass"], r["permute"]) for r in rows} == {(p, q) for p in ("fwd", "fwd+bwd") for q in (False, True)}
     for row in rows:
-        for key in ("experts", "hidden", "ffn", "tokens_per_expert", "gemm_tflop", "fused_vs_eager"):
+        for key in ("experts", "hidden", "ffn", "tokens_per_expert", "gemm_tflop", "fused_vs_eager", "dense_row_tflops"):
             assert key in row
         for path in PATHS:
             for suffix in ("ms", "tflops", "pct_ceiling"):

@@ -112,13 +112,14 @@ def _oracle(x, w1, b1, w2, b2, counts, probs, dy, activation, interleave):
 @pytest.mark.parametrize("interleave", [None, 64])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("with_probs", [True, False])
-def test_fused_bf16_matches_loop(activation, interleave, with_bias, with_probs):
+@pytest.mark.parametrize("overlap_wgrad", [True, False])
+def test_fused_bf16_matches_loop(activation, interleave, with_bias, with_probs, overlap_wgrad):
     if interleave and activation == "squared_relu":
         pytest.skip("interleave applies to gated activations only")
     x, w1, b1, w2, b2, probs, dy = _problem(activation, COUNTS, with_bias, with_probs, torch.bfloat16)
     spec = SimpleNamespace(activation=activation, glu_interleave_size=interleave, ffn_size=w2.shape[2])
     counts_E = torch.tensor(COUNTS, device="cuda")
-    backend = FusedBackend("cuda")
+    backend = FusedBackend("cuda", overlap_wgrad=overlap_wgrad)
     # Poison the allocator's free blocks, so an unwritten output row would show as NaN, not as a stale zero.
     torch.full((64 << 20,), float("nan"), device="cuda")
     y, ctx = backend.forward(x, w1, b1, w2, b2, counts_E, probs, spec)
@@ -136,6 +137,26 @@ def test_fused_bf16_matches_loop(activation, interleave, with_bias, with_probs):
     for e, n in enumerate(COUNTS):
         if n == 0:  # an empty expert's weight grads are exactly zero (grouped_mm must not leave garbage)
             assert not grads[1][e].any() and not grads[3][e].any()
+
+
+def test_wgrad_overlap_is_bitwise_the_same_and_stream_safe():
+    """Side-stream weight grads equal one-stream ones bit for bit, also when memory is reused right after."""
+    x, w1, b1, w2, b2, probs, dy = _problem("swiglu", COUNTS, False, True, torch.bfloat16)
+    spec = SimpleNamespace(activation="swiglu", glu_interleave_size=None)
+    counts_E = torch.tensor(COUNTS, device="cuda")
+    results = []
+    for overlap in (False, True, True):
+        backend = FusedBackend("cuda", overlap_wgrad=overlap)
+        y, ctx = backend.forward(x, w1, b1, w2, b2, counts_E, probs, spec)
+        grads = backend.backward(ctx, dy)
+        del ctx
+        scratch = [torch.full_like(w1, float("nan")) for _ in range(3)]  # reuse freed blocks at once
+        results.append([g.clone() for g in grads if g is not None])
+        del scratch
+    torch.cuda.synchronize()
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert torch.equal(a, b)
 
 
 def test_fused_fp32_on_cuda_matches_loop():
