@@ -17,7 +17,10 @@ modules. Invariants:
   whole global batch (Megatron's `expert_gradient_scaling_factor`). With ep = 1 this is dividing by the
   group size;
 - a param never gets a grad while its group's param gather is pending: its forward would have used
-  stale weights (checked on every grad);
+  stale weights (checked on every grad). With `overlap_param_gather` the gather completes in the
+  forward pre-hook of the first called module that contains the param (not the root), so a model must
+  reach every param through some submodule's `__call__` (`F.linear(x, self.head.weight)` in the root's
+  forward does not, and is refused on backward);
 - with the distributed optimizer, after `finish_grad_sync` only this rank's shard of each bucket holds
   reduced grads (the rest is scratch).
 
@@ -130,11 +133,16 @@ class DistributedModel:
             setattr(p, READY_HOOK, self._on_grad_ready)
             p.register_post_accumulate_grad_hook(self._fold_grad)
 
+        # Lazy param gather: a module's pre-hook completes the groups of every param in its subtree, so
+        # params held by a container that is never called (an expert layer's [E, out, in] weights read by
+        # an autograd Function) are ready when the first enclosing module runs. The root completes only
+        # its direct params, else the first forward call would gather everything at once (no overlap).
         self._module_groups: dict[torch.nn.Module, list[BucketGroup]] = {}
         if self.overlap_param_gather:
             order = {g: i for i, g in enumerate(self.forward_order)}
             for m in module.modules():
-                groups = {self._group_of[p] for p in m.parameters(recurse=False) if p in self._group_of}
+                params = m.parameters(recurse=m is not module)
+                groups = {self._group_of[p] for p in params if p in self._group_of}
                 if groups:
                     self._module_groups[m] = sorted(groups, key=order.__getitem__)
                     m.register_forward_pre_hook(self._forward_pre_hook)

