@@ -22,7 +22,9 @@ modules. Invariants:
   reach every param through some submodule's `__call__` (`F.linear(x, self.head.weight)` in the root's
   forward does not, and is refused on backward);
 - with the distributed optimizer, after `finish_grad_sync` only this rank's shard of each bucket holds
-  reduced grads (the rest is scratch).
+  reduced grads (the rest is scratch);
+- wrap the model after moving it to its device (`.to()` afterwards would give params new storage and
+  silently unbind them from the buffers).
 
 Per step, the training loop does::
 
@@ -292,11 +294,11 @@ class DistributedModel:
             raise RuntimeError("broadcast_params() must run before optimizers build their masters")
         with torch.no_grad():
             for buf in self.buffers:
-                if buf.storage.aliases_grad:
-                    for p in buf.params:
-                        comm.broadcast(p.data, buf.group)
-                else:
+                if not buf.storage.aliases_grad:  # aliased staging is grad memory: nothing to agree on
                     comm.broadcast(buf.param_data, buf.group)
+                for p in buf.params:
+                    for t in buf.storage.replica_tensors(p):
+                        comm.broadcast(t, buf.group)
             for p in self.module.parameters():
                 if p not in self._group_of:  # frozen params live outside the buffers
                     comm.broadcast(p.data, self.pstate.group_for(is_expert_param(p)))

@@ -62,6 +62,14 @@ class ParamStorage(ABC):
         """The high-precision values masters are built from (logical shape of `param`)."""
         return param.detach()
 
+    def replica_tensors(self, param: torch.nn.Parameter) -> list[torch.Tensor]:
+        """Tensors besides the (non-aliased) param buffer that dp replicas must agree on at start.
+
+        `DistributedModel.broadcast_params` sends them from the group's first rank: the param's own
+        storage when it does not live in the buffer, and whatever `init_source` reads.
+        """
+        return [param.data]
+
     def release_init_source(self, param: torch.nn.Parameter) -> None:
         """Free whatever `init_source` kept alive; called on every rank once masters exist."""
 
@@ -94,6 +102,9 @@ class HighPrecisionStorage(ParamStorage):
 
     def post_gather(self, bucket: "Bucket") -> None:
         return None
+
+    def replica_tensors(self, param: torch.nn.Parameter) -> list[torch.Tensor]:
+        return []  # the param lives in the param buffer, which is broadcast whole
 
 
 class AliasedStagingStorage(ParamStorage):

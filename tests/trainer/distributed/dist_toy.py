@@ -17,6 +17,7 @@ from torch import nn
 
 from moectl.config.schema import OptimizerConfig, ParallelConfig
 from trainer.distributed import DistributedModel, ParallelState, ParamStorage
+from trainer.distributed.bucket import Bucket
 from trainer.distributed.parallel_state import dense_seed, expert_seed
 from trainer.optim.distributed_optimizer import DistributedOptimizer
 
@@ -53,6 +54,56 @@ class ToyMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.norm(torch.tanh(self.inp(x)))
         return self.out(self.experts(h) + h)
+
+
+class ByteStorage(ParamStorage):
+    """A stand-in for a quantized recipe (tests only): the param buffer holds one float8 byte per element.
+
+    The param keeps its own (dequantized) storage for compute; the all-gather ships bytes; post_gather
+    dequantizes them into the param. The high-precision init values are kept on the CPU at bind time and
+    are what masters are built from; `release_init_source` frees them. What the real recipes add is
+    scales, rowwise/columnwise copies and native GEMMs, not new hooks.
+    """
+
+    def __init__(self) -> None:
+        self.init_values: dict[nn.Parameter, torch.Tensor] = {}
+
+    @property
+    def key(self) -> str:
+        return "bytes:float8_e4m3fn"
+
+    def storage_dtype(self, param: nn.Parameter) -> torch.dtype:
+        return torch.uint8
+
+    def buffer_dtype(self, param: nn.Parameter) -> torch.dtype:
+        return torch.uint8
+
+    @staticmethod
+    def quantize(x: torch.Tensor) -> torch.Tensor:
+        return x.to(torch.float8_e4m3fn).view(torch.uint8)
+
+    def bind(self, param: nn.Parameter, view: torch.Tensor) -> None:
+        self.init_values[param] = param.detach().to("cpu", copy=True)
+        with torch.no_grad():
+            view.copy_(self.quantize(param.detach().reshape(-1)))
+            param.copy_(view.view(torch.float8_e4m3fn).to(param.dtype).view(param.shape))  # the model is low precision
+
+    def stage(self, bucket: Bucket, lo: int, hi: int, master: torch.Tensor) -> None:
+        bucket.param_data[lo:hi].copy_(self.quantize(master))
+
+    def post_gather(self, bucket: Bucket) -> None:
+        for p in bucket.params:
+            s, e = bucket.param_ranges[p]
+            p.detach().copy_(bucket.param_data[s:e].view(torch.float8_e4m3fn).to(p.dtype).view(p.shape))
+
+    def init_source(self, param: nn.Parameter) -> torch.Tensor:
+        return self.init_values[param]
+
+    def release_init_source(self, param: nn.Parameter) -> None:
+        self.init_values.pop(param, None)
+
+    def replica_tensors(self, param: nn.Parameter) -> list[torch.Tensor]:
+        return [param.data, self.init_values[param]]
 
 
 def global_batch(step: int, rows: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:

@@ -307,3 +307,28 @@ def test_trivial_state_and_ep_checks(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ConfigError, match="divisor"):
         check_ep_size(6, 4)
     assert expert_seed(7, st) == expert_seed(7, ParallelState.trivial())
+
+
+# ------------------------------------------------------------------------------------------ quantized-storage seam
+def test_byte_storage_seam_masters_from_init_values_and_bytes_in_the_buffer() -> None:
+    from dist_toy import ByteStorage
+
+    init = ToyMoE()
+    storage = ByteStorage()
+    run = Run(steps=2)
+    model, dm, opt = make(ONE, ParallelConfig(bucket_size=100, overlap_param_gather=True), run,
+                          storage=lambda n, p: storage)
+    assert {b.key.param_dtype for b in dm.buffers} == {torch.uint8}
+    assert {b.param_data.dtype for b in dm.buffers} == {torch.uint8}
+    assert storage.init_values == {}  # released on this rank once masters existed
+    state = opt.gather_logical_state()["params"]
+    for n, p in init.named_parameters():
+        assert torch.equal(state[n]["master"], p.detach()), n  # exact init values, not dequantized bytes
+        assert torch.equal(model.get_parameter(n), p.detach().to(torch.float8_e4m3fn).float()), n
+    for step in range(run.steps):
+        _step_once(dm, opt, step, run)
+    dm.force_param_sync()
+    masters = opt.gather_logical_state()["params"]
+    for n, p in model.named_parameters():
+        assert torch.equal(p, masters[n]["master"].to(torch.float8_e4m3fn).float()), n
+        assert not torch.equal(masters[n]["master"], state[n]["master"]), n  # it trained

@@ -16,7 +16,9 @@ import torch
 
 from dist_helpers import run_distributed
 from dist_toy import (
+    ByteStorage,
     Run,
+    ToyMoE,
     bitwise_equal,
     forward_backward,
     make,
@@ -24,11 +26,12 @@ from dist_toy import (
     state_tensors,
     train,
 )
-from moectl.config.schema import ParallelConfig
-from trainer.distributed import AliasedStagingStorage, ParallelState, ParamSyncState
+from moectl.config.schema import OptimizerConfig, ParallelConfig
+from trainer.distributed import AliasedStagingStorage, DistributedModel, ParallelState, ParamSyncState
 from trainer.distributed.bucket import Bucket
 from trainer.distributed.comm import all_gather_object
 from trainer.distributed.parallel_state import build_parallel_state
+from trainer.optim.distributed_optimizer import DistributedOptimizer
 from trainer.optim.step_result import NonFiniteGradError
 
 pytestmark = pytest.mark.slow
@@ -106,6 +109,26 @@ def _equivalence_body(rank: int, world_size: int) -> dict[str, Any]:
             model.out.bias[0] += 1e-6
     out["hash_negative"] = dm.check_param_hashes()
 
+    byte_ref = train(ParallelState.trivial(), pc(**OVERLAP), dataclasses.replace(run, n_micro=2 * run.n_micro),
+                     storage=lambda n, p, s=ByteStorage(): s)
+    byte_dp2 = train(st, pc(**OVERLAP), run, storage=lambda n, p, s=ByteStorage(): s)
+    out["byte_storage"] = (max_rel_diff(state_tensors(byte_dp2["state"]), state_tensors(byte_ref["state"])),
+                           byte_dp2["hash_mismatches"])
+
+    # broadcast_params: replicas built from different seeds end up with rank 0's values, bytes and init copies
+    rank0 = dict(ToyMoE(seed=0).named_parameters())
+    bcast = []
+    for storage in (None, ByteStorage()):
+        model = ToyMoE(seed=rank)
+        dm = DistributedModel(model, pc(), st, storage=None if storage is None else (lambda n, p, s=storage: s))
+        differ_before = dm.check_param_hashes()
+        dm.broadcast_params()
+        opt = DistributedOptimizer(dm, OptimizerConfig())
+        masters = opt.gather_logical_state()["params"]
+        bcast.append((len(differ_before), dm.check_param_hashes(),
+                      all(torch.equal(masters[n]["master"], p.detach()) for n, p in rank0.items())))
+    out["broadcast"] = bcast
+
     bf16 = dataclasses.replace(run, dtype=torch.bfloat16)
     ref16 = train(ParallelState.trivial(), pc(grad_reduce_in_fp32=False), dataclasses.replace(bf16, n_micro=4))
     dp16 = train(st, pc(grad_reduce_in_fp32=False, **OVERLAP), bf16)
@@ -162,6 +185,18 @@ def test_params_hash_identical_across_replicas(equivalence: list[dict[str, Any]]
     for r in equivalence:
         assert r["hash_mismatches"] == []
         assert r["hash_negative"] == ["out.bias"]  # and the check does catch a difference
+
+
+def test_byte_storage_gathers_bytes_and_tracks_dp1(equivalence: list[dict[str, Any]]) -> None:
+    """The quantized-storage seam over 2 ranks: uint8 buffers gathered, masters sharded and exact."""
+    for r in equivalence:
+        rel, mismatches = r["byte_storage"]
+        assert rel < 1e-5 and mismatches == []
+
+
+def test_broadcast_params_makes_replicas_agree(equivalence: list[dict[str, Any]]) -> None:
+    for r in equivalence:
+        assert r["broadcast"] == [(6, [], True), (6, [], True)]  # 6 of 8 differed (LayerNorm inits agree); none after
 
 
 def test_bf16_params_with_bf16_grad_reduce_track_dp1(equivalence: list[dict[str, Any]]) -> None:
