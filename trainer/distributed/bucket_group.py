@@ -99,6 +99,10 @@ class BucketGroup:
         if len(self._ready) == len(self.params):
             self.start_grad_sync()
 
+    def missing_grads(self) -> list[torch.nn.Parameter]:
+        """Params that have not reported this backward (overlap on, last micro-batch)."""
+        return [p for b in self.buckets for p in b.params if p not in self._ready]
+
     def start_grad_sync(self) -> None:
         """Launch the (async) reduce of every bucket: reduce-scatter with sharded masters, else all-reduce."""
         if self.grad_state is not GradSyncState.ACCUMULATING:

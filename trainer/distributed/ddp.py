@@ -50,7 +50,7 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 
 from trainer.distributed import comm
-from trainer.distributed.bucket_group import BucketGroup, GradSyncState
+from trainer.distributed.bucket_group import BucketGroup, GradSyncError, GradSyncState
 from trainer.distributed.buffers import BufferKey, ParamAndGradBuffer
 from trainer.distributed.layout import default_bucket_size
 from trainer.distributed.param_storage import HighPrecisionStorage, ParamStorage
@@ -251,7 +251,22 @@ class DistributedModel:
             g.start_grad_sync()
 
     def finish_grad_sync(self) -> None:
-        """Launch what is left and wait for every reduce; call once per step, before the optimizer."""
+        """Launch what is left and wait for every reduce; call once per step, before the optimizer.
+
+        With `overlap_grad_reduce`, every group must have launched during the last backward. A group
+        still waiting means some param got no grad on this rank; launching it now could order this
+        rank's collectives differently from the others' (a hang, or buckets reduced into each other),
+        so it is an error naming the params, as in Megatron.
+        """
+        if self.overlap_grad_reduce:
+            late = [g for g in self.bucket_groups if g.grad_state is GradSyncState.ACCUMULATING]
+            if late:
+                missing = sorted(self.names[p] for g in late for p in g.missing_grads())
+                raise GradSyncError(
+                    f"with overlap_grad_reduce every trainable param must get a grad in the last micro-batch; "
+                    f"these did not: {missing[:8]}{' ...' if len(missing) > 8 else ''} (freeze them with "
+                    "requires_grad=False, or set parallel.overlap_grad_reduce=false)"
+                )
         for g in self.bucket_groups:
             g.finish_grad_sync()
 

@@ -332,3 +332,17 @@ def test_byte_storage_seam_masters_from_init_values_and_bytes_in_the_buffer() ->
     for n, p in model.named_parameters():
         assert torch.equal(p, masters[n]["master"].to(torch.float8_e4m3fn).float()), n
         assert not torch.equal(masters[n]["master"], state[n]["master"]), n  # it trained
+
+
+def test_overlap_refuses_a_param_without_grad_instead_of_reordering_collectives() -> None:
+    model = ToyMoE()
+    dm = DistributedModel(model, ParallelConfig(overlap_grad_reduce=True, bucket_size=100), ONE)
+    dm.zero_grad_buffer()
+    h = model.norm(torch.tanh(model.inp(torch.randn(2, 8))))
+    model.out(h).sum().backward()  # the experts are not used: their params get no grad
+    with pytest.raises(GradSyncError, match=r"experts\.bias"):
+        dm.finish_grad_sync()
+    plain = DistributedModel(ToyMoE(), ParallelConfig(bucket_size=100), ONE)  # without overlap: allowed
+    plain.zero_grad_buffer()
+    plain.module.out(torch.randn(2, 16)).sum().backward()
+    plain.finish_grad_sync()
