@@ -84,7 +84,8 @@ def _equivalence_body(rank: int, world_size: int) -> dict[str, Any]:
     noclip = dataclasses.replace(run, clip_grad=0.0)
     tiny, one = train(st, pc(bucket_size=1), noclip), train(st, pc(bucket_size=10**7), noclip)
     out["tiny_vs_one_bucket"] = (
-        bitwise_equal(tiny["params"], one["params"]) and bitwise_equal(state_tensors(tiny["state"]), state_tensors(one["state"])),
+        bitwise_equal(tiny["params"], one["params"])
+        and bitwise_equal(state_tensors(tiny["state"]), state_tensors(one["state"])),
         # the reported norm adds fp32 per-bucket norms in another grouping: equal to fp32 rounding only
         _rel(tiny["norms"], one["norms"]),
         max_rel_diff(train(st, pc(bucket_size=1), run)["params"], train(st, pc(bucket_size=10**7), run)["params"]),
@@ -92,7 +93,8 @@ def _equivalence_body(rank: int, world_size: int) -> dict[str, Any]:
 
     staged = train(st, pc(**OVERLAP), run, storage=lambda n, p: AliasedStagingStorage())
     out["aliased_staging_bitwise"] = _same_run(staged, over)
-    tet = train(st, pc(**OVERLAP), dataclasses.replace(run, eval_after=(1,)), storage=lambda n, p: AliasedStagingStorage())
+    tet = train(st, pc(**OVERLAP), dataclasses.replace(run, eval_after=(1,)),
+                storage=lambda n, p: AliasedStagingStorage())
     out["train_eval_train_bitwise"] = _same_run(tet, staged) and len(tet["evals"]) == 1
 
     rec_hook, rec_forced = RecordingStaging(), RecordingStaging()
