@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from moectl.config.schema import Config
+from trainer.distributed.engine import DistributedEngine
 from trainer.engine import Engine, LocalEngine
 from trainer.model import GPTMoE
 from trainer.runtime import Runtime
@@ -28,8 +29,18 @@ def build_model(cfg: Config, device: torch.device) -> GPTMoE:
 
 
 def build_engine(cfg: Config, model: GPTMoE, rt: Runtime) -> Engine:
-    """The optimizer side for this run."""
-    return LocalEngine(model, cfg.optimizer)
+    """The optimizer side: contiguous buffers + (distributed) AdamW with fp32 masters, at any world size.
+
+    SGD runs on the one-device `LocalEngine` (torch's optimizer), which has no fp32 masters.
+    """
+    if cfg.optimizer.optimizer == "sgd":
+        if rt.world_size > 1 or cfg.mixed_precision.bf16:
+            from moectl.errors import ConfigError
+
+            raise ConfigError("optimizer.optimizer", "sgd", "SGD runs on one process with fp32 params only",
+                              "use optimizer.optimizer=adam, or one process with mixed_precision.bf16=false")
+        return LocalEngine(model, cfg.optimizer)
+    return DistributedEngine(model, cfg.parallel, cfg.optimizer, rt.pstate, on_nonfinite=cfg.train.on_nonfinite)
 
 
 def build_data_for(cfg: Config, rt: Runtime):  # -> (train sampler, eval sampler)

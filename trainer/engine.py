@@ -9,21 +9,16 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 from torch import nn
 
 from moectl.config.schema import OptimizerConfig
+from trainer.optim.distributed_optimizer import decays
+from trainer.optim.step_result import StepResult
 
-
-@dataclass
-class StepResult:
-    """What one optimizer step did: the global grad norm before clipping, and whether it was skipped."""
-
-    grad_norm: float
-    skipped: bool
+__all__ = ["Engine", "LocalEngine", "StepResult", "param_groups"]
 
 
 class Engine(Protocol):
@@ -39,11 +34,11 @@ class Engine(Protocol):
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """AdamW groups: decay on matrices (2-D and grouped 3-D), none on norms and biases (1-D)."""
+    """AdamW groups with the distributed optimizer's decay rule (matrices yes; norms and biases no)."""
     decay, no_decay = [], []
-    for p in model.parameters():
+    for name, p in model.named_parameters():
         if p.requires_grad:
-            (decay if p.dim() >= 2 else no_decay).append(p)
+            (decay if decays(name, p) else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 

@@ -75,7 +75,7 @@ class Trainer:
 
     def __init__(self, cfg: Config, console: Console | None = None, runtime: Runtime | None = None) -> None:
         self.cfg = cfg
-        self.rt = runtime or setup_runtime(cfg.train)
+        self.rt = runtime or setup_runtime(cfg.train, cfg.parallel)
         self.console = console or Console(stderr=False)
         tc = cfg.train
         self.dp = self.rt.world_size
@@ -105,29 +105,27 @@ class Trainer:
                 (parts.total / self.n_micro).backward()
             lm_sum += parts.lm_loss.detach().double()
             aux_sum += parts.aux_loss.detach().double()
-        lm = self._mean_over_dp(lm_sum / self.n_micro)
+        lm = self._mean_over_dp(lm_sum / self.n_micro)  # the same on every rank: they agree on stopping
+        if not math.isfinite(lm) and self.cfg.train.on_nonfinite == "stop":
+            raise NonFiniteError(
+                f"non-finite loss at step {step + 1} (loss={lm}); no update was applied",
+                "lower optimizer.lr or raise optimizer.lr_warmup_iters, or set train.on_nonfinite=skip",
+            )
         lr = lr_at(step, self.cfg.optimizer, self.cfg.train.train_iters)
+        # A non-finite grad norm is agreed on by all ranks inside the engine: it skips the update
+        # everywhere, or (on_nonfinite: stop) raises NonFiniteGradError everywhere.
         result = engine.step(lr)
-        record: dict[str, Any] = {
+        return {
             "step": step + 1,
             "loss": lm,
             "aux_loss": self._mean_over_dp(aux_sum / self.n_micro),
             "grad_norm": result.grad_norm,
             "lr": lr,
-            "skipped": result.skipped,
+            "skipped": result.skipped or not math.isfinite(lm),
             "expert_balance": expert_balance(
                 [m.tokens_per_expert.tolist() for m in model.moe_layers() if m.tokens_per_expert is not None]
             ),
         }
-        if not math.isfinite(lm) or not math.isfinite(result.grad_norm):
-            record["skipped"] = True
-            if self.cfg.train.on_nonfinite == "stop":
-                raise NonFiniteError(
-                    f"non-finite {'loss' if not math.isfinite(lm) else 'grad norm'} at step {step + 1} "
-                    f"(loss={lm}, grad_norm={result.grad_norm}); no update was applied",
-                    "lower optimizer.lr or raise optimizer.lr_warmup_iters, or set train.on_nonfinite=skip",
-                )
-        return record
 
     def _mean_over_dp(self, value: torch.Tensor) -> float:
         if self.dp > 1:

@@ -165,8 +165,9 @@ class GPTMoE(nn.Module):
         for layer in self.decoder.layers:
             x_BSD = layer(x_BSD, self.rope)
         x_BSD = self.decoder.final_layernorm(x_BSD)
-        head = self.output_layer.weight if self.output_layer is not None else self.embedding.word_embeddings.weight
-        return F.linear(x_BSD, head)
+        if self.output_layer is not None:
+            return self.output_layer(x_BSD)  # a module call, so param-gather pre-hooks see the head
+        return F.linear(x_BSD, self.embedding.word_embeddings.weight)
 
     def loss(self, tokens_BS: torch.Tensor, targets_BS: torch.Tensor) -> LossParts:
         """Mean next-token cross-entropy (in fp32) plus the routers' auxiliary losses."""

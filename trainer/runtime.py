@@ -12,8 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from moectl.config.schema import TrainConfig
+from moectl.config.schema import ParallelConfig, TrainConfig
 from moectl.errors import MoectlError
+from trainer.distributed.parallel_state import ParallelState, init_distributed
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,7 @@ class Runtime:
     rank: int
     world_size: int
     local_rank: int
+    pstate: ParallelState
 
     @property
     def is_main(self) -> bool:
@@ -52,11 +54,12 @@ def set_determinism(seed: int, deterministic: bool) -> None:
         torch.backends.cudnn.benchmark = False
 
 
-def setup_runtime(cfg: TrainConfig) -> Runtime:
-    """Read torchrun's environment, choose the device, seed."""
+def setup_runtime(cfg: TrainConfig, parallel: ParallelConfig) -> Runtime:
+    """Read torchrun's environment, choose the device, join the process groups (world > 1), seed."""
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = pick_device(cfg.device, local_rank)
+    pstate = init_distributed(parallel)
     set_determinism(cfg.seed, cfg.deterministic)
-    return Runtime(device=device, rank=rank, world_size=world, local_rank=local_rank)
+    return Runtime(device=device, rank=rank, world_size=world, local_rank=local_rank, pstate=pstate)
