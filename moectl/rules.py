@@ -69,6 +69,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Literal, Mapping, Optional, Sequence
 
+from moectl import hardware
 from moectl.config.schema import Config
 
 Severity = Literal["error", "warning"]
@@ -76,15 +77,6 @@ Severity = Literal["error", "warning"]
 GATED_ACTIVATIONS = ("swiglu", "quick_geglu")
 # Elements per scaling block along a GEMM dimension, so every quantized tile is whole.
 RECIPE_BLOCK = {"tensorwise": 16, "delayed": 16, "rowwise": 16, "blockwise": 128, "mxfp8": 32, "nvfp4": 32}
-# The first compute capability with native GEMMs for a recipe; below it (and on CPU) moectl emulates.
-NATIVE_FROM = {
-    "tensorwise": (9, 0),
-    "delayed": (9, 0),
-    "rowwise": (9, 0),
-    "blockwise": (10, 0),
-    "mxfp8": (10, 0),
-    "nvfp4": (10, 0),
-}
 TE_MIN_VERSION = (2, 14)
 BYTE_LEVEL_VOCAB = 256
 
@@ -1121,28 +1113,43 @@ def no_load_optim_without_load(c: Context) -> Iterator[_Hit]:
     "MOE038",
     "hardware",
     "error|warning",
-    ["mixed_precision.fp8_recipe", "mixed_precision.fp4_recipe", "mixed_precision.emulate", "device"],
-    "the device runs the recipe natively (else: warning, or error under emulate: never)",
+    [
+        "mixed_precision.fp8_recipe",
+        "mixed_precision.fp4_recipe",
+        "mixed_precision.fp8",
+        "mixed_precision.emulate",
+        "device",
+    ],
+    "the device runs every GEMM of the recipe natively (else: warning, or error under emulate: never)",
 )
 def recipe_native_on_device(c: Context) -> Iterator[_Hit]:
-    """moectl never pretends: a recipe the device has no GEMM for is emulated exactly (real FP8/FP4 values
-    and scales, dequantized, high-precision matmul), which is correct but slow. Hopper (sm90) runs fp8
-    tensorwise, rowwise and delayed natively and emulates blockwise, mxfp8 and nvfp4; sm100 and newer
-    run all of them; a CPU emulates everything. Under `emulate: auto` (or `always`) that is a warning;
-    `emulate: never` turns it into an error. Checked only against a known device: a visible GPU,
-    `--device-capability`, or `train.device: cpu`."""
+    """moectl never pretends: a GEMM the device has no kernel for is emulated exactly (real FP8/FP4 values
+    and scales, dequantized, high-precision matmul), which is correct but slow. What runs natively is the
+    table in `moectl/hardware.py`, the same one the training run dispatches by: per-tensor fp8
+    (tensorwise, delayed) and rowwise through `torch._scaled_mm` on sm89+, and the experts' grouped GEMMs
+    through `torch._scaled_grouped_mm` on sm90/sm100, e4m3 only (so `fp8: hybrid`, whose grads are e5m2,
+    emulates the grouped backward). blockwise, mxfp8 and nvfp4 are emulated on every device in this build;
+    a CPU emulates everything. Under `emulate: auto` (or `always`) that is a warning; `emulate: never`
+    turns it into an error, as the run would refuse to start. Checked only against a known device: a
+    visible GPU, `--device-capability`, or `train.device: cpu`."""
     dev = c.device
     if dev is None:
         return
     never = c.cfg.mixed_precision.emulate == "never"
+    families = ("linear", "grouped") if c.moe_layers > 0 else ("linear",)
+    cap = dev.capability if dev.kind == "cuda" else None
     for recipe, key in c.recipes:
-        native = dev.kind == "cuda" and dev.capability is not None and dev.capability >= NATIVE_FROM[recipe]
-        if not native:
+        fmt = c.cfg.mixed_precision.fp8 if key == "mixed_precision.fp8_recipe" else None
+        emulated = hardware.emulated_gemms(recipe, fmt, cap, families)
+        if emulated:
+            some = "every GEMM" if len(emulated) == 3 * len(families) else ", ".join(emulated)
             yield _Hit(
-                f"{key}={recipe} has no native kernels on {dev.describe()}: it runs emulated (exact, slow)",
-                "run on a device with native kernels (sm100+ for blockwise/mxfp8/nvfp4), or accept emulation"
+                f"{key}={recipe}" + (f" (fp8={fmt})" if fmt == "hybrid" else "")
+                + f" has no native kernels on {dev.describe()} for {some}: emulated (exact, slow)",
+                "for native fp8 use tensorwise, delayed or rowwise with fp8=e4m3 on sm90/sm100 (blockwise, "
+                "mxfp8 and nvfp4 are emulated everywhere in this build), or accept emulation"
                 + (" with mixed_precision.emulate=auto" if never else ""),
-                keys=(key, "mixed_precision.emulate", "device"),
+                keys=(key, *(["mixed_precision.fp8"] if fmt == "hybrid" else []), "mixed_precision.emulate", "device"),
                 severity="error" if never else "warning",
             )
 

@@ -296,11 +296,11 @@ CASES = [
     Case(
         "MOE038",
         [*FP8, "mixed_precision.fp8_recipe=mxfp8"],
-        [*FP8, "mixed_precision.fp8_recipe=mxfp8"],
-        cap=(9, 0),
+        [*FP8, "mixed_precision.fp8_recipe=tensorwise"],
+        cap=(10, 0),
         pass_cap=(10, 0),
         severity="warning",
-        name="mxfp8-on-hopper",
+        name="mxfp8-emulated-even-on-blackwell",
     ),
     Case(
         "MOE038",
@@ -317,9 +317,26 @@ CASES = [
         cap=(8, 9),
         pass_cap=(9, 0),
         severity="warning",
-        name="tensorwise-before-hopper",
+        name="tensorwise-before-hopper",  # sm89 has _scaled_mm but not _scaled_grouped_mm: experts emulate
     ),
-    Case("MOE038", [*FP4], [*FP4], cap=(9, 0), pass_cap=(12, 0), severity="warning", name="nvfp4"),
+    Case(
+        "MOE038",
+        [*FP8, "mixed_precision.fp8_recipe=rowwise"],
+        [*FP8, "mixed_precision.fp8_recipe=rowwise"],
+        cap=(12, 0),
+        pass_cap=(10, 0),
+        severity="warning",
+        name="no-grouped-kernel-on-sm120",
+    ),
+    Case(
+        "MOE038",
+        [*BF16, "mixed_precision.fp8=hybrid", "mixed_precision.emulate=never"],
+        [*FP8, "mixed_precision.emulate=never"],
+        cap=(9, 0),
+        pass_cap=(9, 0),
+        name="hybrid-grads-emulate-the-grouped-backward",
+    ),
+    Case("MOE038", [*FP4], [*BF16], cap=(10, 0), pass_cap=(10, 0), severity="warning", name="nvfp4"),
     Case("MOE038", [*FP8, "train.device=cpu"], [*BF16, "train.device=cpu"], severity="warning", name="cpu"),
     Case("MOE039", BF16, BF16, cap=(7, 5), pass_cap=(8, 0), severity="warning"),
     Case(
@@ -464,8 +481,35 @@ def test_hardware_rule_uses_the_visible_gpu_when_no_capability_is_given() -> Non
         "MOE038",
     )
     assert [v.keys["device"] for v in found] == ["sm90 (torch.cuda: NVIDIA H100)"]
+    assert hits(run(FP8, env=h100), "MOE038") == []  # tensorwise e4m3 is native on the visible sm90
     # an explicit capability wins over the visible GPU
-    assert hits(run([*FP8, "mixed_precision.fp8_recipe=mxfp8"], cap=(10, 0), env=h100), "MOE038") == []
+    (v,) = hits(run(FP8, cap=(8, 9), env=h100), "MOE038")
+    assert v.keys["device"] == "sm89 (--device-capability)"
+
+
+def test_hardware_rule_names_the_emulated_gemms() -> None:
+    (v,) = hits(run([*BF16, "mixed_precision.fp8=hybrid"], cap=(9, 0)), "MOE038")
+    assert "grouped.dgrad, grouped.wgrad" in v.message and "linear" not in v.message.split(" for ")[1]
+    (v,) = hits(run([*FP8, "mixed_precision.fp8_recipe=mxfp8"], cap=(9, 0)), "MOE038")
+    assert "every GEMM" in v.message
+    # a model without MoE layers has no grouped GEMMs: tensorwise on sm89 is then fully native
+    dense = [*FP8, "model.moe_layer_freq=[0,0]", "model.num_layers=2"]
+    assert hits(run(dense, cap=(8, 9)), "MOE038") == []
+
+
+@pytest.mark.parametrize("cap", [(8, 0), (8, 9), (9, 0), (10, 0), (12, 0)], ids=lambda c: f"sm{c[0]}{c[1]}")
+def test_rule_table_is_what_the_run_dispatches(cap: tuple[int, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """MOE038 and trainer/precision read one table: for every recipe, format and capability, the GEMMs
+    the rule calls native are exactly those the recipe dispatches to a native kernel."""
+    from moectl import hardware
+    from trainer.precision import native
+    from trainer.precision.recipes import FP4_RECIPES, FP8_RECIPES
+
+    monkeypatch.setattr(native, "capability", lambda device: cap)
+    for name, cls in {**FP8_RECIPES, **FP4_RECIPES}.items():
+        for fmt in ("e4m3", "hybrid") if name in FP8_RECIPES else (None,):
+            assert cls(fmt).native_gemms("cuda") == hardware.native_gemms(name, fmt, cap), (name, fmt)
+    assert set(hardware.RECIPE_KIND) == {*FP8_RECIPES, *FP4_RECIPES}
 
 
 def test_cpu_training_emulates_every_recipe() -> None:
@@ -534,11 +578,12 @@ def test_legal_mxfp8_param_gather_with_reuse_and_overlap_is_valid() -> None:
         "moe.glu_interleave_size=32",
         "train.global_batch_size=64",
     ]
-    assert run(sets, world=8, cap=(10, 0)) == []
-    on_hopper = run(sets, world=8, cap=(9, 0))
-    assert not has_errors(on_hopper) and {v.rule for v in on_hopper} == {"MOE038"}
+    assert run(sets, world=8) == []
+    for cap in ((9, 0), (10, 0)):  # mxfp8 is emulated on every GPU in this build: a warning, no error
+        on_gpu = run(sets, world=8, cap=cap)
+        assert not has_errors(on_gpu) and {v.rule for v in on_gpu} == {"MOE038"}
     # the same with Muon is legal too
-    assert run([*sets, "optimizer.optimizer=muon"], world=8, cap=(10, 0)) == []
+    assert run([*sets, "optimizer.optimizer=muon"], world=8) == []
 
 
 def test_warnings_alone_keep_a_config_valid() -> None:

@@ -15,8 +15,10 @@ torchao/prototype/moe_training/fp8_grouped_mm.py):
 Per-tensor scales are passed to the rowwise kernels expanded to rows (every row of a group gets its
 group's scale), which computes exactly the per-tensor product.
 
-MXFP8 / NVFP4 GEMMs need Blackwell (sm100); DeepSeek-style blockwise scaled_mm needs a cuBLAS/torch
-combination we do not rely on: those recipes are emulated on Hopper (see `report.describe`).
+MXFP8 / NVFP4 GEMMs need Blackwell (sm100) kernels and DeepSeek-style blockwise scaled_mm a cuBLAS/torch
+combination, none of which this build wires in: those recipes are emulated on every device (see
+`report.describe`). Which capability runs what is the torch-free table in `moectl/hardware.py`, shared
+with rule MOE038 so `validate-config` says exactly what the run will do.
 
 Everything CUDA-only is behind `torch.cuda.is_available()`; this module imports and answers "no" on CPU.
 """
@@ -26,6 +28,8 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+
+from moectl import hardware
 
 from .quantized_tensor import QuantizedTensor
 
@@ -38,29 +42,13 @@ def capability(device: torch.device | str | None) -> Optional[tuple[int, int]]:
     return torch.cuda.get_device_capability(device)
 
 
-def has_scaled_mm(device: torch.device | str | None) -> bool:
-    """Whether fp8 `torch._scaled_mm` runs on `device` (sm89 or newer)."""
-    cc = capability(device)
-    return cc is not None and cc >= (8, 9) and hasattr(torch, "_scaled_mm")
-
-
-def has_scaled_grouped_mm(device: torch.device | str | None) -> bool:
-    """Whether fp8 `torch._scaled_grouped_mm` runs on `device` (sm90 / sm100)."""
-    cc = capability(device)
-    return cc is not None and cc[0] in (9, 10) and hasattr(torch, "_scaled_grouped_mm")
-
-
 def kernel_supports(kind: str, fmt_a: str, fmt_b: str, *, grouped: bool, device: torch.device | str | None) -> bool:
-    """The one place that says which operand pairs have a native fp8 kernel on `device` (see module doc)."""
-    if kind not in ("tensor", "row"):
-        return False
-    if grouped:
-        return has_scaled_grouped_mm(device) and fmt_a == "e4m3" and fmt_b == "e4m3"
-    if not has_scaled_mm(device):
-        return False
-    if kind == "tensor":
-        return not (fmt_a == "e5m2" and fmt_b == "e5m2")
-    return fmt_a == "e4m3" and fmt_b == "e4m3"
+    """Which operand pairs have a native fp8 kernel on `device`: the table of `moectl.hardware` (which
+    rule MOE038 reads too), at this device's capability, provided this torch has the kernel."""
+    kernel = "_scaled_grouped_mm" if grouped else "_scaled_mm"
+    return hasattr(torch, kernel) and hardware.kernel_supports(
+        kind, fmt_a, fmt_b, grouped=grouped, capability=capability(device)
+    )
 
 
 def _pair_ok(a: QuantizedTensor, b: QuantizedTensor, grouped: bool) -> bool:

@@ -1,0 +1,100 @@
+"""Which low-precision GEMMs run natively on which GPU: the one table, torch-free.
+
+Both sides read it: `trainer/precision/native.py` (what the training run actually dispatches to a kernel)
+and rule MOE038 in `moectl/rules.py` (what `validate-config` warns about, without importing torch). So the
+warning can never disagree with what the run does.
+
+What this build runs natively (everything else is emulated exactly: real low-precision values and scales,
+dequantized, multiplied in fp32):
+
+    GEMM family   kernel                       scaling kinds   operand formats        compute capability
+    linear        torch._scaled_mm             tensor          any pair but e5m2 x e5m2   sm89 and newer
+    linear        torch._scaled_mm (rowwise)   row             e4m3 x e4m3                sm89 and newer
+    grouped       torch._scaled_grouped_mm     tensor, row     e4m3 x e4m3                sm90, sm100
+
+Block-scaled recipes (blockwise 128x128/1x128, mxfp8, nvfp4) have no native path in this build on any
+device: their kernels (cuBLAS MX/NVFP4 GEMMs, DeepGEMM) are not wired in. Shape limits (dims multiples of
+16) are checked per call by native.py; a GEMM whose shapes do not fit runs emulated under `emulate: auto`.
+
+A recipe's three operands (weight, activation, grad) and the pairs its GEMMs multiply:
+    fprop (activation x weight), dgrad (grad x weight), wgrad (grad x activation).
+Under `fp8: hybrid` the grads are e5m2 (TE's Format.HYBRID), which the grouped kernel does not take, so
+the grouped backward GEMMs of tensorwise/delayed/rowwise are emulated then.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+Capability = tuple[int, int]
+
+SCALED_MM_FROM: Capability = (8, 9)  # torch._scaled_mm: Ada and newer
+SCALED_GROUPED_MM_MAJORS = (9, 10)  # torch._scaled_grouped_mm: Hopper and datacenter Blackwell only
+
+# recipe name -> scaling kind of its operands (the `Scheme.kind` of trainer/precision/scheme.py)
+RECIPE_KIND = {
+    "tensorwise": "tensor",
+    "delayed": "tensor",
+    "rowwise": "row",
+    "blockwise": "block",
+    "mxfp8": "mx",
+    "nvfp4": "nvfp4",
+}
+GEMM_OPERANDS = {"fprop": ("activation", "weight"), "dgrad": ("grad", "weight"), "wgrad": ("grad", "activation")}
+FAMILIES = ("linear", "grouped")
+
+
+def has_scaled_mm(capability: Optional[Capability]) -> bool:
+    """Whether fp8 `torch._scaled_mm` runs on a GPU of this compute capability (None: not a GPU)."""
+    return capability is not None and tuple(capability) >= SCALED_MM_FROM
+
+
+def has_scaled_grouped_mm(capability: Optional[Capability]) -> bool:
+    """Whether fp8 `torch._scaled_grouped_mm` runs on a GPU of this compute capability."""
+    return capability is not None and capability[0] in SCALED_GROUPED_MM_MAJORS
+
+
+def kernel_supports(kind: str, fmt_a: str, fmt_b: str, *, grouped: bool, capability: Optional[Capability]) -> bool:
+    """Whether a GEMM of two operands of scaling `kind` and element formats `fmt_a`, `fmt_b` has a native
+    kernel at `capability` (the table in the module docstring)."""
+    if kind not in ("tensor", "row"):
+        return False
+    if grouped:
+        return has_scaled_grouped_mm(capability) and fmt_a == "e4m3" and fmt_b == "e4m3"
+    if not has_scaled_mm(capability):
+        return False
+    if kind == "tensor":
+        return not (fmt_a == "e5m2" and fmt_b == "e5m2")
+    return fmt_a == "e4m3" and fmt_b == "e4m3"
+
+
+def operand_formats(recipe: str, fp8_format: Optional[str]) -> dict[str, str]:
+    """Element format per operand role: e2m1 everywhere for nvfp4, else e4m3 with e5m2 grads under hybrid."""
+    if recipe == "nvfp4":
+        return {"weight": "e2m1", "activation": "e2m1", "grad": "e2m1"}
+    grad = "e5m2" if fp8_format == "hybrid" else "e4m3"
+    return {"weight": "e4m3", "activation": "e4m3", "grad": grad}
+
+
+def native_gemms(recipe: str, fp8_format: Optional[str], capability: Optional[Capability]) -> dict[str, bool]:
+    """For each of the six GEMMs ("linear.fprop" ... "grouped.wgrad"): native at `capability`?
+
+    `recipe` is a config name (`RECIPE_KIND`'s keys); an unknown name is reported as emulated everywhere.
+    """
+    kind = RECIPE_KIND.get(recipe, "")
+    fmts = operand_formats(recipe, fp8_format)
+    out = {}
+    for family in FAMILIES:
+        for gemm, (a, b) in GEMM_OPERANDS.items():
+            out[f"{family}.{gemm}"] = kernel_supports(
+                kind, fmts[a], fmts[b], grouped=family == "grouped", capability=capability
+            )
+    return out
+
+
+def emulated_gemms(
+    recipe: str, fp8_format: Optional[str], capability: Optional[Capability], families: tuple[str, ...] = FAMILIES
+) -> list[str]:
+    """The GEMMs of `families` that a run of `recipe` emulates at `capability` (empty: fully native)."""
+    gemms = native_gemms(recipe, fp8_format, capability)
+    return [k for k, native in gemms.items() if k.split(".")[0] in families and not native]
