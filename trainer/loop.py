@@ -22,6 +22,7 @@ from moectl.config.load import dump_config
 from moectl.config.schema import Config
 from moectl.errors import MoectlError
 from trainer.build import build_data_for, build_engine, build_model
+from trainer.data import Sampler
 from trainer.flops import flops_per_token, peak_tflops
 from trainer.metrics import MetricsWriter, ProgressDisplay, expert_balance
 from trainer.model import count_params
@@ -85,6 +86,21 @@ class Trainer:
         self.train_data, eval_sampler = build_data_for(cfg, self.rt)
         # The same held-out batches at every evaluation, so eval losses are comparable across steps.
         self.eval_batches = eval_sampler.eval_batches(cfg.train.eval_iters) if cfg.train.eval_interval else []
+        # The checkpoint probe: one fixed held-out batch, the same whatever the world size.
+        self.probe_batch = Sampler(
+            eval_sampler.stream, seq_length=cfg.model.seq_length, micro_batch_size=cfg.train.micro_batch_size,
+            global_batch_size=cfg.train.micro_batch_size,
+        ).eval_batches(1)[0]
+        self.start_step = 0
+        if cfg.checkpoint.load:
+            from ckpt import resolve_load_path
+            from ckpt.training import load_training_checkpoint
+
+            restored = load_training_checkpoint(
+                resolve_load_path(cfg.checkpoint.load), cfg, self.model, self.engine, self.rt.pstate
+            )
+            self.start_step = restored.step
+            self.resumed_from = restored.path
         self.run_dir = Path(cfg.run_dir)
         self.tokens_per_step = tc.global_batch_size * cfg.model.seq_length
         self.flops_per_step = flops_per_token(cfg.model, cfg.moe) * self.tokens_per_step
@@ -145,6 +161,26 @@ class Trainer:
         self.model.train()
         return self._mean_over_dp(total / len(self.eval_batches))
 
+    @torch.no_grad()
+    def probe_loss(self) -> float:
+        """LM loss of the fixed probe batch (recorded in each checkpoint; `ckpt validate` recomputes it)."""
+        self.engine.sync_params_for_eval()
+        self.model.eval()
+        tokens, targets = self.probe_batch
+        loss = float(self.model.loss(tokens.to(self.rt.device), targets.to(self.rt.device)).lm_loss)
+        self.model.train()
+        return loss
+
+    def save(self, step: int) -> Path:
+        """Commit a checkpoint of the state after `step` steps (collective: every rank calls it)."""
+        from ckpt.training import save_training_checkpoint
+
+        optimizer_step = getattr(getattr(self.engine, "optimizer", None), "step_count", step)
+        return save_training_checkpoint(
+            self.run_dir / "checkpoints", step, self.cfg, self.model, self.engine, self.rt.pstate,
+            self.probe_loss(), optimizer_step=optimizer_step,
+        )
+
     # --- the run ----------------------------------------------------------------------------
     def _banner(self) -> None:
         cfg = self.cfg
@@ -162,13 +198,20 @@ class Trainer:
     def run(self) -> TrainResult:
         """Train to `train.train_iters`; returns the per-step losses and how the run ended."""
         cfg, tc, main = self.cfg, self.cfg.train, self.rt.is_main
-        result = TrainResult(steps=0, run_dir=self.run_dir)
+        result = TrainResult(steps=self.start_step, run_dir=self.run_dir)
         if main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(dump_config(cfg))
             self._banner()
-        writer = MetricsWriter(self.run_dir, jsonl=cfg.logging.jsonl, tensorboard=cfg.logging.tensorboard) if main else None
-        start = 0
+        start = self.start_step
+        writer = (
+            MetricsWriter(self.run_dir, jsonl=cfg.logging.jsonl, tensorboard=cfg.logging.tensorboard, resume=start > 0)
+            if main
+            else None
+        )
+        if main and start:
+            self.console.print(f"  resumed from {self.resumed_from} at step {start}")
+        save_every = cfg.checkpoint.save_interval
         try:
             with _StopFlag() as stop, ProgressDisplay(tc.train_iters, start, self.console, enabled=main) as bar:
                 for step in range(start, tc.train_iters):
@@ -195,6 +238,10 @@ class Trainer:
                         if writer is not None:
                             writer.write({"step": step + 1, "eval_loss": eval_loss})
                         bar.show_eval(eval_loss)
+                    # Save on schedule, at the end, and when asked to stop (SIGTERM from a scheduler).
+                    if save_every and ((step + 1) % save_every == 0 or last or stop.signal is not None):
+                        path = self.save(step + 1)
+                        bar.log(f"saved {path}")
                     if stop.signal is not None:
                         result.stopped_by = stop.signal
                         bar.log(f"{stop.signal}: stopped cleanly after step {step + 1}")

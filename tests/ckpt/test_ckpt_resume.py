@@ -1,0 +1,93 @@
+"""Bitwise resume: N steps straight equals K steps + save + a fresh Trainer + N-K steps."""
+
+import json
+
+import pytest
+import torch
+from rich.console import Console
+
+from ckpt import open_checkpoint
+from moectl.config import load_config
+from moectl.errors import CheckpointError
+from trainer.loop import Trainer
+
+FAST = [
+    "model.num_layers=2", "model.hidden_size=32", "model.num_attention_heads=2", "model.num_query_groups=1",
+    "model.seq_length=32", "moe.num_experts=4", "moe.ffn_hidden_size=16", "train.micro_batch_size=2",
+    "train.global_batch_size=4", "data.source=synthetic", "train.eval_interval=null", "optimizer.lr_warmup_iters=2", "optimizer.lr_decay_iters=8",
+]
+
+
+def trainer(run_dir, *extra) -> Trainer:
+    return Trainer(load_config(None, [*FAST, f"run_dir={run_dir}", *extra]), Console(quiet=True))
+
+
+def final_state(t: Trainer) -> dict[str, torch.Tensor]:
+    state = t.engine.optimizer.gather_logical_state()
+    out = {n: p.detach().clone() for n, p in t.model.named_parameters()}
+    for n, e in state["params"].items():
+        for k, v in e.items():
+            out[f"{n}.{k}"] = v
+    out["step"] = torch.tensor(state["step"])
+    return out
+
+
+@pytest.mark.parametrize("layout_b", [True, False])
+def test_resume_is_bitwise(tmp_path, layout_b):
+    straight = trainer(tmp_path / "a", "train.train_iters=8")
+    full = straight.run()
+    first = trainer(tmp_path / "b", "train.train_iters=4", "checkpoint.save_interval=2", "checkpoint.keep_last=1")
+    first.run()
+    ckpts = sorted(p.name for p in (tmp_path / "b" / "checkpoints").glob("step_*"))
+    assert ckpts == ["step_00000004"]  # keep_last=1 retired step 2
+    # Resume in a fresh Trainer; the second half may even use the other expert layout.
+    second = trainer(tmp_path / "b", "train.train_iters=8", "checkpoint.load=" + str(tmp_path / "b" / "checkpoints"),
+                     f"moe.single_grouped_weight={layout_b}")
+    resumed = second.run()
+    assert resumed.losses == full.losses[4:]  # exact floats
+    if layout_b:  # same layout: params, masters, moments and step bit-identical
+        a, b = final_state(straight), final_state(second)
+        assert a.keys() == b.keys()
+        for k in a:
+            assert torch.equal(a[k], b[k]), k
+    lines = [json.loads(x) for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == list(range(1, 9))  # resumed run appends
+
+
+def test_checkpoint_manifest_records_the_run(tmp_path):
+    t = trainer(tmp_path, "train.train_iters=2", "checkpoint.save_interval=2", "moe.glu_interleave_size=8")
+    t.run()
+    ck = open_checkpoint(tmp_path / "checkpoints")
+    meta = ck.meta
+    assert ck.step == 2 and meta["consumed_samples"] == 8
+    assert meta["expert_layout"] == "single-grouped" and meta["glu_interleave_size"] == 8
+    assert meta["probe"]["loss_hex"] == float(meta["probe"]["loss"]).hex()
+    names = set(ck.tensor_names())
+    assert "decoder.layers.0.mlp.experts.linear_fc1.weight" in names
+    assert "decoder.layers.0.mlp.experts.linear_fc1.weight.main_param" in names
+    assert "embedding.word_embeddings.weight.exp_avg_sq" in names
+    assert ck.read("decoder.layers.0.mlp.experts.linear_fc1.weight.main_param").dtype == torch.float32
+
+
+def test_load_refuses_another_architecture_naming_the_keys(tmp_path):
+    trainer(tmp_path, "train.train_iters=1", "checkpoint.save_interval=1").run()
+    with pytest.raises(CheckpointError, match=r"moe.num_experts: checkpoint 4, config 8"):
+        trainer(tmp_path / "x", "train.train_iters=2", "moe.num_experts=8",
+                "checkpoint.load=" + str(tmp_path / "checkpoints"))
+
+
+def test_missing_load_path_is_an_error_not_a_random_init(tmp_path):
+    with pytest.raises(CheckpointError):
+        trainer(tmp_path, "train.train_iters=2", "checkpoint.load=" + str(tmp_path / "nope"))
+
+
+def test_load_main_params_only_keeps_masters_and_resets_moments(tmp_path):
+    t = trainer(tmp_path, "train.train_iters=3", "checkpoint.save_interval=3")
+    t.run()
+    masters = {n: e["master"] for n, e in t.engine.optimizer.gather_logical_state()["params"].items()}
+    u = trainer(tmp_path / "u", "train.train_iters=5", "checkpoint.load=" + str(tmp_path / "checkpoints"),
+                "checkpoint.no_load_optim=true", "checkpoint.load_main_params_from_ckpt=true")
+    state = u.engine.optimizer.gather_logical_state()
+    for n, e in state["params"].items():
+        assert torch.equal(e["master"], masters[n]), n
+        assert not e["exp_avg"].any(), n

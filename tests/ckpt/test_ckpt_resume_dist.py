@@ -1,0 +1,66 @@
+"""2 gloo ranks: bitwise resume in fresh processes, and dp 2 -> 1 -> 2 resharding keeps masters bit-exact."""
+
+import pytest
+import torch
+from dist_helpers import run_distributed
+from rich.console import Console
+
+from ckpt import open_checkpoint
+from moectl.config import load_config
+from trainer.loop import Trainer
+
+FAST = [
+    "model.num_layers=2", "model.hidden_size=32", "model.num_attention_heads=2", "model.num_query_groups=1",
+    "model.seq_length=32", "moe.num_experts=4", "moe.ffn_hidden_size=16", "train.micro_batch_size=2",
+    "train.global_batch_size=4", "data.source=synthetic", "train.eval_interval=null", "optimizer.lr_warmup_iters=2",
+    "optimizer.lr_decay_iters=8", "train.train_iters=8",
+]
+
+
+def trainer(*extra: str) -> Trainer:
+    return Trainer(load_config(None, [*FAST, *extra]), Console(quiet=True))
+
+
+def masters(t: Trainer) -> dict[str, torch.Tensor]:
+    return {n: e["master"] for n, e in t.engine.optimizer.gather_logical_state()["params"].items()}
+
+
+def _straight_and_first_half(rank: int, world: int, root: str) -> list[float]:
+    full = trainer(f"run_dir={root}/a").run().losses
+    half = trainer(f"run_dir={root}/b")  # the same 8-step schedule, stopped after step 4
+    for step in range(4):
+        half._train_step(step)
+    half.save(4)
+    return full
+
+
+def _second_half(rank: int, world: int, root: str) -> list[float]:
+    t = trainer(f"run_dir={root}/b", f"checkpoint.load={root}/b/checkpoints")
+    assert t.start_step == 4
+    return t.run().losses
+
+
+def _load_and_report(rank: int, world: int, root: str, load: str) -> dict[str, bytes]:
+    # Bytes, not tensors: tensors cross the process boundary as shared-memory handles that die with the child.
+    return {n: t.numpy().tobytes() for n, t in masters(trainer(f"run_dir={root}/r2", f"checkpoint.load={load}")).items()}
+
+
+@pytest.mark.slow
+def test_resume_in_fresh_processes_and_reshard_dp_2_1_2(tmp_path):
+    root = str(tmp_path)
+    full = run_distributed(_straight_and_first_half, root=root)[0]
+    resumed = run_distributed(_second_half, root=root)
+    assert resumed[0] == resumed[1] == full[4:]  # exact floats, on both ranks
+
+    # dp=2 checkpoint -> dp=1 (this process) -> save -> dp=2: masters bit-exact all the way.
+    saved = open_checkpoint(tmp_path / "b" / "checkpoints")
+    want = {n[: -len(".main_param")]: saved.read(n) for n in saved.tensor_names() if n.endswith(".main_param")}
+    one = trainer(f"run_dir={root}/r1", f"checkpoint.load={root}/b/checkpoints")
+    got = masters(one)
+    assert got.keys() == want.keys()
+    for n in want:
+        assert torch.equal(got[n], want[n]), n
+    one.save(4)
+    back = run_distributed(_load_and_report, root=root, load=f"{root}/r1/checkpoints")
+    for n in want:
+        assert back[0][n] == back[1][n] == want[n].numpy().tobytes(), n
