@@ -36,7 +36,7 @@ class _Keep:
 KEEP = _Keep()  # `glu_interleave_size=KEEP`: leave fc1's row order as it is
 
 
-class _FilesOnDemand(dict):
+class FilesOnDemand(dict):
     """`{file name: tensors}` whose tensors are built when `save_checkpoint` asks for that file.
 
     `save_checkpoint` writes file by file, so only one output file is in memory at a time; it is a dict
@@ -145,7 +145,7 @@ def convert_checkpoint(
             return normalize_for_model(tensors, num_experts=num_experts, target_layout=layout,  # type: ignore[arg-type]
                                        source_interleave=src_i, target_interleave=dst_i, ffn_size=ffn)  # fmt: skip
 
-        files = _FilesOnDemand(plan_files(ck, layout, num_experts), build)
+        files = FilesOnDemand(plan_files(ck, layout, num_experts), build)
         try:
             return save_checkpoint(root, ck.step, files, converted_meta(meta, layout, dst_i))
         except BaseException:
