@@ -1,0 +1,191 @@
+"""`moectl ckpt ...`: inspect, convert, export-hf and import-hf (validate joins them here).
+
+One function per command, each a thin shell over `ckpt.*` (which holds the logic and is tested without
+the CLI). Errors are `CheckpointError`s: one line and exit code 1 through `command`. Heavy imports (torch,
+the checkpoint modules) happen inside the commands so `moectl --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import json
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from moectl.cli.base import app, command, new_app
+from moectl.cli.options import JsonFlag, SetOpt, examples
+from moectl.errors import UsageError
+
+ckpt_app = new_app("ckpt", "Inspect, convert, validate and export moectl checkpoints.")
+app.add_typer(ckpt_app, name="ckpt")
+
+CkptArg = Annotated[
+    Path, typer.Argument(help="A checkpoint step folder, or a checkpoints folder (then the step its `latest` names).",
+                         show_default=False),
+]  # fmt: skip
+NewDirArg = Annotated[Path, typer.Argument(help="New output folder (must not exist).", show_default=False)]
+
+
+class LayoutChoice(str, Enum):
+    single_grouped = "single-grouped"
+    per_expert = "per-expert"
+
+
+class HFFormat(str, Enum):
+    mixtral = "mixtral"
+    qwen3_moe = "qwen3-moe"
+
+
+def _interleave(text: Optional[str]) -> Any:
+    """--glu-interleave-size: absent = keep, 'none' = contiguous [gate; up], N = blocks of N rows."""
+    from ckpt.convert import KEEP
+
+    if text is None:
+        return KEEP
+    if text.strip().lower() in ("none", "null"):
+        return None
+    if text.strip().isdigit() and int(text) > 0:
+        return int(text)
+    raise UsageError(f"--glu-interleave-size {text!r}: expected a positive int or none", "e.g. --glu-interleave-size 32")
+
+
+@command(
+    ckpt_app,
+    name="convert",
+    help="Rewrite a checkpoint's expert weights, fp32 masters and optimizer moments in the other layout "
+    "(bit-exact both ways). DST is a new checkpoints folder; the step keeps its number."
+    + examples(
+        "moectl ckpt convert runs/tiny/checkpoints runs/tiny/per_expert --layout per-expert",
+        "moectl ckpt convert runs/tiny/checkpoints/step_00000100 /tmp/grouped --layout single-grouped",
+        "moectl ckpt convert runs/tiny/checkpoints /tmp/plain --layout single-grouped --glu-interleave-size none",
+    ),
+)
+def convert_command(
+    src: CkptArg,
+    dst: NewDirArg,
+    layout: Annotated[LayoutChoice, typer.Option("--layout", help="Target expert layout.", show_default=False)],
+    glu_interleave_size: Annotated[
+        Optional[str],
+        typer.Option("--glu-interleave-size", metavar="N|none", help="Also reorder fc1 rows to this interleave (default: keep)."),
+    ] = None,
+) -> None:
+    from ckpt.convert import convert_checkpoint
+
+    out = convert_checkpoint(src, dst, layout.value, glu_interleave_size=_interleave(glu_interleave_size))
+    Console().print(f"[green]converted[/] {src} -> {out} ({layout.value})", highlight=False)
+
+
+@command(
+    ckpt_app,
+    name="inspect",
+    help="Show what a checkpoint holds: step, layout, recipe, world, probe and every tensor (reads the manifest only;"
+    " --verify also hashes every file, exit 1 on any problem)."
+    + examples(
+        "moectl ckpt inspect runs/tiny/checkpoints",
+        "moectl ckpt inspect runs/tiny/checkpoints/step_00000100 --json",
+        "moectl ckpt inspect runs/tiny/checkpoints --verify",
+    ),
+)
+def inspect_command(
+    ckpt: CkptArg,
+    json_: JsonFlag = False,
+    verify: Annotated[bool, typer.Option("--verify", help="Also check every file's sha256 and header.")] = False,
+) -> None:
+    from ckpt.inspect import inspect_checkpoint
+
+    summary = inspect_checkpoint(ckpt, verify=verify)
+    if json_:
+        typer.echo(json.dumps(summary.to_json(), indent=2))
+    else:
+        _print_summary(summary, Console())
+    if summary.problems:
+        raise typer.Exit(1)
+
+
+def _print_summary(s: Any, console: Console) -> None:
+    from ckpt.inspect import format_bytes
+
+    def compact(d: Any) -> str:
+        return json.dumps(d, separators=(", ", ": ")) if d else "-"
+
+    bias = f", expert biases {s.expert_bias_layout}" if s.expert_bias_layout else ""
+    rows = [
+        ("checkpoint", s.path),
+        ("step", f"{s.step} ({s.consumed_samples} samples consumed)"),
+        ("layout", f"{s.expert_layout}{bias}, glu_interleave_size {s.glu_interleave_size}"),
+        ("recipe", compact(s.recipe)),
+        ("world", f"dp {s.world['dp']}, ep {s.world['ep']} ({s.world['owned_tensors']} tensors with an owner)"),
+        ("probe", compact(s.probe)),
+        ("writer", ", ".join(f"{k} {v}" for k, v in s.writer.items())),
+    ]
+    for label, text in rows:
+        console.print(f"[bold]{label:10}[/] {text}", highlight=False, soft_wrap=True)
+    # the role is in the name's suffix; the file without its extension; only names may wrap
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    table.add_column("tensor", overflow="fold")
+    for col in ("dtype", "shape", "size", "file"):
+        table.add_column(col, no_wrap=True, justify="right" if col == "size" else "left")
+    for r in s.tensors:
+        shape = "x".join(map(str, r.shape)) or "scalar"
+        table.add_row(r.name, r.dtype, shape, format_bytes(r.nbytes), r.file.removesuffix(".safetensors"))
+    console.print(table)
+    t = s.totals
+    roles = ", ".join(f"{role} {v['tensors']} ({format_bytes(v['bytes'])})" for role, v in t["by_role"].items())
+    console.print(f"[bold]total[/]      {t['tensors']} tensors, {t['parameters']:,} model parameters, "
+                  f"{format_bytes(t['file_bytes'])} in {t['files']} files; {roles}", highlight=False)  # fmt: skip
+    if s.problems is not None:
+        for p in s.problems:
+            console.print(f"[red]problem[/]    {p}", highlight=False)
+        console.print("[green]verified: intact[/]" if not s.problems else f"[red]{len(s.problems)} problem(s)[/]")
+
+
+@command(
+    ckpt_app,
+    name="export-hf",
+    help="Write a checkpoint's model weights as a Hugging Face model folder (config.json + safetensors) that"
+    " transformers loads with from_pretrained. Refuses, naming each setting, what the format cannot express."
+    + examples(
+        "moectl ckpt export-hf runs/tiny/checkpoints /tmp/tiny-mixtral --format mixtral",
+        "moectl ckpt export-hf runs/qwen/checkpoints/step_00001000 /tmp/qwen-hf --format qwen3-moe",
+    ),
+)
+def export_hf_command(
+    ckpt: CkptArg,
+    dst: NewDirArg,
+    format: Annotated[HFFormat, typer.Option("--format", help="HF architecture to write.", show_default=False)],
+) -> None:
+    from ckpt.hf import export_hf
+
+    out = export_hf(ckpt, dst, format.value)
+    Console().print(f"[green]exported[/] {ckpt} -> {out} ({format.value})", highlight=False)
+
+
+@command(
+    ckpt_app,
+    name="import-hf",
+    help="Import a Hugging Face Mixtral or Qwen3-MoE folder (per-expert or transformers-v5 fused experts) as a"
+    " moectl checkpoint at step 0 (model weights only). The architecture comes from SRC/config.json; --config"
+    " and --set give the rest (expert layout, interleave, training settings) and may not contradict it."
+    + examples(
+        "moectl ckpt import-hf ~/models/Mixtral-tiny runs/mixtral/checkpoints",
+        "moectl ckpt import-hf ~/models/qwen3-moe runs/qwen/checkpoints --config configs/tiny.yaml",
+        "moectl ckpt import-hf ~/models/qwen3-moe /tmp/ck --set moe.single_grouped_weight=false --set moe.glu_interleave_size=32",
+    ),
+)
+def import_hf_command(
+    src: Annotated[Path, typer.Argument(help="HF model folder: config.json + *.safetensors.", show_default=False)],
+    dst: NewDirArg,
+    config: Annotated[
+        Optional[Path], typer.Option("--config", "-c", help="YAML config for everything config.json does not fix.")
+    ] = None,
+    set_: SetOpt = None,
+) -> None:
+    from ckpt.hf import import_hf
+
+    out = import_hf(src, dst, config=config, overrides=list(set_ or []))
+    Console().print(f"[green]imported[/] {src} -> {out}", highlight=False)

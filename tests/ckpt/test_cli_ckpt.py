@@ -1,0 +1,104 @@
+"""`moectl ckpt ...` through Typer's runner on the real app: exit codes, one-line errors, --json."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from moe_ckpt_fixtures import assert_same_tensors, build_model, fake_optimizer, read_all, save_model_checkpoint, tiny_config
+from typer.testing import CliRunner
+
+from ckpt.inspect import tensor_role
+from moectl.cli.app import app
+
+runner = CliRunner()
+
+
+def invoke(*args: str):
+    # a wide terminal keeps table cells on one line, so the asserts can look for whole names
+    return runner.invoke(app, ["ckpt", *map(str, args)], env={"COLUMNS": "200", "MOECTL_DEBUG": ""})
+
+
+@pytest.fixture()
+def ckpt(tmp_path: Path) -> tuple[Path, dict]:
+    cfg = tiny_config(moe={"router_norm_topk_prob": True})
+    state = build_model(cfg).state_dict()
+    tensors = {**state, **fake_optimizer(state)}
+    save_model_checkpoint(tmp_path / "run", cfg, state, {n: t for n, t in tensors.items() if n not in state})
+    return tmp_path / "run", tensors
+
+
+def test_convert_round_trip_exits_0(ckpt: tuple[Path, dict], tmp_path: Path) -> None:
+    root, tensors = ckpt
+    r = invoke("convert", root, tmp_path / "per", "--layout", "per-expert")
+    assert r.exit_code == 0, r.output
+    assert "converted" in r.stdout and "step_00000007" in r.stdout
+    r = invoke("convert", tmp_path / "per", tmp_path / "back", "--layout", "single-grouped")
+    assert r.exit_code == 0, r.output
+    assert_same_tensors(read_all(tmp_path / "back"), tensors)
+
+
+def test_convert_errors_are_one_line_exit_1_and_bad_usage_exit_2(ckpt: tuple[Path, dict], tmp_path: Path) -> None:
+    root, _ = ckpt
+    r = invoke("convert", root, root, "--layout", "per-expert")
+    assert r.exit_code == 1
+    assert r.output.startswith("error: destination") and "already exists. fix:" in r.output
+    assert len(r.output.strip().splitlines()) == 1
+    assert invoke("convert", root, tmp_path / "x", "--layout", "grouped").exit_code == 2
+    r = invoke("convert", root, tmp_path / "x", "--layout", "per-expert", "--glu-interleave-size", "abc")
+    assert r.exit_code == 2 and "expected a positive int or none" in r.output
+    r = invoke("convert", tmp_path / "nothing", tmp_path / "y", "--layout", "per-expert")
+    assert r.exit_code == 1 and r.output.startswith("error:")
+
+
+def test_inspect_table_and_json(ckpt: tuple[Path, dict]) -> None:
+    root, tensors = ckpt
+    r = invoke("inspect", root)
+    assert r.exit_code == 0, r.output
+    for text in ("step_00000007", "448 samples consumed", "single-grouped", "dp 2, ep 1",
+                 "decoder.layers.1.mlp.experts.linear_fc2.weight.exp_avg_sq", "4x32x64", "optim-00000"):  # fmt: skip
+        assert text in r.stdout, text
+    r = invoke("inspect", root / "step_00000007", "--json")
+    assert r.exit_code == 0, r.output
+    s = json.loads(r.stdout)
+    assert (s["step"], s["consumed_samples"], s["expert_layout"], s["glu_interleave_size"]) == (7, 448, "single-grouped", None)
+    assert s["probe"]["loss"] == 4.25 and s["problems"] is None
+    rows = {t["name"]: t for t in s["tensors"]}
+    assert set(rows) == set(tensors)
+    w = rows["decoder.layers.0.mlp.experts.linear_fc1.weight.main_param"]
+    assert (w["dtype"], w["shape"], w["nbytes"], w["role"]) == ("float32", [4, 128, 32], 4 * 128 * 32 * 4, "main_param")
+    assert s["totals"]["parameters"] == sum(t.numel() for n, t in tensors.items() if tensor_role(n) == "model")
+
+
+def test_inspect_verify_exits_1_on_a_flipped_byte(ckpt: tuple[Path, dict]) -> None:
+    root, _ = ckpt
+    assert invoke("inspect", root, "--verify").exit_code == 0
+    f = root / "step_00000007" / "optim-00000.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-5] ^= 0x01
+    f.write_bytes(bytes(data))
+    r = invoke("inspect", root, "--verify", "--json")
+    assert r.exit_code == 1
+    assert any("sha256" in p for p in json.loads(r.stdout)["problems"])
+
+
+def test_export_and_import_hf(ckpt: tuple[Path, dict], tmp_path: Path) -> None:
+    root, tensors = ckpt
+    r = invoke("export-hf", root, tmp_path / "hf", "--format", "qwen3-moe")
+    assert r.exit_code == 1 and "model.qk_layernorm=false" in r.output and len(r.output.strip().splitlines()) == 1
+    r = invoke("export-hf", root, tmp_path / "hf", "--format", "mixtral")
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "hf" / "config.json").is_file()
+    r = invoke("import-hf", tmp_path / "hf", tmp_path / "back", "--set", "model.num_layers=3")
+    assert r.exit_code == 1 and "model.num_layers=3 (the HF model has 2)" in r.output
+    r = invoke("import-hf", tmp_path / "hf", tmp_path / "back", "--set", "train.seed=3")
+    assert r.exit_code == 0, r.output
+    model = {n: t for n, t in tensors.items() if tensor_role(n) == "model"}
+    assert_same_tensors(read_all(tmp_path / "back"), model)
+
+
+@pytest.mark.parametrize("cmd", ["convert", "inspect", "export-hf", "import-hf"])
+def test_every_command_has_examples(cmd: str) -> None:
+    r = invoke(cmd, "--help")
+    assert r.exit_code == 0 and "Examples:" in r.stdout and f"moectl ckpt {cmd}" in r.stdout
