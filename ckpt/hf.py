@@ -52,6 +52,7 @@ from ckpt.inspect import tensor_role
 from ckpt.reader import open_checkpoint
 from ckpt.save import save_checkpoint
 from ckpt.st_header import TORCH_NAME
+from ckpt.training import recipe_meta
 from moectl.config import Config, config_from_dict, config_to_dict
 from moectl.config.load import apply_overrides, read_yaml
 from moectl.errors import CheckpointError, ConfigError
@@ -517,7 +518,8 @@ def import_hf(
     The architecture comes from `src/config.json`; training settings, the expert layout
     (`moe.single_grouped_weight`) and `moe.glu_interleave_size` from `config` and `overrides` (`--set`),
     which may not contradict the architecture. Writes step 0 with model weights only, in their HF dtype
-    (no optimizer state, an empty probe). Returns the step folder.
+    (no optimizer state: train from it with `checkpoint.no_load_optim=true`, which takes the fp32 masters
+    from these weights; no probe loss is recorded). Returns the step folder.
     """
     src = Path(src).expanduser()
     hf = _read_json(src / "config.json")
@@ -542,7 +544,7 @@ def import_hf(
     meta = {
         "consumed_samples": 0, "config": resolved,
         "expert_layout": SINGLE_GROUPED if cfg.moe.single_grouped_weight else PER_EXPERT,
-        "glu_interleave_size": cfg.moe.glu_interleave_size, "recipe": resolved["mixed_precision"],
+        "glu_interleave_size": cfg.moe.glu_interleave_size, "recipe": recipe_meta(cfg),
         "world": {"dp": 1, "ep": 1, "owners": {}}, "sampler": {}, "rng": {}, "probe": {},
     }  # fmt: skip
     try:

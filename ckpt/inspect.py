@@ -43,7 +43,7 @@ class CheckpointSummary:
     expert_bias_layout: Optional[str]  # None when there are no expert biases
     glu_interleave_size: Optional[int]
     recipe: dict[str, Any]
-    world: dict[str, Any]  # dp, ep, and how many tensors have a recorded optimizer owner
+    world: dict[str, Any]  # dp, ep, and owners summarised: {key: tensor count} for lists and dicts
     probe: dict[str, Any]
     writer: dict[str, str]
     files: list[dict[str, Any]]  # name, size, rank, tensors
@@ -86,7 +86,8 @@ def inspect_checkpoint(path: str | os.PathLike[str], verify: bool = False) -> Ch
             expert_bias_layout=_bias_layout(ck.tensor_names()),
             glu_interleave_size=m["glu_interleave_size"],
             recipe=m["recipe"],
-            world={"dp": world["dp"], "ep": world["ep"], "owned_tensors": len(world["owners"])},
+            world={"dp": world["dp"], "ep": world["ep"], "owners": {
+                k: len(v) if isinstance(v, (list, dict)) else v for k, v in world["owners"].items()}},
             probe=m["probe"],
             writer=m["writer"],
             files=files,

@@ -114,12 +114,13 @@ def _print_summary(s: Any, console: Console) -> None:
         return json.dumps(d, separators=(", ", ": ")) if d else "-"
 
     bias = f", expert biases {s.expert_bias_layout}" if s.expert_bias_layout else ""
+    owners = ", ".join(f"{k} {v}" for k, v in s.world["owners"].items())
     rows = [
         ("checkpoint", s.path),
         ("step", f"{s.step} ({s.consumed_samples} samples consumed)"),
         ("layout", f"{s.expert_layout}{bias}, glu_interleave_size {s.glu_interleave_size}"),
         ("recipe", compact(s.recipe)),
-        ("world", f"dp {s.world['dp']}, ep {s.world['ep']} ({s.world['owned_tensors']} tensors with an owner)"),
+        ("world", f"dp {s.world['dp']}, ep {s.world['ep']}; owners {owners or '-'}"),
         ("probe", compact(s.probe)),
         ("writer", ", ".join(f"{k} {v}" for k, v in s.writer.items())),
     ]
