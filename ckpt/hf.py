@@ -75,7 +75,8 @@ class Family:
 
 
 FAMILIES = {
-    "mixtral": Family("mixtral", "mixtral", "MixtralForCausalLM", ("block_sparse_moe", "mlp"), ("w1", "w3", "w2"), False, 1e6),
+    "mixtral": Family("mixtral", "mixtral", "MixtralForCausalLM", ("block_sparse_moe", "mlp"),
+                      ("w1", "w3", "w2"), False, 1e6),
     "qwen3-moe": Family("qwen3-moe", "qwen3_moe", "Qwen3MoeForCausalLM", ("mlp",),
                         ("gate_proj", "up_proj", "down_proj"), True, 1e4),  # fmt: skip
 }
@@ -109,9 +110,10 @@ class Dims:
     @classmethod
     def of(cls, cfg: Config) -> Dims:
         m, e = cfg.model, cfg.moe
-        return cls(m.num_layers, m.hidden_size, m.num_attention_heads, m.kv_heads, m.hidden_size // m.num_attention_heads,
-                   m.vocab_size, e.num_experts, e.ffn_hidden_size, m.ffn_hidden_size,
-                   tuple(m.is_moe_layer(i) for i in range(m.num_layers)), m.tie_embeddings, m.qk_layernorm)  # fmt: skip
+        return cls(m.num_layers, m.hidden_size, m.num_attention_heads, m.kv_heads,
+                   m.hidden_size // m.num_attention_heads, m.vocab_size, e.num_experts, e.ffn_hidden_size,
+                   m.ffn_hidden_size, tuple(m.is_moe_layer(i) for i in range(m.num_layers)), m.tie_embeddings,
+                   m.qk_layernorm)  # fmt: skip
 
     def units(self) -> list[Unit]:
         return ["embed", *range(self.layers), "final"]
@@ -153,8 +155,8 @@ class _Source:
     def raise_problems(self, fix: str) -> None:
         """After a dry pass: one error naming every missing, mis-shaped and unused tensor."""
         unused = sorted(set(self.index) - self.used)
-        parts = [f"{label} {_names(xs)}" for label, xs in
-                 (("missing", self.missing), ("wrong shape:", self.misshaped), ("unexpected", unused)) if xs]  # fmt: skip
+        found = (("missing", self.missing), ("wrong shape:", self.misshaped), ("unexpected", unused))
+        parts = [f"{label} {_names(xs)}" for label, xs in found if xs]
         if parts:
             raise CheckpointError(f"{self.what}: " + "; ".join(parts), fix)
 
@@ -195,7 +197,8 @@ def unexportable(cfg: Config, fam: Family) -> list[str]:
     if fam.format == "mixtral" and dense:
         out.append(f"model.moe_layer_freq={m.moe_layer_freq} makes layers {dense} dense (every Mixtral layer is MoE)")
     if m.qk_layernorm != fam.qk_norm:
-        out.append(f"model.qk_layernorm={str(m.qk_layernorm).lower()} ({name} {'always has' if fam.qk_norm else 'has no'} q_norm/k_norm)")
+        has = "always has" if fam.qk_norm else "has no"
+        out.append(f"model.qk_layernorm={str(m.qk_layernorm).lower()} ({name} {has} q_norm/k_norm)")
     return out
 
 
@@ -237,7 +240,10 @@ def moectl_fields(hf: dict[str, Any], fam: Family) -> dict[str, Any]:
         return v
 
     def num(key: str, default: Any = None) -> Any:
-        return need(key, lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0, "must be a positive number", default)
+        def ok(v: Any) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+
+        return need(key, ok, "must be a positive number", default)
 
     L, D, N = num("num_hidden_layers"), num("hidden_size"), num("num_attention_heads")
     G = num("num_key_value_heads", N)
@@ -268,15 +274,20 @@ def moectl_fields(hf: dict[str, Any], fam: Family) -> dict[str, Any]:
         need("attention_bias", lambda v: not v, "moectl's attention has no biases", False)
         step = need("decoder_sparse_step", lambda v: isinstance(v, int) and v >= 1, "must be a positive int", 1)
         only = need("mlp_only_layers", lambda v: isinstance(v, list), "must be a list of layer indices", []) or []
-        flags = [int(i not in only and (i + 1) % step == 0) for i in range(L)] if isinstance(L, int) and isinstance(step, int) else []
+        # Qwen3MoeDecoderLayer: MoE unless listed in mlp_only_layers, and only every decoder_sparse_step-th layer
+        valid = isinstance(L, int) and isinstance(step, int)
+        flags = [int(i not in only and (i + 1) % step == 0) for i in range(L)] if valid else []
         moe_layers = 1 if all(flags) else flags
         norm_topk = need("norm_topk_prob", lambda v: isinstance(v, bool), "must be true or false", False)
     if refuse:
-        raise CheckpointError(f"cannot import this {fam.model_type} model exactly: " + "; ".join(refuse),
-                              "moectl refuses architectures it cannot reproduce bit for bit in meaning; convert it otherwise")  # fmt: skip
+        raise CheckpointError(
+            f"cannot import this {fam.model_type} model exactly: " + "; ".join(refuse),
+            "moectl imports only what it computes exactly the same way; adapt the model first",
+        )
     fields: dict[str, Any] = {
         "model.num_layers": L, "model.hidden_size": D, "model.num_attention_heads": N, "model.num_query_groups": G,
-        "model.vocab_size": V, "model.moe_layer_freq": moe_layers, "model.tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+        "model.vocab_size": V, "model.moe_layer_freq": moe_layers,
+        "model.tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
         "model.rotary_base": float(theta), "model.qk_layernorm": fam.qk_norm, "model.norm_epsilon": float(eps),
         "moe.num_experts": E, "moe.router_topk": K, "moe.ffn_hidden_size": F, "moe.router_score_function": "softmax",
         "moe.router_norm_topk_prob": norm_topk, "moe.activation": "swiglu", "moe.add_bias": False,
@@ -294,7 +305,8 @@ def _rope_theta(hf: dict[str, Any], fam: Family, refuse: list[str]) -> float:
     extra = sorted(set(rp) - {"rope_type", "type", "rope_theta"})
     kind = rp.get("rope_type", rp.get("type", "default"))
     if kind != "default" or extra:
-        refuse.append(f"rope_parameters={json.dumps(rp, sort_keys=True)} (moectl has plain RoPE only: rope_type default, rope_theta)")
+        got = json.dumps(rp, sort_keys=True)
+        refuse.append(f"rope_parameters={got} (moectl has plain RoPE only: rope_type default, rope_theta)")
     if hf.get("partial_rotary_factor", 1.0) != 1.0:
         refuse.append(f"partial_rotary_factor={hf['partial_rotary_factor']} (moectl rotates the whole head)")
     return float(rp.get("rope_theta", hf.get("rope_theta", fam.default_theta)))
@@ -372,8 +384,11 @@ def _from_hf(src: _Source, d: Dims, fam: Family, cfg: Config, unit: Unit) -> dic
         elif src.has("lm_head.weight"):  # tied models may still carry the copy: accept it only if it is one
             head, emb = src.get("lm_head.weight", [V, D]), src.get("model.embed_tokens.weight", [V, D])
             if not src.dry and not torch.equal(head.view(torch.uint8), emb.view(torch.uint8)):
-                raise CheckpointError(f"{src.what}: tie_word_embeddings is true but lm_head.weight differs from "
-                                      "model.embed_tokens.weight", "set tie_word_embeddings false in config.json")  # fmt: skip
+                raise CheckpointError(
+                    f"{src.what}: tie_word_embeddings is true but lm_head.weight differs from "
+                    "model.embed_tokens.weight",
+                    "set tie_word_embeddings false in config.json",
+                )
         return out
     p, h = f"decoder.layers.{unit}.", f"model.layers.{unit}."
     names = [h + f"self_attn.{x}_proj.weight" for x in "qkv"]
@@ -410,9 +425,10 @@ def _from_hf(src: _Source, d: Dims, fam: Family, cfg: Config, unit: Unit) -> dic
         fc2 = _cat([src.get(n, [D, F]) for n in downs], downs, stack=True)
     moe[p + "mlp.experts.linear_fc1.weight"] = fc1
     moe[p + "mlp.experts.linear_fc2.weight"] = fc2
-    layout = SINGLE_GROUPED if cfg.moe.single_grouped_weight else PER_EXPERT
-    out.update(normalize_for_model(moe, num_experts=E, target_layout=layout, source_interleave=None,  # type: ignore[arg-type]
-                                   target_interleave=cfg.moe.glu_interleave_size, ffn_size=F))  # fmt: skip
+    layout: Any = SINGLE_GROUPED if cfg.moe.single_grouped_weight else PER_EXPERT
+    moe = normalize_for_model(moe, num_experts=E, target_layout=layout, source_interleave=None,
+                              target_interleave=cfg.moe.glu_interleave_size, ffn_size=F)  # fmt: skip
+    out.update(moe)
     return out
 
 
@@ -437,8 +453,10 @@ def export_hf(
         cfg = _checkpoint_config(ck.meta, ck.path)
         why = unexportable(cfg, fam)
         if why:
-            raise CheckpointError(f"cannot export {ck.path} as {fam.format}: " + "; ".join(why),
-                                  f"{fam.format} has no equivalent; export another format or retrain without them")  # fmt: skip
+            raise CheckpointError(
+                f"cannot export {ck.path} as {fam.format}: " + "; ".join(why),
+                f"{fam.format} has no equivalent; export another format or retrain without them",
+            )
         d = Dims.of(cfg)
         index = {n: (getattr(torch, r["dtype"]), r["shape"]) for n, r in ck.manifest["tensors"].items()
                  if tensor_role(n) == "model"}  # fmt: skip
@@ -584,8 +602,10 @@ def _import_config(path: str | os.PathLike[str] | None, overrides: Iterable[str]
             clash.append(f"{dotted}={sec[key]!r} (the HF model has {value!r})")
         raw[section] = {**sec, key: value}
     if clash:
-        raise CheckpointError("the config contradicts the HF model: " + "; ".join(clash),
-                              "drop those keys from --config/--set: import-hf takes the architecture from config.json")  # fmt: skip
+        raise CheckpointError(
+            "the config contradicts the HF model: " + "; ".join(clash),
+            "drop those keys from --config/--set: import-hf takes the architecture from config.json",
+        )
     return config_from_dict(raw)
 
 
@@ -593,25 +613,32 @@ def _hf_index(src: Path) -> tuple[dict[str, tuple[torch.dtype, list[int]]], Call
     """Every tensor of the HF folder (name -> dtype, shape) from the safetensors headers, and a reader."""
     index_file = src / "model.safetensors.index.json"
     weight_map = _read_json(index_file).get("weight_map", {}) if index_file.is_file() else None
-    files = sorted(set(weight_map.values())) if weight_map is not None else sorted(p.name for p in src.glob("*.safetensors"))
+    if weight_map is not None:
+        files = sorted(set(weight_map.values()))
+    else:
+        files = sorted(p.name for p in src.glob("*.safetensors"))
     if not files:
         pickled = sorted(p.name for p in src.iterdir() if p.suffix in (".bin", ".pt", ".pth")) if src.is_dir() else []
         hint = f" ({', '.join(pickled)} are pickles: never loaded)" if pickled else ""
-        raise CheckpointError(f"{src} holds no *.safetensors weights{hint}",
-                              "convert the model to safetensors (transformers' save_pretrained does) first")  # fmt: skip
+        raise CheckpointError(
+            f"{src} holds no *.safetensors weights{hint}",
+            "convert the model to safetensors first (transformers' save_pretrained writes them)",
+        )
     handles, index, where = {}, {}, {}
     for f in files:
         try:
             handles[f] = h = safe_open(str(src / f), framework="pt", device="cpu")
         except Exception as e:
-            raise CheckpointError(f"{src / f}: not a readable safetensors file ({e})", "re-download or re-save it") from None
+            raise CheckpointError(f"{src / f}: not a readable safetensors file ({e})",
+                                  "re-download or re-save it") from None  # fmt: skip
         for name in h.keys():
             if name in where:
                 raise CheckpointError(f"{src}: tensor {name!r} is in both {where[name]} and {f}", "keep one copy")
             view = h.get_slice(name)
             dtype = TORCH_NAME.get(view.get_dtype())
             if dtype is None:
-                raise CheckpointError(f"{src / f}: tensor {name!r} has unsupported dtype {view.get_dtype()}", "convert it")
+                raise CheckpointError(f"{src / f}: tensor {name!r} has unsupported dtype {view.get_dtype()}",
+                                      "convert it to a float dtype first")  # fmt: skip
             where[name], index[name] = f, (getattr(torch, dtype), list(view.get_shape()))
     if weight_map is not None and set(weight_map) != set(where):
         off = sorted(set(weight_map) ^ set(where))

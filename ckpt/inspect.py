@@ -74,9 +74,11 @@ def inspect_checkpoint(path: str | os.PathLike[str], verify: bool = False) -> Ch
             for d in rec["shape"]:
                 numel *= d
             size = getattr(torch, rec["dtype"]).itemsize
-            rows.append(TensorRow(name, rec["file"], rec["dtype"], list(rec["shape"]), numel, numel * size, tensor_role(name)))
+            row = TensorRow(name, rec["file"], rec["dtype"], list(rec["shape"]), numel, numel * size, tensor_role(name))
+            rows.append(row)
         per_file = Counter(r.file for r in rows)
-        files = [{"name": f, "size": rec["size"], "rank": rec["rank"], "tensors": per_file[f]} for f, rec in m["files"].items()]
+        files = [{"name": f, "size": rec["size"], "rank": rec["rank"], "tensors": per_file[f]}
+                 for f, rec in m["files"].items()]  # fmt: skip
         world = m["world"]
         summary = CheckpointSummary(
             path=str(ck.path),

@@ -306,5 +306,6 @@ def normalize_for_model(
     group_expert_keys(tensors, num_experts)
     out = reinterleave_experts(tensors, source_interleave, target_interleave, ffn_size)
     for kind, lay in (("weight", target_layout), ("bias", target_bias_layout or target_layout)):
-        out = to_single_grouped(out, num_experts, (kind,)) if lay == SINGLE_GROUPED else to_per_expert(out, num_experts, (kind,))
+        convert = to_single_grouped if lay == SINGLE_GROUPED else to_per_expert
+        out = convert(out, num_experts, (kind,))
     return out

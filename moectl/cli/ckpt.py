@@ -51,7 +51,8 @@ def _interleave(text: Optional[str]) -> Any:
         return None
     if text.strip().isdigit() and int(text) > 0:
         return int(text)
-    raise UsageError(f"--glu-interleave-size {text!r}: expected a positive int or none", "e.g. --glu-interleave-size 32")
+    raise UsageError(f"--glu-interleave-size {text!r}: expected a positive int or none",
+                     "e.g. --glu-interleave-size 32")  # fmt: skip
 
 
 @command(
@@ -71,7 +72,8 @@ def convert_command(
     layout: Annotated[LayoutChoice, typer.Option("--layout", help="Target expert layout.", show_default=False)],
     glu_interleave_size: Annotated[
         Optional[str],
-        typer.Option("--glu-interleave-size", metavar="N|none", help="Also reorder fc1 rows to this interleave (default: keep)."),
+        typer.Option("--glu-interleave-size", metavar="N|none",
+                     help="Also reorder fc1 rows to this interleave (default: keep)."),  # fmt: skip
     ] = None,
 ) -> None:
     from ckpt.convert import convert_checkpoint
@@ -175,7 +177,8 @@ def export_hf_command(
     + examples(
         "moectl ckpt import-hf ~/models/Mixtral-tiny runs/mixtral/checkpoints",
         "moectl ckpt import-hf ~/models/qwen3-moe runs/qwen/checkpoints --config configs/tiny.yaml",
-        "moectl ckpt import-hf ~/models/qwen3-moe /tmp/ck --set moe.single_grouped_weight=false --set moe.glu_interleave_size=32",
+        "moectl ckpt import-hf ~/models/qwen3-moe /tmp/ck --set moe.single_grouped_weight=false"
+        " --set moe.glu_interleave_size=32",
     ),
 )
 def import_hf_command(

@@ -44,7 +44,8 @@ def test_reinterleave_refuses_sizes_that_do_not_divide_or_odd_rows() -> None:
 
 def test_stack_and_unbind_carry_optimizer_twins_and_leave_others() -> None:
     g = torch.Generator().manual_seed(0)
-    grouped = {f"{P}.weight{s}": torch.randn(3, 8, 4, generator=g) for s in ("", ".main_param", ".exp_avg", ".exp_avg_sq", ".momentum_buffer")}
+    suffixes = ("", ".main_param", ".exp_avg", ".exp_avg_sq", ".momentum_buffer")
+    grouped = {f"{P}.weight{s}": torch.randn(3, 8, 4, generator=g) for s in suffixes}
     grouped["decoder.layers.0.mlp.router.weight"] = other = torch.randn(3, 4, generator=g)
     per = to_per_expert(grouped, 3)
     assert f"{P}.weight2.momentum_buffer" in per and per["decoder.layers.0.mlp.router.weight"] is other
@@ -68,7 +69,7 @@ def test_normalize_reorders_weight_and_bias_rows_and_sets_each_layout() -> None:
     "names, match",
     [
         ([f"{P}.weight0", f"{P}.weight1", f"{P}.weight3"], rf"missing {P}\.weight2"),
-        ([f"{P}.weight0", f"{P}.weight1", f"{P}.weight2", f"{P}.weight3", f"{P}.weight4"], rf"{P}\.weight4' is expert 4, but num_experts is 4"),
+        ([f"{P}.weight{e}" for e in range(5)], rf"{P}\.weight4' is expert 4, but num_experts is 4"),
         ([f"{P}.weight", f"{P}.weight1"], rf"{P}\.weight' is present both grouped and as per-expert '{P}\.weight1'"),
         ([f"{P}.weight_fp8"], rf"{P}\.weight_fp8' is under \.experts\.linear_fc"),
         ([f"{P}.weight07"], rf"{P}\.weight07' is under"),
