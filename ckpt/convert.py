@@ -22,7 +22,15 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ckpt.layout import LAYOUTS, SINGLE_GROUPED, detect_layout, group_expert_keys, normalize_for_model, parse_expert_key
+from ckpt.layout import (
+    LAYOUTS,
+    SINGLE_GROUPED,
+    detect_layout,
+    fc1_row_order,
+    group_expert_keys,
+    normalize_for_model,
+    parse_expert_key,
+)
 from ckpt.reader import Checkpoint, open_checkpoint
 from ckpt.save import save_checkpoint
 from moectl.errors import CheckpointError
@@ -138,7 +146,14 @@ def convert_checkpoint(
             )
         src_i = meta["glu_interleave_size"]
         dst_i = src_i if glu_interleave_size is KEEP else glu_interleave_size
-        ffn = meta.get("config", {}).get("moe", {}).get("ffn_hidden_size")
+        moe_cfg = meta.get("config", {}).get("moe", {})
+        ffn = moe_cfg.get("ffn_hidden_size")
+        if dst_i != src_i:  # refuse now what would otherwise fail halfway through the save
+            if moe_cfg.get("activation") == "squared_relu":
+                raise CheckpointError("glu_interleave_size applies to gated activations; this model's experts "
+                                      "use squared_relu", "convert without --glu-interleave-size")  # fmt: skip
+            if isinstance(ffn, int):
+                fc1_row_order(src_i, dst_i, ffn)
 
         def build(names: list[str]) -> dict[str, torch.Tensor]:
             tensors = {n: ck.read(n) for n in names}

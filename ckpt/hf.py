@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 import secrets
 import shutil
 from dataclasses import dataclass
@@ -132,6 +133,10 @@ class _Source:
         self.used: set[str] = set()
         self.missing: list[str] = []
         self.misshaped: list[str] = []
+        # a missing tensor stands in with the most common dtype, so joining it with its siblings reports
+        # it as missing rather than as a dtype clash
+        dtypes = Counter(dtype for dtype, _ in index.values())
+        self.usual_dtype = dtypes.most_common(1)[0][0] if dtypes else torch.float32
 
     def has(self, name: str) -> bool:
         return name in self.index
@@ -143,7 +148,7 @@ class _Source:
             if not self.dry:
                 raise CheckpointError(f"{self.what} has no tensor {name!r}", "run the dry check first (a bug)")
             self.missing.append(name)
-            return torch.empty(shape, device="meta")
+            return torch.empty(shape, dtype=self.usual_dtype, device="meta")
         dtype, have = self.index[name]
         if have != shape:
             self.misshaped.append(f"{name} is {have}, expected {shape}")

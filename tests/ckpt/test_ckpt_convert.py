@@ -141,6 +141,8 @@ def test_refuses_an_existing_destination_and_one_inside_the_source(tmp_path: Pat
         convert_checkpoint(src, src / "nested", "per-expert")
     with pytest.raises(CheckpointError, match="unknown expert layout"):
         convert_checkpoint(src, tmp_path / "x", "grouped")
+    with pytest.raises(CheckpointError, match="glu_interleave_size 48 must be a positive int dividing the expert ffn size 64"):
+        convert_checkpoint(src, tmp_path / "x", "per-expert", glu_interleave_size=48)
     assert not (tmp_path / "x").exists() and verify_checkpoint(src) == []
 
 
