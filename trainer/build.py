@@ -6,6 +6,7 @@ import torch
 
 from moectl.config.schema import Config
 from trainer.distributed.engine import DistributedEngine
+from trainer.distributed.parallel_state import ParallelState
 from trainer.engine import Engine, LocalEngine
 from trainer.model import GPTMoE
 from trainer.runtime import Runtime
@@ -16,14 +17,22 @@ def params_dtype(cfg: Config) -> torch.dtype:
     return torch.bfloat16 if cfg.mixed_precision.bf16 else torch.float32
 
 
-def build_model(cfg: Config, device: torch.device) -> GPTMoE:
-    """The single-device model, initialised from `train.seed` on the CPU, then moved to `device`."""
+def build_model(cfg: Config, device: torch.device, pstate: ParallelState | None = None) -> GPTMoE:
+    """The single-device model, initialised from `train.seed` on the CPU, then moved to `device`.
+
+    With expert parallelism (`parallel.expert_model_parallel_size` > 1) its MoE layers hold only this rank's
+    experts (their slice of the ep=1 init) and exchange tokens over `pstate.ep`, which is then required.
+    """
+    ep = cfg.parallel.expert_model_parallel_size
+    if ep > 1 and (pstate is None or pstate.ep.size != ep):
+        raise ValueError(f"expert_model_parallel_size={ep} needs this rank's ParallelState with an ep group of {ep}")
     model = GPTMoE(
         cfg.model,
         cfg.moe,
         seed=cfg.train.seed,
         params_dtype=params_dtype(cfg),
         gradient_accumulation_fusion=cfg.parallel.gradient_accumulation_fusion,
+        moe_layer_kwargs={"ep_group": pstate.ep} if ep > 1 and pstate is not None else None,
     )
     return model.to(device)
 

@@ -81,7 +81,7 @@ class Trainer:
         tc = cfg.train
         self.dp = self.rt.world_size
         self.n_micro = tc.global_batch_size // (tc.micro_batch_size * self.dp)
-        self.model = build_model(cfg, self.rt.device)
+        self.model = build_model(cfg, self.rt.device, self.rt.pstate)
         self.engine = build_engine(cfg, self.model, self.rt)
         self.train_data, eval_sampler = build_data_for(cfg, self.rt)
         # The same held-out batches at every evaluation, so eval losses are comparable across steps.

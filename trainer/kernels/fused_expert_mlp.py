@@ -21,6 +21,14 @@ GEMMs run on a second stream, concurrently with dx (`FusedBackend.overlap_wgrad`
 On CUDA the activation runs in Triton (`glu_triton`); elsewhere in the pure-torch reference
 (`glu_reference`), through the same code path, so this backend is tested on every machine.
 
+Low precision (`forward(..., precision=ExpertPrecision)`, trainer/moe/expert_precision.py): the two grouped
+GEMMs become the recipe's quantized grouped GEMMs (fprop, dgrad, wgrad; native `torch._scaled_grouped_mm`
+or exact emulation) around the same fused activation kernel. fc2's input a = probs * act(h + b1) is
+quantized in forward and its columnwise copy kept for dw2 (recomputing it in backward would quantize it
+twice, and record delayed scaling's amax twice), so under a recipe backward does not recompute a. The
+probs sit inside fc2's quantized input here (outside it in the loop/grouped backends), so fused and grouped
+agree within the recipe's rounding, not bitwise. The weight-grad GEMMs run on the main stream.
+
 Constraints inherited from `torch._grouped_mm`: every row stride 16-byte aligned (D, H, F multiples of 8 in
 bf16) and no stride-0 operands (a broadcast dy is made contiguous). Rows of x beyond
 sum(tokens_per_expert) are not computed by the GEMMs: the caller passes sum(tokens_per_expert) == T
@@ -146,8 +154,14 @@ class FusedBackend:
         tokens_per_expert_E: torch.Tensor,
         probs_T: torch.Tensor | None,
         spec: Any,
-    ) -> tuple[torch.Tensor, FusedCtx]:
-        """y_TD = probs * (fc2(act(fc1(x) + b1)) + b2), and the context for `backward`."""
+        precision: Any = None,
+    ) -> tuple[torch.Tensor, Any]:
+        """y_TD = probs * (fc2(act(fc1(x) + b1)) + b2), and the context for `backward`.
+
+        `precision`: an `ExpertPrecision` (trainer.moe.expert_precision) runs both GEMMs in its recipe.
+        """
+        if precision is not None:
+            return _forward_quantized(x_TD, w1_EHD, b1_EH, w2_EDF, b2_ED, tokens_per_expert_E, probs_T, spec, precision)
         activation, interleave = spec_activation(spec), spec_interleave(spec)
         num_experts, h_width, d_model = w1_EHD.shape
         f = glu_reference.ffn_width(h_width, activation, interleave)
@@ -175,8 +189,10 @@ class FusedBackend:
         ctx = FusedCtx(x_TD, h_TH, w1, b1_EH, w2, b2_ED, probs_T, offs_E, expert_T, activation, interleave)
         return y_TD, ctx
 
-    def backward(self, ctx: FusedCtx, dy_TD: torch.Tensor) -> Grads:
+    def backward(self, ctx: Any, dy_TD: torch.Tensor) -> Grads:
         """(dx, dw1, db1, dw2, db2, dprobs); None for the inputs that were None."""
+        if isinstance(ctx, QuantizedFusedCtx):
+            return _backward_quantized(ctx, dy_TD)
         x, h, w1, w2, probs = ctx.x_TD, ctx.h_TH, ctx.w1_EHD, ctx.w2_EDF, ctx.probs_T
         num_experts = w1.shape[0]
         rows = x.shape[0]
@@ -207,18 +223,115 @@ class FusedBackend:
             dw2_EDF = torch._grouped_mm(dy.t(), a_TF, ctx.offs_E)
             dx_TD = torch._grouped_mm(dh_TH, w1, ctx.offs_E)
             dw1_EHD = torch._grouped_mm(dh_TH.t(), x, ctx.offs_E)
-        db1_EH = db2_ED = None
-        if ctx.b1_EH is not None:
-            assert ctx.expert_T is not None
-            db1_EH = _segment_sum(dh_TH, ctx.expert_T, num_experts).to(ctx.b1_EH.dtype)
-        if ctx.b2_ED is not None:
-            assert ctx.expert_T is not None
-            dy_scaled = dy if probs is None else dy.float() * probs.float()[:, None]
-            db2_ED = _segment_sum(dy_scaled, ctx.expert_T, num_experts).to(ctx.b2_ED.dtype)
-            if dprobs_T is not None:  # y also holds p * b2: d/dp = dy . b2[expert]
-                b2_rows = ctx.b2_ED.float().index_select(0, ctx.expert_T.long())
-                dprobs_T = (dprobs_T.float() + (dy.float() * b2_rows).sum(1)).to(probs.dtype)
+        db1_EH, db2_ED, dprobs_T = _bias_grads(
+            ctx.b1_EH, ctx.b2_ED, probs, ctx.expert_T, num_experts, dy, dh_TH, dprobs_T
+        )
         return dx_TD, dw1_EHD, db1_EH, dw2_EDF, db2_ED, dprobs_T
+
+
+def _bias_grads(
+    b1_EH: torch.Tensor | None,
+    b2_ED: torch.Tensor | None,
+    probs_T: torch.Tensor | None,
+    expert_T: torch.Tensor | None,
+    num_experts: int,
+    dy_TD: torch.Tensor,
+    dh_TH: torch.Tensor,
+    dprobs_T: torch.Tensor | None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """(db1, db2, dprobs): per-expert bias grads, and p * b2's share of dprobs."""
+    db1_EH = db2_ED = None
+    if b1_EH is not None:
+        assert expert_T is not None
+        db1_EH = _segment_sum(dh_TH, expert_T, num_experts).to(b1_EH.dtype)
+    if b2_ED is not None:
+        assert expert_T is not None
+        dy_scaled = dy_TD if probs_T is None else dy_TD.float() * probs_T.float()[:, None]
+        db2_ED = _segment_sum(dy_scaled, expert_T, num_experts).to(b2_ED.dtype)
+        if dprobs_T is not None and probs_T is not None:  # y also holds p * b2: d/dp = dy . b2[expert]
+            b2_rows = b2_ED.float().index_select(0, expert_T.long())
+            dprobs_T = (dprobs_T.float() + (dy_TD.float() * b2_rows).sum(1)).to(probs_T.dtype)
+    return db1_EH, db2_ED, dprobs_T
+
+
+@dataclass
+class QuantizedFusedCtx:
+    """Backward's needs under a recipe: h, the quantized fc1/fc2 operands (None without grad), shapes."""
+
+    h_TH: torch.Tensor
+    fc1: Any  # trainer.moe.expert_precision.SavedLinear
+    fc2: Any
+    x_TD: torch.Tensor  # kept only when empty (the grads' shapes); else None
+    w_shapes: tuple[torch.Size, torch.Size]
+    b1_EH: torch.Tensor | None
+    b2_ED: torch.Tensor | None
+    probs_T: torch.Tensor | None
+    expert_T: torch.Tensor | None
+    activation: str
+    interleave: int | None
+
+
+def _forward_quantized(
+    x_TD: torch.Tensor,
+    w1_EHD: torch.Tensor,
+    b1_EH: torch.Tensor | None,
+    w2_EDF: torch.Tensor,
+    b2_ED: torch.Tensor | None,
+    tokens_per_expert_E: torch.Tensor,
+    probs_T: torch.Tensor | None,
+    spec: Any,
+    precision: Any,
+) -> tuple[torch.Tensor, QuantizedFusedCtx]:
+    """The recipe path of `FusedBackend.forward` (module docstring): quantized grouped GEMMs, fused activation."""
+    from trainer.moe.expert_precision import qlinear_forward
+    from trainer.precision.groups import TokenGroups
+
+    activation, interleave = spec_activation(spec), spec_interleave(spec)
+    num_experts, h_width, d_model = w1_EHD.shape
+    f = glu_reference.ffn_width(h_width, activation, interleave)
+    if w2_EDF.shape != (num_experts, d_model, f):
+        raise ValueError(f"w2_EDF has shape {tuple(w2_EDF.shape)}, expected {(num_experts, d_model, f)}")
+    precision.check_aligned(torch.as_tensor(tokens_per_expert_E))
+    rows = x_TD.shape[0]
+    offs_E = _offsets(tokens_per_expert_E, x_TD.device)
+    groups = TokenGroups.from_offsets(offs_E, rows, validate=x_TD.device.type == "cpu")
+    expert_T = _expert_of_row(offs_E, rows) if b1_EH is not None or b2_ED is not None else None
+    kernels = _kernels(x_TD.device)
+    h_TH, fc1 = qlinear_forward(precision, "fc1", x_TD.contiguous(), w1_EHD, groups)
+    a_TF = kernels.glu_forward(h_TH, probs_T, activation, interleave, b1_EH, expert_T) if rows else h_TH[:, :f]
+    y_TD, fc2 = qlinear_forward(precision, "fc2", a_TF, w2_EDF, groups)
+    if b2_ED is not None and rows:
+        assert expert_T is not None
+        y_TD = _add_row_bias(kernels, y_TD, probs_T, b2_ED.to(y_TD.dtype), expert_T)
+    ctx = QuantizedFusedCtx(
+        h_TH, fc1, fc2, x_TD if rows == 0 else None, (w1_EHD.shape, w2_EDF.shape), b1_EH, b2_ED, probs_T, expert_T,
+        activation, interleave,
+    )  # fmt: skip
+    return y_TD, ctx
+
+
+def _backward_quantized(ctx: QuantizedFusedCtx, dy_TD: torch.Tensor) -> Grads:
+    """The recipe path of `FusedBackend.backward`: fc2 dgrad/wgrad, fused activation backward, fc1."""
+    from trainer.moe.expert_precision import qlinear_backward
+
+    if ctx.fc1 is None or ctx.fc2 is None:
+        raise RuntimeError("expert backward after a forward without grad")
+    h, probs = ctx.h_TH, ctx.probs_T
+    num_experts = ctx.w_shapes[0][0]
+    if h.shape[0] == 0:
+        assert ctx.x_TD is not None
+        zeros = lambda t: None if t is None else torch.zeros_like(t)  # noqa: E731
+        w1 = torch.zeros(ctx.w_shapes[0], dtype=torch.float32, device=h.device)
+        w2 = torch.zeros(ctx.w_shapes[1], dtype=torch.float32, device=h.device)
+        return torch.zeros_like(ctx.x_TD), w1, zeros(ctx.b1_EH), w2, zeros(ctx.b2_ED), zeros(probs)
+    dy = dy_TD.to(h.dtype).contiguous()
+    da_TF, dw2_EDF = qlinear_backward(ctx.fc2, dy)
+    dh_TH, dprobs_T, _ = _kernels(h.device).glu_backward(
+        h, probs, da_TF, ctx.activation, ctx.interleave, ctx.b1_EH, ctx.expert_T
+    )
+    dx_TD, dw1_EHD = qlinear_backward(ctx.fc1, dh_TH)
+    db1_EH, db2_ED, dprobs_T = _bias_grads(ctx.b1_EH, ctx.b2_ED, probs, ctx.expert_T, num_experts, dy, dh_TH, dprobs_T)
+    return dx_TD, dw1_EHD, db1_EH, dw2_EDF, db2_ED, dprobs_T
 
 
 def _check_alignment(dtype: torch.dtype, *widths: int) -> None:

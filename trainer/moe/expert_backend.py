@@ -16,6 +16,11 @@ Shapes (torchtitan-style suffixes; logical shapes):
     H  fc1 output: 2F for gated activations ([gate; up], or interleaved blocks), F otherwise
     E  local experts
 
+Low precision: a backend with a recipe path also takes `forward(..., spec, precision=ExpertPrecision)`
+(`expert_precision.py`): fc1 and fc2 then run through the recipe's quantized (grouped) GEMMs, weight grads
+come back fp32, and every expert segment must be a multiple of `recipe.align_size` rows. `loop`, `grouped`
+and `fused` have one; `GroupedMLP` refuses a recipe for a backend without (`supports_precision`).
+
 Dtypes: weights and x share one dtype; probs may be fp32 (the router's). Prob scaling and dprobs are
 computed in fp32 and the output is cast back to x's dtype, so bf16 runs do not round the probs.
 
@@ -30,12 +35,15 @@ from __future__ import annotations
 import importlib
 import inspect
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from moectl.errors import MoectlError
+
+if TYPE_CHECKING:
+    from trainer.moe.expert_precision import ExpertPrecision
 
 Tensor = torch.Tensor
 OptTensor = Optional[torch.Tensor]
@@ -98,6 +106,14 @@ class ExpertBackend(Protocol):
     ) -> tuple[torch.Tensor, Any]: ...
 
     def backward(self, ctx: Any, dy_TD: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]: ...
+
+
+def supports_precision(backend: ExpertBackend) -> bool:
+    """Whether `backend.forward` takes a low-precision recipe (the keyword `precision`)."""
+    try:
+        return "precision" in inspect.signature(backend.forward).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -225,8 +241,15 @@ class LoopBackend:
     def forward(
         self, x_TD: Tensor, w1_EHD: Tensor, b1_EH: OptTensor, w2_EDF: Tensor, b2_ED: OptTensor,
         tokens_per_expert_E: Tensor, probs_T: OptTensor, spec: ExpertSpec,
-    ) -> tuple[Tensor, _LoopCtx]:  # fmt: skip
-        """See the module docstring."""
+        precision: Optional["ExpertPrecision"] = None,
+    ) -> tuple[Tensor, Any]:  # fmt: skip
+        """See the module docstring; with `precision`, expert by expert in the recipe (quantized_mlp.py)."""
+        if precision is not None:
+            from trainer.moe import quantized_mlp
+
+            return quantized_mlp.forward(
+                False, x_TD, w1_EHD, b1_EH, w2_EDF, b2_ED, tokens_per_expert_E, probs_T, spec, precision
+            )
         counts = [int(c) for c in tokens_per_expert_E.tolist()]
         y_TD = x_TD.new_zeros(x_TD.shape[0], w2_EDF.shape[1])
         start = 0
@@ -240,8 +263,12 @@ class LoopBackend:
             start += n
         return y_TD, _LoopCtx(x_TD, w1_EHD, b1_EH, w2_EDF, b2_ED, counts, probs_T, spec)
 
-    def backward(self, ctx: _LoopCtx, dy_TD: Tensor) -> tuple[OptTensor, ...]:
+    def backward(self, ctx: Any, dy_TD: Tensor) -> tuple[OptTensor, ...]:
         """See the module docstring."""
+        if not isinstance(ctx, _LoopCtx):
+            from trainer.moe import quantized_mlp
+
+            return quantized_mlp.backward(ctx, dy_TD)
         grads = [
             torch.zeros_like(t) if t is not None else None
             for t in (ctx.x_TD, ctx.w1_EHD, ctx.b1_EH, ctx.w2_EDF, ctx.b2_ED, ctx.probs_T)
@@ -330,8 +357,15 @@ class GroupedBackend:
     def forward(
         self, x_TD: Tensor, w1_EHD: Tensor, b1_EH: OptTensor, w2_EDF: Tensor, b2_ED: OptTensor,
         tokens_per_expert_E: Tensor, probs_T: OptTensor, spec: ExpertSpec,
-    ) -> tuple[Tensor, _GroupedCtx]:  # fmt: skip
-        """See the module docstring."""
+        precision: Optional["ExpertPrecision"] = None,
+    ) -> tuple[Tensor, Any]:  # fmt: skip
+        """See the module docstring; with `precision`, the recipe's grouped GEMMs (quantized_mlp.py)."""
+        if precision is not None:
+            from trainer.moe import quantized_mlp
+
+            return quantized_mlp.forward(
+                True, x_TD, w1_EHD, b1_EH, w2_EDF, b2_ED, tokens_per_expert_E, probs_T, spec, precision
+            )
         self._check(x_TD, w2_EDF)
         x_TD = x_TD.contiguous()
         offs_E = torch.cumsum(tokens_per_expert_E, dim=0, dtype=torch.int32)
@@ -352,8 +386,12 @@ class GroupedBackend:
         )  # fmt: skip
         return y_TD, ctx
 
-    def backward(self, ctx: _GroupedCtx, dy_TD: Tensor) -> tuple[OptTensor, ...]:
+    def backward(self, ctx: Any, dy_TD: Tensor) -> tuple[OptTensor, ...]:
         """See the module docstring."""
+        if not isinstance(ctx, _GroupedCtx):
+            from trainer.moe import quantized_mlp
+
+            return quantized_mlp.backward(ctx, dy_TD)
         # _grouped_mm rejects stride-0 (expanded) operands, which is what autograd hands us for y.sum().
         dy_TD = dy_TD.contiguous()
         spec, offs_E = ctx.spec, ctx.offs_E

@@ -20,6 +20,7 @@ from moectl.config.schema import MoEConfig
 from trainer.moe.dispatch import LocalDispatcher
 from trainer.moe.experts import GroupedMLP
 from trainer.moe.router import TopKRouter
+from trainer.precision import Recipe
 
 
 @dataclass
@@ -44,6 +45,9 @@ class MoELayer(nn.Module):
         generator: RNG for the init (router first, then fc1, then fc2).
         gradient_accumulation_fusion: expert weight grads go straight into `main_grad`.
         align: pad each expert's rows to a multiple of this (the precision recipe's group alignment).
+        recipe: the low-precision recipe of the experts (None: the params' dtype); `align` must then be a
+            multiple of `recipe.align_size`, so no quantization block or kernel tile spans two experts.
+        The router stays high precision whatever the recipe (its scores decide routing).
     """
 
     def __init__(
@@ -57,12 +61,18 @@ class MoELayer(nn.Module):
         generator: Optional[torch.Generator] = None,
         gradient_accumulation_fusion: bool = False,
         align: int = 1,
+        recipe: Optional[Recipe] = None,
     ) -> None:
         super().__init__()
+        if recipe is not None and align % recipe.align_size:
+            raise ValueError(
+                f"MoELayer(align={align}) with recipe {recipe.name}: expert segments must be padded to a multiple "
+                f"of its align_size {recipe.align_size}; pass align=recipe.align_size"
+            )
         self.router = TopKRouter(cfg, hidden_size, init_std, generator)
         self.experts = GroupedMLP(
             cfg, hidden_size, init_std=init_std, output_init_std=output_init_std, params_dtype=params_dtype,
-            generator=generator, gradient_accumulation_fusion=gradient_accumulation_fusion,
+            generator=generator, gradient_accumulation_fusion=gradient_accumulation_fusion, recipe=recipe,
         )  # fmt: skip
         # router_padding_for_quantization pads the same way in dispatch (see router.py's docstring)
         self.dispatcher = LocalDispatcher(

@@ -1,0 +1,147 @@
+"""Expert-parallel token dispatch by all-to-all: each routing travels to the ep rank that owns its expert.
+
+Shape suffixes: T tokens on this rank, D hidden, E experts in all, L = E/ep local experts, S rows this rank
+sends (its routings sorted by global expert, after any capacity drop or pad), Q rows it receives, P rows of
+the local experts' input (received rows grouped by local expert, each segment padded to `align`).
+
+Experts are sharded contiguously: ep rank r owns global experts [r*L, (r+1)*L). One dispatch:
+
+1. source side: `LocalDispatcher` over all E experts without alignment sorts this rank's routings by
+   global expert (stable, so token order within an expert), dropping or padding by capacity exactly as
+   on one device (capacity per source rank, from its own T, as Megatron's token drop). Because experts
+   are contiguous per rank, rows for rank r are one contiguous block.
+2. counts first: an equal-split all-to-all of the per-expert row counts tells each rank how many rows
+   every source sends for each of its experts; one host sync turns them into split sizes.
+3. tokens: `all_to_all_single` of the rows (and, separately, of their fp32 probs) with those splits.
+   Received rows are source-major (source 0's rows for local experts 0..L-1, then source 1's, ...).
+4. receiver side: a scatter (`index_put`, unique indices: deterministic) regroups them expert-major and
+   pads each local expert's segment to a multiple of `align` with zero rows of prob 0; within an expert,
+   rows stay in (source rank, token) order, i.e. the order of the global batch, as on one device.
+
+`combine` runs the same steps backwards: gather each received row's output, the reverse all-to-all,
+then the source side's own combine (each token's K outputs summed in a fixed order). Autograd flows
+through every step (`ep_comm.all_to_all`'s backward is the reverse all-to-all, unscaled).
+
+Alignment happens once, on the receiver, over the rows of all sources: fewer pad rows than padding per
+source, and none on the wire. `router_padding_for_quantization` therefore needs nothing extra here.
+Host syncs: one per dispatch (the split sizes), plus the source side's own when it drops or pads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from moectl.errors import ConfigError
+from trainer.moe.dispatch import DispatchPlan, LocalDispatcher
+from trainer.moe.ep_comm import all_to_all, all_to_all_counts
+from trainer.moe.router import RouterOutput
+
+if TYPE_CHECKING:
+    from trainer.distributed.parallel_state import Group
+
+
+@dataclass
+class AllToAllPlan:
+    """What `combine` needs to send expert outputs back and un-permute them."""
+
+    source: DispatchPlan  # this rank's sort of its own routings (by global expert)
+    send_splits: list[int]  # rows sent to each ep rank
+    recv_splits: list[int]  # rows received from each ep rank
+    dest_Q: torch.Tensor  # row of x_PD for each received row
+    num_rows: int  # P
+    tokens_per_expert_E: torch.Tensor  # received rows per local expert, before alignment padding (int64, [L])
+    rows_per_expert_E: torch.Tensor  # rows per local expert in x_PD, padding included (int64, [L])
+
+    @property
+    def num_dropped(self) -> torch.Tensor:
+        """Routings of this rank's tokens dropped by the capacity (int64 scalar)."""
+        return self.source.num_dropped
+
+
+def check_divisible(num_experts: int, ep: int) -> None:
+    if ep < 1 or num_experts % ep:
+        raise ConfigError(
+            "moe.num_experts", num_experts, f"must be divisible by parallel.expert_model_parallel_size ({ep})",
+            "make parallel.expert_model_parallel_size a divisor of moe.num_experts",
+        )  # fmt: skip
+
+
+def _round_up(n: torch.Tensor, align: int) -> torch.Tensor:
+    return (n + align - 1) // align * align
+
+
+def expert_major(
+    counts_SL: torch.Tensor, counts_host: list[int], align: int
+) -> tuple[torch.Tensor, int, torch.Tensor, torch.Tensor]:
+    """Where each source-major received row goes in the expert-major, padded layout.
+
+    `counts_SL[s, l]`: rows from source s for local expert l (device), `counts_host` the same flattened
+    on the host. Returns `(dest_Q, P, tokens_L, rows_L)`.
+    """
+    S, L = counts_SL.shape
+    tokens_L = counts_SL.sum(0)
+    rows_L = _round_up(tokens_L, align)
+    per_expert = [sum(counts_host[s * L + e] for s in range(S)) for e in range(L)]
+    P = sum(-(-n // align) * align for n in per_expert)
+    Q = sum(counts_host)
+    row_start_L = torch.cumsum(rows_L, 0) - rows_L
+    before_SL = torch.cumsum(counts_SL, 0) - counts_SL  # rows of earlier sources in the same expert
+    dest_start = (row_start_L.unsqueeze(0) + before_SL).reshape(-1)
+    flat = counts_SL.reshape(-1)
+    recv_start = torch.cumsum(flat, 0) - flat
+    seg_Q = torch.repeat_interleave(torch.arange(S * L, device=flat.device), flat, output_size=Q)
+    dest_Q = dest_start[seg_Q] + torch.arange(Q, device=flat.device) - recv_start[seg_Q]
+    return dest_Q, P, tokens_L, rows_L
+
+
+class AllToAllDispatcher:
+    """`LocalDispatcher`'s interface over experts sharded on the ep group; `rows_per_expert_E` is per local expert."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        ep_group: "Group",
+        *,
+        align: int = 1,
+        capacity_factor: Optional[float] = None,
+        pad_to_capacity: bool = False,
+    ) -> None:
+        check_divisible(num_experts, ep_group.size)
+        if align < 1:
+            raise ValueError(f"align must be >= 1, got {align}")
+        self.num_experts = num_experts
+        self.group = ep_group
+        self.num_local_experts = num_experts // ep_group.size
+        self.first_expert = ep_group.rank * self.num_local_experts
+        self.align = align
+        self.source = LocalDispatcher(num_experts, align=1, capacity_factor=capacity_factor,
+                                      pad_to_capacity=pad_to_capacity)
+
+    def dispatch(
+        self, x_TD: torch.Tensor, router_out: RouterOutput
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AllToAllPlan]:
+        """`(x_PD, rows_per_expert_E, probs_P, plan)` for this rank's local experts (rows from every ep rank)."""
+        ep, L = self.group.size, self.num_local_experts
+        x_SD, sent_E, probs_S, source = self.source.dispatch(x_TD, router_out)
+        counts_SL = all_to_all_counts(sent_E.to(torch.int64), self.group).view(ep, L)
+        send_R = sent_E.view(ep, L).sum(1)
+        host = torch.cat([send_R, counts_SL.reshape(-1)]).tolist()  # the one host sync: split sizes
+        send_splits, counts_host = host[:ep], host[ep:]
+        recv_splits = [sum(counts_host[s * L:(s + 1) * L]) for s in range(ep)]
+
+        x_QD = all_to_all(x_SD, recv_splits, send_splits, self.group)
+        probs_Q = all_to_all(probs_S, recv_splits, send_splits, self.group)
+        dest_Q, P, tokens_L, rows_L = expert_major(counts_SL, counts_host, self.align)
+        x_PD = x_QD.new_zeros(P, x_QD.shape[1]).index_put((dest_Q,), x_QD)
+        probs_P = probs_Q.new_zeros(P).index_put((dest_Q,), probs_Q)
+        plan = AllToAllPlan(source, send_splits, recv_splits, dest_Q, P, tokens_L, rows_L)
+        return x_PD, rows_L, probs_P, plan
+
+    def combine(self, y_PD: torch.Tensor, plan: AllToAllPlan) -> torch.Tensor:
+        """Send each received row's output back to its source and sum each token's K outputs: `[T, D]`."""
+        y_QD = y_PD[plan.dest_Q]
+        y_SD = all_to_all(y_QD, plan.send_splits, plan.recv_splits, self.group)
+        return self.source.combine(y_SD, plan.source)
