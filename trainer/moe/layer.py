@@ -17,10 +17,10 @@ import torch
 from torch import nn
 
 from moectl.config.schema import MoEConfig
-from trainer.moe.dispatch import LocalDispatcher
+from trainer.distributed.parallel_state import Group
+from trainer.moe.expert_parallel import build_dispatcher, expert_shard
 from trainer.moe.experts import GroupedMLP
 from trainer.moe.router import TopKRouter
-from trainer.precision import Recipe
 
 
 @dataclass
@@ -45,9 +45,8 @@ class MoELayer(nn.Module):
         generator: RNG for the init (router first, then fc1, then fc2).
         gradient_accumulation_fusion: expert weight grads go straight into `main_grad`.
         align: pad each expert's rows to a multiple of this (the precision recipe's group alignment).
-        recipe: the low-precision recipe of the experts (None: the params' dtype); `align` must then be a
-            multiple of `recipe.align_size`, so no quantization block or kernel tile spans two experts.
-        The router stays high precision whatever the recipe (its scores decide routing).
+        ep_group: the expert-parallel group; with more than one rank this rank builds only its E/ep experts
+            and its dispatcher (`moe.token_dispatcher`) moves tokens to their owners (expert_parallel.py).
     """
 
     def __init__(
@@ -61,24 +60,17 @@ class MoELayer(nn.Module):
         generator: Optional[torch.Generator] = None,
         gradient_accumulation_fusion: bool = False,
         align: int = 1,
-        recipe: Optional[Recipe] = None,
+        ep_group: Optional[Group] = None,
     ) -> None:
         super().__init__()
-        if recipe is not None and align % recipe.align_size:
-            raise ValueError(
-                f"MoELayer(align={align}) with recipe {recipe.name}: expert segments must be padded to a multiple "
-                f"of its align_size {recipe.align_size}; pass align=recipe.align_size"
-            )
         self.router = TopKRouter(cfg, hidden_size, init_std, generator)
         self.experts = GroupedMLP(
             cfg, hidden_size, init_std=init_std, output_init_std=output_init_std, params_dtype=params_dtype,
-            generator=generator, gradient_accumulation_fusion=gradient_accumulation_fusion, recipe=recipe,
+            generator=generator, gradient_accumulation_fusion=gradient_accumulation_fusion,
+            **expert_shard(cfg, ep_group),
         )  # fmt: skip
         # router_padding_for_quantization pads the same way in dispatch (see router.py's docstring)
-        self.dispatcher = LocalDispatcher(
-            cfg.num_experts, align=align, capacity_factor=cfg.capacity_factor,
-            pad_to_capacity=cfg.pad_expert_input_to_capacity,
-        )  # fmt: skip
+        self.dispatcher = build_dispatcher(cfg, align=align, ep_group=ep_group)
         self.stats: Optional[MoEStats] = None
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:

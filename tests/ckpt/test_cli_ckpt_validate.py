@@ -1,0 +1,19 @@
+from typer.testing import CliRunner
+
+from moectl.cli.app import app
+
+runner = CliRunner()
+SMALL = ["--set", "train.train_iters=2", "--set", "train.eval_interval=null", "--set", "data.source=synthetic",
+         "--set", "model.seq_length=32", "--set", "checkpoint.save_interval=2"]
+
+
+def test_validate_exit_codes(tmp_path):
+    assert runner.invoke(app, ["train", "configs/tiny.yaml", *SMALL, "--run-dir", str(tmp_path)]).exit_code == 0
+    ok = runner.invoke(app, ["ckpt", "validate", str(tmp_path / "checkpoints")])
+    assert ok.exit_code == 0, ok.output
+    assert "valid:" in ok.output and "master" in ok.output
+    step = tmp_path / "checkpoints" / "step_00000002"
+    (step / "manifest.json").write_text((step / "manifest.json").read_text().replace('"step": 2', '"step": 3'))
+    bad = runner.invoke(app, ["ckpt", "validate", str(step)])
+    assert bad.exit_code == 1
+    assert "invalid" in bad.output and "FAIL" in bad.output
