@@ -18,6 +18,11 @@ Weight grads never go through autograd's AccumulateGrad for the layout's sake: o
 the backend and routes `dw_E..` to the params (the whole `[E, out, in]` grad, or its `unbind(0)` slices)
 through `trainer.main_grad.accumulate_wgrad`, which lands them in fp32 `main_grad` under
 `gradient_accumulation_fusion` (then `.grad` stays None).
+
+Low precision (`recipe`): the module owns the recipe and its per-layer scaling state and hands the backend
+an `ExpertPrecision` on every call (expert_precision.py); fc1 and fc2 then run through the recipe's
+quantized grouped GEMMs. Layout parity is unchanged: both layouts quantize the same `[E, out, in]` values.
+The weight grads come back in fp32 (autograd casts them to the params' dtype; `main_grad` takes them as is).
 """
 
 from __future__ import annotations
@@ -28,8 +33,12 @@ import torch
 from torch import nn
 
 from moectl.config.schema import MoEConfig
+from moectl.errors import MoectlError
+from trainer.linear import state_for_call
 from trainer.main_grad import accumulate_wgrad
-from trainer.moe.expert_backend import ExpertBackend, ExpertSpec, get_backend
+from trainer.moe.expert_backend import ExpertBackend, ExpertSpec, get_backend, supports_precision
+from trainer.moe.expert_precision import ExpertPrecision
+from trainer.precision import QuantizedTensor, Recipe
 
 
 def _init_EOI(E: int, out: int, inp: int, std: float, generator: Optional[torch.Generator]) -> torch.Tensor:
@@ -43,6 +52,12 @@ class GroupedLinearParams(nn.Module):
 
     `grouped_weight=True`: `weight` `[E, out, in]`; else `weight0..weight{E-1}` `[out, in]`.
     Bias (when `bias`): `bias` `[E, out]` if `grouped_bias`, else `bias0..bias{E-1}` `[out]`; zero init.
+
+    `quantized_weight` (the low-precision param-gather hook): None, or the whole `[E, out, in]` weight as a
+    `QuantizedTensor` of the layer's recipe whatever the layout (`QuantizedTensor.stack` for per-expert
+    params). When set, the recipe GEMMs use it instead of quantizing the weight params, whose grads are
+    still routed to those params as usual (so they need only their shape and `main_grad`). Whoever sets it
+    keeps it current (re-sets it after every gather); the module never clears it.
     """
 
     def __init__(
@@ -60,6 +75,7 @@ class GroupedLinearParams(nn.Module):
         self.grouped_weight = grouped_weight
         self.grouped_bias = grouped_bias
         self.has_bias = bias
+        self.quantized_weight: Optional[QuantizedTensor] = None
         weight_EOI = weight_EOI.to(dtype)
         if grouped_weight:
             self.weight = nn.Parameter(weight_EOI.clone())
@@ -121,6 +137,7 @@ class _ExpertMLPFunction(torch.autograd.Function):
         probs_P: Optional[torch.Tensor],
         module: "GroupedMLP",
         backend: ExpertBackend,
+        precision: Optional[ExpertPrecision],
         n_params: tuple[int, int, int, int],
         *params: nn.Parameter,
     ) -> torch.Tensor:
@@ -133,8 +150,9 @@ class _ExpertMLPFunction(torch.autograd.Function):
         b1_EH = fc1.as_grouped(groups[1], fc1.grouped_bias)
         w2_EDF = fc2.as_grouped(groups[2], fc2.grouped_weight)
         b2_ED = fc2.as_grouped(groups[3], fc2.grouped_bias)
+        extra = {} if precision is None else {"precision": precision}
         y_PD, ctx.backend_ctx = backend.forward(
-            x_PD, w1_EHD, b1_EH, w2_EDF, b2_ED, tokens_per_expert_E, probs_P, module.spec
+            x_PD, w1_EHD, b1_EH, w2_EDF, b2_ED, tokens_per_expert_E, probs_P, module.spec, **extra
         )
         ctx.backend, ctx.module, ctx.groups = backend, module, groups
         ctx.has_probs = probs_P is not None
@@ -155,7 +173,7 @@ class _ExpertMLPFunction(torch.autograd.Function):
         g_w1 = fc1.route_grads(w1, dw1_EHD, fc1.grouped_weight, fuse)
         g_b1 = fc1.route_grads(b1, db1_EH, fc1.grouped_bias, fuse)
         dprobs_P = dprobs_P if ctx.has_probs else None
-        return (dx_PD, None, dprobs_P, None, None, None, *g_w1, *g_b1, *g_w2, *g_b2)
+        return (dx_PD, None, dprobs_P, None, None, None, None, *g_w1, *g_b1, *g_w2, *g_b2)
 
 
 class GroupedMLP(nn.Module):
@@ -172,6 +190,8 @@ class GroupedMLP(nn.Module):
         params_dtype: dtype of the parameters (the init is drawn in fp32, then cast).
         generator: RNG for the init (fc1 drawn first, then fc2).
         gradient_accumulation_fusion: accumulate weight grads into `param.main_grad` (fp32), `.grad` unused.
+        recipe: a low-precision recipe (`trainer.precision.get_recipe`) for fc1 and fc2, or None (the params'
+            dtype). The rows of every expert must then be a multiple of `recipe.align_size` (MoELayer's align).
     """
 
     def __init__(
@@ -186,6 +206,7 @@ class GroupedMLP(nn.Module):
         params_dtype: torch.dtype = torch.float32,
         generator: Optional[torch.Generator] = None,
         gradient_accumulation_fusion: bool = False,
+        recipe: Optional[Recipe] = None,
     ) -> None:
         super().__init__()
         E = num_local_experts if num_local_experts is not None else cfg.num_experts
@@ -209,11 +230,19 @@ class GroupedMLP(nn.Module):
         self.linear_fc1 = GroupedLinearParams(w1_EHD, dtype=params_dtype, **layout)
         self.linear_fc2 = GroupedLinearParams(w2_EDF, dtype=params_dtype, **layout)
         self._backends: dict[torch.device, ExpertBackend] = {}
+        self.recipe = recipe
+        self.recipe_states: dict[str, Any] = {}  # the recipe's scaling state (delayed: amax histories)
 
     def backend(self, device: torch.device) -> ExpertBackend:
         """The configured backend for `device`, resolved once per device (`auto` may differ on CPU and CUDA)."""
         if device not in self._backends:
-            self._backends[device] = get_backend(self.backend_name, device)
+            backend = get_backend(self.backend_name, device)
+            if self.recipe is not None and not supports_precision(backend):
+                raise MoectlError(
+                    f"expert backend {backend.name!r} has no low-precision path for recipe {self.recipe.name}",
+                    "set moe.backend to grouped, fused or loop, or turn fp8/fp4 off",
+                )
+            self._backends[device] = backend
         return self._backends[device]
 
     def forward(
@@ -228,7 +257,21 @@ class GroupedMLP(nn.Module):
         n_params = tuple(len(g) for g in groups)
         flat = [p for g in groups for p in g]
         return _ExpertMLPFunction.apply(
-            x_PD, tokens_per_expert_E, probs_P, self, self.backend(x_PD.device), n_params, *flat
+            x_PD, tokens_per_expert_E, probs_P, self, self.backend(x_PD.device), self._precision(x_PD, flat),
+            n_params, *flat,
+        )  # fmt: skip
+
+    def _precision(self, x_PD: torch.Tensor, params: list[nn.Parameter]) -> Optional[ExpertPrecision]:
+        """This call's recipe and state (None without a recipe); a call without grad (eval) gets a copy of
+        the state, so it does not move delayed scaling's histories."""
+        if self.recipe is None:
+            return None
+        need_grad = torch.is_grad_enabled() and (x_PD.requires_grad or any(p.requires_grad for p in params))
+        return ExpertPrecision(
+            self.recipe,
+            state_for_call(self.recipe_states, need_grad),
+            need_grad,
+            {"fc1": self.linear_fc1.quantized_weight, "fc2": self.linear_fc2.quantized_weight},
         )
 
     def extra_repr(self) -> str:
@@ -237,4 +280,5 @@ class GroupedMLP(nn.Module):
             f"experts={self.num_local_experts}, hidden={self.hidden_size}, ffn={s.ffn_size}, act={s.activation}, "
             f"interleave={s.glu_interleave_size}, backend={self.backend_name}, "
             f"single_grouped_weight={self.linear_fc1.grouped_weight}"
+            + (f", recipe={self.recipe.name}" if self.recipe is not None else "")
         )

@@ -21,6 +21,7 @@ from trainer.distributed.parallel_state import Group
 from trainer.moe.expert_parallel import build_dispatcher, expert_shard
 from trainer.moe.experts import GroupedMLP
 from trainer.moe.router import TopKRouter
+from trainer.precision import Recipe
 
 
 @dataclass
@@ -47,6 +48,9 @@ class MoELayer(nn.Module):
         align: pad each expert's rows to a multiple of this (the precision recipe's group alignment).
         ep_group: the expert-parallel group; with more than one rank this rank builds only its E/ep experts
             and its dispatcher (`moe.token_dispatcher`) moves tokens to their owners (expert_parallel.py).
+        recipe: the low-precision recipe of the experts (None: the params' dtype); `align` must then be a
+            multiple of `recipe.align_size`, so no quantization block or kernel tile spans two experts.
+        The router stays high precision whatever the recipe (its scores decide routing).
     """
 
     def __init__(
@@ -61,12 +65,18 @@ class MoELayer(nn.Module):
         gradient_accumulation_fusion: bool = False,
         align: int = 1,
         ep_group: Optional[Group] = None,
+        recipe: Optional[Recipe] = None,
     ) -> None:
         super().__init__()
+        if recipe is not None and align % recipe.align_size:
+            raise ValueError(
+                f"MoELayer(align={align}) with recipe {recipe.name}: expert segments must be padded to a multiple "
+                f"of its align_size {recipe.align_size}; pass align=recipe.align_size"
+            )
         self.router = TopKRouter(cfg, hidden_size, init_std, generator)
         self.experts = GroupedMLP(
             cfg, hidden_size, init_std=init_std, output_init_std=output_init_std, params_dtype=params_dtype,
-            generator=generator, gradient_accumulation_fusion=gradient_accumulation_fusion,
+            generator=generator, gradient_accumulation_fusion=gradient_accumulation_fusion, recipe=recipe,
             **expert_shard(cfg, ep_group),
         )  # fmt: skip
         # router_padding_for_quantization pads the same way in dispatch (see router.py's docstring)
