@@ -4,6 +4,7 @@
 its `heads // groups` query heads, then its key head, then its value head. Checkpoint converters rely
 on this order (HF stores q, k, v separately).
 Shapes: B batch, S sequence, D hidden, N query heads, G query groups (kv heads), C head dim.
+Both projections are `trainer.linear.Linear`: nn.Linear without a recipe, the recipe's GEMMs with one.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trainer.linear import Linear
 from trainer.norm import RMSNorm
+from trainer.precision import Recipe
 
 
 def rope_cache(seq_length: int, head_dim: int, base: float, device: torch.device | None = None) -> torch.Tensor:
@@ -43,13 +46,16 @@ class SelfAttention(nn.Module):
         qk_layernorm: bool = False,
         norm_epsilon: float = 1e-5,
         dtype: torch.dtype = torch.float32,
+        recipe: Recipe | None = None,
+        gradient_accumulation_fusion: bool = False,
     ) -> None:
         super().__init__()
         self.num_heads, self.num_groups = num_heads, num_groups
         self.head_dim = hidden_size // num_heads
         qkv_rows = (num_heads + 2 * num_groups) * self.head_dim
-        self.linear_qkv = nn.Linear(hidden_size, qkv_rows, bias=False, dtype=dtype)
-        self.linear_proj = nn.Linear(num_heads * self.head_dim, hidden_size, bias=False, dtype=dtype)
+        lin = dict(bias=False, dtype=dtype, recipe=recipe, gradient_accumulation_fusion=gradient_accumulation_fusion)
+        self.linear_qkv = Linear(hidden_size, qkv_rows, **lin)  # type: ignore[arg-type]
+        self.linear_proj = Linear(num_heads * self.head_dim, hidden_size, **lin)  # type: ignore[arg-type]
         self.q_layernorm = RMSNorm(self.head_dim, norm_epsilon, dtype=dtype) if qk_layernorm else None
         self.k_layernorm = RMSNorm(self.head_dim, norm_epsilon, dtype=dtype) if qk_layernorm else None
 

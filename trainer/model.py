@@ -9,6 +9,12 @@ State-dict keys follow Megatron-Core's GPT so checkpoints and converters read na
 `decoder.final_layernorm.weight`, `output_layer.weight`.
 Init is one seeded generator drawn in construction order, so equal seeds give equal models, and an
 expert layer draws its whole `[E, out, in]` weight at once whatever its storage layout.
+
+Low precision (`recipe`, from `trainer.precision.get_recipe`): every linear layer of the block runs its
+GEMMs in the recipe, i.e. attention's `linear_qkv`/`linear_proj` and the dense MLP (`trainer.linear.Linear`)
+and the experts' fc1/fc2 (`GroupedMLP`). The embedding, the routers and the output head stay in the params'
+dtype, as in TE/Megatron. The recipe changes neither parameters, state-dict keys nor init. Expert segments
+must be padded to `recipe.align_size` rows: pass `expert_align=recipe.align_size` (checked).
 """
 
 from __future__ import annotations
@@ -22,17 +28,28 @@ from torch import nn
 
 from moectl.config.schema import ModelConfig, MoEConfig
 from trainer.attention import SelfAttention, rope_cache
+from trainer.linear import Linear
 from trainer.moe import MoELayer
 from trainer.norm import RMSNorm
+from trainer.precision import Recipe
 
 
 class DenseMLP(nn.Module):
     """SwiGLU MLP of the non-MoE layers; `linear_fc1` rows are `[gate; up]` as in the experts."""
 
-    def __init__(self, hidden_size: int, ffn_hidden_size: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        dtype: torch.dtype,
+        *,
+        recipe: Recipe | None = None,
+        gradient_accumulation_fusion: bool = False,
+    ) -> None:
         super().__init__()
-        self.linear_fc1 = nn.Linear(hidden_size, 2 * ffn_hidden_size, bias=False, dtype=dtype)
-        self.linear_fc2 = nn.Linear(ffn_hidden_size, hidden_size, bias=False, dtype=dtype)
+        lin = dict(bias=False, dtype=dtype, recipe=recipe, gradient_accumulation_fusion=gradient_accumulation_fusion)
+        self.linear_fc1 = Linear(hidden_size, 2 * ffn_hidden_size, **lin)  # type: ignore[arg-type]
+        self.linear_fc2 = Linear(ffn_hidden_size, hidden_size, **lin)  # type: ignore[arg-type]
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         gate, up = self.linear_fc1(x_BSD).chunk(2, dim=-1)
@@ -42,7 +59,16 @@ class DenseMLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm transformer block; `mlp` is an MoE layer or a dense SwiGLU MLP."""
 
-    def __init__(self, mcfg: ModelConfig, moe_cfg: MoEConfig | None, mlp: nn.Module, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        mcfg: ModelConfig,
+        moe_cfg: MoEConfig | None,
+        mlp: nn.Module,
+        dtype: torch.dtype,
+        *,
+        recipe: Recipe | None = None,
+        gradient_accumulation_fusion: bool = False,
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(mcfg.hidden_size, mcfg.norm_epsilon, dtype=dtype)
         self.self_attention = SelfAttention(
@@ -52,6 +78,8 @@ class DecoderLayer(nn.Module):
             qk_layernorm=mcfg.qk_layernorm,
             norm_epsilon=mcfg.norm_epsilon,
             dtype=dtype,
+            recipe=recipe,
+            gradient_accumulation_fusion=gradient_accumulation_fusion,
         )
         self.pre_mlp_layernorm = RMSNorm(mcfg.hidden_size, mcfg.norm_epsilon, dtype=dtype)
         self.mlp = mlp
@@ -103,15 +131,18 @@ class GPTMoE(nn.Module):
         gradient_accumulation_fusion: bool = False,
         expert_align: int = 1,
         moe_layer_kwargs: dict | None = None,
+        recipe: Recipe | None = None,
     ) -> None:
         super().__init__()
         self.cfg = mcfg
+        self.recipe = recipe
         gen = torch.Generator().manual_seed(seed)
         std = mcfg.init_method_std
         # Megatron's output_layer_init_method: residual-branch outputs start smaller with depth.
         out_std = std / math.sqrt(2.0 * mcfg.num_layers)
 
         self.embedding = Embedding(mcfg.vocab_size, mcfg.hidden_size, params_dtype)
+        linears = dict(recipe=recipe, gradient_accumulation_fusion=gradient_accumulation_fusion)
         layers = []
         for i in range(mcfg.num_layers):
             if mcfg.is_moe_layer(i):
@@ -124,11 +155,12 @@ class GPTMoE(nn.Module):
                     generator=gen,
                     gradient_accumulation_fusion=gradient_accumulation_fusion,
                     align=expert_align,
+                    recipe=recipe,
                     **(moe_layer_kwargs or {}),
                 )
             else:
-                mlp = DenseMLP(mcfg.hidden_size, mcfg.ffn_hidden_size, params_dtype)
-            layers.append(DecoderLayer(mcfg, moe_cfg, mlp, params_dtype))
+                mlp = DenseMLP(mcfg.hidden_size, mcfg.ffn_hidden_size, params_dtype, **linears)
+            layers.append(DecoderLayer(mcfg, moe_cfg, mlp, params_dtype, **linears))
         self.decoder = Decoder(layers, RMSNorm(mcfg.hidden_size, mcfg.norm_epsilon, dtype=params_dtype))
         self.output_layer = (
             None if mcfg.tie_embeddings else nn.Linear(mcfg.hidden_size, mcfg.vocab_size, bias=False, dtype=params_dtype)
