@@ -15,7 +15,7 @@ Invariants of a `ParamAndGradBuffer`:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import torch
 
@@ -26,6 +26,10 @@ from trainer.distributed.parallel_state import Group
 
 if TYPE_CHECKING:
     from trainer.distributed.bucket_group import BucketGroup
+
+
+#: (params in order, their names, bucket_size, shard group size) -> plan; the default is `plan_buffer`
+Planner = Callable[[Sequence[torch.nn.Parameter], Mapping[torch.nn.Parameter, str], int, int], BufferPlan]
 
 
 @dataclass(frozen=True)
@@ -56,7 +60,7 @@ def alias_as(grad_data: torch.Tensor, dtype: torch.dtype, numel: int) -> torch.T
 
 class ParamAndGradBuffer:
     def __init__(self, key: BufferKey, params: Sequence[torch.nn.Parameter], names: dict[torch.nn.Parameter, str],
-                 storage: ParamStorage, group: Group, bucket_size: int) -> None:
+                 storage: ParamStorage, group: Group, bucket_size: int, planner: Planner | None = None) -> None:
         if not params:
             raise ValueError("a buffer needs at least one param")
         devices = {p.device for p in params}
@@ -68,7 +72,9 @@ class ParamAndGradBuffer:
         self.storage = storage
         self.group = group
         self.device = devices.pop()
-        self.plan: BufferPlan = plan_buffer([p.numel() for p in params], bucket_size, group.size)
+        # A planner (e.g. the layer-wise one: whole params per shard) replaces the default layout.
+        self.plan: BufferPlan = (planner(self.params, self.names, bucket_size, group.size) if planner
+                                 else plan_buffer([p.numel() for p in params], bucket_size, group.size))
         self.param_ranges = {p: self.plan.param_ranges[i] for i, p in enumerate(params)}
         total = self.plan.total
 

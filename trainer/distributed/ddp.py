@@ -51,7 +51,7 @@ import torch
 
 from trainer.distributed import comm
 from trainer.distributed.bucket_group import BucketGroup, GradSyncError, GradSyncState
-from trainer.distributed.buffers import BufferKey, ParamAndGradBuffer
+from trainer.distributed.buffers import BufferKey, ParamAndGradBuffer, Planner
 from trainer.distributed.layout import default_bucket_size
 from trainer.distributed.param_storage import HighPrecisionStorage, ParamStorage
 from trainer.distributed.param_sync import SETTLED, ParamSyncError, ParamSyncState
@@ -77,7 +77,8 @@ def _tensor_digest(t: torch.Tensor) -> str:
 
 class DistributedModel:
     def __init__(self, module: torch.nn.Module, parallel_cfg: ParallelConfig, pstate: ParallelState,
-                 optimizer_tags: TagSpec = None, storage: StorageSpec = None) -> None:
+                 optimizer_tags: TagSpec = None, storage: StorageSpec = None,
+                 layouts: Mapping[str, Planner] | None = None) -> None:
         self.module = module
         self.cfg = parallel_cfg
         self.pstate = pstate
@@ -108,8 +109,10 @@ class DistributedModel:
             by_key.setdefault(key, []).append(p)
             storages.setdefault(key, st)
 
+        # `layouts`: a buffer planner per optimizer tag (Muon's layer-wise one keeps params whole per shard).
         self.buffers: list[ParamAndGradBuffer] = [
-            ParamAndGradBuffer(key, ps, self.names, storages[key], pstate.group_for(key.is_expert), bucket_size)
+            ParamAndGradBuffer(key, ps, self.names, storages[key], pstate.group_for(key.is_expert), bucket_size,
+                               planner=(layouts or {}).get(key.optimizer_tag))
             for key, ps in by_key.items()
         ]
 
