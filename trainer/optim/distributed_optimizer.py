@@ -148,10 +148,13 @@ class DistributedOptimizer:
             g.sync.check(Action.STAGE)
 
     @torch.no_grad()
-    def step(self, lr: float) -> StepResult:
-        """Clip by the global norm, update masters, write back, gather (now or in the next forward)."""
+    def step(self, lr: float, *, joint_norm: tuple[float, bool] | None = None) -> StepResult:
+        """Clip by the global norm, update masters, write back, gather (now or in the next forward).
+
+        `joint_norm`: (norm, found_inf) a `ChainedOptimizer` agreed over all its optimizers; None: our own.
+        """
         self._check_ready()
-        norm, found_inf = global_norm_and_found_inf(self.local_grad_sq(), self.dmodel.pstate.dp)
+        norm, found_inf = joint_norm or global_norm_and_found_inf(self.local_grad_sq(), self.dmodel.pstate.dp)
         if found_inf:
             self.skipped_steps += 1
             if self.on_nonfinite == "stop":
