@@ -106,7 +106,9 @@ def qlinear_forward(
     state = p.state(fc, expert, num_experts)
     wq = _weight(p, fc, w, expert, state)
     xq = recipe.quantize_activation(x_TI, groups=groups, columnwise=p.need_grad, state=state)
-    if groups is None:
+    if groups is None and x_TI.shape[0] == 0:  # an expert without rows: nothing to multiply (no kernel call)
+        y = x_TI.new_zeros(0, w.shape[-2])
+    elif groups is None:
         y = recipe.fprop(xq, wq, x_TI.dtype)
     else:
         y = recipe.grouped_fprop(xq, wq, x_TI.dtype)
@@ -122,6 +124,9 @@ def qlinear_backward(s: SavedLinear, dy_TO: torch.Tensor) -> tuple[torch.Tensor,
     """(dx `[T, in]` in x's dtype, dW fp32 `[E, out, in]` or `[out, in]`) from the output grad."""
     r = s.recipe
     gq = r.quantize_grad(dy_TO.contiguous(), groups=s.groups, rowwise=True, columnwise=True, state=s.state)
+    if s.groups is None and dy_TO.shape[0] == 0:
+        shape = s.wq.shape  # [out, in]
+        return dy_TO.new_zeros(0, shape[-1], dtype=s.x_dtype), dy_TO.new_zeros(shape, dtype=torch.float32)
     if s.groups is None:
         return r.dgrad(gq, s.wq, s.x_dtype), r.wgrad(gq, s.xq)
     return r.grouped_dgrad(gq, s.wq, s.x_dtype), r.grouped_wgrad(gq, s.xq)
