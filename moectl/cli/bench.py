@@ -113,3 +113,143 @@ def grouped_mlp(
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(result.to_json(), indent=2) + "\n")
         console.print(f"wrote {json_path}")
+
+
+# ------------------------------------------------------------------------------------------------ optimizer-step
+_OPTIMIZER_STEP_HELP = (
+    "Optimizer step time on one GPU: moectl's DistributedOptimizer (fp32 masters, buffers; fp32 and bf16 params) "
+    "against torch.optim.AdamW(fused=True) on the same ~805M parameters, with the bandwidth floor (bytes touched "
+    "/ measured copy bandwidth) beside each, and the parts of moectl's step."
+    + examples(
+        "moectl bench optimizer-step --json runs/opt.json",
+        "moectl bench optimizer-step --quick",
+    )
+)
+
+
+def render_optimizer_step(result: Any, console: Console) -> None:
+    meta = result.meta
+    table = Table(
+        title=f"optimizer step, {meta['shape']['numel'] / 1e6:.1f}M params on {meta['device_name']} "
+        f"(torch {meta['torch']})",
+        caption="median of interleaved rounds; floor = bytes/param x params / copy bandwidth"
+        + "".join(f"\n{n}" for n in result.notes),
+    )  # fmt: skip
+    for col in ("optimizer", "ms", "B/param", "GB/s", "floor ms", "% of floor", "vs torch fused"):
+        table.add_column(col, justify="left" if col == "optimizer" else "right")
+    for r in result.rows:
+        vs = "-" if r["throughput_vs_torch"] is None else f"{r['throughput_vs_torch']:.2f}x"
+        table.add_row(r["name"], f"{r['ms']:.3f}", str(r["bytes_per_param"]), f"{r['gbps']:.0f}",
+                      f"{r['floor_ms']:.3f}", f"{r['pct_floor']:.0f}%", vs)
+    console.print(table)
+
+
+def _write_json(result: Any, json_path: Optional[Path], console: Console) -> None:
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(result.to_json(), indent=2) + "\n")
+        console.print(f"wrote {json_path}")
+
+
+@command(bench_app, name="optimizer-step", help=_OPTIMIZER_STEP_HELP)
+def optimizer_step(
+    json_path: JsonPathOpt = None,
+    quick: Annotated[
+        bool, typer.Option("--quick", help="A tiny parameter set on the CPU: a smoke test for CI.")
+    ] = False,
+    device: Annotated[Optional[str], typer.Option("--device", help="cuda or cpu (default: cuda if present).")] = None,
+    rounds: Annotated[Optional[int], typer.Option("--rounds", min=1, help="Interleaved timing rounds.")] = None,
+) -> None:
+    import torch
+
+    from moectl.bench import optimizer_step as ob
+
+    dev = device or ("cuda" if torch.cuda.is_available() and not quick else "cpu")
+    cfg = ob.OptBenchConfig.quick(dev) if quick else ob.OptBenchConfig(device=dev)
+    cfg.rounds = rounds or cfg.rounds
+    console = Console()
+    result = ob.run(cfg, log=lambda line: console.print(line, style="dim", highlight=False))
+    render_optimizer_step(result, console)
+    _write_json(result, json_path, console)
+
+
+# ------------------------------------------------------------------------------------------------ param-gather
+_PARAM_GATHER_HELP = (
+    "The param all-gather of one step through moectl's buckets (sync and async) against a raw NCCL "
+    "all_gather_into_tensor of the same bytes (time, GB/s, bus bandwidth, ratio), then a real GPT-MoE step with "
+    "overlap on / off / compute only (exposed communication). Launches itself on --nproc-per-node GPUs."
+    + examples(
+        "moectl bench param-gather --nproc-per-node 2 --json runs/pg.json",
+        "torchrun --nproc-per-node 4 -m moectl bench param-gather",
+        "moectl bench param-gather --quick",
+    )
+)
+
+
+def render_param_gather(result: Any, console: Console) -> None:
+    meta = result.meta
+    versions = ", ".join(f"{k} {meta[k]}" for k in ("torch", "cuda", "nccl") if meta.get(k))
+    table = Table(
+        title=f"param all-gather, {meta['shape']['numel'] / 1e6:.1f}M params, {meta['world_size']} x "
+        f"{meta['device_name']} ({versions})",
+        caption="slowest rank's median of interleaved rounds" + "".join(f"\n{n}" for n in result.notes),
+    )  # fmt: skip
+    for col in ("format", "gather", "buckets", "GB", "ms", "algbw GB/s", "busbw GB/s", "vs raw"):
+        table.add_column(col, justify="left" if col in ("format", "gather") else "right")
+    for r in result.gather_rows:
+        table.add_row(r["format"], r["name"], str(r["buckets"]), f"{r['gbytes']:.3f}", f"{r['ms']:.3f}",
+                      f"{r['algbw_gbps']:.0f}", f"{r['busbw_gbps']:.0f}", f"{r['vs_raw']:.2f}x")
+    console.print(table)
+    if result.step_rows:
+        info = meta["step"]
+        step = Table(
+            title=f"training step, GPT-MoE {info['step_params'] / 1e6:.0f}M params, {info['tokens_per_rank']} "
+            f"tokens per rank; {info['grad_reduce_gbytes']:.2f} GB grads reduced, "
+            f"{info['param_gather_gbytes']:.2f} GB params gathered",
+            caption="exposed = step - compute only (moectl's collectives as no-ops)",
+        )  # fmt: skip
+        for col in ("step", "ms", "exposed ms", "exposed % of step"):
+            step.add_column(col, justify="left" if col == "step" else "right")
+        for r in result.step_rows:
+            step.add_row(r["name"], f"{r['ms']:.2f}", f"{r['exposed_ms']:.2f}", f"{r['exposed_pct']:.1f}%")
+        console.print(step)
+
+
+@command(bench_app, name="param-gather", help=_PARAM_GATHER_HELP)
+def param_gather(
+    json_path: JsonPathOpt = None,
+    quick: Annotated[
+        bool, typer.Option("--quick", help="Tiny params and model on the CPU (gloo): a smoke test for CI.")
+    ] = False,
+    nproc_per_node: Annotated[
+        Optional[int],
+        typer.Option("--nproc-per-node", min=1, help="Processes to launch (default: every visible GPU; 1 on CPU)."),
+    ] = None,
+    no_step: Annotated[bool, typer.Option("--no-step", help="Skip the training-step (overlap) table.")] = False,
+    device: Annotated[Optional[str], typer.Option("--device", help="cuda or cpu (default: cuda if present).")] = None,
+) -> None:
+    import torch
+
+    from moectl.launcher import launch_local, reexec_args, under_torchrun
+
+    if not under_torchrun():
+        n = nproc_per_node or (1 if quick or not torch.cuda.is_available() else torch.cuda.device_count())
+        if n > 1:
+            raise typer.Exit(launch_local(n, reexec_args()))
+
+    import torch.distributed as dist
+
+    from moectl.bench import param_gather as pg
+    from moectl.bench.param_mix import ProcessGroup, device_for_rank
+
+    dev = device_for_rank("cpu" if quick and device is None else device)
+    cfg = pg.GatherBenchConfig.quick(dev.type) if quick else pg.GatherBenchConfig(device=dev.type)
+    if no_step:
+        cfg.step = None
+    with ProcessGroup(dev):
+        main = dist.get_rank() == 0
+        console = Console(quiet=not main)
+        result = pg.run(cfg, dev, log=lambda line: console.print(line, style="dim", highlight=False))
+        render_param_gather(result, console)
+        if main:
+            _write_json(result, json_path, console)

@@ -6,8 +6,9 @@ bucket groups of a few thousand elements (several per buffer), and dp=2 with ep=
 dp=1 (losses and params within 1e-5 relative on CPU), overlap on equals overlap off bitwise (losses and
 params), small buckets equal one bucket, ep=2 equals ep=1 (params compared on each rank's experts), and
 params are hash-identical across dp replicas after the run (`check_param_hashes`). On two GPUs the same
-runs go through NCCL in bf16, with bf16 tolerances (and the overlap comparison reported, not required,
-to be bitwise: CUDA kernels are not bit-reproducible across the two orders of launches).
+runs go through NCCL in bf16 with bf16 tolerances: losses within 5e-3 relative, params within 5e-3 as a
+whole (||a-b|| / ||b|| over all params; per element, Adam's +-lr steps on noise-level bf16 grads differ),
+and overlap on vs off reported, not required, to be bitwise (index backward uses atomics on CUDA).
 """
 
 from __future__ import annotations
@@ -63,39 +64,53 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max()) / (float(b.abs().max()) or 1.0)
 
 
+def _rel_norm(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """||a - b|| / ||b|| over all pairs together (bf16: per-element comparisons after Adam steps mean nothing,
+    see test_dist_ep.py's GPU_TOL)."""
+    num = sum(float((a - b).square().sum()) for a, b in pairs)
+    return (num / sum(float(b.square().sum()) for _, b in pairs)) ** 0.5
+
+
 def _expert_slice(name: str, p: torch.Tensor, ref: dict[str, torch.Tensor], first: int) -> torch.Tensor:
     # the loop runs the default grouped layout: `...experts.linear_fc1.weight` [E/ep, ...] of the ep=1 [E, ...]
     return ref[name][first:first + p.shape[0]] if ".experts." in name else ref[name]
 
 
-def loop_body(rank: int, world_size: int, root: str, backend: str = "gloo") -> dict[str, Any]:
-    extra = []
+def loop_body(rank: int, world_size: int, root: str, backend: str = "gloo", bf16: bool = False) -> dict[str, Any]:
+    # bf16, lr 1e-3: 4 steps must move weights by more than the bf16 tolerance could hide
+    extra = ["mixed_precision.bf16=true", "optimizer.lr=1e-3"] if bf16 else []
     device = torch.device("cpu")
     if backend == "nccl":  # run_distributed joined gloo; move to NCCL on this rank's GPU
         dist.destroy_process_group()
         torch.cuda.set_device(rank)
         dist.init_process_group("nccl", init_method=f"file://{root}/nccl-rdzv", rank=rank, world_size=world_size)
         device = torch.device("cuda", rank)
-        extra = ["mixed_precision.bf16=true"]
+        extra.append("train.device=cuda")
     one = Runtime(device=device, rank=0, world_size=1, local_rank=rank, pstate=ParallelState.trivial(device))
     ref = _train(extra, Path(root) / f"dp1-rank{rank}", runtime=one)
     runs = {name: _train([*extra, *o], Path(root) / name) for name, o in RUNS.items()}
     dp2, over, small, ep2 = runs["dp2"], runs["overlap"], runs["small_buckets"], runs["ep2"]
     first = ep2["first_expert"]
+    per_tensor = not bf16
+
+    def params_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], first: int = 0) -> float:
+        pairs = [(p, _expert_slice(n, p, b, first)) for n, p in a.items()]
+        return max(_rel(x, y) for x, y in pairs) if per_tensor else _rel_norm(pairs)
+
     return {
         # eval losses are not compared across dp: eval_iters micro-batches per rank cover dp times the windows
         "dp2_vs_dp1": (
             max(abs(a - b) / abs(b) for a, b in zip(dp2["losses"], ref["losses"])),
-            max(_rel(p, ref["params"][n]) for n, p in dp2["params"].items()),
+            params_diff(dp2["params"], ref["params"]),
         ),
         "overlap_bitwise": (over["losses"] == dp2["losses"] and over["evals"] == dp2["evals"]
                             and all(torch.equal(p, dp2["params"][n]) for n, p in over["params"].items())),
-        "overlap_vs_off": max(_rel(p, dp2["params"][n]) for n, p in over["params"].items()),
+        "overlap_vs_off": params_diff(over["params"], dp2["params"]),
         "small_vs_one": (max(abs(a - b) / abs(b) for a, b in zip(small["losses"], dp2["losses"])),
-                         max(_rel(p, dp2["params"][n]) for n, p in small["params"].items())),
+                         params_diff(small["params"], dp2["params"])),
         "ep2_vs_ep1": (
             max(abs(a - b) / abs(b) for a, b in zip(ep2["losses"], dp2["losses"])),
-            max(_rel(p, _expert_slice(n, p, dp2["params"], first)) for n, p in ep2["params"].items()),
+            params_diff(ep2["params"], dp2["params"], first),
         ),
         "hash_mismatches": {name: r["hash_mismatches"] for name, r in runs.items()},
         "first_expert": first,
@@ -124,6 +139,6 @@ def test_trainer_dp2_equals_dp1_overlap_bitwise_ep2_on_cpu(tmp_path) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_trainer_dp2_equals_dp1_on_two_gpus(tmp_path) -> None:
-    results = run_distributed(loop_body, world_size=2, timeout=300, root=str(tmp_path), backend="nccl")
+    results = run_distributed(loop_body, world_size=2, timeout=300, root=str(tmp_path), backend="nccl", bf16=True)
     print("overlap bitwise on GPU:", [r["overlap_bitwise"] for r in results], "details:", results)
-    check(results, tol=2e-2, bitwise=False)
+    check(results, tol=5e-3, bitwise=False)
