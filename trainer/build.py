@@ -9,6 +9,7 @@ from trainer.distributed.engine import DistributedEngine
 from trainer.distributed.parallel_state import ParallelState
 from trainer.engine import Engine, LocalEngine
 from trainer.model import GPTMoE
+from trainer.precision import Recipe
 from trainer.runtime import Runtime
 
 
@@ -26,15 +27,29 @@ def build_model(cfg: Config, device: torch.device, pstate: ParallelState | None 
     ep = cfg.parallel.expert_model_parallel_size
     if ep > 1 and (pstate is None or pstate.ep.size != ep):
         raise ValueError(f"expert_model_parallel_size={ep} needs this rank's ParallelState with an ep group of {ep}")
+    recipe = build_recipe(cfg, device)
     model = GPTMoE(
         cfg.model,
         cfg.moe,
         seed=cfg.train.seed,
         params_dtype=params_dtype(cfg),
         gradient_accumulation_fusion=cfg.parallel.gradient_accumulation_fusion,
+        recipe=recipe,
+        expert_align=recipe.align_size if recipe is not None else 1,
         moe_layer_kwargs={"ep_group": pstate.ep} if ep > 1 and pstate is not None else None,
     )
     return model.to(device)
+
+
+def build_recipe(cfg: Config, device: torch.device) -> "Recipe | None":
+    """The low-precision recipe (None for bf16/fp32), refused here under `emulate: never` if the device
+    would run any of its GEMMs emulated (validate-config says so too, as rule MOE038)."""
+    from trainer.precision import get_recipe
+
+    recipe = get_recipe(cfg.mixed_precision)
+    if recipe is not None:
+        recipe.check_device(device)
+    return recipe
 
 
 def build_engine(cfg: Config, model: GPTMoE, rt: Runtime) -> Engine:

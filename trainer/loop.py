@@ -27,6 +27,7 @@ from trainer.flops import flops_per_token, peak_tflops
 from trainer.metrics import MetricsWriter, ProgressDisplay, expert_balance
 from trainer.model import count_params
 from trainer.optim.lr_schedule import lr_at
+from trainer.precision import describe
 from trainer.runtime import Runtime, setup_runtime
 
 
@@ -194,6 +195,8 @@ class Trainer:
             f"  data: {self.train_data.stream.describe()} | batch {cfg.train.global_batch_size} x {cfg.model.seq_length} "
             f"tokens ({self.n_micro} micro-batches of {cfg.train.micro_batch_size}/rank) | run_dir {self.run_dir}"
         )
+        # Say which GEMMs run native and which are emulated: a run never pretends.
+        self.console.print(f"  precision: {describe(self.model.recipe, self.rt.device)}")
 
     def run(self) -> TrainResult:
         """Train to `train.train_iters`; returns the per-step losses and how the run ended."""
