@@ -2,7 +2,8 @@
 
 Saved, as logical (unsharded, un-padded, expert-parallel-gathered) tensors under the model's state-dict
 names: model weights (high precision; quantized bytes are never saved, they are rebuilt from masters),
-and per param `<name>.main_param` (fp32 master), `<name>.exp_avg`, `<name>.exp_avg_sq`. Ranks split the
+and per param `<name>.main_param` (fp32 master), `<name>.exp_avg`, `<name>.exp_avg_sq` (AdamW) or
+`<name>.momentum_buffer` (Muon's matrices), whichever the optimizer holds for it. Ranks split the
 tensor names between them and write their own `model-/optim-<rank>.safetensors` files in parallel.
 
 Loading goes through `ckpt.layout.normalize_for_model`, the one normalisation shared with `convert` and
@@ -31,7 +32,9 @@ from moectl.config.load import config_to_dict
 from moectl.config.schema import Config
 from moectl.errors import CheckpointError
 
-STATE_SUFFIX = {"master": ".main_param", "exp_avg": ".exp_avg", "exp_avg_sq": ".exp_avg_sq"}
+STATE_SUFFIX = {"master": ".main_param", "exp_avg": ".exp_avg", "exp_avg_sq": ".exp_avg_sq",
+                "momentum_buffer": ".momentum_buffer"}
+ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 # The model keys a checkpoint must agree on to load into a model at all (shapes follow from these).
 ARCH_KEYS = {
     "model": ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
@@ -132,7 +135,8 @@ def collect_logical_state(model: nn.Module, engine: Any, pstate: Any, num_expert
         state = optimizer.gather_logical_state()
         for name, entry in state["params"].items():
             for key, suffix in STATE_SUFFIX.items():
-                local[name + suffix] = entry[key]
+                if key in entry:  # AdamW params have moments, Muon matrices a momentum buffer
+                    local[name + suffix] = entry[key]
     else:  # SGD on one process: the params are the masters
         for n, p in model.named_parameters():
             local[n + STATE_SUFFIX["master"]] = p.detach().float()
@@ -187,7 +191,7 @@ def save_training_checkpoint(
         "glu_interleave_size": cfg.moe.glu_interleave_size,
         "recipe": recipe_meta(cfg),
         "world": {"dp": world, "ep": cfg.parallel.expert_model_parallel_size,
-                  "owners": {"adam": sorted(_base(n) for n in tensors if n.endswith(STATE_SUFFIX["master"]))}},
+                  "owners": _owners(tensors)},
         "sampler": {"seed": cfg.train.seed, "step": step, "global_batch_size": cfg.train.global_batch_size},
         "rng": _rng_state(),
         "probe": {"loss": probe_loss, "loss_hex": float(probe_loss).hex(), "batch": "eval window 0, dp=1"},
@@ -198,7 +202,21 @@ def save_training_checkpoint(
                            keep_last=cfg.checkpoint.keep_last)
 
 
+def _owners(tensors: dict[str, torch.Tensor]) -> dict[str, list[str]]:
+    """Param names per optimizer: Muon's have a momentum buffer, AdamW's (the rest with a master) do not."""
+    momentum = STATE_SUFFIX["momentum_buffer"]
+    muon = sorted(_base(n) for n in tensors if n.endswith(momentum))
+    adam = sorted(set(_base(n) for n in tensors if n.endswith(STATE_SUFFIX["master"])) - set(muon))
+    return {"adam": adam, "muon": muon} if muon else {"adam": adam}
+
+
 # --- loading -----------------------------------------------------------------------------------------
+def _moment_keys(engine: Any, name: str) -> tuple[str, ...]:
+    """The optimizer state `name` needs besides its master: what the optimizer says, else AdamW's moments."""
+    keys = getattr(getattr(engine, "optimizer", None), "state_keys", None)
+    return tuple(k for k in keys(name) if k != "master") if keys is not None else ADAM_MOMENTS
+
+
 @dataclass
 class Restored:
     """Where a resumed run continues."""
@@ -274,7 +292,7 @@ def load_training_checkpoint(path: str | Path, cfg: Config, model: nn.Module, en
             )
         entry["master"] = master.float()
         if load_optim:
-            for key in ("exp_avg", "exp_avg_sq"):
+            for key in _moment_keys(engine, name):
                 t = tensors.get(name + STATE_SUFFIX[key])
                 if t is None:
                     missing.append(name + STATE_SUFFIX[key])

@@ -1,8 +1,9 @@
 """`DistributedEngine`: the loop's `Engine` (see `trainer/engine.py`) over DistributedModel + DistributedOptimizer.
 
 It wraps the single-device model in place (buffers, hooks), broadcasts dp replicas' params from their
-first rank, and builds the AdamW `DistributedOptimizer` on the "adam" tag. The loop keeps calling the
-model itself (`model.loss(...)`): the wrapper's hooks live on the model's modules. Per step:
+first rank, and builds the AdamW `DistributedOptimizer` on the "adam" tag; with `optimizer: muon`, a
+`ChainedOptimizer` of layer-wise Muon (matrices, tag "muon") and that AdamW (the rest). The loop keeps
+calling the model itself (`model.loss(...)`): the wrapper's hooks live on the model's modules. Per step:
 
     engine.zero_grad()                          -> zero_grad_buffer (re-stages aliased staging)
     with engine.micro_batch(is_last=...): ...   -> no_sync() on all micro-batches but the last
@@ -21,7 +22,9 @@ from moectl.config.schema import OptimizerConfig, ParallelConfig
 from moectl.errors import ConfigError
 from trainer.distributed.ddp import DistributedModel, StorageSpec
 from trainer.distributed.parallel_state import ParallelState
+from trainer.optim.chained import ChainedOptimizer, build_muon_optimizer
 from trainer.optim.distributed_optimizer import DistributedOptimizer
+from trainer.optim.muon_routing import muon_model_options
 from trainer.optim.step_result import StepResult
 
 
@@ -29,12 +32,18 @@ class DistributedEngine:
     def __init__(self, model: nn.Module, parallel_cfg: ParallelConfig, optimizer_cfg: OptimizerConfig,
                  pstate: ParallelState, on_nonfinite: Literal["stop", "skip"] = "stop",
                  storage: StorageSpec = None) -> None:
-        if optimizer_cfg.optimizer != "adam":
+        if optimizer_cfg.optimizer not in ("adam", "muon"):
             raise ConfigError("optimizer.optimizer", optimizer_cfg.optimizer,
-                              "the distributed engine implements AdamW only so far", fix="set optimizer.optimizer=adam")
-        self.dmodel = DistributedModel(model, parallel_cfg, pstate, storage=storage)
+                              "the distributed engine implements AdamW and Muon", fix="set optimizer.optimizer=adam")
+        muon = optimizer_cfg.optimizer == "muon"
+        # Muon: matrices tagged "muon" in layer-wise buffers (whole matrices per rank), the rest "adam".
+        options = muon_model_options(parallel_cfg.use_distributed_optimizer) if muon else {}
+        self.dmodel = DistributedModel(model, parallel_cfg, pstate, storage=storage, **options)
         self.dmodel.broadcast_params()
-        self.optimizer = DistributedOptimizer(self.dmodel, optimizer_cfg, on_nonfinite=on_nonfinite)
+        self.optimizer: DistributedOptimizer | ChainedOptimizer = (
+            build_muon_optimizer(self.dmodel, optimizer_cfg, on_nonfinite) if muon
+            else DistributedOptimizer(self.dmodel, optimizer_cfg, on_nonfinite=on_nonfinite)
+        )
 
     def zero_grad(self) -> None:
         self.dmodel.zero_grad_buffer()
