@@ -115,6 +115,7 @@ class DistributedModel:
                                planner=(layouts or {}).get(key.optimizer_tag))
             for key, ps in by_key.items()
         ]
+        self._storage_of: dict[torch.nn.Parameter, ParamStorage] = {p: b.storage for b in self.buffers for p in b.params}
 
         grad_scale = 1.0 / pstate.dp.size
         self.bucket_groups: list[BucketGroup] = []
@@ -176,7 +177,11 @@ class DistributedModel:
         return [b for b in self.buffers if b.key.optimizer_tag == tag]
 
     def register_optimizer(self, tag: str, owner: Any, stager: Callable[[BucketGroup], None]) -> list[BucketGroup]:
-        """Make `owner` the one optimizer that stages and gathers the groups of `tag`."""
+        """Make `owner` the one optimizer that stages and gathers the groups of `tag`.
+
+        Call it once the owner's masters exist: groups of quantized storage are staged and gathered here
+        (a collective), so the model's quantized weights exist from then on.
+        """
         if tag in self._owners:
             raise ValueError(f"optimizer tag {tag!r} already has an owner; two optimizers cannot step one buffer")
         groups = self.groups_for(tag)
@@ -185,6 +190,12 @@ class DistributedModel:
         self._owners[tag] = owner
         for g in groups:
             g.stager = stager
+        initial = [g for g in groups if g.storage.needs_initial_sync]
+        if initial:  # quantized params hold no values until their first stage + gather (masters exist now)
+            with torch.no_grad():
+                for g in initial:
+                    g.stage()
+                self.start_param_sync(force_sync=True, tag=tag)
         return groups
 
     # ---------------------------------------------------------------- grads
@@ -316,17 +327,39 @@ class DistributedModel:
                     comm.broadcast(buf.param_data, buf.group)
                 for p in buf.params:
                     for t in buf.storage.replica_tensors(p):
-                        comm.broadcast(t, buf.group)
+                        self._broadcast_anywhere(t, buf)
             for p in self.module.parameters():
                 if p not in self._group_of:  # frozen params live outside the buffers
                     comm.broadcast(p.data, self.pstate.group_for(is_expert_param(p)))
 
+    @staticmethod
+    def _broadcast_anywhere(t: torch.Tensor, buf: ParamAndGradBuffer) -> None:
+        """Broadcast `t` over the buffer's group, through the buffer's device when `t` lives elsewhere (a
+        quantized param's CPU init copy under NCCL, which sends device tensors only)."""
+        if t.device == buf.device or buf.group.pg is None:
+            comm.broadcast(t, buf.group)
+            return
+        staged = t.to(buf.device)
+        comm.broadcast(staged, buf.group)
+        t.copy_(staged)
+
+    def _digest(self, p: torch.nn.Parameter) -> str:
+        """sha256 of a param's live values: its storage's tensors (a quantized param's bytes and scales)."""
+        storage = self._storage_of.get(p)
+        if storage is None:
+            return _tensor_digest(p)
+        h = hashlib.sha256()
+        for t in storage.digest_tensors(p):
+            h.update(_tensor_digest(t).encode())
+        return h.hexdigest()
+
     def check_param_hashes(self) -> list[str]:
         """Names of params that differ between replicas (dense: all dp ranks; expert: same ep rank).
 
+        Compares what each param's storage holds live (for quantized params the bytes the forward reads).
         Collective; every rank returns the same list (empty when all replicas agree).
         """
-        local = {n: _tensor_digest(p) for n, p in self.module.named_parameters()}
+        local = {n: self._digest(p) for n, p in self.module.named_parameters()}
         expert = {n for n, p in self.module.named_parameters() if is_expert_param(p)}
         everyone = comm.all_gather_object((self.pstate.ep_rank, local), self.pstate.dp)
         bad = []

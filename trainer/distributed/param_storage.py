@@ -12,18 +12,26 @@ A `ParamStorage` strategy answers, for the params of one buffer:
   from, and freeing them afterwards on every rank (never dequantize a low-precision param for masters:
   Megatron #4987 lost 0.27 nats that way; never leak the CPU copies of params a rank does not own, #5470).
 
-Only high-precision strategies are implemented here; the recipes in `trainer/precision/` subclass these.
+High-precision strategies live here; the quantized ones (low-precision param gather) are in
+`quantized_storage.py`. Two hooks exist for them: `needs_scales` + `prepare_stage` (per-tensor FP8: the
+owning optimizer calls `prepare_stage` once for all its shards, a collective agreeing on every scale,
+before staging any group) and `needs_initial_sync` (the live quantized weights exist only once the
+optimizer has built its masters and gathered them). `digest_tensors` names what replicas must agree on
+after training (the quantized bytes, not a placeholder).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
 if TYPE_CHECKING:
     from trainer.distributed.bucket import Bucket
+
+#: One rank's shard of one bucket with its fp32 masters: (bucket, lo, hi, master[hi - lo]), bucket-local.
+Shard = tuple["Bucket", int, int, torch.Tensor]
 
 
 class ParamStorage(ABC):
@@ -32,6 +40,10 @@ class ParamStorage(ABC):
     #: True when the param buffer is a view of the grad buffer's memory: staged values are wiped by
     #: zeroing grads (so they must be re-staged) and must be zeroed after post-processing.
     aliases_grad: bool = False
+    #: True when `stage` needs scales agreed over the ranks first (`prepare_stage`, a collective).
+    needs_scales: bool = False
+    #: True when the params' live values exist only after a first stage + gather (quantized storage).
+    needs_initial_sync: bool = False
 
     @property
     @abstractmethod
@@ -54,9 +66,19 @@ class ParamStorage(ABC):
         """Write new values of elements [lo, hi) of `bucket` (bucket-local) from the fp32 `master` slice."""
         bucket.param_data[lo:hi].copy_(master)
 
+    def prepare_stage(self, shards: Sequence[Shard]) -> None:
+        """Collective, before staging (only when `needs_scales`): agree on what `stage` needs from every rank.
+
+        `shards` holds this rank's shard of every bucket of this storage that the caller owns.
+        """
+
     @abstractmethod
     def post_gather(self, bucket: "Bucket") -> None:
         """Run on every rank after `bucket.param_data` holds the gathered values of the whole bucket."""
+
+    def digest_tensors(self, param: torch.nn.Parameter) -> list[torch.Tensor]:
+        """The tensors that hold `param`'s live values (replica hash checks compare these)."""
+        return [param.detach()]
 
     def init_source(self, param: torch.nn.Parameter) -> torch.Tensor:
         """The high-precision values masters are built from (logical shape of `param`)."""

@@ -113,6 +113,14 @@ class GroupedLinearParams(nn.Module):
             return None
         return params[0] if grouped else torch.stack(params)
 
+    def weight_EOI(self, params: list[torch.Tensor]) -> torch.Tensor:
+        """The `[E, out, in]` weight a backend reads. With `quantized_weight` set the backend reads only its
+        shape, so per-expert params are not stacked (that would be a full-size copy on every call, of
+        placeholders when param gather keeps no high-precision weights)."""
+        if self.quantized_weight is not None and not self.grouped_weight:
+            return params[0].unsqueeze(0).expand(len(params), *params[0].shape)
+        return self.as_grouped(params, self.grouped_weight)  # type: ignore[return-value]
+
     @staticmethod
     def route_grads(
         params: list[nn.Parameter], grad_E: Optional[torch.Tensor], grouped: bool, fuse: bool
@@ -146,9 +154,9 @@ class _ExpertMLPFunction(torch.autograd.Function):
             groups.append(list(params[i : i + n]))
             i += n
         fc1, fc2 = module.linear_fc1, module.linear_fc2
-        w1_EHD = fc1.as_grouped(groups[0], fc1.grouped_weight)
+        w1_EHD = fc1.weight_EOI(groups[0])
         b1_EH = fc1.as_grouped(groups[1], fc1.grouped_bias)
-        w2_EDF = fc2.as_grouped(groups[2], fc2.grouped_weight)
+        w2_EDF = fc2.weight_EOI(groups[2])
         b2_ED = fc2.as_grouped(groups[3], fc2.grouped_bias)
         extra = {} if precision is None else {"precision": precision}
         y_PD, ctx.backend_ctx = backend.forward(

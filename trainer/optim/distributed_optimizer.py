@@ -17,7 +17,13 @@ It steps the buffers of one optimizer tag of a `DistributedModel`. Invariants:
   grouped `[E, out]` bias, whose per-expert twin is 1-D);
 - after the update, each owned group is staged (masters written into this rank's shard of the param
   buffer through the storage strategy) and gathered now, or lazily by the next forward's pre-hooks with
-  `overlap_param_gather`.
+  `overlap_param_gather`;
+- storages that need scales agreed over the ranks (per-tensor FP8 param gather) get them from ONE
+  `prepare_stage` per master version (one amax all-reduce per process group for all their params, right
+  after the step); staging with scales of older masters is impossible: the stager prepares first when
+  the masters changed since;
+- quantized storages have no live weights until a first stage + gather: `register_optimizer` runs it once
+  the masters exist, so the model's quantized weights are the recipe's quantization of the masters.
 """
 
 from __future__ import annotations
@@ -96,6 +102,9 @@ class DistributedOptimizer:
                 self.shards.append(shard)
                 self._shard_of[bucket] = shard
         self._init_masters()
+        self._master_version = 0  # bumped whenever masters change
+        self._scales_version = -1  # the master version prepare_stage last ran for
+        # Registering also runs the first stage + gather of quantized storages (their live weights).
         self.groups: list[BucketGroup] = dmodel.register_optimizer(tag, self, self._stage_group)
 
     # ---------------------------------------------------------------- construction
@@ -132,7 +141,20 @@ class DistributedOptimizer:
                 buf.storage.release_init_source(p)
 
     # ---------------------------------------------------------------- the step
+    def _prepare_scales(self) -> None:
+        """One `prepare_stage` per storage that needs scales, over this rank's shards of all its buckets."""
+        by_storage: dict[int, tuple[Any, list]] = {}
+        for s in self.shards:
+            st = s.bucket.buffer.storage
+            if st.needs_scales:
+                by_storage.setdefault(id(st), (st, []))[1].append((s.bucket, s.lo, s.hi, s.master))
+        for st, shards in by_storage.values():
+            st.prepare_stage(shards)
+        self._scales_version = self._master_version
+
     def _stage_group(self, group: BucketGroup) -> None:
+        if group.storage.needs_scales and self._scales_version != self._master_version:
+            self._prepare_scales()  # every rank stages groups in the same order: the collective lines up
         for bucket in group.buckets:
             shard = self._shard_of[bucket]
             bucket.buffer.storage.stage(bucket, shard.lo, shard.hi, shard.master)
@@ -185,6 +207,9 @@ class DistributedOptimizer:
             fused_adamw_update_(*decay_lists, step=self._step_tensor, weight_decay=self.cfg.weight_decay, **hp)
             fused_adamw_update_(*plain_lists, step=self._step_tensor, weight_decay=0.0, **hp)
 
+        self._master_version += 1
+        if any(g.storage.needs_scales for g in self.groups):
+            self._prepare_scales()  # the one amax all-reduce of the step, before any group stages
         for g in self.groups:
             g.stage()
         if not self.dmodel.overlap_param_gather:
@@ -249,6 +274,7 @@ class DistributedOptimizer:
                     )
         if "step" in state:
             self.step_count = int(state["step"])
+        self._master_version += 1
         for g in self.groups:
             g.stage()
         self.dmodel.start_param_sync(force_sync=True, tag=self.tag)

@@ -1,0 +1,69 @@
+"""Which storage each param gets under `mixed_precision.fp8_param_gather` / `fp4_param_gather`.
+
+    fp8 tensorwise, delayed   PerTensorFP8Storage: FP8 bytes gathered, scales from a dp-wide amax
+    fp8 mxfp8                 StagedQuantizedStorage: bf16 staged (aliased on the grad buffer with
+                              `reuse_grad_buf_for_mxfp8_param_ag`, else its own buffer), quantized locally
+    fp4 nvfp4                 StagedQuantizedStorage, always aliased on the grad buffer
+    fp8 rowwise, blockwise    refused (rule MOE048): a row or a 128x128 tile's scale needs values that other
+                              ranks' shards hold, and rowwise's columnwise copy needs the high-precision
+                              weight; neither can be built from gathered bytes
+
+Only weights the model runs through the recipe get quantized storage (`weight_sites.find_sites`); every
+other param (embedding, head, norms, routers, biases) stays high precision in its own buffers.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from moectl.config.schema import MixedPrecisionConfig
+from moectl.errors import ConfigError
+from trainer.distributed.ddp import StorageSpec
+from trainer.distributed.param_storage import HighPrecisionStorage, ParamStorage
+from trainer.distributed.quantized_storage import PerTensorFP8Storage, StagedQuantizedStorage
+from trainer.distributed.weight_sites import find_sites
+from trainer.precision import Recipe
+
+PER_TENSOR = ("tensorwise", "delayed")
+STAGED = ("mxfp8", "nvfp4")
+
+
+def param_gather_enabled(mp: MixedPrecisionConfig) -> bool:
+    return bool(mp.fp8_param_gather or mp.fp4_param_gather)
+
+
+def make_storage(recipe: Recipe, sites: dict, mp: MixedPrecisionConfig) -> ParamStorage:
+    """The quantized storage strategy for `recipe` (see the module docstring)."""
+    if recipe.name in PER_TENSOR:
+        return PerTensorFP8Storage(recipe, sites)
+    if recipe.name == "mxfp8":
+        return StagedQuantizedStorage(recipe, sites, aliased=mp.reuse_grad_buf_for_mxfp8_param_ag)
+    if recipe.name == "nvfp4":
+        return StagedQuantizedStorage(recipe, sites, aliased=True)
+    raise ConfigError(
+        "mixed_precision.fp8_recipe", recipe.name,
+        "low-precision param gather supports tensorwise, delayed, mxfp8 and nvfp4 (rule MOE048)",
+        fix="set mixed_precision.fp8_param_gather=false, or fp8_recipe to tensorwise, delayed or mxfp8",
+    )  # fmt: skip
+
+
+def param_gather_storage(model: torch.nn.Module, mp: MixedPrecisionConfig,
+                         recipe: Optional[Recipe]) -> StorageSpec:  # fmt: skip
+    """The `StorageSpec` for `DistributedModel`: quantized storage for the recipe's weights, or None when
+    param gather is off."""
+    if not param_gather_enabled(mp):
+        return None
+    which = "fp8_param_gather" if mp.fp8_param_gather else "fp4_param_gather"
+    if recipe is None:
+        raise ConfigError(f"mixed_precision.{which}", True, "low-precision param gather needs an fp8/fp4 recipe",
+                          fix="set mixed_precision.fp8 (or fp4), or turn param gather off")  # fmt: skip
+    sites = find_sites(model)
+    if not sites:
+        raise ConfigError(f"mixed_precision.{which}", True,
+                          "the model runs no layer through the recipe, so no weight can be stored quantized",
+                          fix="build the model with recipe=get_recipe(cfg.mixed_precision)")  # fmt: skip
+    quantized = make_storage(recipe, sites, mp)
+    high = HighPrecisionStorage()
+    return lambda name, p: quantized if p in sites else high

@@ -1,0 +1,309 @@
+"""Quantized param storage: the low-precision param gather (`fp8_param_gather`, `fp4_param_gather`).
+
+The params of every recipe-run weight (see `weight_sites.py`) are stored low precision only: at wrap time
+(`bind`) the high-precision init values move to a CPU copy (the optimizer's master source, freed on every
+rank once masters exist: Megatron #4987 lost 0.27 nats building masters from dequantized FP8, #5470 leaked
+the copies of params a rank does not own) and the param's `.data` becomes a one-element placeholder. The
+layers read the quantized weight from their `quantized_weight` hook. Two strategies:
+
+`PerTensorFP8Storage` (fp8 `tensorwise`, `delayed`): the param buffer is uint8, one FP8 byte per element.
+    prepare_stage  every rank takes the amax of its master shard (per tensor, per expert of a grouped
+                   weight); ONE all-reduce (MAX) per process group agrees on all of them; scales follow
+                   (tensorwise: FP8_MAX / amax; delayed: the weight's amax history, then the amax is recorded)
+    stage          this rank's shard of FP8 bytes = cast(master * scale) (`precision/shard.py`), and the
+                   scales are snapshotted with the bucket, so they travel with the bytes they encode
+    gather         the buffer all-gathers bytes (1 byte per param)
+    post_gather    rowwise data = a view of the gathered bytes, scales = 1 / scale, columnwise = the exact
+                   transpose; published to the model
+`StagedQuantizedStorage` (mxfp8, nvfp4): 1-D block scales cannot be cut across shards, so (as Megatron's
+    `reuse_grad_buf_for_mxfp8_param_ag`) ranks stage `master` cast to the param dtype in a staging buffer,
+    aliased on the grad buffer (`aliased=True`) or its own memory, gather it, and every rank quantizes the
+    gathered values itself, rowwise and columnwise, with ONE quantize call per param (a single grouped
+    `[E, out, in]` weight is one call, seed 000). Then only the aliased staging slice is zeroed. Staging
+    after every `zero_grad_buffer` and before the deferred gather is `DistributedModel`'s job (#4987).
+
+What is quantized is always the master cast to the param dtype: the value the model would hold and quantize
+without param gather. So gather ON equals OFF bitwise for mxfp8, nvfp4 and tensorwise (tensorwise's amax of
+the shards is the amax of the whole weight); delayed differs only in how often amaxes enter the history
+(once per step here, once per micro-batch forward there).
+
+Checkpoints save, under a quantized param's name, its master cast to the param dtype (what the run would
+save without param gather); `matches_master` is the validation check (live bytes == the recipe's
+quantization of the master).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+import torch
+from torch import nn
+
+from trainer.distributed import comm
+from trainer.distributed.param_storage import AliasedStagingStorage, ParamStorage, Shard
+from trainer.distributed.parallel_state import Group
+from trainer.distributed.weight_sites import WeightSite, is_placeholder, live, placeholder, publish
+from trainer.precision import QuantizedData, QuantizedTensor, Recipe, quantize
+from trainer.precision.fp8_scale import inverse, scale_from_amax
+from trainer.precision.formats import fp8_format
+from trainer.precision.recipes import DelayedRecipe
+from trainer.precision.recipes.delayed import AmaxHistory
+from trainer.precision.shard import quantize_shard, shard_amax
+
+if TYPE_CHECKING:
+    from trainer.distributed.bucket import Bucket
+
+STORAGE_ATTR = "low_precision_storage"
+
+
+def quantized_storage_of(param: torch.Tensor) -> Optional["QuantizedParamStorage"]:
+    """The quantized storage holding `param`'s values, or None for a high-precision param."""
+    return getattr(param, STORAGE_ATTR, None)
+
+
+def _qt_tensors(qt: QuantizedTensor) -> list[torch.Tensor]:
+    return [t for q in (qt.rowwise, qt.columnwise) if q is not None for t in q.tensors().values()]
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1).contiguous().view(torch.uint8).cpu()
+
+
+def same_quantized(a: QuantizedTensor, b: QuantizedTensor) -> bool:
+    """Bitwise equality of every copy (data and scales) of two quantized tensors."""
+    ta, tb = _qt_tensors(a), _qt_tensors(b)
+    return a.shape == b.shape and len(ta) == len(tb) and all(
+        x.dtype == y.dtype and x.shape == y.shape and torch.equal(_bytes(x), _bytes(y)) for x, y in zip(ta, tb)
+    )
+
+
+class QuantizedParamStorage(ParamStorage):
+    """What both strategies share: init copies, placeholders, sites, digests (see the module docstring)."""
+
+    needs_initial_sync = True
+
+    def __init__(self, recipe: Recipe, sites: dict[nn.Parameter, WeightSite]) -> None:
+        self.recipe = recipe
+        self.sites = sites
+        #: high-precision init values (CPU) until the optimizer has built its masters
+        self.init_values: dict[nn.Parameter, torch.Tensor] = {}
+
+    def site(self, param: nn.Parameter) -> WeightSite:
+        s = self.sites.get(param)
+        if s is None:  # a bare param (benchmarks): it holds its own quantized value
+            s = self.sites[param] = WeightSite(param, None, self.recipe)
+        return s
+
+    def storage_dtype(self, param: nn.Parameter) -> torch.dtype:
+        return torch.uint8  # the buffer key's "param dtype": quantized storage
+
+    def _take_init(self, param: nn.Parameter) -> None:
+        """Keep the init values on the CPU and leave the param a placeholder: no high-precision copy stays."""
+        if param.dim() < 2:
+            raise ValueError(f"only weight matrices can be stored quantized, got shape {tuple(param.shape)}")
+        site = self.site(param)
+        if site.recipe is not None and site.recipe.name != self.recipe.name:
+            raise ValueError(f"a {site.recipe.name} layer's weight in {self.recipe.name} storage")
+        self.init_values[param] = param.detach().to("cpu", copy=True)
+        param.data = placeholder(param)
+        setattr(param, STORAGE_ATTR, self)
+
+    def init_source(self, param: nn.Parameter) -> torch.Tensor:
+        try:
+            return self.init_values[param]
+        except KeyError:
+            raise RuntimeError(
+                "the init values of a quantized param are gone (masters are built once, from the init values, "
+                "never from dequantized params)"
+            ) from None
+
+    def release_init_source(self, param: nn.Parameter) -> None:
+        self.init_values.pop(param, None)
+
+    def replica_tensors(self, param: nn.Parameter) -> list[torch.Tensor]:
+        # Replicas must build masters from the same values; the placeholder holds nothing to agree on.
+        return [self.init_values[param]] if param in self.init_values else []
+
+    def live(self, param: nn.Parameter) -> Optional[QuantizedTensor]:
+        """The param's current quantized value (None before the first gather)."""
+        return live(self.site(param))
+
+    def digest_tensors(self, param: nn.Parameter) -> list[torch.Tensor]:
+        qt = self.live(param)
+        if qt is None:
+            raise RuntimeError("a quantized param has no value yet: the optimizer gathers it when it is built")
+        return _qt_tensors(qt)
+
+    def expected(self, param: nn.Parameter, master: torch.Tensor) -> QuantizedTensor:
+        """The recipe's quantization of `master` (the param's full fp32 master) as this storage makes it."""
+        raise NotImplementedError
+
+    def matches_master(self, param: nn.Parameter, master: torch.Tensor) -> bool:
+        """Whether the live quantized param is bitwise the recipe's quantization of `master`."""
+        qt = self.live(param)
+        return qt is not None and same_quantized(qt, self.expected(param, master.to(qt.device)))
+
+    def check_no_copy(self, param: nn.Parameter) -> None:
+        """Raise if `param` holds high-precision values of its own (it must be a placeholder)."""
+        if not is_placeholder(param.data):
+            raise AssertionError(f"quantized param of shape {tuple(param.shape)} holds a high-precision copy")
+
+
+# ------------------------------------------------------------------------------------------------ per-tensor
+class PerTensorFP8Storage(QuantizedParamStorage):
+    """FP8 bytes in a uint8 buffer, per-tensor scales agreed over the ranks (see the module docstring)."""
+
+    needs_scales = True
+
+    def __init__(self, recipe: Recipe, sites: dict[nn.Parameter, WeightSite]) -> None:
+        super().__init__(recipe, sites)
+        self.scheme = recipe.weight_scheme()
+        if self.scheme.kind != "tensor":
+            raise ValueError(f"{recipe.name}: per-tensor FP8 param gather needs per-tensor weight scales")
+        self.fmt = fp8_format(self.scheme.fmt)
+        self.delayed = isinstance(recipe, DelayedRecipe)
+        #: encode scale per param (fp32 `[slots]`) from the last prepare_stage
+        self.scales: dict[nn.Parameter, torch.Tensor] = {}
+        #: the scales each bucket's staged bytes were encoded with (they travel with the bytes)
+        self.staged_scales: dict["Bucket", dict[nn.Parameter, torch.Tensor]] = {}
+        #: the encode scales of the values the model holds now (set by post_gather)
+        self.live_scales: dict[nn.Parameter, torch.Tensor] = {}
+        #: delayed scaling: one weight amax history per site owner (module), one entry per expert
+        self.histories: dict[Any, AmaxHistory] = {}
+
+    @property
+    def key(self) -> str:
+        return f"fp8_per_tensor:{self.recipe.name}"
+
+    def buffer_dtype(self, param: nn.Parameter) -> torch.dtype:
+        return torch.uint8
+
+    @staticmethod
+    def slots(param: nn.Parameter) -> int:
+        """Per-tensor scales of `param`: one per expert of a grouped `[E, out, in]` weight, else one."""
+        return param.shape[0] if param.dim() == 3 else 1
+
+    def bind(self, param: nn.Parameter, view: torch.Tensor) -> None:
+        self._take_init(param)  # the bytes arrive with the optimizer's first stage + gather
+
+    # ---- scales -------------------------------------------------------------------------------------
+    def prepare_stage(self, shards: Sequence[Shard]) -> None:
+        """Local amaxes of every param's shard pieces, one MAX all-reduce per process group, then scales."""
+        groups: dict[tuple[int, ...], tuple[Group, list[nn.Parameter]]] = {}
+        for bucket, _, _, _ in shards:
+            entry = groups.setdefault(bucket.group.ranks, (bucket.group, []))
+            entry[1].extend(bucket.params)
+        amax: dict[nn.Parameter, torch.Tensor] = {}
+        for group, params in groups.values():
+            offsets, n = {}, 0
+            for p in params:
+                offsets[p] = n
+                n += self.slots(p)
+            device = params[0].device
+            local = torch.zeros(n, dtype=torch.float32, device=device)
+            for bucket, lo, hi, master in shards:
+                if bucket.group.ranks != group.ranks:
+                    continue
+                for pc in bucket.pieces(lo, hi):
+                    p, k = pc.param, self.slots(pc.param)
+                    x = master[pc.bucket_lo - lo:pc.bucket_hi - lo].to(p.dtype)  # what the model quantizes
+                    part = shard_amax(x, pc.param_lo, p.numel() // k, k)
+                    o = offsets[p]
+                    torch.maximum(local[o:o + k], part, out=local[o:o + k])
+            comm.all_reduce(local, group, op=torch.distributed.ReduceOp.MAX)  # the one all-reduce of the group
+            for p in params:
+                amax[p] = local[offsets[p]:offsets[p] + self.slots(p)]
+        self.scales = self._scales_from(amax)
+
+    def _scales_from(self, amax: dict[nn.Parameter, torch.Tensor]) -> dict[nn.Parameter, torch.Tensor]:
+        if not self.delayed:
+            return {p: scale_from_amax(a, self.fmt.max, self.scheme.pow2) for p, a in amax.items()}
+        # Delayed: quantize with the scale from past amaxes, then record this amax (per owner = module,
+        # one entry per expert), as the layer's own weight history does once per forward without gather.
+        by_owner: dict[Any, list[nn.Parameter]] = {}
+        for p in amax:
+            by_owner.setdefault(self.site(p).owner, []).append(p)
+        out = {}
+        for owner, params in by_owner.items():
+            site0 = self.site(params[0])
+            if site0.expert is not None:
+                params = sorted(params, key=lambda q: self.site(q).expert)  # type: ignore[arg-type, return-value]
+                if len(params) != site0.num_experts:
+                    raise ValueError("delayed scaling: every expert of a per-expert layer must be in one storage")
+            vec = torch.cat([amax[p] for p in params])
+            shape = (vec.numel(),) if (site0.expert is not None or params[0].dim() == 3) else ()
+            hist = self.histories.get(owner)
+            if hist is None:
+                hist = self.histories[owner] = AmaxHistory(self.recipe.history_len, self.fmt.max, shape)  # type: ignore[attr-defined]
+            scale = hist.current_scale(vec.device).clone().reshape(-1)
+            hist.record(vec.reshape(shape))
+            at = 0
+            for p in params:
+                out[p] = scale[at:at + self.slots(p)]
+                at += self.slots(p)
+        return out
+
+    # ---- staging and post-processing ----------------------------------------------------------------
+    def stage(self, bucket: "Bucket", lo: int, hi: int, master: torch.Tensor) -> None:
+        missing = [p for p in bucket.params if p not in self.scales]
+        if missing:
+            raise RuntimeError("per-tensor FP8 staging before prepare_stage agreed on the scales")
+        for pc in bucket.pieces(lo, hi):
+            p, k = pc.param, self.slots(pc.param)
+            x = master[pc.bucket_lo - lo:pc.bucket_hi - lo].to(p.dtype)
+            q = quantize_shard(x, pc.param_lo, p.numel() // k, self.scales[p], self.scheme)
+            bucket.param_data[pc.bucket_lo:pc.bucket_hi].copy_(q.view(torch.uint8))
+        self.staged_scales[bucket] = {p: self.scales[p].clone() for p in bucket.params}
+
+    def post_gather(self, bucket: "Bucket") -> None:
+        scales = self.staged_scales[bucket]
+        for p in bucket.params:
+            s, e = bucket.param_ranges[p]
+            data = bucket.param_data[s:e].view(self.fmt.dtype).view(p.shape)  # no copy: the gathered bytes
+            scale_inv = inverse(scales[p]).reshape(p.shape[:-2])
+            qt = QuantizedTensor(self.scheme, p.shape, p.dtype, rowwise=QuantizedData(data, scale_inv),
+                                 recipe=self.recipe.name).with_columnwise()  # fmt: skip
+            publish(self.site(p), qt)
+            self.live_scales[p] = scales[p]
+
+    def expected(self, param: nn.Parameter, master: torch.Tensor) -> QuantizedTensor:
+        """`master` cast to the param dtype, quantized with the live encode scales: for tensorwise these are
+        FP8_MAX / amax(master) (what `recipe.quantize_weight` computes), for delayed the history's."""
+        if not self.delayed:
+            return self.recipe.quantize_weight(master.to(param.dtype), rowwise=True, columnwise=True)
+        encode = self.live_scales[param].reshape(param.shape[:-2])
+        return quantize(master.to(param.dtype), self.scheme, rowwise=True, columnwise=True, encode_scale=encode,
+                        recipe=self.recipe.name)  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------ staged
+class StagedQuantizedStorage(QuantizedParamStorage, AliasedStagingStorage):
+    """Stage high precision, gather, quantize locally (mxfp8, nvfp4; see the module docstring)."""
+
+    def __init__(self, recipe: Recipe, sites: dict[nn.Parameter, WeightSite], aliased: bool = True) -> None:
+        QuantizedParamStorage.__init__(self, recipe, sites)
+        AliasedStagingStorage.__init__(self, staging_dtype=None)  # stage in the param dtype
+        self.aliases_grad = aliased
+
+    @property
+    def key(self) -> str:
+        return f"staged:{self.recipe.name}:{'aliased' if self.aliases_grad else 'own'}"
+
+    def bind(self, param: nn.Parameter, view: torch.Tensor) -> None:
+        self._take_init(param)  # the staging slice is filled by the optimizer's first stage
+
+    def write_param(self, param: nn.Parameter, gathered: torch.Tensor) -> None:
+        """Quantize the gathered values of `param` (one call, also for a whole [E, out, in]) and publish them."""
+        publish(self.site(param), self.recipe.quantize_weight(gathered.view(param.shape), rowwise=True, columnwise=True))
+
+    def post_gather(self, bucket: "Bucket") -> None:
+        for param in bucket.params:
+            start, end = bucket.param_ranges[param]
+            self.write_param(param, bucket.param_data[start:end])
+        if self.aliases_grad:
+            # Only this bucket's staging slice: the rest of the grad memory may hold other buckets' staged
+            # values, or their grads (bf16 staging spans the first half of fp32 grad memory).
+            bucket.param_data.zero_()
+
+    def expected(self, param: nn.Parameter, master: torch.Tensor) -> QuantizedTensor:
+        return self.recipe.quantize_weight(master.to(param.dtype), rowwise=True, columnwise=True)
