@@ -10,7 +10,8 @@ or negative is skipped there and reported by MOE041 instead.
 Ids are stable: they are never renumbered or reused, and a new rule takes the next free id whatever its
 family. Families and their ids: precision MOE001-009, optimizer and LR schedule MOE010-015, overlap
 MOE016-017, MoE MOE018-027, parallel layout MOE028-033, CUDA graphs MOE034-035, checkpoint
-MOE036-037, hardware and environment MOE038-040, model, data and training basics MOE041-047.
+MOE036-037, hardware and environment MOE038-040, model, data and training basics MOE041-047, and
+later additions: MOE048 (precision: which recipes and optimizers low-precision param gather supports).
 
 Environment rules (Transformer Engine, device) probe lazily and cheaply: TE is looked up through
 `importlib.util.find_spec` and package metadata, never imported; torch is imported only when a GPU
@@ -1326,3 +1327,34 @@ def eval_fraction_fits(c: Context) -> Iterator[_Hit]:
         )
     elif every is None and not 0 <= f < 1:
         yield _Hit(f"data.eval_fraction={fmt(f)} must be in [0, 1)", "set data.eval_fraction to e.g. 0.05")
+
+
+@rule(
+    "MOE048",
+    "precision",
+    "error",
+    ["mixed_precision.fp8_param_gather", "mixed_precision.fp8_recipe", "optimizer.optimizer"],
+    "fp8 param gather supports tensorwise, delayed and mxfp8; param gather needs adam or muon",
+)
+def param_gather_recipe_supported(c: Context) -> Iterator[_Hit]:
+    """Low-precision param gather builds each rank's low-precision weight from gathered data alone.
+    Per-tensor FP8 (tensorwise, delayed) gathers FP8 bytes quantized with one scale per tensor that the
+    ranks agree on through an amax all-reduce; mxfp8 (and nvfp4) gather bf16 and quantize locally. rowwise
+    and blockwise fit neither: a row's or a 128x128 tile's scale needs values spread over other ranks'
+    shards, and rowwise's columnwise copy must be re-quantized from the high-precision weight, which no rank
+    holds. SGD runs on the one-device engine, which has no buffers, shards or gather at all, so the flag
+    would be silently ignored."""
+    mp = c.cfg.mixed_precision
+    if mp.fp8 is not None and mp.fp8_param_gather and mp.fp8_recipe in ("rowwise", "blockwise"):
+        yield _Hit(
+            f"mixed_precision.fp8_param_gather=true is not supported with fp8_recipe={mp.fp8_recipe}",
+            "set mixed_precision.fp8_recipe to tensorwise, delayed or mxfp8, or mixed_precision.fp8_param_gather=false",
+            keys=("mixed_precision.fp8_param_gather", "mixed_precision.fp8_recipe"),
+        )
+    if (mp.fp8_param_gather or mp.fp4_param_gather) and c.cfg.optimizer.optimizer == "sgd":
+        which = "fp8_param_gather" if mp.fp8_param_gather else "fp4_param_gather"
+        yield _Hit(
+            f"mixed_precision.{which}=true needs the distributed optimizer, which optimizer.optimizer=sgd does not use",
+            f"set optimizer.optimizer=adam, or mixed_precision.{which}=false",
+            keys=(f"mixed_precision.{which}", "optimizer.optimizer"),
+        )

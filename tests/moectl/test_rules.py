@@ -384,6 +384,26 @@ CASES = [
         ["data.eval_fraction=0.99", "train.eval_interval=null"],
         name="all-holdout",
     ),
+    Case(
+        "MOE048",
+        [*FP8, "mixed_precision.fp8_recipe=rowwise", "mixed_precision.fp8_param_gather=true"],
+        [*FP8, "mixed_precision.fp8_recipe=delayed", "mixed_precision.fp8_param_gather=true"],
+        name="rowwise",
+    ),
+    Case(
+        "MOE048",
+        [*FP8, "mixed_precision.fp8_recipe=blockwise", "model.hidden_size=128", "moe.ffn_hidden_size=128",
+         "model.ffn_hidden_size=128", "mixed_precision.fp8_param_gather=true"],
+        [*FP8, "mixed_precision.fp8_recipe=blockwise", "model.hidden_size=128", "moe.ffn_hidden_size=128",
+         "model.ffn_hidden_size=128"],
+        name="blockwise",
+    ),
+    Case(
+        "MOE048",
+        [*FP4, "mixed_precision.fp4_param_gather=true", "optimizer.optimizer=sgd"],
+        [*FP4, "mixed_precision.fp4_param_gather=true", "optimizer.optimizer=adam"],
+        name="sgd",
+    ),
 ]
 
 # Rules whose boundary needs files or probes; each has its own tests below.
