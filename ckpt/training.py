@@ -129,7 +129,10 @@ def _base(name: str) -> str:
 def collect_logical_state(model: nn.Module, engine: Any, pstate: Any, num_experts: int) -> dict[str, torch.Tensor]:
     """Model weights and optimizer state as logical tensors (a collective: call on every rank)."""
     engine.sync_params_for_eval()  # params equal the masters, with any deferred gather finished
-    local: dict[str, torch.Tensor] = {n: p.detach() for n, p in model.named_parameters()}
+    from trainer.distributed.quantized_storage import quantized_storage_of
+
+    params = dict(model.named_parameters())
+    local: dict[str, torch.Tensor] = {n: p.detach() for n, p in params.items()}
     optimizer = getattr(engine, "optimizer", None)
     if hasattr(optimizer, "gather_logical_state"):
         state = optimizer.gather_logical_state()
@@ -137,6 +140,10 @@ def collect_logical_state(model: nn.Module, engine: Any, pstate: Any, num_expert
             for key, suffix in STATE_SUFFIX.items():
                 if key in entry:  # AdamW params have moments, Muon matrices a momentum buffer
                     local[name + suffix] = entry[key]
+            if quantized_storage_of(params[name]) is not None:
+                # fp8/fp4 param gather: the model holds only quantized bytes (its param is a placeholder);
+                # save the weight a run without param gather would hold, the master cast to the param dtype
+                local[name] = entry["master"].to(params[name].dtype)
     else:  # SGD on one process: the params are the masters
         for n, p in model.named_parameters():
             local[n + STATE_SUFFIX["master"]] = p.detach().float()

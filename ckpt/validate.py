@@ -5,7 +5,8 @@ Three stages, each reported per tensor:
 2. restore: build the model and optimizer from the checkpoint's own config, or a given one (other expert
    layout, interleave or world size), and load through the same path `train` resumes with;
 3. prove: every restored fp32 master equals the checkpoint's (normalised to this model's layout) bit for
-   bit, and so do the Adam moments; every model param equals its master cast to the param dtype; the
+   bit, and so do the Adam moments; every model param equals its master cast to the param dtype (a
+   quantized param of fp8/fp4 param gather: the recipe's quantization of that cast, bytes and scales); the
    probe batch's loss equals the recorded one - bitwise when layout, recipe and world size are the
    checkpoint's own, else within `PROBE_RTOL`. The probe is what catches a master edited together with
    its sha256: each tensor would still match the (edited) file, but the model no longer computes the
@@ -101,6 +102,8 @@ def validate_checkpoint(path: str | Path, config_path: Optional[Path] = None, ov
 
 
 def _prove_tensors(report: ValidationReport, ck: Any, cfg: Config, trainer: Any) -> None:
+    from trainer.distributed.quantized_storage import quantized_storage_of
+
     local_names = {n for n, _ in trainer.model.named_parameters()}
     expected = localize(read_logical(ck, cfg, wanted=local_names), trainer.rt.pstate, cfg.moe.num_experts, local_names)
     state = trainer.engine.optimizer.gather_logical_state()["params"]
@@ -122,6 +125,12 @@ def _prove_tensors(report: ValidationReport, ck: Any, cfg: Config, trainer: Any)
             else:
                 report.add(Check(stage, name + suffix, True))
         p = params[name].detach()
+        storage = quantized_storage_of(params[name])
+        if storage is not None:  # fp8/fp4 param gather: the live weight is the recipe's quantization of it
+            ok = storage.matches_master(params[name], entry["master"])
+            why = f"quantized param != {storage.recipe.name} quantization of its master"
+            report.add(Check("param", name, ok, "" if ok else why))
+            continue
         cast = entry["master"].to(p.dtype)
         ok = torch.equal(p.cpu(), cast.cpu())
         report.add(Check("param", name, ok, "" if ok else f"param != master cast to {p.dtype}"))

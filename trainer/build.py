@@ -64,7 +64,12 @@ def build_engine(cfg: Config, model: GPTMoE, rt: Runtime) -> Engine:
             raise ConfigError("optimizer.optimizer", "sgd", "SGD runs on one process with fp32 params only",
                               "use optimizer.optimizer=adam, or one process with mixed_precision.bf16=false")
         return LocalEngine(model, cfg.optimizer)
-    return DistributedEngine(model, cfg.parallel, cfg.optimizer, rt.pstate, on_nonfinite=cfg.train.on_nonfinite)
+    from trainer.distributed.param_gather import param_gather_storage
+
+    # fp8/fp4 param gather: the recipe's weights stored quantized in the buffers (None: high precision)
+    storage = param_gather_storage(model, cfg.mixed_precision, model.recipe)
+    return DistributedEngine(model, cfg.parallel, cfg.optimizer, rt.pstate, on_nonfinite=cfg.train.on_nonfinite,
+                             storage=storage)
 
 
 def build_data_for(cfg: Config, rt: Runtime):  # -> (train sampler, eval sampler)
