@@ -92,7 +92,7 @@ def build(k: Knobs, pstate: ParallelState) -> tuple[GPTMoE, DistributedEngine, C
     recipe = get_recipe(cfg.mixed_precision)
     model = GPTMoE(cfg.model, cfg.moe, seed=k.seed, params_dtype=torch.bfloat16,
                    gradient_accumulation_fusion=k.fuse, recipe=recipe,
-                   expert_align=recipe.align_size if recipe is not None else 1)  # fmt: skip
+                   expert_align=recipe.align_size if recipe is not None else 1).to(pstate.device)  # fmt: skip
     storage = param_gather_storage(model, cfg.mixed_precision, recipe)
     if k.mirror_layout and not k.gather:
         sites, mirror, high = find_sites(model), MirrorStorage(), HighPrecisionStorage()
@@ -185,17 +185,17 @@ def train(k: Knobs, pstate: ParallelState, *, after_step: Optional[Callable[[int
         engine.zero_grad()
         total = 0.0
         for micro in range(k.n_micro):
-            tokens = batch(step, rank, micro)
+            tokens = batch(step, rank, micro).to(pstate.device)
             with engine.micro_batch(is_last=micro == k.n_micro - 1):
                 loss = model.loss(tokens[:, :-1], tokens[:, 1:]).total / k.n_micro
                 loss.backward()
             total += loss.item()
         res.losses.append(total)
         if model.moe_layers()[0].experts.linear_fc1.quantized_weight is not None:
-            res.history.append(expert_fc1_bytes(model))  # the expert weight this step's forward used
+            res.history.append(expert_fc1_bytes(model).cpu())  # the expert weight this step's forward used
         engine.dmodel.finish_grad_sync()
         if step == k.steps - 1:
-            res.grads = layout_free({n: p.main_grad.detach().clone() for n, p in model.named_parameters()})
+            res.grads = layout_free({n: p.main_grad.detach().cpu().clone() for n, p in model.named_parameters()})
         result = engine.step(3e-3)
         assert not result.skipped
         if after_step is not None:
@@ -203,12 +203,12 @@ def train(k: Knobs, pstate: ParallelState, *, after_step: Optional[Callable[[int
         if step in k.eval_after:
             engine.sync_params_for_eval()
             with torch.no_grad():
-                tokens = batch(1000 + step, rank, 0)
+                tokens = batch(1000 + step, rank, 0).to(pstate.device)
                 res.evals.append(model.loss(tokens[:, :-1], tokens[:, 1:]).total.item())
     engine.sync_params_for_eval()
     state = engine.optimizer.gather_logical_state()["params"]
-    res.masters = layout_free({n: e["master"] for n, e in state.items()})
-    res.weights = effective_weights(model)
+    res.masters = layout_free({n: e["master"].cpu() for n, e in state.items()})
+    res.weights = {n: t.cpu() for n, t in effective_weights(model).items()}
     res.hashes = engine.dmodel.check_param_hashes()
     return res
 

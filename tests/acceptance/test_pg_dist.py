@@ -31,6 +31,7 @@ from trainer.distributed.parallel_state import build_parallel_state
 from trainer.distributed.weight_sites import is_placeholder
 
 DELAYED_LOSS_RTOL = 2e-3  # delayed scaling, 2 micro-batches, 3 steps (measured 3e-4 on CPU)
+GPU_LOSS_RTOL = 1e-2  # bf16 on CUDA: kernels are not bit-reproducible across different buffer layouts
 
 
 def _masters_equal_init(recipe: str, pstate: Any) -> list[str]:
@@ -81,10 +82,23 @@ def _forced_sync_in_flight(pstate: Any) -> dict[str, Any]:
     return seen
 
 
-def body(rank: int, world_size: int) -> dict[str, Any]:
+def _loss_rel(a: Any, b: Any) -> float:
+    return max(abs(x - y) / abs(y) for x, y in zip(a.losses, b.losses))
+
+
+def body(rank: int, world_size: int, backend: str = "gloo", root: str = "") -> dict[str, Any]:
+    if backend == "nccl":  # run_distributed joined gloo; move to NCCL on this rank's GPU, deterministic kernels
+        import torch.distributed as dist
+
+        from trainer.runtime import set_determinism
+
+        dist.destroy_process_group()
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", init_method=f"file://{root}/nccl-rdzv", rank=rank, world_size=world_size)
+        set_determinism(0, True)
     torch.manual_seed(0)
     ps = build_parallel_state(1)
-    out: dict[str, Any] = {"hashes": {}}
+    out: dict[str, Any] = {"hashes": {}, "loss_rel": {}}
 
     def run(k: Knobs) -> Any:
         r = train(k, ps)
@@ -97,10 +111,12 @@ def body(rank: int, world_size: int) -> dict[str, Any]:
         off = run(with_(base, gather=False, mirror_layout=True))
         on_sync = run(base)
         on_overlap = run(with_(base, overlap=True))
+        out["loss_rel"][f"{recipe} on/off"] = max(_loss_rel(on_sync, off), _loss_rel(on_overlap, off))
         out[f"{recipe} on!=off"] = differences(on_sync, off)
         out[f"{recipe} overlap on!=off"] = differences(on_overlap, off, grads=False) + [
             f"grad {n}" for n in off.grads if not torch.equal(on_overlap.grads[n], off.grads[n])]
         evald = run(with_(base, overlap=True, eval_after=(1,)))
+        out["loss_rel"][f"{recipe} train-eval-train"] = _loss_rel(evald, on_overlap)
         out[f"{recipe} train-eval-train!=train"] = [d for d in differences(evald, on_overlap) if "evals" not in d]
         out[f"{recipe} evals"] = evald.evals
         h = on_overlap.history
@@ -117,19 +133,22 @@ def body(rank: int, world_size: int) -> dict[str, Any]:
     return out
 
 
-@pytest.mark.slow
-def test_low_precision_param_gather_on_two_ranks() -> None:
-    results = run_distributed(body, world_size=2, timeout=240)
+def check(results: list[dict[str, Any]], bitwise: bool) -> None:
     for rank, r in enumerate(results):
         where = f"rank {rank}"
         for recipe in ("mxfp8", "nvfp4", "tensorwise"):
-            assert r[f"{recipe} on!=off"] == [], f"{where} {recipe}: param gather ON != OFF"
-            assert r[f"{recipe} overlap on!=off"] == [], f"{where} {recipe}: overlapped param gather ON != OFF"
-            assert r[f"{recipe} train-eval-train!=train"] == [], f"{where} {recipe}: an eval changed training"
+            if bitwise:
+                assert r[f"{recipe} on!=off"] == [], f"{where} {recipe}: param gather ON != OFF"
+                assert r[f"{recipe} overlap on!=off"] == [], f"{where} {recipe}: overlapped param gather ON != OFF"
+                assert r[f"{recipe} train-eval-train!=train"] == [], f"{where} {recipe}: an eval changed training"
+            else:
+                assert max(r["loss_rel"].values()) <= GPU_LOSS_RTOL, f"{where}: {r['loss_rel']}"
             assert len(r[f"{recipe} evals"]) == 1
             assert r[f"{recipe} history"] == 4 and r[f"{recipe} frozen steps"] == [], f"{where} {recipe}: frozen"
-        assert r["delayed on!=off"] == [], f"{where} delayed, one micro-batch: ON != OFF"
-        assert r["delayed loss rel"] <= DELAYED_LOSS_RTOL, f"{where} delayed, two micro-batches: {r['delayed loss rel']}"
+        if bitwise:
+            assert r["delayed on!=off"] == [], f"{where} delayed, one micro-batch: ON != OFF"
+        tol = DELAYED_LOSS_RTOL if bitwise else max(DELAYED_LOSS_RTOL, GPU_LOSS_RTOL)
+        assert r["delayed loss rel"] <= tol, f"{where} delayed, two micro-batches: {r['delayed loss rel']}"
         assert r["masters==init"] == {k: [] for k in r["masters==init"]}, f"{where}: {r['masters==init']}"
         f = r["forced"]
         assert f["dispatched"] > 0 and f["handles"] > 0, f"{where}: nothing was in flight: {f}"
@@ -137,3 +156,20 @@ def test_low_precision_param_gather_on_two_ranks() -> None:
         assert f["staging_nonzero"] == [] and f["stale"] == [] and f["vs_hook_path"] == [], f"{where}: {f}"
         assert all(v == [] for v in r["hashes"].values()), f"{where}: replicas differ: {r['hashes']}"
     assert results[0]["mxfp8 on!=off"] == results[1]["mxfp8 on!=off"]
+
+
+@pytest.mark.slow
+def test_low_precision_param_gather_on_two_ranks() -> None:
+    check(run_distributed(body, world_size=2, timeout=240), bitwise=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_low_precision_param_gather_on_two_gpus(tmp_path: Any) -> None:
+    """NCCL (uint8 all-gather, MAX all-reduce, CPU init copies broadcast through the device), deterministic
+    kernels. Bitwise comparisons are reported; losses must agree within GPU_LOSS_RTOL."""
+    results = run_distributed(body, world_size=2, timeout=600, backend="nccl", root=str(tmp_path))
+    for r in results:
+        print("GPU param gather:", {k: (v if k in ("loss_rel",) else (len(v) if isinstance(v, list) else v))
+                                    for k, v in r.items() if k != "hashes"})  # fmt: skip
+    check(results, bitwise=False)

@@ -28,7 +28,7 @@ FAST = [
     "model.seq_length=16", "model.ffn_hidden_size=32", "model.moe_layer_freq=[1,0]", "moe.num_experts=4",
     "moe.ffn_hidden_size=32", "moe.backend=grouped", "train.micro_batch_size=2", "train.global_batch_size=4",
     "data.source=synthetic", "train.eval_interval=1", "train.eval_iters=1", "optimizer.lr_warmup_iters=0",
-    "mixed_precision.bf16=true", "mixed_precision.fp8=e4m3", "logging.jsonl=false",
+    "mixed_precision.bf16=true", "mixed_precision.fp8=e4m3", "logging.jsonl=false", "train.device=cpu",
 ]
 RECIPES = {
     "mxfp8": ["mixed_precision.fp8_recipe=mxfp8", "mixed_precision.reuse_grad_buf_for_mxfp8_param_ag=true"],
