@@ -17,9 +17,11 @@ Run it on N >= 2 GPUs (`moectl bench param-gather --nproc-per-node 2`, or
    Reported per version: median time (the slowest rank's median), bytes gathered (the whole output),
    algorithm bandwidth (bytes / time) and bus bandwidth (algbw * (n-1)/n, nccl-tests' convention for
    all-gather), and the ratio to the raw one-call time. Target: moectl within 1.1x of raw.
-   Rows per storage format (`FORMATS`): bf16 now. Low-precision rows (fp8 tensorwise, mxfp8) are one
-   `GatherFormat` each, whose `storage` is the recipe's `ParamStorage` (uint8 bytes plus scales): the timing
-   code needs nothing else.
+   Rows per storage format (`FORMATS`): bf16; fp8 (tensorwise param gather: the attention and expert
+   weights as FP8 bytes in uint8 buffers, the rest bf16); mxfp8 (param gather through the bf16 staging
+   buffer aliased on the grad buffer, every rank quantizing after the gather). Each row also reports bytes
+   gathered per param, over all params and over the quantized ones (`qbytes_per_param`: target <= 1.02
+   for fp8; the gain of the format is there, the embedding and head stay bf16).
 
 2. Step. A real GPT-MoE (bf16, `StepShape`) trains on every rank with the distributed optimizer, timed per
    step (host clock around a synchronised step) in interleaved rounds: overlap on (grad reduce in the
@@ -56,9 +58,31 @@ class GatherFormat:
     note: str = ""
 
 
+def _param_gather(recipe: str) -> Callable[[], Any]:
+    """() -> the StorageSpec of `recipe`'s low-precision param gather over `build_params`' bare params:
+    attention and expert weights quantized, the rest bf16 (trainer/distributed/param_gather.py)."""
+
+    def spec() -> Any:
+        from moectl.config.schema import MixedPrecisionConfig
+        from trainer.distributed.param_gather import storage_by_name
+        from trainer.precision import get_recipe
+
+        mp = MixedPrecisionConfig(bf16=True, fp8="e4m3", fp8_recipe=recipe, fp8_param_gather=True,  # type: ignore[arg-type]
+                                  reuse_grad_buf_for_mxfp8_param_ag=recipe == "mxfp8")  # fmt: skip
+        return storage_by_name(get_recipe(mp), mp)  # type: ignore[arg-type]
+
+    return spec
+
+
 FORMATS: dict[str, GatherFormat] = {
     "bf16": GatherFormat(torch.bfloat16, None, "bf16 params in the param buffer (2 B/param gathered)"),
-    # fp8 / mxfp8 param gather: add GatherFormat(params_dtype, storage=lambda: <recipe storage spec>, note) here.
+    "fp8": GatherFormat(torch.bfloat16, _param_gather("tensorwise"),
+                        "fp8 tensorwise param gather: FP8 bytes of the attention and expert weights (1 B/param; "
+                        "scales from one amax all-reduce, untimed with the staging), the rest bf16; "
+                        "post-processing (views, columnwise transposes) timed"),
+    "mxfp8": GatherFormat(torch.bfloat16, _param_gather("mxfp8"),
+                          "mxfp8 param gather: bf16 staged in the grad buffer (2 B/param gathered), "
+                          "post-processing (quantize rowwise + columnwise on every rank) timed"),
 }
 
 
@@ -88,7 +112,7 @@ class StepShape:
 class GatherBenchConfig:
     device: Optional[str] = None  # None: this rank's GPU when CUDA is there
     shape: MixShape = field(default_factory=MixShape.default)
-    formats: tuple[str, ...] = ("bf16",)
+    formats: tuple[str, ...] = ("bf16", "fp8", "mxfp8")
     bucket_size: Optional[int] = None  # None: moectl's default (max(40M, 1M * dp) elements)
     warmup: int = 3
     rounds: int = 5
@@ -173,14 +197,19 @@ def gather_rows(cfg: GatherBenchConfig, fmt_name: str, device: torch.device) -> 
     opt = DistributedOptimizer(dm, OptimizerConfig())
     buckets = [b for buf in dm.buffers for b in buf.buckets]
     nbytes = sum(b.param_data.numel() * b.param_data.element_size() for b in buckets)
-    raw = torch.empty(sum(b.numel for b in buckets), dtype=buckets[0].param_data.dtype, device=device)
+    qbufs = [buf for buf in dm.buffers if buf.storage.needs_initial_sync]  # quantized storage
+    qparams = sum(p.numel() for buf in qbufs for p in buf.params)
+    qbytes = sum(buf.param_data.numel() * buf.param_data.element_size() for buf in qbufs)
+    # raw gathers move the same bytes (buffers of several dtypes: uint8 fp8 bytes beside bf16)
+    raw = torch.empty(nbytes, dtype=torch.uint8, device=device)
     shard = raw.numel() // world
     raw_in = raw[rank * shard:(rank + 1) * shard]
     raw_buckets, at = [], 0
     for b in buckets:
-        out = raw[at:at + b.numel]
-        raw_buckets.append((out, out[rank * b.shard_size:(rank + 1) * b.shard_size]))
-        at += b.numel
+        n = b.numel * b.param_data.element_size()
+        out = raw[at:at + n]
+        raw_buckets.append((out, out[rank * (n // world):(rank + 1) * (n // world)]))
+        at += n
 
     def stage() -> None:
         for g in opt.groups:
@@ -212,6 +241,7 @@ def gather_rows(cfg: GatherBenchConfig, fmt_name: str, device: torch.device) -> 
         algbw = nbytes / (t * 1e-3) / 1e9
         rows.append({
             "format": fmt_name, "name": name, "ms": t, "gbytes": nbytes / 1e9, "buckets": len(buckets),
+            "bytes_per_param": nbytes / cfg.shape.numel(), "qbytes_per_param": qbytes / qparams if qparams else None,
             "algbw_gbps": algbw, "busbw_gbps": algbw * (world - 1) / world, "vs_raw": t / ms["raw, one call"],
         })  # fmt: skip
     return rows

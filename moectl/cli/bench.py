@@ -194,10 +194,11 @@ def render_param_gather(result: Any, console: Console) -> None:
         f"{meta['device_name']} ({versions})",
         caption="slowest rank's median of interleaved rounds" + "".join(f"\n{n}" for n in result.notes),
     )  # fmt: skip
-    for col in ("format", "gather", "buckets", "GB", "ms", "algbw GB/s", "busbw GB/s", "vs raw"):
+    for col in ("format", "gather", "buckets", "GB", "B/param", "ms", "algbw GB/s", "busbw GB/s", "vs raw"):
         table.add_column(col, justify="left" if col in ("format", "gather") else "right")
     for r in result.gather_rows:
-        table.add_row(r["format"], r["name"], str(r["buckets"]), f"{r['gbytes']:.3f}", f"{r['ms']:.3f}",
+        bpp = f"{r['bytes_per_param']:.3f}" + (f" ({r['qbytes_per_param']:.3f} q)" if r.get("qbytes_per_param") else "")
+        table.add_row(r["format"], r["name"], str(r["buckets"]), f"{r['gbytes']:.3f}", bpp, f"{r['ms']:.3f}",
                       f"{r['algbw_gbps']:.0f}", f"{r['busbw_gbps']:.0f}", f"{r['vs_raw']:.2f}x")
     console.print(table)
     if result.step_rows:

@@ -61,13 +61,19 @@ def test_param_gather_on_two_gloo_ranks():
     results = run_distributed(_two_ranks, world_size=2, timeout=120)
     assert results[0] == results[1]  # every rank reports the slowest rank's medians
     data = results[0]
-    rows = {r["name"]: r for r in data["gather_rows"]}
-    assert set(rows) == GATHERS
     numel = MixShape.quick().numel()
-    for r in rows.values():
-        assert r["gbytes"] * 1e9 >= 2 * numel  # bf16: 2 B per param, plus bucket padding
-        assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"] / 2)
-        assert r["vs_raw"] == pytest.approx(r["ms"] / rows["raw, one call"]["ms"])
+    assert {r["format"] for r in data["gather_rows"]} == {"bf16", "fp8", "mxfp8"}
+    for fmt in ("bf16", "fp8", "mxfp8"):
+        rows = {r["name"]: r for r in data["gather_rows"] if r["format"] == fmt}
+        assert set(rows) == GATHERS
+        for r in rows.values():
+            assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"] / 2)
+            assert r["vs_raw"] == pytest.approx(r["ms"] / rows["raw, one call"]["ms"])
+            assert r["gbytes"] * 1e9 == pytest.approx(r["bytes_per_param"] * numel)
+            if fmt == "fp8":  # FP8 bytes for the attention and expert weights, bf16 for the rest
+                assert 1.0 <= r["qbytes_per_param"] <= 1.02 and 1.0 < r["bytes_per_param"] < 2.0
+            else:
+                assert r["bytes_per_param"] >= 2.0  # bf16 (mxfp8: staged bf16), plus bucket padding
     step = {r["name"]: r for r in data["step_rows"]}
     assert set(step) == STEPS and step["compute only"]["exposed_ms"] == 0
     assert data["meta"]["step"]["grad_reduce_gbytes"] > 0

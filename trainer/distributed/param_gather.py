@@ -14,7 +14,8 @@ other param (embedding, head, norms, routers, biases) stays high precision in it
 
 from __future__ import annotations
 
-from typing import Optional
+import re
+from typing import Callable, Optional
 
 import torch
 
@@ -28,6 +29,13 @@ from trainer.precision import Recipe
 
 PER_TENSOR = ("tensorwise", "delayed")
 STAGED = ("mxfp8", "nvfp4")
+_BLOCK_LINEAR = re.compile(r"\.(?:linear_qkv|linear_proj|linear_fc1|linear_fc2)\.weight\d*$")
+
+
+def is_block_linear(name: str) -> bool:
+    """Whether a Megatron-style param name is a weight of a transformer-block linear (attention, dense or
+    expert MLP), the params a model runs through the recipe."""
+    return bool(_BLOCK_LINEAR.search(name))
 
 
 def param_gather_enabled(mp: MixedPrecisionConfig) -> bool:
@@ -67,3 +75,12 @@ def param_gather_storage(model: torch.nn.Module, mp: MixedPrecisionConfig,
     quantized = make_storage(recipe, sites, mp)
     high = HighPrecisionStorage()
     return lambda name, p: quantized if p in sites else high
+
+
+def storage_by_name(recipe: Recipe, mp: MixedPrecisionConfig,
+                    quantized: Callable[[str], bool] = is_block_linear) -> StorageSpec:  # fmt: skip
+    """A `StorageSpec` for bare parameters without their layers (benchmarks): quantized storage for the
+    names `quantized` picks, whose values the storage itself holds (no module reads them)."""
+    storage = make_storage(recipe, {}, mp)
+    high = HighPrecisionStorage()
+    return lambda name, p: storage if quantized(name) else high

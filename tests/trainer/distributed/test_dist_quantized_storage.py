@@ -148,3 +148,26 @@ def test_matches_master_catches_a_changed_byte_or_master(recipe: str) -> None:
     data = storage.live(p).rowwise.data.view(torch.uint8)
     data.view(-1)[3] ^= 1  # one bit of one byte
     assert not storage.matches_master(p, master)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "mxfp8"])
+def test_bare_params_by_name(recipe: str) -> None:
+    """Benchmarks hold parameters without their layers: the storage holds their quantized values itself."""
+    from moectl.bench.param_mix import MixShape, build_params
+    from moectl.config.schema import ParallelConfig
+    from trainer.distributed import DistributedModel
+    from trainer.distributed.param_gather import is_block_linear, storage_by_name
+    from trainer.optim.distributed_optimizer import DistributedOptimizer
+
+    mp = config(Knobs(recipe=recipe)).mixed_precision
+    module = build_params(MixShape.quick(), torch.device("cpu"), torch.bfloat16)
+    dm = DistributedModel(module, ParallelConfig(bucket_size=20_000), PS, storage=storage_by_name(get_recipe(mp), mp))
+    opt = DistributedOptimizer(dm, config(Knobs()).optimizer)
+    masters = opt.gather_logical_state()["params"]
+    quantized = {n for n, p in module.named_parameters() if qs.quantized_storage_of(p) is not None}
+    assert quantized == {n for n, _ in module.named_parameters() if is_block_linear(n)} and len(quantized) == 8
+    for n, p in module.named_parameters():
+        if n in quantized:
+            assert qs.quantized_storage_of(p).matches_master(p, masters[n]["master"]), n
+    assert not is_block_linear("decoder.layers.0.mlp.experts.linear_fc1.bias0")
+    assert is_block_linear("decoder.layers.0.mlp.experts.linear_fc1.weight3")
