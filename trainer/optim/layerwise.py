@@ -85,6 +85,10 @@ class LayerWiseMuon:
         self.buffers = dmodel.buffers_for(tag)
         if not self.buffers:
             raise ValueError(f"no buffers are tagged {tag!r}")
+        for buf in self.buffers:  # per-tensor FP8 scales are agreed from shards: not wired for Muon (MOE010)
+            if getattr(buf.storage, "needs_scales", False):
+                raise ValueError(f"{buf.key.describe()}: Muon supports no storage with per-tensor scales; use mxfp8 "
+                                 "param gather (staged, every rank quantizes the gathered values)")
         self.device = self.buffers[0].device
         self.step_count = 0
         self.skipped_steps = 0

@@ -11,12 +11,13 @@ Formulas, and where they come from:
 - the update follows Keller Jordan's `muon_update` (github.com/KellerJordan/Muon): the momentum buffer is
   an EMA, `buf.lerp_(g, 1 - mu)`, Nesterov takes `lerp(g, buf, mu)`, plain momentum takes `buf`. (The
   Moonlight code keeps `buf = mu buf + g`; that differs from the EMA by the factor 1 - mu only, which
-  the Frobenius normalisation removes.)
+  the Frobenius normalisation removes up to its 1e-7.)
 - the shape scale is Moonlight's (Liu et al., "Muon is Scalable for LLM Training", arXiv:2502.16982,
-  eq. 4): the orthogonalised update is multiplied by `0.2 * sqrt(max(out, in))`, which gives it the
-  RMS of a typical AdamW update (~0.2). Chosen over Keller Jordan's `max(1, out/in) ** 0.5` because
-  moectl has one `optimizer.lr` and one `weight_decay` for both optimizers of a Muon run (Muon for the
-  matrices, AdamW for the rest), and Moonlight's scale is the one that lets both use AdamW's values.
+  `adjust_lr_for_muon` in its code): the orthogonalised update is multiplied by
+  `0.2 * sqrt(max(out, in))`, giving it the RMS of a typical AdamW update (~0.2). Chosen over Keller
+  Jordan's `max(1, out/in) ** 0.5` because moectl has one `optimizer.lr` and one `weight_decay` for both
+  optimizers of a Muon run (Muon for the matrices, AdamW for the rest), and Moonlight's scale is the one
+  that lets both use AdamW's values.
 - decoupled weight decay `p *= 1 - lr * wd` before the update (both references), with the unscaled lr.
 
 Compute dtype: fp32 by default. Keller Jordan runs the iteration in bf16 on GPUs for speed; moectl
