@@ -14,7 +14,10 @@ one-rank runtime) is the reference. Checked on each rank:
   aliased on grad memory, gathered bf16, written into the params), on the toy model: overlapped reduce and
   deferred gather equal the synchronous run bitwise with an eval (forced sync) between steps, params are
   bf16(masters) on every rank and moved (a deferred gather of a zeroed staging buffer froze them in
-  Megatron #4987).
+  Megatron #4987);
+- Muon with MXFP8 param gather on the reuse buffer (every rank quantizes the gathered bf16 masters), bf16
+  params, through the Trainer: ON == OFF bitwise (losses, eval losses, masters), with overlapped reduce
+  and deferred gather too, replicas' quantized bytes agree (Megatron #4987's acceptance test).
 """
 
 from __future__ import annotations
@@ -154,6 +157,29 @@ def _toy_staged(pstate: ParallelState, overlap: bool) -> dict[str, Any]:
     }
 
 
+MXFP8 = ["model.hidden_size=64", "moe.ffn_hidden_size=64", "mixed_precision.bf16=true", "mixed_precision.fp8=e4m3",
+         "mixed_precision.fp8_recipe=mxfp8", "train.device=cpu", "train.train_iters=4", "train.eval_interval=2",
+         "train.eval_iters=1", "optimizer.lr=1e-2"]
+GATHER = ["mixed_precision.fp8_param_gather=true", "mixed_precision.reuse_grad_buf_for_mxfp8_param_ag=true"]
+OVERLAP = ["parallel.overlap_grad_reduce=true", "parallel.overlap_param_gather=true"]
+
+
+def _mxfp8_gather(root: Path) -> dict[str, Any]:
+    out = {}
+    for name, extra in {"off": [], "on": GATHER, "on_overlap": [*GATHER, *OVERLAP]}.items():
+        t = _trainer([*MXFP8, *extra], root / f"mxfp8-{name}")
+        result = t.run()
+        t.engine.sync_params_for_eval()
+        state = t.engine.optimizer.gather_logical_state()["params"]
+        dmodel = t.engine.dmodel  # type: ignore[attr-defined]
+        quantized = any("mxfp8" in b.key.storage for b in dmodel.buffers if b.key.optimizer_tag == "muon")
+        out[name] = (result.losses, result.eval_losses, {n: e["master"] for n, e in state.items()},
+                     dmodel.check_param_hashes(), quantized)
+    off = out["off"]
+    return {name: {"losses": r[0] == off[0], "evals": r[1] == off[1], "hashes": r[3], "quantized": r[4],
+                   "masters": all(torch.equal(m, off[2][n]) for n, m in r[2].items())} for name, r in out.items()}
+
+
 def muon_body(rank: int, world_size: int, root: str) -> dict[str, Any]:
     root_p = Path(root)
     one = Runtime(device=torch.device("cpu"), rank=0, world_size=1, local_rank=rank,
@@ -187,6 +213,7 @@ def muon_body(rank: int, world_size: int, root: str) -> dict[str, Any]:
             "moved": min(staged_sync["moved"], staged_overlap["moved"]),
             "hashes": staged_sync["hash_mismatches"] + staged_overlap["hash_mismatches"],
         },
+        "mxfp8": _mxfp8_gather(root_p),
     }
 
 
@@ -208,6 +235,9 @@ def test_layerwise_muon_dp2_equals_dp1_and_resumes_bitwise(tmp_path: Path) -> No
         assert "split across the shards" in r["refusal"], where
         st = r["staged"]
         assert st["overlap_bitwise"] and st["bf16_masters"] and st["moved"] > 1e-3 and st["hashes"] == [], where
+        for name, mx in r["mxfp8"].items():  # "on" really gathers Muon's matrices as staged mxfp8
+            want = {"losses": True, "evals": True, "masters": True, "hashes": [], "quantized": name != "off"}
+            assert mx == want, (name, where)
     # Ownership: the same map on both ranks; each matrix stepped by exactly one rank, both ranks busy.
     (own0, owned0, ep_own0), (own1, owned1, ep_own1) = results[0]["everyone"]
     assert own0 == own1 and ep_own0 == ep_own1
