@@ -67,8 +67,8 @@ def _param_gather(recipe: str) -> Callable[[], Any]:
         from trainer.distributed.param_gather import storage_by_name
         from trainer.precision import get_recipe
 
-        mp = MixedPrecisionConfig(bf16=True, fp8="e4m3", fp8_recipe=recipe, fp8_param_gather=True,  # type: ignore[arg-type]
-                                  reuse_grad_buf_for_mxfp8_param_ag=recipe == "mxfp8")  # fmt: skip
+        mp = MixedPrecisionConfig(bf16=True, fp8="e4m3", fp8_recipe=recipe,  # type: ignore[arg-type]
+                                  fp8_param_gather=True, reuse_grad_buf_for_mxfp8_param_ag=recipe == "mxfp8")
         return storage_by_name(get_recipe(mp), mp)  # type: ignore[arg-type]
 
     return spec

@@ -115,7 +115,9 @@ class DistributedModel:
                                planner=(layouts or {}).get(key.optimizer_tag))
             for key, ps in by_key.items()
         ]
-        self._storage_of: dict[torch.nn.Parameter, ParamStorage] = {p: b.storage for b in self.buffers for p in b.params}
+        self._storage_of: dict[torch.nn.Parameter, ParamStorage] = {
+            p: b.storage for b in self.buffers for p in b.params
+        }
 
         grad_scale = 1.0 / pstate.dp.size
         self.bucket_groups: list[BucketGroup] = []

@@ -28,7 +28,6 @@ from trainer.distributed.weight_sites import find_sites
 from trainer.precision import Recipe
 
 PER_TENSOR = ("tensorwise", "delayed")
-STAGED = ("mxfp8", "nvfp4")
 _BLOCK_LINEAR = re.compile(r"\.(?:linear_qkv|linear_proj|linear_fc1|linear_fc2)\.weight\d*$")
 
 

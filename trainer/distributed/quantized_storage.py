@@ -34,6 +34,7 @@ quantization of the master).
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
@@ -42,7 +43,7 @@ from torch import nn
 from trainer.distributed import comm
 from trainer.distributed.param_storage import AliasedStagingStorage, ParamStorage, Shard
 from trainer.distributed.parallel_state import Group
-from trainer.distributed.weight_sites import WeightSite, is_placeholder, live, placeholder, publish
+from trainer.distributed.weight_sites import WeightSite, live, placeholder, publish
 from trainer.precision import QuantizedData, QuantizedTensor, Recipe, quantize
 from trainer.precision.fp8_scale import inverse, scale_from_amax
 from trainer.precision.formats import fp8_format
@@ -134,19 +135,14 @@ class QuantizedParamStorage(ParamStorage):
             raise RuntimeError("a quantized param has no value yet: the optimizer gathers it when it is built")
         return _qt_tensors(qt)
 
+    @abstractmethod
     def expected(self, param: nn.Parameter, master: torch.Tensor) -> QuantizedTensor:
         """The recipe's quantization of `master` (the param's full fp32 master) as this storage makes it."""
-        raise NotImplementedError
 
     def matches_master(self, param: nn.Parameter, master: torch.Tensor) -> bool:
         """Whether the live quantized param is bitwise the recipe's quantization of `master`."""
         qt = self.live(param)
         return qt is not None and same_quantized(qt, self.expected(param, master.to(qt.device)))
-
-    def check_no_copy(self, param: nn.Parameter) -> None:
-        """Raise if `param` holds high-precision values of its own (it must be a placeholder)."""
-        if not is_placeholder(param.data):
-            raise AssertionError(f"quantized param of shape {tuple(param.shape)} holds a high-precision copy")
 
 
 # ------------------------------------------------------------------------------------------------ per-tensor
@@ -234,7 +230,8 @@ class PerTensorFP8Storage(QuantizedParamStorage):
             shape = (vec.numel(),) if (site0.expert is not None or params[0].dim() == 3) else ()
             hist = self.histories.get(owner)
             if hist is None:
-                hist = self.histories[owner] = AmaxHistory(self.recipe.history_len, self.fmt.max, shape)  # type: ignore[attr-defined]
+                length = self.recipe.history_len  # type: ignore[attr-defined]
+                hist = self.histories[owner] = AmaxHistory(length, self.fmt.max, shape)
             scale = hist.current_scale(vec.device).clone().reshape(-1)
             hist.record(vec.reshape(shape))
             at = 0
@@ -294,7 +291,8 @@ class StagedQuantizedStorage(QuantizedParamStorage, AliasedStagingStorage):
 
     def write_param(self, param: nn.Parameter, gathered: torch.Tensor) -> None:
         """Quantize the gathered values of `param` (one call, also for a whole [E, out, in]) and publish them."""
-        publish(self.site(param), self.recipe.quantize_weight(gathered.view(param.shape), rowwise=True, columnwise=True))
+        qt = self.recipe.quantize_weight(gathered.view(param.shape), rowwise=True, columnwise=True)
+        publish(self.site(param), qt)
 
     def post_gather(self, bucket: "Bucket") -> None:
         for param in bucket.params:

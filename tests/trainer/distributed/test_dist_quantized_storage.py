@@ -171,3 +171,23 @@ def test_bare_params_by_name(recipe: str) -> None:
             assert qs.quantized_storage_of(p).matches_master(p, masters[n]["master"]), n
     assert not is_block_linear("decoder.layers.0.mlp.experts.linear_fc1.bias0")
     assert is_block_linear("decoder.layers.0.mlp.experts.linear_fc1.weight3")
+
+
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "per-expert"])
+def test_one_quantize_call_per_param_after_the_gather(grouped: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A single grouped [E, out, in] weight is quantized in one call, not a per-expert loop (seed 000)."""
+    model, engine, _ = build(Knobs(recipe="mxfp8", grouped=grouped), PS)
+    recipe = model.recipe
+    shapes: list[tuple[int, ...]] = []
+    real = type(recipe).quantize_weight
+    def spy(self: object, w: torch.Tensor, **kw: object) -> object:
+        shapes.append(tuple(w.shape))
+        return real(self, w, **kw)
+
+    monkeypatch.setattr(type(recipe), "quantize_weight", spy)
+    for g in engine.optimizer.groups:
+        g.stage()
+    engine.dmodel.force_param_sync()
+    experts = [s for s in shapes if len(s) == 3]
+    assert len(shapes) == (8 if grouped else 14)
+    assert len(experts) == (2 if grouped else 0)  # fc1 and fc2, each [E, out, in] at once
