@@ -30,8 +30,6 @@ from moectl.config.schema import Config, ParallelConfig
 from trainer.distributed import ParallelState
 from trainer.distributed.engine import DistributedEngine
 from trainer.distributed.param_gather import param_gather_storage
-from trainer.distributed.param_storage import HighPrecisionStorage
-from trainer.distributed.weight_sites import find_sites
 from trainer.distributed.quantized_storage import quantized_storage_of
 from trainer.model import GPTMoE
 from trainer.moe.experts import GroupedLinearParams
@@ -53,11 +51,6 @@ class Knobs:
     n_micro: int = 1
     eval_after: tuple[int, ...] = ()  # 0-based steps after which to evaluate
     seed: int = 7
-    # Without param gather: give the recipe's weights their own high-precision buffers, laid out exactly as
-    # the quantized buffers of a gather run. The global grad norm sums per bucket shard, so a different
-    # split of params into buffers changes its last bits, hence the clip factor's; with the same layout a
-    # gather run can be compared with a no-gather run bitwise (what differs is then param gather alone).
-    mirror_layout: bool = False
 
     def describe(self) -> str:
         return (f"{self.recipe} gather={self.gather} {'grouped' if self.grouped else 'per-expert'} "
@@ -94,19 +87,8 @@ def build(k: Knobs, pstate: ParallelState) -> tuple[GPTMoE, DistributedEngine, C
                    gradient_accumulation_fusion=k.fuse, recipe=recipe,
                    expert_align=recipe.align_size if recipe is not None else 1).to(pstate.device)  # fmt: skip
     storage = param_gather_storage(model, cfg.mixed_precision, recipe)
-    if k.mirror_layout and not k.gather:
-        sites, mirror, high = find_sites(model), MirrorStorage(), HighPrecisionStorage()
-        storage = lambda name, p: mirror if p in sites else high  # noqa: E731
     engine = DistributedEngine(model, cfg.parallel, cfg.optimizer, pstate, storage=storage)
     return model, engine, cfg
-
-
-class MirrorStorage(HighPrecisionStorage):
-    """High-precision storage under its own buffer key (see `Knobs.mirror_layout`)."""
-
-    @property
-    def key(self) -> str:
-        return "high_precision:mirror"
 
 
 def batch(step: int, rank: int, micro: int, rows: int = 2, seq: int = 16) -> torch.Tensor:

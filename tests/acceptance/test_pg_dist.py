@@ -3,7 +3,7 @@
 One spawn; each check names the seed bug it keeps out:
 - ON vs OFF, bitwise (losses every step; masters, main grads and effective weights at the end) for mxfp8
   (reuse buffer) and nvfp4 (aliased staging), overlap off and on (#4987's test), and for fp8 tensorwise;
-  OFF has the recipe weights in buffers laid out as ON's (`Knobs.mirror_layout`). Delayed scaling is
+  OFF has the recipe weights in buffers laid out as ON's (the default: `param_gather_storage`). Delayed scaling is
   bitwise with one micro-batch per step; with two its amax history sees one amax per step with param
   gather and one per micro-batch without, so the runs differ: losses stay within DELAYED_LOSS_RTOL (Adam
   turns any grad difference into lr-sized update differences, so masters are not compared);
@@ -109,7 +109,7 @@ def body(rank: int, world_size: int, backend: str = "gloo", root: str = "") -> d
     # ON vs OFF, bitwise; train-eval-train; weights change every step
     for recipe in ("mxfp8", "nvfp4", "tensorwise"):
         base = Knobs(recipe=recipe, steps=4)
-        off = run(with_(base, gather=False, mirror_layout=True))
+        off = run(with_(base, gather=False))
         on_sync = run(base)
         on_overlap = run(with_(base, overlap=True))
         out["loss_rel"][f"{recipe} on/off"] = max(_loss_rel(on_sync, off), _loss_rel(on_overlap, off))
@@ -125,9 +125,9 @@ def body(rank: int, world_size: int, backend: str = "gloo", root: str = "") -> d
         out[f"{recipe} history"] = len(h)
     # delayed scaling: bitwise with one micro-batch, within tolerance with two
     dk = Knobs(recipe="delayed")
-    out["delayed on!=off"] = differences(run(dk), run(with_(dk, gather=False, mirror_layout=True)), weights=False)
+    out["delayed on!=off"] = differences(run(dk), run(with_(dk, gather=False)), weights=False)
     dk = with_(dk, n_micro=2)
-    d_on, d_off = run(dk), run(with_(dk, gather=False, mirror_layout=True))
+    d_on, d_off = run(dk), run(with_(dk, gather=False))
     out["delayed loss rel"] = max(abs(a - b) / abs(b) for a, b in zip(d_on.losses, d_off.losses))
     out["masters==init"] = {r: _masters_equal_init(r, ps) for r in ("mxfp8", "nvfp4", "tensorwise", "delayed")}
     out["forced"] = _forced_sync_in_flight(ps)

@@ -58,10 +58,21 @@ def make_storage(recipe: Recipe, sites: dict, mp: MixedPrecisionConfig) -> Param
 
 def param_gather_storage(model: torch.nn.Module, mp: MixedPrecisionConfig,
                          recipe: Optional[Recipe]) -> StorageSpec:  # fmt: skip
-    """The `StorageSpec` for `DistributedModel`: quantized storage for the recipe's weights, or None when
-    param gather is off."""
+    """The `StorageSpec` for `DistributedModel`: quantized storage for the recipe's weights.
+
+    With a recipe but param gather off, the recipe's weights stay high precision yet get a buffer key of
+    their own, so the buffer layout (and with it the bucket split of the global grad norm, hence the clip
+    factor's last bits) is the same with gather on and off: the two runs then differ only by the gather,
+    and are bitwise equal for mxfp8/nvfp4 (seed 001's ON-vs-OFF test) instead of drifting by an ulp.
+    """
     if not param_gather_enabled(mp):
-        return None
+        if recipe is None:
+            return None
+        sites = find_sites(model)
+        if not sites:
+            return None
+        mirror, high = RecipeSiteStorage(), HighPrecisionStorage()
+        return lambda name, p: mirror if p in sites else high
     which = "fp8_param_gather" if mp.fp8_param_gather else "fp4_param_gather"
     if recipe is None:
         raise ConfigError(f"mixed_precision.{which}", True, "low-precision param gather needs an fp8/fp4 recipe",
@@ -74,6 +85,14 @@ def param_gather_storage(model: torch.nn.Module, mp: MixedPrecisionConfig,
     quantized = make_storage(recipe, sites, mp)
     high = HighPrecisionStorage()
     return lambda name, p: quantized if p in sites else high
+
+
+class RecipeSiteStorage(HighPrecisionStorage):
+    """High-precision storage of a recipe's weights under their own buffer key (see `param_gather_storage`)."""
+
+    @property
+    def key(self) -> str:
+        return "high_precision:recipe_site"
 
 
 def storage_by_name(recipe: Recipe, mp: MixedPrecisionConfig,
