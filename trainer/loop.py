@@ -197,6 +197,13 @@ class Trainer:
         )
         # Say which GEMMs run native and which are emulated: a run never pretends.
         self.console.print(f"  precision: {describe(self.model.recipe, self.rt.device)}")
+        mp = cfg.mixed_precision
+        if mp.fp8_param_gather or mp.fp4_param_gather:
+            staged = "bf16 staged on the grad buffer" if mp.reuse_grad_buf_for_mxfp8_param_ag or mp.fp4 else "bytes"
+            self.console.print(
+                f"  param gather: block weights stored {mp.fp4_recipe if mp.fp4 else mp.fp8_recipe}, all-gathered "
+                f"as {staged}; fp32 masters from the init values"
+            )
 
     def run(self) -> TrainResult:
         """Train to `train.train_iters`; returns the per-step losses and how the run ended."""
