@@ -33,12 +33,12 @@ from typing import Any, Literal
 import torch
 
 from moectl.config.schema import OptimizerConfig
-from trainer.distributed import comm
 from trainer.distributed.bucket import Bucket
 from trainer.distributed.bucket_group import BucketGroup, GradSyncError
 from trainer.distributed.ddp import DistributedModel
 from trainer.distributed.param_sync import Action
 from trainer.optim.grad_norm import clip_coefficient, global_norm_and_found_inf, local_sq_sum
+from trainer.optim.logical_state import gather_logical_state
 from trainer.optim.muon import muon_update_
 from trainer.optim.muon_routing import MUON_TAG
 from trainer.optim.step_result import NonFiniteGradError, StepResult
@@ -206,28 +206,12 @@ class LayerWiseMuon:
         return StepResult(norm, skipped=False)
 
     # ---------------------------------------------------------------- logical (unsharded) state
-    @torch.no_grad()
     def gather_logical_state(self) -> dict[str, Any]:
         """`{"step", "params": {name: {"master", "momentum_buffer"}}}`, full tensors on every rank (collective).
 
         Expert entries cover this ep rank's experts only.
         """
-        out: dict[str, Any] = {"step": self.step_count, "params": {}}
-        for s in self.shards:
-            b = s.bucket
-            fulls = {}
-            for key in STATE_KEYS:
-                t = getattr(s, key)
-                if t.numel() == b.numel:
-                    fulls[key] = t
-                else:
-                    full = torch.empty(b.numel, dtype=torch.float32, device=self.device)
-                    comm.all_gather(full, t, b.group)
-                    fulls[key] = full
-            for p in b.params:
-                a, e = b.param_ranges[p]
-                out["params"][b.buffer.names[p]] = {k: fulls[k][a:e].view(p.shape).clone() for k in STATE_KEYS}
-        return out
+        return gather_logical_state(self.shards, STATE_KEYS, self.step_count, self.device)
 
     @torch.no_grad()
     def load_logical_state(self, state: dict[str, Any], strict: bool = True) -> None:
