@@ -91,3 +91,17 @@ def test_load_main_params_only_keeps_masters_and_resets_moments(tmp_path):
     for n, e in state["params"].items():
         assert torch.equal(e["master"], masters[n]), n
         assert not e["exp_avg"].any(), n
+
+
+def test_training_resumed_from_a_converted_checkpoint_equals_the_original_run(tmp_path):
+    from ckpt.convert import convert_checkpoint
+
+    full = trainer(tmp_path / "a", "train.train_iters=8").run()
+    trainer(tmp_path / "b", "train.train_iters=4", "checkpoint.save_interval=4").run()
+    convert_checkpoint(tmp_path / "b" / "checkpoints", tmp_path / "conv", "per-expert")
+    assert open_checkpoint(tmp_path / "conv").meta["expert_layout"] == "per-expert"
+    # The converted checkpoint's own layout (per-expert) and the original one both resume exactly.
+    for single in (False, True):
+        resumed = trainer(tmp_path / f"c{single}", "train.train_iters=8", f"moe.single_grouped_weight={single}",
+                          "checkpoint.load=" + str(tmp_path / "conv")).run()
+        assert resumed.losses == full.losses[4:]
