@@ -9,7 +9,9 @@ Paths (all compute the same function, y = probs * fc2(swiglu(fc1(x))), bf16 on C
     compile  the same function under torch.compile (default mode)
     grouped  moectl's `grouped` backend (trainer.moe.expert_backend)
     fused    moectl's `fused` backend (trainer.kernels.fused_expert_mlp: Triton activation with probs)
-plus the ceiling: a dense size^3 bf16 matmul measured at the start of the run, against which every number
+plus the fp8 columns of `grouped_mlp_fp8` (FP8_PATHS: moectl's fused backend under the fp8 tensorwise and
+rowwise recipes, `torch._scaled_grouped_mm` unfused, torchao's MoE fp8 path; compared with `fused`, bf16),
+and the ceiling: a dense size^3 bf16 matmul measured at the start of the run, against which every number
 is also given as a percentage; the same matmul is timed again inside every row's interleaved rounds
 (`dense_row_tflops`), which shows how much the device itself slowed down while the row was measured.
 
@@ -30,9 +32,12 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from moectl.bench import grouped_mlp_fp8 as fp8
 from moectl.bench.timing import dense_ceiling_tflops, dense_matmul, interleaved_ms
 
-PATHS = ("loop", "eager", "compile", "grouped", "fused")
+PATHS = ("loop", "eager", "compile", "grouped", "fused")  # bf16 (fp32 in --quick on CPU)
+FP8_PATHS = fp8.FP8_PATHS
+ALL_PATHS = PATHS + FP8_PATHS
 
 
 @dataclass(frozen=True)
@@ -79,8 +84,9 @@ class BenchConfig:
     """What to run. `quick`: tiny shapes, few iterations (CI smoke); fp32 on CPU."""
 
     shapes: tuple[Shape, ...] = DEFAULT_SHAPES
-    paths: tuple[str, ...] = PATHS
+    paths: tuple[str, ...] = ALL_PATHS
     permute: bool = True
+    profile: tuple[str, ...] = ()  # paths whose fwd+bwd kernels are profiled at the first shape (GEMM vs rest)
     warmup: int = 5
     iters: int = 30  # timed calls per path and row, spread over `rounds` interleaved rounds
     rounds: int = 5
@@ -108,9 +114,11 @@ class BenchResult:
     ceiling_tflops: float
     rows: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    profiles: dict[str, Any] = field(default_factory=dict)  # path -> kernel-time split (GEMM vs the rest)
 
     def to_json(self) -> dict[str, Any]:
-        return {"meta": self.meta, "ceiling_tflops": self.ceiling_tflops, "rows": self.rows, "notes": self.notes}
+        return {"meta": self.meta, "ceiling_tflops": self.ceiling_tflops, "rows": self.rows, "notes": self.notes,
+                "profiles": self.profiles}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -207,6 +215,8 @@ def _inputs(shape: Shape, topk: int, device: torch.device, dtype: torch.dtype, s
 
 def _expert_fn(path: str, inp: _Inputs, spec: Any, compiled: Optional[Callable[..., torch.Tensor]]):
     """(fn(x, probs) -> y, the weight leaves to differentiate) for one path."""
+    if path in FP8_PATHS:
+        return fp8.expert_fn(path, inp, spec)
     if path == "loop":
         return (lambda x, p: loop_expert_mlp(x, inp.w1s, inp.w2s, inp.splits, p)), [*inp.w1s, *inp.w2s]
     if path in ("eager", "compile"):
@@ -255,6 +265,7 @@ def bench_shape(
     dense: Callable[[], object],
     notes: list[str],
     log: Callable[[str], None],
+    profiles: Optional[dict[str, Any]] = None,
 ) -> list[dict[str, Any]]:
     """The rows of one shape: (fwd, fwd+bwd) x (experts only, with permute)."""
     from trainer.moe.expert_backend import ExpertSpec
@@ -266,6 +277,14 @@ def bench_shape(
     compiled = None
     if "compile" in cfg.paths and (device.type == "cuda" or cfg.compile_on_cpu):
         compiled = torch.compile(eager_expert_mlp, dynamic=False)
+    paths = []
+    for path in cfg.paths:
+        ok, why = fp8.available(path, device) if path in FP8_PATHS else (True, "")
+        if ok:
+            paths.append(path)
+        else:
+            notes.append(why)
+    errors = _fp8_errors(shape, inp, spec, [p for p in paths if p in FP8_PATHS], log)
     rows: list[dict[str, Any]] = []
     for permute in (False, True) if cfg.permute else (False,):
         n_out = inp.x_ND.shape[0] if permute else shape.rows
@@ -277,7 +296,7 @@ def bench_shape(
                 "permute": permute, "topk": topk, "gemm_tflop": flops / 1e12,
             }  # fmt: skip
             calls = {}
-            for path in cfg.paths:
+            for path in paths:
                 if path == "compile" and compiled is None:
                     continue
                 fn, weights = _expert_fn(path, inp, spec, compiled)
@@ -287,7 +306,7 @@ def bench_shape(
             samples = interleaved_ms(calls, device, cfg.warmup, rounds, -(-cfg.iters // rounds))
             dense_ms = statistics.median(samples["dense"])
             row["dense_row_tflops"] = 2 * cfg.ceiling_size**3 / (dense_ms * 1e-3) / 1e12
-            for path in PATHS:
+            for path in ALL_PATHS:
                 times = samples.get(path)
                 ms = statistics.median(times) if times else None
                 tflops = None if ms is None else flops / (ms * 1e-3) / 1e12
@@ -299,19 +318,63 @@ def bench_shape(
             for base in ("eager", "compile"):
                 ok = row["fused_ms"] is not None and row[f"{base}_ms"] is not None
                 row[f"fused_vs_{base}"] = row[f"{base}_ms"] / row["fused_ms"] if ok else None
+            for path in FP8_PATHS:  # speed-up over our bf16 fused path (> 1: the fp8 path is faster)
+                ok = row["fused_ms"] is not None and row[f"{path}_ms"] is not None
+                row[f"{path}_vs_fused"] = row["fused_ms"] / row[f"{path}_ms"] if ok else None
+                row[f"{path}_mode"] = fp8.recipe_mode(path, device) if row[f"{path}_ms"] is not None else None
+                row[f"{path}_rel_err"] = errors.get(path)
+            for base in ("sgmm_rowwise", "torchao_rowwise"):
+                ok = row["fp8_rowwise_ms"] is not None and row[f"{base}_ms"] is not None
+                row[f"fp8_rowwise_vs_{base}"] = row[f"{base}_ms"] / row["fp8_rowwise_ms"] if ok else None
             rows.append(row)
             log(_row_line(row))
+            if profiles is not None and backward and not permute:
+                for path in cfg.profile:
+                    if path in calls and path not in profiles:
+                        log(f"profiling {path} fwd+bwd at {shape.label()} ...")
+                        profiles[path] = {"shape": shape.label(), **fp8.kernel_profile(calls[path], device)}
     if "compile" in cfg.paths and compiled is None:
         notes.append("compile skipped on CPU (slow to build; a CUDA run measures it)")
+    for path in paths:
+        if path in FP8_PATHS and fp8.recipe_mode(path, device) == "emulated":
+            notes.append(
+                f"fp8 columns EMULATED on {device.type} (no native torch._scaled_grouped_mm here): real fp8 values "
+                "and scales, dequantized and multiplied in high precision; their times say nothing about fp8 speed"
+            )
+            break
     del inp
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return rows
 
 
+def _fp8_errors(shape: Shape, inp: _Inputs, spec: Any, paths: list[str], log: Callable[[str], None]) -> dict[str, Any]:
+    """Relative errors ||a - ref|| / ||ref|| of y, dx and dw1 of each fp8 path against the eager path in the
+    bench dtype (same inputs, one fwd+bwd, no permute): proof that every column computes the same function."""
+    if not paths:
+        return {}
+    dy = torch.randn_like(inp.x_TD.detach())
+
+    def run(fn: Callable[..., torch.Tensor], w1: torch.Tensor) -> list[torch.Tensor]:
+        x = inp.x_TD.detach().clone().requires_grad_()
+        y = fn(x, inp.probs_T.detach())
+        dx, dw1 = torch.autograd.grad(y, [x, w1], dy)
+        return [y.detach().float(), dx.float(), dw1.float()]
+
+    ref = run(lambda x, p: eager_expert_mlp(x, inp.w1_EHD, inp.w2_EDF, inp.offs_E, p), inp.w1_EHD)
+    out: dict[str, Any] = {}
+    for path in paths:
+        fn, _ = fp8.expert_fn(path, inp, spec)
+        got = run(fn, inp.w1_EHD)
+        errs = [float((g - r).norm() / r.norm().clamp(min=1e-30)) for g, r in zip(got, ref)]
+        out[path] = dict(zip(("y", "dx", "dw1"), errs))
+        log(f"{shape.label()} {path}: rel err vs eager y={errs[0]:.2e} dx={errs[1]:.2e} dw1={errs[2]:.2e}")
+    return out
+
+
 def _row_line(row: dict[str, Any]) -> str:
     cells = " ".join(
-        f"{p}={row[f'{p}_tflops']:.3g}" if row[f"{p}_tflops"] is not None else f"{p}=-" for p in PATHS
+        f"{p}={row[f'{p}_tflops']:.3g}" for p in ALL_PATHS if row[f"{p}_tflops"] is not None
     )
     return f"{row['shape']} {row['pass']}{' +permute' if row['permute'] else ''}: {cells} TFLOP/s"
 
@@ -336,9 +399,9 @@ def environment(device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
 def run(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None) -> BenchResult:
     """Measure the ceiling, then every shape; returns all rows."""
     device = torch.device(cfg.device)
-    unknown = set(cfg.paths) - set(PATHS)
+    unknown = set(cfg.paths) - set(ALL_PATHS)
     if unknown:
-        raise ValueError(f"unknown paths {sorted(unknown)}; choose from {PATHS}")
+        raise ValueError(f"unknown paths {sorted(unknown)}; choose from {ALL_PATHS}")
     dense = dense_matmul(device, cfg.dtype, cfg.ceiling_size, cfg.seed)
     ceiling = dense_ceiling_tflops(device, cfg.dtype, cfg.ceiling_size, cfg.warmup, cfg.iters, cfg.seed)
     log(f"dense {cfg.ceiling_size}^3 {cfg.dtype} matmul: {ceiling:.3g} TFLOP/s")
@@ -346,9 +409,16 @@ def run(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None) -> BenchR
     meta.update(
         warmup=cfg.warmup, iters=cfg.iters, rounds=cfg.rounds, ceiling_size=cfg.ceiling_size, paths=list(cfg.paths)
     )  # fmt: skip
+    fp8_paths = [p for p in cfg.paths if p in FP8_PATHS]
+    if fp8_paths:
+        meta["fp8_modes"] = {
+            p: fp8.recipe_mode(p, device) if fp8.available(p, device)[0] else "not run" for p in fp8_paths
+        }  # fmt: skip
+        meta["torchao"] = fp8.torchao_fn()[1] if "torchao_rowwise" in fp8_paths else None
+        log(f"fp8 columns: {meta['fp8_modes']}; {meta['torchao']}")
     result = BenchResult(meta=meta, ceiling_tflops=ceiling)
     for shape in cfg.shapes:
-        result.rows.extend(bench_shape(shape, cfg, ceiling, dense, result.notes, log))
+        result.rows.extend(bench_shape(shape, cfg, ceiling, dense, result.notes, log, result.profiles))
     if result.rows:  # the ceiling again at the end: how far the device drifted over the run
         end = dense_ceiling_tflops(device, cfg.dtype, cfg.ceiling_size, cfg.warmup, cfg.iters, cfg.seed)
         meta["ceiling_end_tflops"] = end

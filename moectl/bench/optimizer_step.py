@@ -16,7 +16,14 @@ threshold (1.0), so no clip multiply runs (the common steady state); weight deca
 The floor of each row is the bytes it must move over the measured copy bandwidth (a large device-to-device
 copy, bytes read + written). Per parameter: fused AdamW reads p, g, m, v and writes p, m, v: 28 B. moectl
 adds the norm's read of g (4 B) and the write-back: fp32 read + fp32 write (8 B), or fp32 read + bf16
-write (6 B): 40 B and 38 B. So moectl's floor is 1.43x fused AdamW's on fp32 params, by design of keeping
+write (6 B): 40 B and 38 B.
+
+A second table: the post-step quantize of low-precision param gather for one single grouped expert weight
+`[E, out, in]` (default E=128, 1536 x 2048: an fc1 of Qwen3-30B-A3B's shape), bf16 in, rowwise and columnwise
+copies out, as `recipe.quantize_weight` runs it after the optimizer step (mxfp8: after the gather, on every
+rank; tensorwise: the same quantizer the stager runs on shards): ONE call over the whole grouped weight
+against a per-expert loop of E calls over E separate `[out, in]` weights (Megatron's per-expert params).
+Target: the single call >= 2x faster at E=128. Floor: bf16 read + two FP8 copies written = 4 B/param. So moectl's floor is 1.43x fused AdamW's on fp32 params, by design of keeping
 fp32 masters apart from the params: the 0.8x throughput target needs the masters of fp32 params to be
 the param buffer itself (Megatron does this), see docs/benchmarks.md.
 """
@@ -33,6 +40,8 @@ from moectl.bench.param_mix import MixShape, build_params, copy_bandwidth_gbps, 
 from moectl.bench.timing import interleaved_ms
 
 BYTES_PER_PARAM = {"torch_fused": 28, "moectl_fp32": 40, "moectl_bf16": 38}
+QUANT_RECIPES = ("mxfp8", "tensorwise")
+QUANT_BYTES_PER_PARAM = 4  # bf16 read, rowwise and columnwise FP8 bytes written (scales are < 4% more for mxfp8)
 GRAD_SCALE = 1e-5  # randn * this: global norm ~ 1e-5 * sqrt(N) = 0.28 at 803.5M, under clip_grad = 1.0
 
 
@@ -47,11 +56,13 @@ class OptBenchConfig:
     per_round: int = 4
     copy_mib: int = 2048
     lr: float = 1e-4
+    quant_shape: tuple[int, int, int] = (128, 1536, 2048)  # the grouped weight of the quantize rows [E, out, in]
+    quant_recipes: tuple[str, ...] = QUANT_RECIPES
 
     @staticmethod
     def quick(device: str | None = None) -> "OptBenchConfig":
         return OptBenchConfig(device=device or "cpu", shape=MixShape.quick(), warmup=1, rounds=2, per_round=2,
-                              copy_mib=16)
+                              copy_mib=16, quant_shape=(128, 32, 64))
 
 
 @dataclass
@@ -60,6 +71,7 @@ class OptBenchResult:
     copy_gbps: float
     rows: list[dict[str, Any]]
     notes: list[str]
+    quant_rows: list[dict[str, Any]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -132,6 +144,70 @@ def _parts(opt: Any, lr: float) -> dict[str, Callable[[], object]]:
     return parts
 
 
+def _recipe(name: str) -> Any:
+    from trainer.precision.recipes import MXFP8Recipe, TensorwiseRecipe
+
+    return {"mxfp8": MXFP8Recipe, "tensorwise": TensorwiseRecipe}[name](fp8_format="e4m3")
+
+
+def quantize_calls(cfg: OptBenchConfig, device: torch.device) -> dict[str, Callable[[], object]]:
+    """Per recipe: one quantize call over the grouped weight, and the per-expert loop over separate weights."""
+    E, out, inp = cfg.quant_shape
+    g = torch.Generator(device=device).manual_seed(3)
+    w = (torch.randn(E, out, inp, generator=g, device=device) * inp**-0.5).to(torch.bfloat16)
+    per_expert = [w[e].clone() for e in range(E)]  # separate tensors, as per-expert params are
+    fns: dict[str, Callable[[], object]] = {}
+    for name in cfg.quant_recipes:
+        recipe = _recipe(name)
+        fns[f"{name}:grouped"] = lambda r=recipe: r.quantize_weight(w, rowwise=True, columnwise=True)
+        fns[f"{name}:loop"] = lambda r=recipe: [r.quantize_weight(t, rowwise=True, columnwise=True) for t in per_expert]
+    return fns
+
+
+def check_quantize_equal(cfg: OptBenchConfig, device: torch.device) -> None:
+    """The grouped call's bytes and scales equal the per-expert loop's, expert by expert (else the race is moot)."""
+    E, out, inp = cfg.quant_shape
+    g = torch.Generator(device=device).manual_seed(4)
+    w = (torch.randn(min(E, 4), out, inp, generator=g, device=device) * inp**-0.5).to(torch.bfloat16)
+    for name in cfg.quant_recipes:
+        recipe = _recipe(name)
+        whole = recipe.quantize_weight(w, rowwise=True, columnwise=True)
+        for e in range(w.shape[0]):
+            one = recipe.quantize_weight(w[e].clone(), rowwise=True, columnwise=True)
+            mine = whole.expert(e)
+            for which in ("rowwise", "columnwise"):
+                a, b = getattr(mine, which), getattr(one, which)
+                if not (torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8))
+                        and torch.equal(a.scale.reshape(-1).float(), b.scale.reshape(-1).float())):
+                    raise AssertionError(f"{name}: grouped quantize differs from expert {e}'s own ({which})")
+
+
+def run_quantize(cfg: OptBenchConfig, device: torch.device, copy_gbps: float,
+                 log: Callable[[str], None]) -> tuple[list[dict[str, Any]], list[str]]:
+    """The quantize table: grouped one call vs the per-expert loop, per recipe."""
+    E, out, inp = cfg.quant_shape
+    n = E * out * inp
+    check_quantize_equal(cfg, device)
+    log(f"post-step quantize of [{E}, {out}, {inp}] bf16: one call vs {E} per-expert calls ...")
+    samples = interleaved_ms(quantize_calls(cfg, device), device, cfg.warmup, cfg.rounds, cfg.per_round)
+    ms = {k: statistics.median(v) for k, v in samples.items()}
+    rows, notes = [], []
+    floor_ms = QUANT_BYTES_PER_PARAM * n / (copy_gbps * 1e9) * 1e3
+    for name in cfg.quant_recipes:
+        speedup = ms[f"{name}:loop"] / ms[f"{name}:grouped"]
+        for how, label in (("grouped", "one call, grouped [E, out, in]"), ("loop", f"per-expert loop ({E} calls)")):
+            t = ms[f"{name}:{how}"]
+            rows.append({
+                "recipe": name, "how": how, "name": f"{name}: {label}", "ms": t, "experts": E, "out": out, "in": inp,
+                "gbps": QUANT_BYTES_PER_PARAM * n / (t * 1e-3) / 1e9, "floor_ms": floor_ms,
+                "pct_floor": 100 * floor_ms / t, "grouped_speedup": speedup if how == "grouped" else None,
+            })  # fmt: skip
+        notes.append(f"quantize {name}: one grouped call runs at {speedup:.2f}x the per-expert loop's speed at E={E} "
+                     f"(target >= 2x: {'met' if speedup >= 2 else 'MISSED'})")
+    notes.append("grouped and per-expert quantization checked equal, bytes and scales, before timing")
+    return rows, notes
+
+
 def run(cfg: OptBenchConfig, log: Callable[[str], None] = lambda s: None) -> OptBenchResult:
     device = torch.device(cfg.device)
     n = cfg.shape.numel()
@@ -184,4 +260,12 @@ def run(cfg: OptBenchConfig, log: Callable[[str], None] = lambda s: None) -> Opt
                      f"{t_torch / lean:.2f}x torch fused")
     else:
         notes.append("the update part is timed on CUDA only (the CPU step runs the unfused AdamW)")
-    return OptBenchResult(meta, copy, rows, notes)
+    result = OptBenchResult(meta, copy, rows, notes)
+    if cfg.quant_recipes:
+        del fns, parts, opt32
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        result.quant_rows, qnotes = run_quantize(cfg, device, copy, log)
+        result.notes.extend(qnotes)
+        meta["quant_shape"] = list(cfg.quant_shape)
+    return result

@@ -20,10 +20,15 @@ app.add_typer(bench_app, name="bench")
 _GROUPED_MLP_HELP = (
     "Routed-expert MLP throughput (GEMM TFLOP/s, forward and forward+backward): per-expert loop, "
     "torch._grouped_mm + eager SwiGLU, the same under torch.compile, moectl's grouped and fused backends, "
-    "against a dense matmul ceiling measured in the same run; with and without permute/unpermute."
+    "against a dense matmul ceiling measured in the same run; with and without permute/unpermute. fp8 columns "
+    "(a second table): moectl's fused backend under the fp8 tensorwise (weights quantized every call, or once as "
+    "under fp8 param gather) and rowwise recipes, torch._scaled_grouped_mm rowwise unfused, and torchao's MoE fp8 "
+    "path where torchao imports; emulated where the device has no native fp8 grouped GEMM (the table says so)."
     + examples(
         "moectl bench grouped-mlp --json runs/bench.json",
         "moectl bench grouped-mlp --shape 32,4096,1536,1024 --no-permute",
+        "moectl bench grouped-mlp --shape 32,4096,1536,1024 --path fused --path fp8_tensorwise --profile fp8_tensorwise",
+        "moectl bench grouped-mlp --no-fp8",
         "moectl bench grouped-mlp --quick",
     )
 )
@@ -67,6 +72,64 @@ def render(result: Any, console: Console) -> None:
             f"{row['dense_row_tflops']:.3g}", _ratio(row["fused_vs_eager"]), _ratio(row["fused_vs_compile"]),
         )  # fmt: skip
     console.print(table)
+    render_fp8(result, console)
+
+
+def _fp8_cell(row: dict[str, Any], path: str) -> str:
+    """'ms (speed-up over bf16 fused)', marked when emulated."""
+    ms = row.get(f"{path}_ms")
+    if ms is None:
+        return "-"
+    ratio = f" {row[f'{path}_vs_fused']:.2f}x" if row.get(f"{path}_vs_fused") else ""
+    emulated = " EMUL" if row.get(f"{path}_mode") == "emulated" else ""
+    return f"{ms:.3g}{ratio}{emulated}"
+
+
+def render_fp8(result: Any, console: Console) -> None:
+    """The fp8 columns against our bf16 fused path (only when some fp8 path ran)."""
+    from moectl.bench.grouped_mlp_fp8 import FP8_PATHS, LABELS
+
+    ran = [p for p in FP8_PATHS if any(r.get(f"{p}_ms") is not None for r in result.rows)]
+    if not ran:
+        return
+    meta = result.meta
+    modes = meta.get("fp8_modes", {})
+    errs = {}
+    for r in result.rows:
+        for p in ran:
+            if r.get(f"{p}_rel_err") and (r["shape"], p) not in errs:
+                errs[(r["shape"], p)] = r[f"{p}_rel_err"]
+    caption = (
+        f"median ms per call, and fused ms / this ms (> 1: fp8 faster); TFLOP/s in the JSON. "
+        f"fp8 modes: {', '.join(f'{p} {m}' for p, m in modes.items())}"
+        + (f"; {meta['torchao']}" if meta.get("torchao") else "")
+        + "\nrel. error vs the eager path (y / dx / dw1): "
+        + "; ".join(f"{s.split()[0]} {p} {e['y']:.1e}/{e['dx']:.1e}/{e['dw1']:.1e}" for (s, p), e in errs.items())
+    )
+    table = Table(title=f"fp8 expert MLP on {meta['device_name']} (vs moectl fused {meta['dtype']})", caption=caption)
+    table.add_column("E,h,f,m")
+    table.add_column("pass")
+    table.add_column(f"fused\n{meta['dtype']}", justify="right")
+    for p in ran:
+        table.add_column(LABELS[p], justify="right")
+    table.add_column("ours rw /\nsgmm rw", justify="right")
+    table.add_column("ours rw /\ntorchao", justify="right")
+    for row in result.rows:
+        cells = [f"{row['experts']},{row['hidden']},{row['ffn']},{row['tokens_per_expert']}",
+                 row["pass"] + (" +perm" if row["permute"] else ""), _fp8_cell(row, "fused")]
+        for p in ran:
+            cells.append(_fp8_cell(row, p))
+        cells += [_ratio(row.get("fp8_rowwise_vs_sgmm_rowwise")), _ratio(row.get("fp8_rowwise_vs_torchao_rowwise"))]
+        table.add_row(*cells)
+    console.print(table)
+    for path, prof in getattr(result, "profiles", {}).items():
+        console.print(
+            f"profile {path} fwd+bwd at {prof['shape']}: {prof['total_ms']:.2f} ms of kernels per call, GEMMs "
+            f"{prof['gemm_ms']:.2f} ms, the rest (quantize, activation, copies) {prof['other_ms']:.2f} ms; top kernels:",
+            highlight=False,
+        )
+        for k in prof["top"]:
+            console.print(f"  {k['ms']:8.3f} ms  {'GEMM ' if k['gemm'] else '     '}{k['name']}", highlight=False)
 
 
 @command(bench_app, name="grouped-mlp", help=_GROUPED_MLP_HELP)
@@ -81,7 +144,14 @@ def grouped_mlp(
     ] = None,
     path: Annotated[
         Optional[list[str]],
-        typer.Option("--path", help="Only these paths: loop, eager, compile, grouped, fused (repeatable)."),
+        typer.Option("--path", help="Only these paths: loop, eager, compile, grouped, fused, fp8_tensorwise, "
+                     "fp8_tensorwise_pq, fp8_rowwise, sgmm_rowwise, torchao_rowwise (repeatable)."),
+    ] = None,
+    no_fp8: Annotated[bool, typer.Option("--no-fp8", help="Skip the fp8 columns.")] = False,
+    profile: Annotated[
+        Optional[list[str]],
+        typer.Option("--profile", help="Profile this path's fwd+bwd at the first shape: kernel time, GEMMs vs the rest "
+                     "(repeatable)."),
     ] = None,
     no_permute: Annotated[bool, typer.Option("--no-permute", help="Skip the rows with permute/unpermute.")] = False,
     iters: Annotated[Optional[int], typer.Option("--iters", min=1, help="Timed calls per number.")] = None,
@@ -97,10 +167,17 @@ def grouped_mlp(
         if shape:
             cfg.shapes = tuple(gm.Shape.parse(s) for s in shape)
         if path:
-            unknown = sorted(set(path) - set(gm.PATHS))
+            unknown = sorted(set(path) - set(gm.ALL_PATHS))
             if unknown:
                 raise ValueError(f"unknown path(s) {unknown}")
             cfg.paths = tuple(path)
+        if no_fp8:
+            cfg.paths = tuple(p for p in cfg.paths if p not in gm.FP8_PATHS)
+        if profile:
+            unknown = sorted(set(profile) - set(cfg.paths))
+            if unknown:
+                raise ValueError(f"--profile {unknown}: not among the paths run")
+            cfg.profile = tuple(profile)
     except ValueError as e:
         raise UsageError(str(e), "see `moectl bench grouped-mlp --help`") from None
     cfg.permute = not no_permute
@@ -119,7 +196,8 @@ def grouped_mlp(
 _OPTIMIZER_STEP_HELP = (
     "Optimizer step time on one GPU: moectl's DistributedOptimizer (fp32 masters, buffers; fp32 and bf16 params) "
     "against torch.optim.AdamW(fused=True) on the same ~805M parameters, with the bandwidth floor (bytes touched "
-    "/ measured copy bandwidth) beside each, and the parts of moectl's step."
+    "/ measured copy bandwidth) beside each, and the parts of moectl's step; then the post-step quantize of one "
+    "grouped [E=128, out, in] expert weight (fp8 param gather) in one call against a per-expert loop."
     + examples(
         "moectl bench optimizer-step --json runs/opt.json",
         "moectl bench optimizer-step --quick",
@@ -142,6 +220,19 @@ def render_optimizer_step(result: Any, console: Console) -> None:
         table.add_row(r["name"], f"{r['ms']:.3f}", str(r["bytes_per_param"]), f"{r['gbps']:.0f}",
                       f"{r['floor_ms']:.3f}", f"{r['pct_floor']:.0f}%", vs)
     console.print(table)
+    if getattr(result, "quant_rows", None):
+        E, o, i = meta["quant_shape"]
+        q = Table(
+            title=f"post-step quantize of one grouped expert weight [{E}, {o}, {i}] bf16 -> rowwise + columnwise "
+            f"FP8 (on {meta['device_name']})",
+            caption="median of interleaved rounds; floor = 4 B/param (bf16 read, two FP8 copies written) / copy bandwidth",
+        )  # fmt: skip
+        for col in ("quantize", "ms", "GB/s", "floor ms", "% of floor", "one call vs loop"):
+            q.add_column(col, justify="left" if col == "quantize" else "right")
+        for r in result.quant_rows:
+            vs = "-" if r["grouped_speedup"] is None else f"{r['grouped_speedup']:.2f}x"
+            q.add_row(r["name"], f"{r['ms']:.3f}", f"{r['gbps']:.0f}", f"{r['floor_ms']:.3f}", f"{r['pct_floor']:.0f}%", vs)
+        console.print(q)
 
 
 def _write_json(result: Any, json_path: Optional[Path], console: Console) -> None:
