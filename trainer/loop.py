@@ -196,7 +196,7 @@ class Trainer:
             f"tokens ({self.n_micro} micro-batches of {cfg.train.micro_batch_size}/rank) | run_dir {self.run_dir}"
         )
         # Say which GEMMs run native and which are emulated: a run never pretends.
-        self.console.print(f"  precision: {describe(self.model.recipe, self.rt.device)}")
+        self.console.print("  " + describe(self.model.recipe, self.rt.device))  # begins "precision: ..."
         mp = cfg.mixed_precision
         if mp.fp8_param_gather or mp.fp4_param_gather:
             staged = "bf16 staged on the grad buffer" if mp.reuse_grad_buf_for_mxfp8_param_ag or mp.fp4 else "bytes"
