@@ -93,6 +93,7 @@ class Trainer:
             global_batch_size=cfg.train.micro_batch_size,
         ).eval_batches(1)[0]
         self.start_step = 0
+        self.last_record: dict[str, Any] | None = None  # the latest step's metrics record
         if cfg.checkpoint.load:
             from ckpt import resolve_load_path
             from ckpt.training import load_training_checkpoint
@@ -235,6 +236,7 @@ class Trainer:
                         record["mfu"] = self.flops_per_step / dt / (self.peak * 1e12 * self.rt.world_size)
                     result.steps = step + 1
                     result.losses.append(record["loss"])
+                    self.last_record = record
                     result.skipped_steps += int(record["skipped"])
                     if writer is not None and (step + 1) % tc.log_interval == 0:
                         writer.write(record)
