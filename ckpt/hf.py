@@ -460,7 +460,8 @@ def export_hf(
         if why:
             raise CheckpointError(
                 f"cannot export {ck.path} as {fam.format}: " + "; ".join(why),
-                f"{fam.format} has no equivalent; export another format or retrain without them",
+                f"{fam.format} cannot express these: train with each listed key set as {fam.format} has it, "
+                "or export another format",
             )
         d = Dims.of(cfg)
         index = {n: (getattr(torch, r["dtype"]), r["shape"]) for n, r in ck.manifest["tensors"].items()

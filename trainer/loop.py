@@ -94,6 +94,7 @@ class Trainer:
         ).eval_batches(1)[0]
         self.start_step = 0
         self.last_record: dict[str, Any] | None = None  # the latest step's metrics record
+        self._refuse_to_overwrite_checkpoints()
         if cfg.checkpoint.load:
             from ckpt import resolve_load_path
             from ckpt.training import load_training_checkpoint
@@ -162,6 +163,21 @@ class Trainer:
             total += self.model.loss(tokens.to(self.rt.device), targets.to(self.rt.device)).lm_loss.double()
         self.model.train()
         return self._mean_over_dp(total / len(self.eval_batches))
+
+    def _refuse_to_overwrite_checkpoints(self) -> None:
+        """A fresh run that would save into a folder holding another run's checkpoints stops now, before
+        training (a save onto an existing step is refused, and the old run's `latest` must stay good)."""
+        ccfg = self.cfg.checkpoint
+        if not ccfg.save_interval or ccfg.load:
+            return
+        from ckpt import list_committed
+
+        root = Path(self.cfg.run_dir) / "checkpoints"
+        if root.is_dir() and list_committed(root):
+            raise MoectlError(
+                f"{root} already holds checkpoints of an earlier run, and checkpoint.load is not set",
+                f"resume it with --set checkpoint.load={root}, or train into another --run-dir",
+            )
 
     @torch.no_grad()
     def probe_loss(self) -> float:

@@ -105,3 +105,14 @@ def test_training_resumed_from_a_converted_checkpoint_equals_the_original_run(tm
         resumed = trainer(tmp_path / f"c{single}", "train.train_iters=8", f"moe.single_grouped_weight={single}",
                           "checkpoint.load=" + str(tmp_path / "conv")).run()
         assert resumed.losses == full.losses[4:]
+
+
+def test_a_fresh_run_refuses_to_save_over_an_earlier_runs_checkpoints(tmp_path):
+    from moectl.errors import MoectlError
+
+    trainer(tmp_path, "train.train_iters=2", "checkpoint.save_interval=2").run()
+    before = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    with pytest.raises(MoectlError, match="already holds checkpoints") as e:
+        trainer(tmp_path, "train.train_iters=2", "checkpoint.save_interval=2")
+    assert "checkpoint.load=" in e.value.fix
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == before  # nothing touched
