@@ -29,19 +29,16 @@ It steps the buffers of one optimizer tag of a `DistributedModel`. Invariants:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Iterator, Literal
 
 import torch
 
 from moectl.config.schema import OptimizerConfig
 from trainer.distributed.bucket import Bucket, Piece
-from trainer.distributed.bucket_group import BucketGroup, GradSyncError
+from trainer.distributed.bucket_group import BucketGroup
 from trainer.distributed.ddp import DEFAULT_OPTIMIZER_TAG, DistributedModel
-from trainer.distributed.param_sync import Action
 from trainer.optim.adamw import adamw_update_, fused_adamw_update_
-from trainer.optim.grad_norm import clip_coefficient, global_norm_and_found_inf, local_sq_sum
-from trainer.optim.logical_state import gather_logical_state
-from trainer.optim.step_result import NonFiniteGradError, StepResult
+from trainer.optim.sharded_base import Segment, ShardBase, ShardedOptimizerBase, clipped
 
 STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
 
@@ -53,66 +50,40 @@ def decays(name: str, param: torch.nn.Parameter) -> bool:
 
 
 @dataclass
-class _Shard:
+class _Shard(ShardBase):
     """This rank's slice of one bucket: what it steps ([lo, hi)) and what it counts in the norm."""
 
-    bucket: Bucket
-    lo: int
-    hi: int
-    norm_lo: int
-    norm_hi: int
-    master: torch.Tensor
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
     pieces: list[Piece]
     decay_ranges: list[tuple[int, int]] = field(default_factory=list)  # shard-local
     runs: list[tuple[int, int, bool]] = field(default_factory=list)  # a partition of [0, hi-lo): (a, b, decay)
 
-    def grad(self) -> torch.Tensor:
-        return self.bucket.grad_data[self.lo:self.hi]
+    def segments(self) -> Iterator[Segment]:
+        """The pieces of params in [lo, hi): a param may straddle the shard's ends."""
+        names = self.bucket.buffer.names
+        for pc in self.pieces:
+            yield Segment(names[pc.param], pc.param, pc.bucket_lo - self.lo, pc.bucket_hi - self.lo,
+                          pc.param_lo, pc.param_hi)
 
-    def norm_grad(self) -> torch.Tensor:
-        return self.bucket.grad_data[self.norm_lo:self.norm_hi]
 
+class DistributedOptimizer(ShardedOptimizerBase):
+    STATE_KEYS = STATE_KEYS
 
-class DistributedOptimizer:
     def __init__(self, dmodel: DistributedModel, cfg: OptimizerConfig, *, tag: str = DEFAULT_OPTIMIZER_TAG,
                  on_nonfinite: Literal["stop", "skip"] = "stop", fused: bool | None = None) -> None:
-        if on_nonfinite not in ("stop", "skip"):
-            raise ValueError(f"on_nonfinite must be 'stop' or 'skip', got {on_nonfinite!r}")
-        self.dmodel = dmodel
-        self.cfg = cfg
-        self.tag = tag
-        self.on_nonfinite = on_nonfinite
-        self.sharded = dmodel.use_distributed_optimizer
-        self.buffers = dmodel.buffers_for(tag)
-        if not self.buffers:
-            raise ValueError(f"no buffers are tagged {tag!r}")
-        self.device = self.buffers[0].device
+        super().__init__(dmodel, cfg, tag=tag, on_nonfinite=on_nonfinite)
         self.fused = self.device.type == "cuda" if fused is None else fused
-        self.step_count = 0
-        self.skipped_steps = 0
         self._step_tensor = torch.zeros((), dtype=torch.float32, device=self.device)
-
-        self.shards: list[_Shard] = []
-        self._shard_of: dict[Bucket, _Shard] = {}
-        for buf in self.buffers:
-            for bucket in buf.buckets:
-                shard = self._make_shard(bucket)
-                self.shards.append(shard)
-                self._shard_of[bucket] = shard
-        self._init_masters()
         self._master_version = 0  # bumped whenever masters change
         self._scales_version = -1  # the master version prepare_stage last ran for
-        # Registering also runs the first stage + gather of quantized storages (their live weights).
-        self.groups: list[BucketGroup] = dmodel.register_optimizer(tag, self, self._stage_group)
+        self._build()
 
     # ---------------------------------------------------------------- construction
     def _make_shard(self, bucket: Bucket) -> _Shard:
-        norm_lo, norm_hi = bucket.shard_range()
-        lo, hi = (norm_lo, norm_hi) if self.sharded else (0, bucket.numel)
+        lo, hi, norm_lo, norm_hi = self._shard_ranges(bucket)
         n = hi - lo
-        zeros = lambda: torch.zeros(n, dtype=torch.float32, device=self.device)  # noqa: E731
+        zeros = lambda: self._zeros(n)  # noqa: E731
         shard = _Shard(bucket, lo, hi, norm_lo, norm_hi, zeros(), zeros(), zeros(), bucket.pieces(lo, hi))
         names = bucket.buffer.names
         cursor = 0
@@ -129,17 +100,6 @@ class DistributedOptimizer:
             shard.runs.append((cursor, n, False))
         return shard
 
-    @torch.no_grad()
-    def _init_masters(self) -> None:
-        for shard in self.shards:
-            storage = shard.bucket.buffer.storage
-            for pc in shard.pieces:
-                src = storage.init_source(pc.param).reshape(-1)[pc.param_lo:pc.param_hi]
-                shard.master[pc.bucket_lo - shard.lo:pc.bucket_hi - shard.lo].copy_(src)
-        for buf in self.buffers:  # every rank frees every init copy, owned range or not (Megatron #5470)
-            for p in buf.params:
-                buf.storage.release_init_source(p)
-
     # ---------------------------------------------------------------- the step
     def _prepare_scales(self) -> None:
         """One `prepare_stage` per storage that needs scales, over this rank's shards of all its buckets."""
@@ -155,46 +115,21 @@ class DistributedOptimizer:
     def _stage_group(self, group: BucketGroup) -> None:
         if group.storage.needs_scales and self._scales_version != self._master_version:
             self._prepare_scales()  # every rank stages groups in the same order: the collective lines up
-        for bucket in group.buckets:
-            shard = self._shard_of[bucket]
-            bucket.buffer.storage.stage(bucket, shard.lo, shard.hi, shard.master)
+        super()._stage_group(group)
 
-    def local_grad_sq(self) -> torch.Tensor:
-        """This rank's counted sum of squares (float64 scalar): a chained optimizer adds these up."""
-        return local_sq_sum([s.norm_grad() for s in self.shards], self.device)
+    def _masters_changed(self, *, stepped: bool) -> None:
+        self._master_version += 1
+        if stepped and any(g.storage.needs_scales for g in self.groups):
+            self._prepare_scales()  # the one amax all-reduce of the step, before any group stages
 
-    def _check_ready(self) -> None:
-        if not self.dmodel.grads_reduced(self.tag):
-            raise GradSyncError("optimizer.step() before DistributedModel.finish_grad_sync(): grads are not reduced")
-        for g in self.groups:  # fail before touching masters, not halfway through
-            g.sync.check(Action.STAGE)
-
-    @torch.no_grad()
-    def step(self, lr: float, *, joint_norm: tuple[float, bool] | None = None) -> StepResult:
-        """Clip by the global norm, update masters, write back, gather (now or in the next forward).
-
-        `joint_norm`: (norm, found_inf) a `ChainedOptimizer` agreed over all its optimizers; None: our own.
-        """
-        self._check_ready()
-        norm, found_inf = joint_norm or global_norm_and_found_inf(self.local_grad_sq(), self.dmodel.pstate.dp)
-        if found_inf:
-            self.skipped_steps += 1
-            if self.on_nonfinite == "stop":
-                raise NonFiniteGradError(norm, self.step_count + 1)
-            return StepResult(norm, skipped=True)
-
-        coef = clip_coefficient(norm, self.cfg.clip_grad)
-        self.step_count += 1
+    def _update(self, lr: float, coef: float) -> None:
+        """AdamW on every shard's masters and moments (fused: two multi-tensor calls, decay and not)."""
         self._step_tensor.fill_(float(self.step_count))
         hp = dict(lr=lr, beta1=self.cfg.adam_beta1, beta2=self.cfg.adam_beta2, eps=self.cfg.adam_eps)
         decay_lists: list[list[torch.Tensor]] = [[], [], [], []]
         plain_lists: list[list[torch.Tensor]] = [[], [], [], []]
         for s in self.shards:
-            grad = s.grad()
-            if grad.dtype != torch.float32:
-                grad = grad.float()
-            if coef < 1.0:
-                grad.mul_(coef)  # torch's clip multiplies by min(1, coef); x * 1.0 is x, so skipping it is exact
+            grad = clipped(s.grad(), coef)
             if not self.fused:
                 adamw_update_(s.master, grad, s.exp_avg, s.exp_avg_sq, step=self.step_count,
                               weight_decay=self.cfg.weight_decay, decay_ranges=s.decay_ranges, **hp)
@@ -206,59 +141,3 @@ class DistributedOptimizer:
         if self.fused:
             fused_adamw_update_(*decay_lists, step=self._step_tensor, weight_decay=self.cfg.weight_decay, **hp)
             fused_adamw_update_(*plain_lists, step=self._step_tensor, weight_decay=0.0, **hp)
-
-        self._master_version += 1
-        if any(g.storage.needs_scales for g in self.groups):
-            self._prepare_scales()  # the one amax all-reduce of the step, before any group stages
-        for g in self.groups:
-            g.stage()
-        if not self.dmodel.overlap_param_gather:
-            self.dmodel.start_param_sync(force_sync=True, tag=self.tag)
-        return StepResult(norm, skipped=False)
-
-    # ---------------------------------------------------------------- logical (unsharded) state
-    def gather_logical_state(self) -> dict[str, Any]:
-        """Full masters and moments per param name, on every rank (collective when sharded).
-
-        `{"step": int, "params": {name: {"master", "exp_avg", "exp_avg_sq": fp32 tensors of the param's
-        shape}}}`. Expert entries cover this ep rank's experts only.
-        """
-        return gather_logical_state(self.shards, STATE_KEYS, self.step_count, self.device)
-
-    @torch.no_grad()
-    def load_logical_state(self, state: dict[str, Any], strict: bool = True) -> None:
-        """Take this rank's ranges of full per-name masters (and moments, and step, where present).
-
-        Then write the masters into the params (stage + synchronous gather), so the model equals them.
-        Entries may carry only "master" (loading main params without optimizer state).
-        """
-        params = state.get("params", {})
-        mine = {s.bucket.buffer.names[p] for s in self.shards for p in s.bucket.params}
-        missing = sorted(mine - params.keys())
-        if strict and missing:
-            raise KeyError(f"logical optimizer state lacks {missing}")
-        for g in self.groups:
-            g.sync.check(Action.STAGE)
-        for s in self.shards:
-            names = s.bucket.buffer.names
-            for pc in s.pieces:
-                entry = params.get(names[pc.param])
-                if entry is None:
-                    continue
-                for key in STATE_KEYS:
-                    if key not in entry:
-                        continue
-                    src = entry[key]
-                    if tuple(src.shape) != tuple(pc.param.shape):
-                        raise ValueError(
-                            f"{names[pc.param]}.{key}: shape {tuple(src.shape)} != param {tuple(pc.param.shape)}"
-                        )
-                    getattr(s, key)[pc.bucket_lo - s.lo:pc.bucket_hi - s.lo].copy_(
-                        src.reshape(-1)[pc.param_lo:pc.param_hi]
-                    )
-        if "step" in state:
-            self.step_count = int(state["step"])
-        self._master_version += 1
-        for g in self.groups:
-            g.stage()
-        self.dmodel.start_param_sync(force_sync=True, tag=self.tag)

@@ -1,0 +1,235 @@
+"""What every optimizer over the bucket shards of a `DistributedModel` does the same way.
+
+`DistributedOptimizer` (AdamW, shards that may cut through params) and `LayerWiseMuon` (Muon, shards of
+whole matrices) differ in how a bucket's shard is cut into pieces and in the update math; the rest is
+this base:
+
+- one `ShardBase` per bucket: this rank steps [lo, hi) of it (its own shard when sharded, the whole
+  bucket under plain DDP) and counts [norm_lo, norm_hi) (always its own shard) in the grad norm, so every
+  element is counted once over the world; its fp32 state is one flat tensor per state key;
+- masters are built from `ParamStorage.init_source` (the high-precision values, never a dequantized
+  low-precision param), and every rank releases every init source afterwards;
+- the step checks readiness before touching any master, agrees on the global norm and a found-inf flag
+  with all ranks (or takes a `ChainedOptimizer`'s `joint_norm`): under `on_nonfinite: stop` every rank
+  raises `NonFiniteGradError`; under `skip` every rank returns `skipped=True` with state, step count,
+  params and grads bit-unchanged; then clips, updates (the subclass), stages every owned group and
+  gathers now, or lazily by the next forward's pre-hooks with `overlap_param_gather`;
+- `load_logical_state` takes this rank's ranges of full per-name state and writes the masters into the
+  params (stage + synchronous gather).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator, Literal, NamedTuple
+
+import torch
+
+from moectl.config.schema import OptimizerConfig
+from trainer.distributed.bucket import Bucket
+from trainer.distributed.bucket_group import BucketGroup, GradSyncError
+from trainer.distributed.ddp import DistributedModel
+from trainer.distributed.param_sync import Action
+from trainer.optim.grad_norm import clip_coefficient, global_norm_and_found_inf, local_sq_sum
+from trainer.optim.logical_state import gather_logical_state
+from trainer.optim.step_result import NonFiniteGradError, StepResult
+
+
+class Segment(NamedTuple):
+    """One param's elements in a shard: shard-local [lo, hi) holds the param's flat [param_lo, param_hi)."""
+
+    name: str
+    param: torch.nn.Parameter
+    lo: int
+    hi: int
+    param_lo: int
+    param_hi: int
+
+
+@dataclass
+class ShardBase:
+    """This rank's slice of one bucket: what it steps ([lo, hi)), what it counts in the norm, its masters."""
+
+    bucket: Bucket
+    lo: int
+    hi: int
+    norm_lo: int
+    norm_hi: int
+    master: torch.Tensor
+
+    def grad(self) -> torch.Tensor:
+        return self.bucket.grad_data[self.lo:self.hi]
+
+    def norm_grad(self) -> torch.Tensor:
+        return self.bucket.grad_data[self.norm_lo:self.norm_hi]
+
+    def segments(self) -> Iterator[Segment]:
+        """The params (or pieces of params) in [lo, hi), in bucket order."""
+        raise NotImplementedError
+
+
+def clipped(grad: torch.Tensor, coef: float) -> torch.Tensor:
+    """`grad` in fp32, multiplied by the clip coefficient (in place when it already was fp32)."""
+    if grad.dtype != torch.float32:
+        grad = grad.float()
+    if coef < 1.0:
+        grad.mul_(coef)  # torch's clip multiplies by min(1, coef); x * 1.0 is x, so skipping it is exact
+    return grad
+
+
+class ShardedOptimizerBase:
+    """Base of the optimizers over one tag's buffers. Subclasses set `STATE_KEYS`, cut shards
+    (`_make_shard`), update masters (`_update`), and call `_build()` last in their `__init__`."""
+
+    STATE_KEYS: tuple[str, ...] = ()
+
+    def __init__(self, dmodel: DistributedModel, cfg: OptimizerConfig, *, tag: str,
+                 on_nonfinite: Literal["stop", "skip"]) -> None:
+        if on_nonfinite not in ("stop", "skip"):
+            raise ValueError(f"on_nonfinite must be 'stop' or 'skip', got {on_nonfinite!r}")
+        self.dmodel = dmodel
+        self.cfg = cfg
+        self.tag = tag
+        self.on_nonfinite = on_nonfinite
+        self.sharded = dmodel.use_distributed_optimizer
+        self.buffers = dmodel.buffers_for(tag)
+        if not self.buffers:
+            raise ValueError(f"no buffers are tagged {tag!r}")
+        self.device = self.buffers[0].device
+        self.step_count = 0
+        self.skipped_steps = 0
+
+    # ---------------------------------------------------------------- construction
+    def _build(self) -> None:
+        """Cut every bucket into this rank's shard, build the masters, register with the model.
+
+        Registering also runs the first stage + gather of quantized storages (their live weights), so
+        `_stage_group` must be able to run by then.
+        """
+        self.shards: list[Any] = []
+        self._shard_of: dict[Bucket, Any] = {}
+        for buf in self.buffers:
+            for bucket in buf.buckets:
+                shard = self._make_shard(bucket)
+                self.shards.append(shard)
+                self._shard_of[bucket] = shard
+        self._init_masters()
+        self.groups: list[BucketGroup] = self.dmodel.register_optimizer(self.tag, self, self._stage_group)
+
+    def _make_shard(self, bucket: Bucket) -> ShardBase:
+        raise NotImplementedError
+
+    def _shard_ranges(self, bucket: Bucket) -> tuple[int, int, int, int]:
+        """(lo, hi, norm_lo, norm_hi): the stepped range (whole bucket unless sharded) and the counted one."""
+        norm_lo, norm_hi = bucket.shard_range()
+        lo, hi = (norm_lo, norm_hi) if self.sharded else (0, bucket.numel)
+        return lo, hi, norm_lo, norm_hi
+
+    def _zeros(self, n: int) -> torch.Tensor:
+        return torch.zeros(n, dtype=torch.float32, device=self.device)
+
+    @torch.no_grad()
+    def _init_masters(self) -> None:
+        for shard in self.shards:
+            storage = shard.bucket.buffer.storage
+            for sg in shard.segments():
+                shard.master[sg.lo:sg.hi].copy_(storage.init_source(sg.param).reshape(-1)[sg.param_lo:sg.param_hi])
+        for buf in self.buffers:  # every rank frees every init copy, owned range or not (Megatron #5470)
+            for p in buf.params:
+                buf.storage.release_init_source(p)
+
+    # ---------------------------------------------------------------- the step
+    def _stage_group(self, group: BucketGroup) -> None:
+        for bucket in group.buckets:
+            shard = self._shard_of[bucket]
+            bucket.buffer.storage.stage(bucket, shard.lo, shard.hi, shard.master)
+
+    def _masters_changed(self, *, stepped: bool) -> None:
+        """Called whenever the masters changed (`stepped`: by a step; else by a load), before any group stages."""
+
+    def local_grad_sq(self) -> torch.Tensor:
+        """This rank's counted sum of squares (float64 scalar): a chained optimizer adds these up."""
+        return local_sq_sum([s.norm_grad() for s in self.shards], self.device)
+
+    def check_ready(self) -> None:
+        """Raise unless grads are reduced and every group may be staged (before touching any master)."""
+        if not self.dmodel.grads_reduced(self.tag):
+            raise GradSyncError("optimizer.step() before DistributedModel.finish_grad_sync(): grads are not reduced")
+        for g in self.groups:  # fail before touching masters, not halfway through
+            g.sync.check(Action.STAGE)
+
+    _check_ready = check_ready
+
+    def _update(self, lr: float, coef: float) -> None:
+        """Update the masters of every shard from its grads times `coef` (`step_count` is already this step's)."""
+        raise NotImplementedError
+
+    def _stage_and_gather(self, *, force_sync: bool) -> None:
+        """Stage every owned group; gather now when `force_sync` or not overlapping (else the next forward)."""
+        for g in self.groups:
+            g.stage()
+        if force_sync or not self.dmodel.overlap_param_gather:
+            self.dmodel.start_param_sync(force_sync=True, tag=self.tag)
+
+    @torch.no_grad()
+    def step(self, lr: float, *, joint_norm: tuple[float, bool] | None = None) -> StepResult:
+        """Clip by the global norm, update masters, write back, gather (now or in the next forward).
+
+        `joint_norm`: (norm, found_inf) a `ChainedOptimizer` agreed over all its optimizers; None: our own.
+        """
+        self.check_ready()
+        if joint_norm is None:
+            joint_norm = global_norm_and_found_inf(self.local_grad_sq(), self.dmodel.pstate.dp)
+        norm, found_inf = joint_norm
+        if found_inf:
+            self.skipped_steps += 1
+            if self.on_nonfinite == "stop":
+                raise NonFiniteGradError(norm, self.step_count + 1)
+            return StepResult(norm, skipped=True)
+
+        coef = clip_coefficient(norm, self.cfg.clip_grad)
+        self.step_count += 1
+        self._update(lr, coef)
+        self._masters_changed(stepped=True)
+        self._stage_and_gather(force_sync=False)
+        return StepResult(norm, skipped=False)
+
+    # ---------------------------------------------------------------- logical (unsharded) state
+    def gather_logical_state(self) -> dict[str, Any]:
+        """Full state per param name, on every rank (collective when sharded).
+
+        `{"step": int, "params": {name: {key: fp32 tensor of the param's shape for key in STATE_KEYS}}}`.
+        Expert entries cover this ep rank's experts only.
+        """
+        return gather_logical_state(self.shards, self.STATE_KEYS, self.step_count, self.device)
+
+    @torch.no_grad()
+    def load_logical_state(self, state: dict[str, Any], strict: bool = True) -> None:
+        """Take this rank's ranges of full per-name state (masters, and moments and step where present).
+
+        Then write the masters into the params (stage + synchronous gather), so the model equals them.
+        Entries may carry only "master" (loading main params without optimizer state).
+        """
+        params = state.get("params", {})
+        mine = {s.bucket.buffer.names[p] for s in self.shards for p in s.bucket.params}
+        missing = sorted(mine - params.keys())
+        if strict and missing:
+            raise KeyError(f"logical optimizer state lacks {missing}")
+        for g in self.groups:
+            g.sync.check(Action.STAGE)
+        for s in self.shards:
+            for sg in s.segments():
+                entry = params.get(sg.name)
+                if entry is None:
+                    continue
+                for key in self.STATE_KEYS:
+                    if key not in entry:
+                        continue
+                    src = entry[key]
+                    if tuple(src.shape) != tuple(sg.param.shape):
+                        raise ValueError(f"{sg.name}.{key}: shape {tuple(src.shape)} != param {tuple(sg.param.shape)}")
+                    getattr(s, key)[sg.lo:sg.hi].copy_(src.reshape(-1)[sg.param_lo:sg.param_hi])
+        if "step" in state:
+            self.step_count = int(state["step"])
+        self._masters_changed(stepped=False)
+        self._stage_and_gather(force_sync=True)
