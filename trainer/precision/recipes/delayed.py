@@ -29,8 +29,8 @@ from ..groups import Jagged, TokenGroups
 from ..kinds.per_tensor import tensor_amax
 from ..quantize import quantize
 from ..quantized_tensor import QuantizedTensor
-from ..scheme import Scheme
-from .base import Emulate, Recipe
+from .base import Emulate
+from .tensorwise import TensorwiseRecipe
 
 DEFAULT_HISTORY = 16
 
@@ -78,26 +78,16 @@ class DelayedState:
     grad: AmaxHistory
 
 
-class DelayedRecipe(Recipe):
+class DelayedRecipe(TensorwiseRecipe):
     """Per-tensor scaling with amax history (needs a `state` from `new_state`)."""
 
-    name = "delayed"
-    align_size = 16
+    name = "delayed"  # tensorwise's schemes and align_size; only where the scale comes from differs
 
     def __init__(self, fp8_format: Optional[str] = "e4m3", emulate: Emulate = "auto", history_len: int = DEFAULT_HISTORY) -> None:
         super().__init__(fp8_format, emulate)
         if history_len < 1:
             raise ValueError("history_len must be >= 1")
         self.history_len = history_len
-
-    def weight_scheme(self) -> Scheme:
-        return Scheme("tensor", "e4m3")
-
-    def activation_scheme(self) -> Scheme:
-        return Scheme("tensor", "e4m3")
-
-    def grad_scheme(self) -> Scheme:
-        return Scheme("tensor", self.grad_fmt)  # type: ignore[arg-type]
 
     def new_state(self, num_groups: Optional[int] = None) -> DelayedState:
         """Fresh histories: scalar for a linear, one per expert for a grouped layer of `num_groups`."""
