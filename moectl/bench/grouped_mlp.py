@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from moectl.bench import grouped_mlp_fp8 as fp8
+from moectl.bench.backend_function import BackendFunction
 from moectl.bench.timing import dense_ceiling_tflops, dense_matmul, interleaved_ms
 
 PATHS = ("loop", "eager", "compile", "grouped", "fused")  # bf16 (fp32 in --quick on CPU)
@@ -147,22 +148,6 @@ def loop_expert_mlp(
     return (y_TD.float() * probs_T[:, None]).to(y_TD.dtype)
 
 
-class _BackendFunction(torch.autograd.Function):
-    """A moectl expert backend (protocol: forward/backward over plain tensors) as an autograd node."""
-
-    @staticmethod
-    def forward(ctx: Any, x, w1, w2, probs, counts, backend, spec):  # type: ignore[no-untyped-def, override]
-        y, ctx.backend_ctx = backend.forward(x, w1, None, w2, None, counts, probs, spec)
-        ctx.backend = backend
-        return y
-
-    @staticmethod
-    def backward(ctx: Any, dy):  # type: ignore[no-untyped-def, override]
-        dx, dw1, _, dw2, _, dprobs = ctx.backend.backward(ctx.backend_ctx, dy)
-        ctx.backend_ctx = None
-        return dx, dw1, dw2, dprobs, None, None, None
-
-
 # ----------------------------------------------------------------------------------------------------------
 # one shape
 
@@ -227,7 +212,7 @@ def _expert_fn(path: str, inp: _Inputs, spec: Any, compiled: Optional[Callable[.
 
     backend = get_backend(path, inp.x_TD.device)
     return (
-        lambda x, p: _BackendFunction.apply(x, inp.w1_EHD, inp.w2_EDF, p, inp.counts_E, backend, spec)
+        lambda x, p: BackendFunction.apply(x, inp.w1_EHD, inp.w2_EDF, p, inp.counts_E, backend, spec, None)
     ), [inp.w1_EHD, inp.w2_EDF]
 
 

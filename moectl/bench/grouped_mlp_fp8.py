@@ -28,6 +28,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from moectl.bench.backend_function import BackendFunction
+
 FP8_PATHS = ("fp8_tensorwise", "fp8_tensorwise_pq", "fp8_rowwise", "sgmm_rowwise", "torchao_rowwise")
 RECIPE_OF = {"fp8_tensorwise": "tensorwise", "fp8_tensorwise_pq": "tensorwise", "fp8_rowwise": "rowwise"}
 LABELS = {
@@ -177,22 +179,6 @@ def recipe_mode(path: str, device: torch.device) -> str:
     return "native"  # torchao: runs only where it imports and has its kernels
 
 
-class _PrecisionBackendFunction(torch.autograd.Function):
-    """moectl's fused backend under a recipe, as an autograd node (what `GroupedMLP` does)."""
-
-    @staticmethod
-    def forward(ctx: Any, x, w1, w2, probs, counts, backend, spec, make_precision):  # type: ignore[no-untyped-def, override]
-        y, ctx.backend_ctx = backend.forward(x, w1, None, w2, None, counts, probs, spec, precision=make_precision())
-        ctx.backend = backend
-        return y
-
-    @staticmethod
-    def backward(ctx: Any, dy):  # type: ignore[no-untyped-def, override]
-        dx, dw1, _, dw2, _, dprobs = ctx.backend.backward(ctx.backend_ctx, dy)
-        ctx.backend_ctx = None
-        return dx, dw1, dw2, dprobs, None, None, None, None
-
-
 def expert_fn(path: str, inp: Any, spec: Any) -> tuple[Callable[..., torch.Tensor], list[torch.Tensor]]:
     """(fn(x, probs) -> y, the weight leaves) for one fp8 path; `inp` is grouped_mlp._Inputs."""
     w1, w2 = inp.w1_EHD, inp.w2_EDF
@@ -219,7 +205,7 @@ def expert_fn(path: str, inp: Any, spec: Any) -> tuple[Callable[..., torch.Tenso
         return ExpertPrecision(recipe, {}, True, dict(given))
 
     return (
-        lambda x, p: _PrecisionBackendFunction.apply(x, w1, w2, p, inp.counts_E, backend, spec, make)
+        lambda x, p: BackendFunction.apply(x, w1, w2, p, inp.counts_E, backend, spec, make)
     ), [w1, w2]
 
 
