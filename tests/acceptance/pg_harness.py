@@ -33,7 +33,7 @@ from trainer.distributed.param_gather import param_gather_storage
 from trainer.distributed.quantized_storage import quantized_storage_of
 from trainer.model import GPTMoE
 from trainer.moe.experts import GroupedLinearParams
-from trainer.precision import get_recipe
+from trainer.precision import QuantizedTensor, get_recipe
 
 RECIPES = ("bf16", "tensorwise", "delayed", "mxfp8", "nvfp4")
 _MEMBER = re.compile(r"^(?P<stem>.+\.(?:weight|bias))(?P<index>\d+)$")
@@ -133,17 +133,26 @@ def effective_weights(model: GPTMoE) -> dict[str, torch.Tensor]:
             if recipe.name == "delayed":
                 continue  # needs the layer's history; delayed runs compare masters and losses
             qt = recipe.quantize_weight(hp.detach(), rowwise=True, columnwise=True)
-        out[mname + ".weight"] = qt.to_bytes().clone()
+        out[mname + ".weight"] = with_both_copies(qt).to_bytes().clone()
     plain = {n: p.detach().clone() for n, p in model.named_parameters() if id(p) not in sited}
     out.update(layout_free(plain))
     return out
+
+
+def with_both_copies(qt: QuantizedTensor) -> QuantizedTensor:
+    """`qt` with its columnwise copy: per-tensor FP8 param gather publishes rowwise only and the backward
+    builds the exact transpose at its first use; build it here on a shallow copy (the live one is left as is),
+    so live weights compare with quantizing both copies at once whenever the backward has run or not."""
+    if qt.columnwise is None and qt.scheme.transposable:
+        return replace(qt).with_columnwise()
+    return qt
 
 
 def expert_fc1_bytes(model: GPTMoE) -> torch.Tensor:
     fc1 = model.moe_layers()[0].experts.linear_fc1
     qt = fc1.quantized_weight
     assert qt is not None, "no quantized expert weight"
-    return qt.to_bytes().clone()
+    return with_both_copies(qt).to_bytes().clone()
 
 
 @dataclass

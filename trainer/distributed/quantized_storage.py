@@ -11,10 +11,17 @@ layers read the quantized weight from their `quantized_weight` hook. Two strateg
                    weight); ONE all-reduce (MAX) per process group agrees on all of them; scales follow
                    (tensorwise: FP8_MAX / amax; delayed: the weight's amax history, then the amax is recorded)
     stage          this rank's shard of FP8 bytes = cast(master * scale) (`precision/shard.py`), and the
-                   scales are snapshotted with the bucket, so they travel with the bytes they encode
-    gather         the buffer all-gathers bytes (1 byte per param)
-    post_gather    rowwise data = a view of the gathered bytes, scales = 1 / scale, columnwise = the exact
-                   transpose; published to the model
+                   scales are snapshotted with the bucket (one flat tensor), so they travel with the bytes
+                   they encode
+    gather         the buffer all-gather ships bytes (1 byte per param)
+    post_gather    rowwise data = a view of the gathered bytes, decode scales = 1 / scale (one kernel per
+                   bucket); published to the model rowwise only. The columnwise copy (the exact transpose,
+                   needed by dgrad only) is built at its first use and cached on the published tensor until
+                   the next gather publishes new ones (`QuantizedTensor.with_columnwise`), as TE does on
+                   Hopper: it is off the gather's critical path, never built for a no-grad forward (eval),
+                   and built once per step, not per micro-batch. Per-expert params of one module are
+                   published together: one copy of their bytes and one of their scales into the module's
+                   `[E, out, in]` weight (`weight_sites.publish_experts`), no per-expert loop
 `StagedQuantizedStorage` (mxfp8, nvfp4): 1-D block scales cannot be cut across shards, so (as Megatron's
     `reuse_grad_buf_for_mxfp8_param_ag`) ranks stage `master` cast to the param dtype in a staging buffer,
     aliased on the grad buffer (`aliased=True`) or its own memory, gather it, and every rank quantizes the
@@ -35,6 +42,7 @@ quantization of the master).
 from __future__ import annotations
 
 from abc import abstractmethod
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
@@ -43,7 +51,7 @@ from torch import nn
 from trainer.distributed import comm
 from trainer.distributed.param_storage import AliasedStagingStorage, ParamStorage, Shard
 from trainer.distributed.parallel_state import Group
-from trainer.distributed.weight_sites import WeightSite, live, placeholder, publish
+from trainer.distributed.weight_sites import WeightSite, live, placeholder, publish, publish_experts
 from trainer.precision import QuantizedData, QuantizedTensor, Recipe, quantize
 from trainer.precision.fp8_scale import inverse, scale_from_amax
 from trainer.precision.formats import fp8_format
@@ -146,6 +154,74 @@ class QuantizedParamStorage(ParamStorage):
 
 
 # ------------------------------------------------------------------------------------------------ per-tensor
+@dataclass(frozen=True)
+class _Whole:
+    """A param published on its own: bucket elements [start, end), scale slots [slot, slot + slots)."""
+
+    param: nn.Parameter
+    start: int
+    end: int
+    slot: int
+    slots: int
+
+
+@dataclass(frozen=True)
+class _ExpertRun:
+    """Consecutive per-expert params of one module in one bucket, evenly spaced: published together.
+
+    Param k of the run starts at bucket element `start + k * stride`, holds expert `experts[k]`, and its
+    one scale is slot `slot + k`.
+    """
+
+    site: WeightSite
+    experts: torch.Tensor  # int64 [n], on the buffer's device
+    start: int
+    stride: int
+    slot: int
+
+    @property
+    def count(self) -> int:
+        return self.experts.numel()
+
+
+@dataclass
+class _RunBuilder:
+    """An `_ExpertRun` while the plan is being built."""
+
+    site: WeightSite
+    experts: list[int]
+    start: int
+    stride: int  # 0 until the run has two params
+    slot: int
+
+    def extends(self, site: WeightSite, start: int, slot: int) -> bool:
+        """Whether a param of `site` at bucket element `start`, scale slot `slot`, continues this run."""
+        if site.module is not self.site.module or slot != self.slot + len(self.experts):
+            return False
+        if len(self.experts) == 1:
+            return start > self.start
+        return start == self.start + len(self.experts) * self.stride
+
+    def add(self, site: WeightSite, start: int) -> None:
+        if len(self.experts) == 1:
+            self.stride = start - self.start
+        self.experts.append(site.expert)  # type: ignore[arg-type]
+
+    def build(self, device: torch.device) -> _ExpertRun:
+        stride = self.stride or self.site.param.numel()
+        return _ExpertRun(self.site, torch.tensor(self.experts, dtype=torch.int64, device=device), self.start,
+                          stride, self.slot)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _BucketPlan:
+    """How a bucket's gathered bytes become published weights (fixed by the layout; built once)."""
+
+    whole: tuple[_Whole, ...]
+    runs: tuple[_ExpertRun, ...]
+    slot_of: dict[nn.Parameter, tuple[int, int]]  # param -> (first slot, slots) in the bucket's scale vector
+
+
 class PerTensorFP8Storage(QuantizedParamStorage):
     """FP8 bytes in a uint8 buffer, per-tensor scales agreed over the ranks (see the module docstring)."""
 
@@ -160,10 +236,13 @@ class PerTensorFP8Storage(QuantizedParamStorage):
         self.delayed = isinstance(recipe, DelayedRecipe)
         #: encode scale per param (fp32 `[slots]`) from the last prepare_stage
         self.scales: dict[nn.Parameter, torch.Tensor] = {}
-        #: the scales each bucket's staged bytes were encoded with (they travel with the bytes)
-        self.staged_scales: dict["Bucket", dict[nn.Parameter, torch.Tensor]] = {}
-        #: the encode scales of the values the model holds now (set by post_gather)
-        self.live_scales: dict[nn.Parameter, torch.Tensor] = {}
+        #: the encode scales each bucket's staged bytes were encoded with, one flat fp32 vector per bucket
+        #: (every param's slots in bucket order, see `_BucketPlan.slot_of`): they travel with the bytes
+        self.staged_scales: dict["Bucket", torch.Tensor] = {}
+        #: the encode scales of the values the model holds now, per bucket (set by post_gather)
+        self.live_scales: dict["Bucket", torch.Tensor] = {}
+        self._plans: dict["Bucket", _BucketPlan] = {}
+        self._bucket_of: dict[nn.Parameter, "Bucket"] = {}
         #: delayed scaling: one weight amax history per site owner (module), one entry per expert
         self.histories: dict[Any, AmaxHistory] = {}
 
@@ -250,25 +329,90 @@ class PerTensorFP8Storage(QuantizedParamStorage):
             x = master[pc.bucket_lo - lo:pc.bucket_hi - lo].to(p.dtype)
             q = quantize_shard(x, pc.param_lo, p.numel() // k, self.scales[p], self.scheme)
             bucket.param_data[pc.bucket_lo:pc.bucket_hi].copy_(q.view(torch.uint8))
-        self.staged_scales[bucket] = {p: self.scales[p].clone() for p in bucket.params}
+        # One snapshot of every param's scales, in the plan's slot order (one kernel, not one per param).
+        self.staged_scales[bucket] = torch.cat([self.scales[p].reshape(-1) for p in bucket.params])
+
+    def _plan(self, bucket: "Bucket") -> _BucketPlan:
+        """The bucket's publication plan: whole params, and runs of evenly spaced per-expert params of one
+        module (the buffer lays a module's experts out back to back, in reverse: backward order)."""
+        plan = self._plans.get(bucket)
+        if plan is not None:
+            return plan
+        whole: list[_Whole] = []
+        runs: list[_RunBuilder] = []
+        slot_of: dict[nn.Parameter, tuple[int, int]] = {}
+        slot = 0
+        for p in bucket.params:
+            start, end = bucket.param_ranges[p]
+            k = self.slots(p)
+            slot_of[p] = (slot, k)
+            self._bucket_of[p] = bucket
+            site = self.site(p)
+            if site.module is None or site.expert is None:
+                whole.append(_Whole(p, start, end, slot, k))
+            elif runs and runs[-1].extends(site, start, slot):
+                runs[-1].add(site, start)
+            else:
+                runs.append(_RunBuilder(site, [site.expert], start, 0, slot))
+            slot += k
+        device = bucket.param_data.device
+        plan = _BucketPlan(tuple(whole), tuple(r.build(device) for r in runs), slot_of)
+        self._plans[bucket] = plan
+        return plan
 
     def post_gather(self, bucket: "Bucket") -> None:
-        scales = self.staged_scales[bucket]
-        for p in bucket.params:
-            s, e = bucket.param_ranges[p]
-            data = bucket.param_data[s:e].view(self.fmt.dtype).view(p.shape)  # no copy: the gathered bytes
-            scale_inv = inverse(scales[p]).reshape(p.shape[:-2])
-            qt = QuantizedTensor(self.scheme, p.shape, p.dtype, rowwise=QuantizedData(data, scale_inv),
-                                 recipe=self.recipe.name).with_columnwise()  # fmt: skip
-            publish(self.site(p), qt)
-            self.live_scales[p] = scales[p]
+        """Publish the gathered bytes rowwise (views, no copy) with their decode scales; see the docstring."""
+        plan = self._plan(bucket)
+        encode = self.staged_scales[bucket]
+        decode = inverse(encode)  # every param's decode scales at once
+        buf = bucket.param_data
+        for w in plan.whole:
+            p = w.param
+            data = buf[w.start:w.end].view(self.fmt.dtype).view(p.shape)  # no copy: the gathered bytes
+            scale_inv = decode[w.slot:w.slot + w.slots].reshape(p.shape[:-2])
+            publish(self.site(p), QuantizedTensor(self.scheme, p.shape, p.dtype, rowwise=QuantizedData(data, scale_inv),
+                                                  recipe=self.recipe.name))  # fmt: skip
+        for run in plan.runs:
+            shape = run.site.param.shape
+            if run.stride < shape.numel():
+                raise AssertionError("per-expert params of one run overlap in the buffer")
+            # the run's params as one [n, out, in] view of the gathered bytes (param k at start + k * stride)
+            data = buf.as_strided((run.count, *shape), (run.stride, shape[-1], 1),
+                                  buf.storage_offset() + run.start).view(self.fmt.dtype)  # fmt: skip
+            publish_experts(run.site, run.experts, data, decode[run.slot:run.slot + run.count], self.scheme,
+                            self.recipe.name)  # fmt: skip
+        self.live_scales[bucket] = encode
+
+    def live_scale(self, param: nn.Parameter) -> torch.Tensor:
+        """The encode scale(s) `[slots]` of the values `param` holds now (after its first gather)."""
+        bucket = self._bucket_of[param]
+        slot, k = self._plans[bucket].slot_of[param]
+        return self.live_scales[bucket][slot:slot + k]
+
+    def digest_tensors(self, param: nn.Parameter) -> list[torch.Tensor]:
+        """The rowwise bytes and decode scale: all replicas must agree on. The columnwise copy is their exact
+        transpose, built lazily (maybe not yet), so it adds nothing to compare."""
+        qt = self.live(param)
+        if qt is None:
+            raise RuntimeError("a quantized param has no value yet: the optimizer gathers it when it is built")
+        return list(qt.copy("rowwise").tensors().values())
+
+    def matches_master(self, param: nn.Parameter, master: torch.Tensor) -> bool:
+        """As the base class, with the columnwise copy compared too: the cached one if built, else one built
+        now on a shallow copy (the live tensor is left as it is)."""
+        qt = self.live(param)
+        if qt is None:
+            return False
+        if qt.columnwise is None:
+            qt = replace(qt).with_columnwise()
+        return same_quantized(qt, self.expected(param, master.to(qt.device)))
 
     def expected(self, param: nn.Parameter, master: torch.Tensor) -> QuantizedTensor:
         """`master` cast to the param dtype, quantized with the live encode scales: for tensorwise these are
         FP8_MAX / amax(master) (what `recipe.quantize_weight` computes), for delayed the history's."""
         if not self.delayed:
             return self.recipe.quantize_weight(master.to(param.dtype), rowwise=True, columnwise=True)
-        encode = self.live_scales[param].reshape(param.shape[:-2])
+        encode = self.live_scale(param).reshape(param.shape[:-2])
         return quantize(master.to(param.dtype), self.scheme, rowwise=True, columnwise=True, encode_scale=encode,
                         recipe=self.recipe.name)  # fmt: skip
 

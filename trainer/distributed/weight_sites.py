@@ -13,8 +13,16 @@ written into its slice (`QuantizedTensor.expert(e)` views) in place. Embedding, 
 routers and biases have no site: they stay high precision (TE/Megatron do the same).
 
 `find_sites(model)` lists them; `publish(site, qt)` installs a param's new quantized values;
-`live(site)` reads them back (digests, checkpoint validation). A param without a module (benchmarks over
-bare parameters) gets a site with `module=None`, whose values the site itself holds.
+`publish_experts(...)` installs the rowwise values of several experts of one per-expert module at once
+(one copy for their data, one for their scales, whatever E: no per-expert loop); `live(site)` reads them
+back (digests, checkpoint validation). A param without a module (benchmarks over bare parameters) gets a
+site with `module=None`, whose values the site itself holds.
+
+Per-tensor FP8 param gather publishes rowwise only, and each publication installs a NEW `QuantizedTensor`
+object (`publish` of a whole weight, or `publish_experts`: a new object over the module's reused rowwise
+storage). The columnwise copy built from it at its first backward use (`QuantizedTensor.with_columnwise`)
+is cached on that object, so a later gather's values can never be paired with a columnwise copy of older
+ones. (Staged storages, mxfp8 and nvfp4, publish both copies quantized at once.)
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from trainer.precision import QuantizedTensor, Recipe
+from trainer.precision import QuantizedData, QuantizedTensor, Recipe, Scheme
 
 
 @dataclass(eq=False)
@@ -82,6 +90,37 @@ def publish(site: WeightSite, qt: QuantizedTensor) -> None:
         grouped = QuantizedTensor.stack([qt] * site.num_experts)
         site.module.quantized_weight = grouped
     grouped.expert(site.expert).copy_(qt)
+
+
+def publish_experts(site: WeightSite, experts: torch.Tensor, data: torch.Tensor, scale: torch.Tensor,
+                    scheme: Scheme, recipe: str) -> None:  # fmt: skip
+    """Install new rowwise values of the experts `experts` of `site`'s per-expert module, all at once.
+
+    `experts`: int64 expert indices `[n]` (any order, on the data's device); `data`: their FP8 rowwise bytes
+    `[n, out, in]` (any strides: a view of the gathered buffer); `scale`: their decode scales `[n]`. The
+    module's `[E, out, in]` rowwise storage takes them with one `index_copy_` each (allocated zero at the
+    first publication; every expert is written before a forward reads it, since a module's pre-hook
+    completes the gathers of all its params). The module then holds a NEW rowwise-only QuantizedTensor over
+    that storage, so no columnwise copy of the previous values survives (see the module docstring).
+    """
+    if site.module is None or site.expert is None:
+        raise ValueError("publish_experts is for the params of a per-expert layout's module")
+    param = site.param
+    if tuple(data.shape[1:]) != tuple(param.shape) or not data.shape[0] == experts.numel() == scale.numel():
+        raise ValueError(f"{experts.numel()} experts of {tuple(param.shape)} from data {tuple(data.shape)} and "
+                         f"scales {tuple(scale.shape)}")  # fmt: skip
+    E = site.num_experts
+    old = site.module.quantized_weight
+    if old is None or old.rowwise is None or old.rowwise.data.dtype != data.dtype:
+        rows = QuantizedData(torch.zeros((E, *param.shape), dtype=data.dtype, device=data.device),
+                             torch.zeros(E, dtype=scale.dtype, device=scale.device))  # fmt: skip
+    else:
+        rows = old.rowwise
+    # uint8 views: the same bytes, and index_copy_ need not support float8 dtypes
+    rows.data.view(torch.uint8).index_copy_(0, experts, data.view(torch.uint8))
+    rows.scale.index_copy_(0, experts, scale)
+    site.module.quantized_weight = QuantizedTensor(scheme, (E, *param.shape), param.dtype, rowwise=rows,
+                                                   recipe=recipe)  # fmt: skip
 
 
 def live(site: WeightSite) -> Optional[QuantizedTensor]:

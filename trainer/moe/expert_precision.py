@@ -83,6 +83,11 @@ def _weight(p: ExpertPrecision, fc: str, w: torch.Tensor, expert: Optional[int],
         return p.recipe.quantize_weight(w, columnwise=p.need_grad, state=state)
     if tuple(given.shape) != tuple(w.shape if expert is None else (given.shape[0], *w.shape)):
         raise ValueError(f"{fc}: quantized weight of shape {tuple(given.shape)} for a weight of {tuple(w.shape)}")
+    if p.need_grad and given.columnwise is None and given.scheme.transposable:
+        # Per-tensor FP8 param gather publishes rowwise only: build the columnwise copy once, on the published
+        # weight itself, where it stays cached for the step's other micro-batches (and for every expert of
+        # the loop backend) until the next gather publishes a new weight.
+        given.with_columnwise()
     wq = given if expert is None else given.expert(expert)
     if p.need_grad and wq.columnwise is None:
         wq = replace(wq).with_columnwise()  # raises for schemes that need the high-precision source

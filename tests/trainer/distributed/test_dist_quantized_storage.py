@@ -66,7 +66,10 @@ def test_construction_masters_from_init_no_copies_live_weights(recipe: str, grou
         assert storage is not None and storage.init_values == {}  # freed once masters exist
         assert is_placeholder(p.data) and bool(p.isnan().all())  # no high-precision copy; a stray read is NaN
         assert storage.matches_master(p, masters[names[p]]["master"]), names[p]
-        assert storage.live(p).columnwise is not None  # what the backward needs is built
+        if recipe in ("tensorwise", "delayed"):  # built at its first backward use, from the rowwise bytes
+            assert storage.live(p).columnwise is None and storage.live(p).with_columnwise().columnwise is not None
+        else:  # quantized from the gathered high-precision values, both copies at once
+            assert storage.live(p).columnwise is not None
     for n, p in model.named_parameters():
         if qs.quantized_storage_of(p) is None:
             assert not is_placeholder(p.data) and torch.equal(p.detach().float(), init[n]), n
