@@ -9,7 +9,10 @@ Invariants:
   grad arriving after the reduce was launched is an error (a non-last micro-batch run without
   `no_sync()` would otherwise add into a buffer being reduced);
 - param sync follows `param_sync.ParamSyncMachine`; the hook path and a forced (synchronous) sync both
-  end in the same `post_process`, so eval, checkpoint and exit see exactly what training sees (#4562).
+  end in the same `post_process`, so eval, checkpoint and exit see exactly what training sees (#4562);
+- a synchronous sync of many groups may send their all-gathers as one coalesced collective
+  (`dispatch_coalesced`); each group still goes `staged -> dispatched -> gathered -> post_processed`, with
+  a handle shared by the groups of its process group, so the state never claims data that has not arrived.
 """
 
 from __future__ import annotations
@@ -143,13 +146,20 @@ class BucketGroup:
             self.stager(self)
         self.sync.apply(Action.STAGE)
 
+    def gather_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(output, input) of each bucket's all-gather: the whole bucket, and this rank's shard of it."""
+        pairs = []
+        for b in self.buckets:
+            lo, hi = b.shard_range()
+            pairs.append((b.param_data, b.param_data[lo:hi]))
+        return pairs
+
     def dispatch(self) -> None:
         """Start the async all-gather of every bucket -> `dispatched`."""
 
         def work() -> None:
-            for b in self.buckets:
-                lo, hi = b.shard_range()
-                h = comm.all_gather(b.param_data, b.param_data[lo:hi], self.group, async_op=True)
+            for output, input in self.gather_pairs():
+                h = comm.all_gather(output, input, self.group, async_op=True)
                 if h is not None:
                     self.sync.handles.append(h)
 
@@ -162,9 +172,8 @@ class BucketGroup:
         """Synchronous all-gather (forced sync, or overlap off) -> `gathered`."""
 
         def work() -> None:
-            for b in self.buckets:
-                lo, hi = b.shard_range()
-                comm.all_gather(b.param_data, b.param_data[lo:hi], self.group)
+            for output, input in self.gather_pairs():
+                comm.all_gather(output, input, self.group)
 
         self.sync.run(Action.GATHER, work if self.needs_gather else None)
 
@@ -206,3 +215,33 @@ class BucketGroup:
             self.wait()
         if self.state is ParamSyncState.GATHERED:
             self.post_process()
+
+
+def dispatch_coalesced(groups: Sequence[BucketGroup]) -> None:
+    """Dispatch the all-gathers of every (staged) group in `groups` as ONE collective per process group.
+
+    The synchronous path's gather (overlap off, eval, checkpoint, any forced sync): nothing overlaps it, so
+    instead of one blocking call per bucket, every bucket of every group sharing a process group goes out
+    in one coalesced collective (`comm.all_gather_coalesced`), one per process group in order of first
+    appearance in `groups` (the same on every rank, so ranks issue matching collectives). Each group ends
+    `dispatched`, holding a handle shared with the others of its process group; the caller waits and
+    post-processes them in its own order (`complete_param_sync`), so post-processing is exactly the
+    per-group path's. Every group is checked before any collective starts: an illegal dispatch (a group
+    not `staged`) raises with nothing in flight. The bytes each bucket receives are those of its own
+    all-gather, so the result is bitwise the per-bucket path's.
+    """
+    for g in groups:
+        g.sync.check(Action.DISPATCH)
+    by_pg: dict[int, list[BucketGroup]] = {}
+    for g in groups:
+        by_pg.setdefault(id(g.group.pg), []).append(g)  # a ProcessGroup object, not just its ranks: the
+        # dense dp group and the expert-dp group can hold the same ranks and still be two communicators
+    for members in by_pg.values():
+        moving = [g for g in members if g.needs_gather]
+        pairs = [pair for g in moving for pair in g.gather_pairs()]
+        handle = comm.all_gather_coalesced(pairs, members[0].group) if pairs else None
+        shared = comm.CompositeHandle([handle]) if handle is not None else None
+        for g in members:
+            if shared is not None and g.needs_gather:
+                g.sync.handles.append(shared)
+            g.sync.apply(Action.DISPATCH)

@@ -50,7 +50,7 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 
 from trainer.distributed import comm
-from trainer.distributed.bucket_group import BucketGroup, GradSyncError, GradSyncState
+from trainer.distributed.bucket_group import BucketGroup, GradSyncError, GradSyncState, dispatch_coalesced
 from trainer.distributed.buffers import BufferKey, ParamAndGradBuffer, Planner
 from trainer.distributed.layout import default_bucket_size
 from trainer.distributed.param_storage import HighPrecisionStorage, ParamStorage
@@ -76,9 +76,12 @@ def _tensor_digest(t: torch.Tensor) -> str:
 
 
 class DistributedModel:
+    #: default of `coalesce_sync_gather` (tests turn it off to run the per-bucket reference path end to end)
+    COALESCE_SYNC_GATHER = True
+
     def __init__(self, module: torch.nn.Module, parallel_cfg: ParallelConfig, pstate: ParallelState,
                  optimizer_tags: TagSpec = None, storage: StorageSpec = None,
-                 layouts: Mapping[str, Planner] | None = None) -> None:
+                 layouts: Mapping[str, Planner] | None = None, coalesce_sync_gather: bool | None = None) -> None:
         self.module = module
         self.cfg = parallel_cfg
         self.pstate = pstate
@@ -87,6 +90,9 @@ class DistributedModel:
         self.overlap_param_gather = parallel_cfg.overlap_param_gather
         self._is_last_microbatch = True
         self._owners: dict[str, Any] = {}
+        #: issue a synchronous param sync's all-gathers as one coalesced collective per process group
+        #: (`start_param_sync`); False: one blocking call per bucket (the bitwise-equal reference path)
+        self.coalesce_sync_gather = self.COALESCE_SYNC_GATHER if coalesce_sync_gather is None else coalesce_sync_gather
 
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
@@ -301,7 +307,10 @@ class DistributedModel:
         With `overlap_param_gather` and not `force_sync`: dispatch async gathers; the forward pre-hooks
         wait and post-process. Otherwise: gather synchronously and post-process now, through the same
         `complete_param_sync` as the hooks (a forced sync that skipped post-processing left stale
-        weights for the next step, Megatron #4562).
+        weights for the next step, Megatron #4562). Nothing overlaps a synchronous gather, so with
+        `coalesce_sync_gather` every staged group's buckets go out together (`dispatch_coalesced`: one
+        collective per process group instead of one blocking call per bucket), then each group is waited
+        and post-processed in forward order, exactly as one by one.
         """
         if self.overlap_param_gather and not force_sync:
             for g in self.groups_for(tag):
@@ -309,7 +318,11 @@ class DistributedModel:
                     g.dispatch()
             return
         with torch.no_grad():
-            for g in self.groups_for(tag):
+            groups = self.groups_for(tag)
+            staged = [g for g in groups if g.state is ParamSyncState.STAGED]
+            if self.coalesce_sync_gather and staged:
+                dispatch_coalesced(staged)  # one collective per process group; waited below, group by group
+            for g in groups:
                 g.complete_param_sync(force_sync=True)
 
     def force_param_sync(self) -> None:
