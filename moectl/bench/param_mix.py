@@ -5,7 +5,10 @@ makes a module holding exactly those parameters on a device, drawn at random (N(
 which some kernels run faster on), with `expert_parallel` set on the experts as `GroupedMLP` does. No
 forward exists: the benchmarks only need the parameters, the buffers the distributed layer lays them out
 in, and their grads. `MixShape.default()` has 803.5M parameters (the issue's reference point is 805M): 8
-layers of 16 experts (73% of the parameters), GQA attention, an untied 32k vocabulary.
+layers of 16 experts (73% of the parameters), GQA attention, an untied 32k vocabulary: its embedding and
+head are 16.7% of the parameters, far more than in a real large MoE (Mixtral 8x7B 0.6%, Qwen3-30B-A3B 2%).
+`MixShape.large_moe()` (2.0B) has that share at 3.3%: 12 layers of 64 fine-grained experts, a 16k vocab.
+`MIXES` names both (the benchmarks' `--mix`).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import datetime
 import os
 import tempfile
 from dataclasses import asdict, dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -43,6 +46,18 @@ class MixShape:
         """A few hundred thousand parameters, for CPU smoke tests."""
         return MixShape(layers=2, hidden=64, heads=4, kv_heads=2, experts=4, expert_ffn=64, vocab=256)
 
+    @staticmethod
+    def large_moe() -> "MixShape":
+        """2.0B parameters whose embedding + head share (3.3%) is a real large MoE's (2-4%): 12 layers of 64
+        fine-grained experts x ffn 384 (96% of the parameters), D=2048, an untied 16k vocabulary. Fits an H200
+        with the bench's buffers, fp32 grads, masters and moments (~25 GB per rank at dp=2)."""
+        return MixShape(layers=12, hidden=2048, heads=16, kv_heads=4, experts=64, expert_ffn=384, vocab=16384)
+
+    @staticmethod
+    def large_moe_quick() -> "MixShape":
+        """`large_moe`'s proportions at CPU smoke-test size (more experts than layers, a small vocabulary)."""
+        return MixShape(layers=2, hidden=64, heads=4, kv_heads=2, experts=8, expert_ffn=32, vocab=64)
+
     def shapes(self) -> Iterator[tuple[str, tuple[int, ...], bool]]:
         """(name, shape, is_expert) of every parameter, in registration (forward) order."""
         D, hd = self.hidden, self.hidden // self.heads
@@ -68,12 +83,33 @@ class MixShape:
             total += n
         return total
 
+    def embedding_head_share(self) -> float:
+        """The fraction of the parameters in the (untied) embedding and output head: params that stay high
+        precision under low-precision param gather, so they bound its gain."""
+        return 2 * self.vocab * self.hidden / self.numel()
+
     def describe(self) -> str:
         return (f"{self.numel() / 1e6:.1f}M params: {self.layers} layers, D={self.hidden}, {self.experts} experts "
-                f"x ffn {self.expert_ffn}, vocab {self.vocab}")
+                f"x ffn {self.expert_ffn}, vocab {self.vocab} (embedding + head "
+                f"{100 * self.embedding_head_share():.1f}%)")  # fmt: skip
 
     def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "numel": self.numel()}
+        return {**asdict(self), "numel": self.numel(), "embedding_head_share": self.embedding_head_share()}
+
+
+#: the benchmarks' `--mix` choices: name -> (full shape, CPU smoke-test shape)
+MIXES: dict[str, tuple[Callable[[], MixShape], Callable[[], MixShape]]] = {
+    "default": (MixShape.default, MixShape.quick),
+    "large-moe": (MixShape.large_moe, MixShape.large_moe_quick),
+}
+
+
+def mix_shape(name: str, quick: bool = False) -> MixShape:
+    """The shape of mix `name` (`MIXES`), or its smoke-test size."""
+    if name not in MIXES:
+        raise ValueError(f"unknown param mix {name!r}; choose one of {sorted(MIXES)}")
+    full, small = MIXES[name]
+    return small() if quick else full()
 
 
 def _attach(root: nn.Module, name: str, param: nn.Parameter) -> None:

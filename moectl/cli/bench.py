@@ -266,11 +266,15 @@ def optimizer_step(
 
 # ------------------------------------------------------------------------------------------------ param-gather
 _PARAM_GATHER_HELP = (
-    "The param all-gather of one step through moectl's buckets (sync and async) against a raw NCCL "
-    "all_gather_into_tensor of the same bytes (time, GB/s, bus bandwidth, ratio), then a real GPT-MoE step with "
-    "overlap on / off / compute only (exposed communication). Launches itself on --nproc-per-node GPUs."
+    "The param all-gather of one step through moectl's buckets (sync coalesced and per bucket, async) against "
+    "raw NCCL all-gathers of the same bytes (one call, per bucket, per bucket coalesced: time, GB/s, bus "
+    "bandwidth, ratios to raw and to bf16), for bf16, fp8 and mxfp8 param storage, with fp8's deferred "
+    "columnwise builds timed apart; then a real GPT-MoE step with overlap on / off / compute only (exposed "
+    "communication). --mix picks the params: 'default' (803.5M, embedding + head 16.7%) or 'large-moe' (2.0B, "
+    "3.3%: a real large MoE's share). Launches itself on --nproc-per-node GPUs."
     + examples(
         "moectl bench param-gather --nproc-per-node 2 --json runs/pg.json",
+        "moectl bench param-gather --nproc-per-node 2 --mix large-moe --no-step --json runs/pg_large.json",
         "torchrun --nproc-per-node 4 -m moectl bench param-gather",
         "moectl bench param-gather --quick",
     )
@@ -280,17 +284,21 @@ _PARAM_GATHER_HELP = (
 def render_param_gather(result: Any, console: Console) -> None:
     meta = result.meta
     versions = ", ".join(f"{k} {meta[k]}" for k in ("torch", "cuda", "nccl") if meta.get(k))
+    shape = meta["shape"]
     table = Table(
-        title=f"param all-gather, {meta['shape']['numel'] / 1e6:.1f}M params, {meta['world_size']} x "
-        f"{meta['device_name']} ({versions})",
+        title=f"param all-gather, {meta.get('mix', 'default')} mix: {shape['numel'] / 1e6:.1f}M params (embedding + "
+        f"head {100 * shape.get('embedding_head_share', 0):.1f}%), {meta['world_size']} x {meta['device_name']} "
+        f"({versions})",
         caption="slowest rank's median of interleaved rounds" + "".join(f"\n{n}" for n in result.notes),
     )  # fmt: skip
-    for col in ("format", "gather", "buckets", "GB", "B/param", "ms", "algbw GB/s", "busbw GB/s", "vs raw"):
+    for col in ("format", "gather", "buckets", "GB", "B/param", "ms", "algbw GB/s", "busbw GB/s", "vs raw",
+                "vs bf16"):  # fmt: skip
         table.add_column(col, justify="left" if col in ("format", "gather") else "right")
     for r in result.gather_rows:
         bpp = f"{r['bytes_per_param']:.3f}" + (f" ({r['qbytes_per_param']:.3f} q)" if r.get("qbytes_per_param") else "")
+        busbw = "-" if r.get("busbw_gbps") is None else f"{r['busbw_gbps']:.0f}"
         table.add_row(r["format"], r["name"], str(r["buckets"]), f"{r['gbytes']:.3f}", bpp, f"{r['ms']:.3f}",
-                      f"{r['algbw_gbps']:.0f}", f"{r['busbw_gbps']:.0f}", f"{r['vs_raw']:.2f}x")
+                      f"{r['algbw_gbps']:.0f}", busbw, _ratio(r.get("vs_raw")), _ratio(r.get("vs_bf16")))
     console.print(table)
     if result.step_rows:
         info = meta["step"]
@@ -319,10 +327,17 @@ def param_gather(
     ] = None,
     no_step: Annotated[bool, typer.Option("--no-step", help="Skip the training-step (overlap) table.")] = False,
     device: Annotated[Optional[str], typer.Option("--device", help="cuda or cpu (default: cuda if present).")] = None,
+    mix: Annotated[
+        str, typer.Option("--mix", help="Param mix: 'default' (803.5M) or 'large-moe' (2.0B, embedding + head 3.3%).")
+    ] = "default",
 ) -> None:
     import torch
 
+    from moectl.bench.param_mix import MIXES
     from moectl.launcher import launch_local, reexec_args, under_torchrun
+
+    if mix not in MIXES:
+        raise UsageError(f"--mix {mix!r} is not a param mix", f"use one of: {', '.join(sorted(MIXES))}")
 
     if not under_torchrun():
         n = nproc_per_node or (1 if quick or not torch.cuda.is_available() else torch.cuda.device_count())
@@ -335,7 +350,7 @@ def param_gather(
     from moectl.bench.param_mix import ProcessGroup, device_for_rank
 
     dev = device_for_rank("cpu" if quick and device is None else device)
-    cfg = pg.GatherBenchConfig.quick(dev.type) if quick else pg.GatherBenchConfig(device=dev.type)
+    cfg = pg.GatherBenchConfig.quick(dev.type, mix) if quick else pg.GatherBenchConfig.for_mix(mix, dev.type)
     if no_step:
         cfg.step = None
     with ProcessGroup(dev):

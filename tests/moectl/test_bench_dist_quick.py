@@ -4,6 +4,7 @@ rank), and the param-gather library on two gloo ranks (where the gather really m
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -15,8 +16,11 @@ from moectl.bench import param_gather as pg
 from moectl.bench.optimizer_step import BYTES_PER_PARAM
 from moectl.bench.param_mix import MixShape
 from moectl.cli.app import app
+from trainer.distributed.param_gather import is_block_linear
 
-GATHERS = {"moectl sync", "moectl async", "raw, one call", "raw, per bucket"}
+GATHERS = {"moectl sync", "moectl sync, per bucket", "moectl async", "raw, one call", "raw, per bucket",
+           "raw, per bucket, coalesced"}
+BUILDS = {"columnwise build (torch)"}  # fp8 only (and "(triton)" on CUDA): not gathers
 STEPS = {"overlap on", "overlap off", "compute only"}
 
 
@@ -39,16 +43,49 @@ def test_optimizer_step_quick_writes_consistent_json(tmp_path):
     assert any("0.8x" in note for note in data["notes"])
 
 
+def test_optimizer_step_rows_describe_the_step_without_write_back_or_host_sync():
+    """The fused (CUDA) step's path on the CPU: fp32 masters are the params, so the parts are the norm, the
+    step's own gated update and the bf16 step's write-back, with the bytes each moves."""
+    from moectl.bench import optimizer_step as ob
+
+    assert BYTES_PER_PARAM == {"torch_fused": 28, "moectl_fp32": 32, "moectl_bf16": 38}
+    cfg = ob.OptBenchConfig.quick()
+    cfg.fused, cfg.quant_recipes, cfg.rounds = True, (), 1
+    result = ob.run(cfg)
+    rows = {r["key"]: r for r in result.rows}
+    assert {k: rows[k]["bytes_per_param"] for k in ob.PART_BYTES_PER_PARAM} == {"grad norm": 4, "update": 28,
+                                                                              "write-back": 6}
+    assert rows["write-back"]["name"].strip() == "bf16 step part: write-back"
+    assert rows["update"]["ms"] > 0 and rows["grad norm"]["ms"] > 0
+    assert any("norm + update alone" in n for n in result.notes)
+
+
 def test_param_gather_quick_one_rank_through_the_cli(tmp_path):
     out = tmp_path / "pg.json"
     result = CliRunner().invoke(app, ["bench", "param-gather", "--quick", "--json", str(out)])
     assert result.exit_code == 0, result.output
     assert "param all-gather" in result.output and "exposed" in result.output
     data = json.loads(out.read_text())
-    assert data["meta"]["world_size"] == 1
-    assert {r["name"] for r in data["gather_rows"]} == GATHERS
+    assert data["meta"]["world_size"] == 1 and data["meta"]["mix"] == "default"
+    assert {r["name"] for r in data["gather_rows"]} == GATHERS | BUILDS
+    assert data["meta"]["coalesced_equals_per_bucket"] == {"bf16": True, "fp8": True, "mxfp8": True}
     assert {r["name"] for r in data["step_rows"]} == STEPS
     assert not dist.is_initialized()  # the command left no process group behind
+
+
+def test_param_gather_quick_large_moe_mix(tmp_path):
+    out = tmp_path / "pg.json"
+    result = CliRunner().invoke(app, ["bench", "param-gather", "--quick", "--no-step", "--mix", "large-moe",
+                                      "--json", str(out)])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "large-moe mix" in result.output
+    data = json.loads(out.read_text())
+    assert data["meta"]["mix"] == "large-moe" and data["step_rows"] == []
+    assert data["meta"]["shape"]["numel"] == MixShape.large_moe_quick().numel()
+    assert MixShape.large_moe().embedding_head_share() < 0.04 < MixShape.default().embedding_head_share()
+    assert MixShape.large_moe().numel() <= 2.5e9
+    bad = CliRunner().invoke(app, ["bench", "param-gather", "--quick", "--mix", "huge"])
+    assert bad.exit_code == 2 and "large-moe" in bad.output
 
 
 def _two_ranks(rank: int, world_size: int) -> dict:
@@ -63,13 +100,21 @@ def test_param_gather_on_two_gloo_ranks():
     data = results[0]
     numel = MixShape.quick().numel()
     assert {r["format"] for r in data["gather_rows"]} == {"bf16", "fp8", "mxfp8"}
+    assert data["meta"]["coalesced_equals_per_bucket"] == {"bf16": True, "fp8": True, "mxfp8": True}
+    bf16 = {r["name"]: r for r in data["gather_rows"] if r["format"] == "bf16"}
+    quantized = sum(math.prod(shape) for name, shape, _ in MixShape.quick().shapes() if is_block_linear(name))
     for fmt in ("bf16", "fp8", "mxfp8"):
         rows = {r["name"]: r for r in data["gather_rows"] if r["format"] == fmt}
-        assert set(rows) == GATHERS
-        for r in rows.values():
+        assert set(rows) == GATHERS | (BUILDS if fmt == "fp8" else set())
+        for name, r in rows.items():
+            if name in BUILDS:  # bytes read + written by the transposes: twice the quantized bytes
+                assert r["busbw_gbps"] is None and r["vs_raw"] is None and r["vs_bf16"] is None
+                assert r["gbytes"] * 1e9 == pytest.approx(2 * quantized)
+                continue
             assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"] / 2)
             assert r["vs_raw"] == pytest.approx(r["ms"] / rows["raw, one call"]["ms"])
             assert r["gbytes"] * 1e9 == pytest.approx(r["bytes_per_param"] * numel)
+            assert r["vs_bf16"] == (None if fmt == "bf16" else pytest.approx(r["ms"] / bf16[name]["ms"]))
             if fmt == "fp8":  # FP8 bytes for the attention and expert weights, bf16 for the rest
                 assert 1.0 <= r["qbytes_per_param"] <= 1.02 and 1.0 < r["bytes_per_param"] < 2.0
             else:
