@@ -11,7 +11,8 @@ Ids are stable: they are never renumbered or reused, and a new rule takes the ne
 family. Families and their ids: precision MOE001-009, optimizer and LR schedule MOE010-015, overlap
 MOE016-017, MoE MOE018-027, parallel layout MOE028-033, CUDA graphs MOE034-035, checkpoint
 MOE036-037, hardware and environment MOE038-040, model, data and training basics MOE041-047, and
-later additions: MOE048 (precision: which recipes and optimizers low-precision param gather supports).
+later additions: MOE048 (precision: which recipes and optimizers low-precision param gather supports),
+MOE049 (precision: fp8_fast_accum_backward needs an fp8 recipe with native GEMMs).
 
 Environment rules (Transformer Engine, device) probe lazily and cheaply: TE is looked up through
 `importlib.util.find_spec` and package metadata, never imported; torch is imported only when a GPU
@@ -1357,4 +1358,38 @@ def param_gather_recipe_supported(c: Context) -> Iterator[_Hit]:
             f"mixed_precision.{which}=true needs the distributed optimizer, which optimizer.optimizer=sgd does not use",
             f"set optimizer.optimizer=adam, or mixed_precision.{which}=false",
             keys=(f"mixed_precision.{which}", "optimizer.optimizer"),
+        )
+
+
+@rule(
+    "MOE049",
+    "precision",
+    "error|warning",
+    ["mixed_precision.fp8_fast_accum_backward", "mixed_precision.fp8", "mixed_precision.fp8_recipe"],
+    "fp8_fast_accum_backward needs an fp8 recipe with native GEMMs",
+)
+def fp8_fast_accum_backward_needs_native_fp8(c: Context) -> Iterator[_Hit]:
+    """`fp8_fast_accum_backward` switches the native fp8 dgrad and wgrad GEMMs (`torch._scaled_mm`,
+    `torch._scaled_grouped_mm`) from split accumulation (TE's choice for the backward) to the fast
+    accumulator that fprop always uses (torchao's choice for fp8 MoE training): faster backward GEMMs on
+    Hopper, at some backward precision. It has no meaning without fp8 (an error: the run would silently
+    ignore it), and no effect under blockwise or mxfp8, whose GEMMs are emulated in fp32 on every device in
+    this build (a warning)."""
+    mp = c.cfg.mixed_precision
+    if not mp.fp8_fast_accum_backward:
+        return
+    if mp.fp8 is None:
+        yield _Hit(
+            "mixed_precision.fp8_fast_accum_backward=true needs mixed_precision.fp8 (e4m3 or hybrid), got null",
+            "set mixed_precision.fp8=e4m3, or mixed_precision.fp8_fast_accum_backward=false",
+            keys=("mixed_precision.fp8_fast_accum_backward", "mixed_precision.fp8"),
+            severity="error",
+        )
+    elif hardware.RECIPE_KIND.get(mp.fp8_recipe) not in ("tensor", "row"):
+        yield _Hit(
+            f"mixed_precision.fp8_fast_accum_backward=true has no effect with fp8_recipe={mp.fp8_recipe}: its "
+            "GEMMs are emulated in fp32 on every device",
+            "use fp8_recipe tensorwise, delayed or rowwise for native fp8 GEMMs, or drop fp8_fast_accum_backward",
+            keys=("mixed_precision.fp8_fast_accum_backward", "mixed_precision.fp8_recipe"),
+            severity="warning",
         )

@@ -106,6 +106,11 @@ class MixedPrecisionConfig:
     emulate: Literal["auto", "always", "never"] = doc(
         "auto", "Emulate recipes the device has no kernels for: auto (warn), always, never (error)."
     )
+    fp8_fast_accum_backward: bool = doc(
+        False,
+        "Fast, non-split accumulation in the native fp8 dgrad and wgrad GEMMs, as torchao's fp8 MoE training "
+        "does; false keeps split accumulation there, as TE does (fprop is always fast).",
+    )
 
 
 @dataclass(kw_only=True)

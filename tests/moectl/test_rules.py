@@ -404,6 +404,19 @@ CASES = [
         [*FP4, "mixed_precision.fp4_param_gather=true", "optimizer.optimizer=adam"],
         name="sgd",
     ),
+    Case(
+        "MOE049",
+        [*BF16, "mixed_precision.fp8_fast_accum_backward=true"],
+        [*FP8, "mixed_precision.fp8_fast_accum_backward=true"],
+        name="no-fp8",
+    ),
+    Case(
+        "MOE049",
+        [*FP8, "mixed_precision.fp8_recipe=mxfp8", "mixed_precision.fp8_fast_accum_backward=true"],
+        [*FP8, "mixed_precision.fp8_recipe=delayed", "mixed_precision.fp8_fast_accum_backward=true"],
+        severity="warning",
+        name="emulated",
+    ),
 ]
 
 # Rules whose boundary needs files or probes; each has its own tests below.

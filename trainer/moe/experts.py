@@ -22,7 +22,8 @@ through `trainer.main_grad.accumulate_wgrad`, which lands them in fp32 `main_gra
 Low precision (`recipe`): the module owns the recipe and its per-layer scaling state and hands the backend
 an `ExpertPrecision` on every call (expert_precision.py); fc1 and fc2 then run through the recipe's
 quantized grouped GEMMs. Layout parity is unchanged: both layouts quantize the same `[E, out, in]` values.
-The weight grads come back in fp32 (autograd casts them to the params' dtype; `main_grad` takes them as is).
+The weight grads come back in fp32, or bf16 from a native fp8 grouped wgrad (the kernel's output, as the bf16
+backends'); autograd casts them to the params' dtype, `main_grad` accumulates them in fp32.
 """
 
 from __future__ import annotations

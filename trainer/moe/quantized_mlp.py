@@ -108,7 +108,8 @@ def forward(
 
 
 def backward(ctx: QuantizedCtx, dy_TD: Tensor) -> tuple[OptTensor, ...]:
-    """(dx, dw1, db1, dw2, db2, dprobs); weight grads fp32, the rest in their inputs' dtypes."""
+    """(dx, dw1, db1, dw2, db2, dprobs); weight grads fp32 (bf16 from a native grouped wgrad), the rest in
+    their inputs' dtypes."""
     if not ctx.fc1:
         raise RuntimeError("expert backward after a forward without grad (need_grad was off)")
     dz_TD, dprobs_T = _unscale_grad(dy_TD.contiguous(), ctx.z_TD, ctx.probs_T)

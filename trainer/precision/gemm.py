@@ -11,7 +11,11 @@ dW[e] contracts over expert e's tokens only.
 
 Emulation (the exact reference, and the path wherever no native kernel exists): dequantize the real
 low-precision values and scales to fp32 and multiply in fp32. Outputs are cast to `out_dtype`; weight
-grads stay fp32 (they go to fp32 main_grad). Native: `native.py`.
+grads stay fp32 (they go to fp32 main_grad), except the native grouped wgrad, which returns its kernel's
+bf16 output (native.py says why). Native: `native.py`.
+
+`fast_accum` (dgrad, wgrad; the recipe's `fast_accum_backward`): fast accumulation in the native backward
+GEMMs, as fprop always has. Emulated GEMMs accumulate in fp32 either way.
 
 `mode`: "auto" runs natively where `native.py` supports the operand pair (else emulates), "emulate"
 always emulates, "native" raises where no native kernel fits (the config's `emulate: never`).
@@ -44,25 +48,30 @@ def _mm_emulated(a: QuantizedTensor, a_copy: str, b: QuantizedTensor, b_copy: st
     return a.dequantize_copy(a_copy) @ b.dequantize_copy(b_copy).transpose(-2, -1)
 
 
-def _mm(a: QuantizedTensor, a_copy: str, b: QuantizedTensor, b_copy: str, out_dtype: torch.dtype, mode: Mode, what: str) -> torch.Tensor:
+def _mm(
+    a: QuantizedTensor, a_copy: str, b: QuantizedTensor, b_copy: str, out_dtype: torch.dtype, mode: Mode, what: str,
+    fast_accum: bool,
+) -> torch.Tensor:  # fmt: skip
     if _use_native(nat.mm_supported(a, a_copy, b, b_copy), mode, what):
-        return nat.mm(a, a_copy, b, b_copy, out_dtype, fast_accum=what == "fprop")
+        return nat.mm(a, a_copy, b, b_copy, out_dtype, fast_accum=fast_accum)
     return _mm_emulated(a, a_copy, b, b_copy).to(out_dtype)
 
 
 def fprop(xq: QuantizedTensor, wq: QuantizedTensor, *, out_dtype: torch.dtype, mode: Mode = "auto") -> torch.Tensor:
     """y `[T, O]` = x `[T, D]` @ W `[O, D]`^T."""
-    return _mm(xq, "rowwise", wq, "rowwise", out_dtype, mode, "fprop")
+    return _mm(xq, "rowwise", wq, "rowwise", out_dtype, mode, "fprop", True)
 
 
-def dgrad(gq: QuantizedTensor, wq: QuantizedTensor, *, out_dtype: torch.dtype, mode: Mode = "auto") -> torch.Tensor:
+def dgrad(
+    gq: QuantizedTensor, wq: QuantizedTensor, *, out_dtype: torch.dtype, mode: Mode = "auto", fast_accum: bool = False
+) -> torch.Tensor:
     """dx `[T, D]` = dy `[T, O]` @ W `[O, D]` (W's columnwise copy)."""
-    return _mm(gq, "rowwise", wq, "columnwise", out_dtype, mode, "dgrad")
+    return _mm(gq, "rowwise", wq, "columnwise", out_dtype, mode, "dgrad", fast_accum)
 
 
-def wgrad(gq: QuantizedTensor, xq: QuantizedTensor, *, mode: Mode = "auto") -> torch.Tensor:
+def wgrad(gq: QuantizedTensor, xq: QuantizedTensor, *, mode: Mode = "auto", fast_accum: bool = False) -> torch.Tensor:
     """dW `[O, D]` = dy^T @ x (columnwise copies of both), fp32."""
-    return _mm(gq, "columnwise", xq, "columnwise", torch.float32, mode, "wgrad")
+    return _mm(gq, "columnwise", xq, "columnwise", torch.float32, mode, "wgrad", fast_accum)
 
 
 def _segments(q: QuantizedTensor) -> list[tuple[int, int]]:
@@ -75,21 +84,24 @@ def _segments(q: QuantizedTensor) -> list[tuple[int, int]]:
 def grouped_fprop(xq: QuantizedTensor, wq: QuantizedTensor, *, out_dtype: torch.dtype, mode: Mode = "auto") -> torch.Tensor:
     """y `[T, O]`: rows of group e times W[e]^T, W `[E, O, D]`."""
     if _use_native(nat.grouped_supported(xq, "rowwise", wq, "rowwise"), mode, "grouped fprop"):
-        return nat.grouped_mm_2d3d(xq, "rowwise", wq, "rowwise", out_dtype)
+        return nat.grouped_mm_2d3d(xq, "rowwise", wq, "rowwise", out_dtype, fast_accum=True)
     return _grouped_2d3d_emulated(xq, wq, "rowwise").to(out_dtype)
 
 
-def grouped_dgrad(gq: QuantizedTensor, wq: QuantizedTensor, *, out_dtype: torch.dtype, mode: Mode = "auto") -> torch.Tensor:
+def grouped_dgrad(
+    gq: QuantizedTensor, wq: QuantizedTensor, *, out_dtype: torch.dtype, mode: Mode = "auto", fast_accum: bool = False
+) -> torch.Tensor:
     """dx `[T, D]`: rows of group e times W[e] (W's columnwise copy `[E, D, O]`)."""
     if _use_native(nat.grouped_supported(gq, "rowwise", wq, "columnwise"), mode, "grouped dgrad"):
-        return nat.grouped_mm_2d3d(gq, "rowwise", wq, "columnwise", out_dtype)
+        return nat.grouped_mm_2d3d(gq, "rowwise", wq, "columnwise", out_dtype, fast_accum=fast_accum)
     return _grouped_2d3d_emulated(gq, wq, "columnwise").to(out_dtype)
 
 
-def grouped_wgrad(gq: QuantizedTensor, xq: QuantizedTensor, *, mode: Mode = "auto") -> torch.Tensor:
-    """dW `[E, O, D]` fp32: per group, dy_e^T @ x_e (columnwise copies, contracting over the group's tokens)."""
+def grouped_wgrad(gq: QuantizedTensor, xq: QuantizedTensor, *, mode: Mode = "auto", fast_accum: bool = False) -> torch.Tensor:
+    """dW `[E, O, D]`: per group, dy_e^T @ x_e (columnwise copies, contracting over the group's tokens); fp32
+    emulated, the kernel's bf16 natively."""
     if _use_native(nat.grouped_supported(gq, "columnwise", xq, "columnwise"), mode, "grouped wgrad"):
-        return nat.grouped_mm_2d2d(gq, xq)
+        return nat.grouped_mm_2d2d(gq, xq, fast_accum=fast_accum)
     g = gq.dequantize_copy("columnwise")  # [O, T]
     x = xq.dequantize_copy("columnwise")  # [D, T]
     # contiguous slices: the same memory layout as a per-expert GEMM, so the results match it bitwise

@@ -10,7 +10,8 @@ Forward quantizes the activation (rowwise, plus columnwise when the weight needs
 as TE's Linear/GroupedLinear do. Quantized operands are kept on `ctx` between forward and backward (they
 are not tensors autograd can save; saved-tensor hooks do not see them).
 
-Weight grads: dW is fp32. With `fuse_wgrad=True` it is added to `param.main_grad` through
+Weight grads: dW is fp32 (bf16 from the native grouped kernel, whose output it is: native.py). With
+`fuse_wgrad=True` it is added to `param.main_grad` (fp32) through
 `trainer.main_grad.accumulate_wgrad` (which also fires the param's grad-ready hook) and autograd gets no
 grad for the weight; otherwise autograd receives it (and casts it to the weight's dtype).
 

@@ -15,6 +15,16 @@ torchao/prototype/moe_training/fp8_grouped_mm.py):
 Per-tensor scales are passed to the rowwise kernels expanded to rows (every row of a group gets its
 group's scale), which computes exactly the per-tensor product.
 
+Accumulation (`use_fast_accum`): fprop always accumulates fast (Hopper's fp8 tensor-core accumulator,
+not promoted to fp32 every few k-steps), as TE and torchao do. dgrad and wgrad accumulate precisely
+(split accumulation, TE's choice for the backward GEMMs) unless the recipe asks for fast accumulation there
+too (`mixed_precision.fp8_fast_accum_backward`, torchao's fp8 MoE training choice): about 1.6x faster
+backward GEMMs on Hopper, at some backward precision.
+
+Weight grads of the grouped kernel come back as its bf16 output (the bf16 fused backend's weight grads are
+bf16 too): converting 600M elements to fp32 would cost more than the GEMM saves. Experts with no tokens get
+an exact zero grad from a kernel that touches only their slabs (no host sync).
+
 MXFP8 / NVFP4 GEMMs need Blackwell (sm100) kernels and DeepSeek-style blockwise scaled_mm a cuBLAS/torch
 combination, none of which this build wires in: those recipes are emulated on every device (see
 `report.describe`). Which capability runs what is the torch-free table in `moectl/hardware.py`, shared
@@ -30,6 +40,7 @@ from typing import Optional
 import torch
 
 from moectl import hardware
+from trainer.kernels import has_triton
 
 from .quantized_tensor import QuantizedTensor
 
@@ -123,7 +134,9 @@ def grouped_supported(a: QuantizedTensor, a_copy: str, b: QuantizedTensor, b_cop
     return all(d % 16 == 0 for d in dims)
 
 
-def grouped_mm_2d3d(a: QuantizedTensor, a_copy: str, b: QuantizedTensor, b_copy: str, out_dtype: torch.dtype) -> torch.Tensor:
+def grouped_mm_2d3d(
+    a: QuantizedTensor, a_copy: str, b: QuantizedTensor, b_copy: str, out_dtype: torch.dtype, fast_accum: bool
+) -> torch.Tensor:
     """Jagged a[a_copy] `[T, K]` times expert b[b_copy] `[E, N, K]`^T -> `[T, N]` (forward, data grad)."""
     assert a.groups is not None
     qa, qb = a.copy(a_copy), b.copy(b_copy)
@@ -134,13 +147,14 @@ def grouped_mm_2d3d(a: QuantizedTensor, a_copy: str, b: QuantizedTensor, b_copy:
         _expert_row_scales(b, b_copy),
         offs=a.groups.offsets.to(torch.int32),
         out_dtype=torch.bfloat16,
-        use_fast_accum=a_copy == "rowwise" and b_copy == "rowwise",
+        use_fast_accum=fast_accum,
     )
     return out.to(out_dtype)
 
 
-def grouped_mm_2d2d(g: QuantizedTensor, x: QuantizedTensor) -> torch.Tensor:
-    """Weight grad: g columnwise `[O, T]` times x columnwise `[D, T]`^T per token group -> `[E, O, D]`."""
+def grouped_mm_2d2d(g: QuantizedTensor, x: QuantizedTensor, fast_accum: bool = False) -> torch.Tensor:
+    """Weight grad: g columnwise `[O, T]` times x columnwise `[D, T]`^T per token group -> `[E, O, D]` bf16
+    (the kernel's output, not converted: see the module docstring)."""
     assert g.groups is not None
     qg, qx = g.copy("columnwise"), x.copy("columnwise")
     out = torch._scaled_grouped_mm(
@@ -150,9 +164,20 @@ def grouped_mm_2d2d(g: QuantizedTensor, x: QuantizedTensor) -> torch.Tensor:
         _group_col_scales(x),
         offs=g.groups.offsets.to(torch.int32),
         out_dtype=torch.bfloat16,
-        use_fast_accum=False,
+        use_fast_accum=fast_accum,
     )
     # An expert with no tokens contracts over nothing: make its grad exactly zero whatever the kernel
-    # leaves there (no host sync: a device-side mask).
-    counts = torch.diff(g.groups.offsets, prepend=g.groups.offsets.new_zeros(1))
-    return torch.where((counts == 0).view(-1, 1, 1), torch.zeros((), device=out.device), out.to(torch.float32))
+    # leaves there (what `_scaled_grouped_mm` writes for an empty group is not documented).
+    return zero_empty_groups_(out, g.groups.offsets)
+
+
+def zero_empty_groups_(out_GXY: torch.Tensor, offsets_G: torch.Tensor) -> torch.Tensor:
+    """Zero `out[g]` in place for every group g without rows (offsets: cumulative ends, on the device; no
+    host sync): a Triton kernel touching only those slabs on CUDA, a masked fill (one full pass) elsewhere."""
+    if out_GXY.is_cuda and out_GXY.is_contiguous() and has_triton():
+        from trainer.kernels.fp8_quant_triton import zero_empty_groups_ as kernel  # lazy: needs Triton
+
+        return kernel(out_GXY, offsets_G)
+    counts = torch.diff(offsets_G, prepend=offsets_G.new_zeros(1))
+    empty = (counts == 0).view(-1, *([1] * (out_GXY.dim() - 1)))
+    return out_GXY.masked_fill_(empty, 0)

@@ -46,6 +46,8 @@ def describe(recipe: Optional["Recipe"], device: Union[torch.device, str, None])
         kernel = f" via {KERNELS[family]}" if native_any else ""
         lines.append(f"  {family} GEMMs: {', '.join(parts)}{kernel}")
     if any(gemms.values()):
+        backward = "fast (fp8_fast_accum_backward)" if recipe.fast_accum_backward else "split (precise)"
+        lines.append(f"  native accumulation: fprop fast, dgrad and wgrad {backward}")
         lines.append(
             "  native GEMMs whose dims are not multiples of 16 run emulated"
             + (" (emulate=auto)" if recipe.emulate == "auto" else "")

@@ -86,3 +86,56 @@ def test_native_rules_per_format(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not any(TensorwiseRecipe(emulate="always").native_gemms("cuda").values())
     text = TensorwiseRecipe("hybrid").describe("cuda")
     assert "grouped GEMMs: fprop native, dgrad emulated, wgrad emulated via torch._scaled_grouped_mm" in text
+
+
+@pytest.mark.parametrize("name", ["tensorwise", "delayed", "rowwise", "blockwise", "mxfp8"])
+def test_fast_accum_backward_flag_is_carried_from_the_config(name: str) -> None:
+    off = get_recipe(MixedPrecisionConfig(fp8="e4m3", fp8_recipe=name))
+    on = get_recipe(MixedPrecisionConfig(fp8="e4m3", fp8_recipe=name, fp8_fast_accum_backward=True))
+    assert off.fast_accum_backward is False and on.fast_accum_backward is True
+    assert "fast_accum_backward=True" in repr(on) and "fast_accum" not in repr(off)
+    assert TensorwiseRecipe().fast_accum_backward is False  # the default keeps split accumulation (TE)
+
+
+def test_fast_accum_backward_reaches_the_native_gemms(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the native kernels stubbed on CPU (they compute the emulated result and record their accumulation
+    flag): fprop is always fast, dgrad and wgrad follow the recipe, for linear and grouped GEMMs."""
+    from trainer.precision import gemm, native
+
+    seen: list[tuple[str, bool]] = []
+
+    def fake_mm(a, a_copy, b, b_copy, out_dtype, fast_accum):  # type: ignore[no-untyped-def]
+        seen.append(("mm", fast_accum))
+        return gemm._mm_emulated(a, a_copy, b, b_copy).to(out_dtype)
+
+    def fake_2d3d(a, a_copy, b, b_copy, out_dtype, fast_accum):  # type: ignore[no-untyped-def]
+        seen.append(("2d3d", fast_accum))
+        return gemm._grouped_2d3d_emulated(a, b, b_copy).to(out_dtype)
+
+    def fake_2d2d(g, x, fast_accum=False):  # type: ignore[no-untyped-def]
+        seen.append(("2d2d", fast_accum))
+        return gemm.grouped_wgrad(g, x, mode="emulate")
+
+    monkeypatch.setattr(native, "mm_supported", lambda *a: True)
+    monkeypatch.setattr(native, "grouped_supported", lambda *a: True)
+    monkeypatch.setattr(native, "mm", fake_mm)
+    monkeypatch.setattr(native, "grouped_mm_2d3d", fake_2d3d)
+    monkeypatch.setattr(native, "grouped_mm_2d2d", fake_2d2d)
+    torch.manual_seed(0)
+    x, w, wg = torch.randn(32, 64, requires_grad=True), torch.randn(48, 64, requires_grad=True), torch.randn(2, 48, 64)
+    offs = torch.tensor([16, 32])
+    for flag in (False, True):
+        seen.clear()
+        recipe = TensorwiseRecipe(fast_accum_backward=flag)
+        recipe.linear(x, w).sum().backward()
+        recipe.grouped_linear(x, wg.requires_grad_(), offs).sum().backward()
+        assert seen == [("mm", True), ("mm", flag), ("mm", flag), ("2d3d", True), ("2d3d", flag), ("2d2d", flag)]
+
+
+def test_describe_names_the_backward_accumulation(monkeypatch: pytest.MonkeyPatch) -> None:
+    from trainer.precision import native
+
+    assert "accumulation" not in TensorwiseRecipe(fast_accum_backward=True).describe("cpu")  # nothing native
+    monkeypatch.setattr(native, "capability", lambda device: (9, 0))
+    assert "dgrad and wgrad split (precise)" in TensorwiseRecipe().describe("cuda")
+    assert "dgrad and wgrad fast" in TensorwiseRecipe(fast_accum_backward=True).describe("cuda")

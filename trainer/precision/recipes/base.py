@@ -11,6 +11,10 @@ GEMMs themselves:
 
 The formats follow the config: `fp8: e4m3` uses E4M3 for every operand; `fp8: hybrid` uses E5M2 for the
 grads (TE's Format.HYBRID). Subclasses (one file each) set the schemes.
+
+`fast_accum_backward` (config `mixed_precision.fp8_fast_accum_backward`): native dgrad and wgrad GEMMs use
+fast (non-split) accumulation, as torchao's fp8 MoE training does; the default keeps TE's split
+accumulation there. fprop always accumulates fast. Emulated GEMMs are unaffected.
 """
 
 from __future__ import annotations
@@ -41,13 +45,16 @@ class Recipe:
     name: ClassVar[str]
     align_size: ClassVar[int]  # pad each expert's token count to a multiple of this (grouped GEMMs)
 
-    def __init__(self, fp8_format: Optional[str] = "e4m3", emulate: Emulate = "auto") -> None:
+    def __init__(
+        self, fp8_format: Optional[str] = "e4m3", emulate: Emulate = "auto", *, fast_accum_backward: bool = False
+    ) -> None:
         if fp8_format not in ("e4m3", "hybrid", None):
             raise ValueError(f"fp8 format must be 'e4m3' or 'hybrid', got {fp8_format!r}")
         if emulate not in ("auto", "always", "never"):
             raise ValueError(f"emulate must be auto, always or never, got {emulate!r}")
         self.fp8_format = fp8_format
         self.emulate = emulate
+        self.fast_accum_backward = bool(fast_accum_backward)
 
     # ---- schemes (subclasses) -------------------------------------------------------------------
     @property
@@ -169,11 +176,11 @@ class Recipe:
 
     def dgrad(self, gq: QuantizedTensor, wq: QuantizedTensor, out_dtype: torch.dtype) -> torch.Tensor:
         """dx = dy W."""
-        return gemm.dgrad(gq, wq, out_dtype=out_dtype, mode=self.mode)
+        return gemm.dgrad(gq, wq, out_dtype=out_dtype, mode=self.mode, fast_accum=self.fast_accum_backward)
 
     def wgrad(self, gq: QuantizedTensor, xq: QuantizedTensor) -> torch.Tensor:
         """dW = dy^T x, fp32."""
-        return gemm.wgrad(gq, xq, mode=self.mode)
+        return gemm.wgrad(gq, xq, mode=self.mode, fast_accum=self.fast_accum_backward)
 
     def grouped_fprop(self, xq: QuantizedTensor, wq: QuantizedTensor, out_dtype: torch.dtype) -> torch.Tensor:
         """Grouped y: token group e times W[e]^T."""
@@ -181,11 +188,11 @@ class Recipe:
 
     def grouped_dgrad(self, gq: QuantizedTensor, wq: QuantizedTensor, out_dtype: torch.dtype) -> torch.Tensor:
         """Grouped dx: token group e times W[e]."""
-        return gemm.grouped_dgrad(gq, wq, out_dtype=out_dtype, mode=self.mode)
+        return gemm.grouped_dgrad(gq, wq, out_dtype=out_dtype, mode=self.mode, fast_accum=self.fast_accum_backward)
 
     def grouped_wgrad(self, gq: QuantizedTensor, xq: QuantizedTensor) -> torch.Tensor:
-        """Grouped dW `[E, out, in]`, fp32."""
-        return gemm.grouped_wgrad(gq, xq, mode=self.mode)
+        """Grouped dW `[E, out, in]`: fp32 emulated, bf16 from the native kernel (see native.py)."""
+        return gemm.grouped_wgrad(gq, xq, mode=self.mode, fast_accum=self.fast_accum_backward)
 
     # ---- autograd -------------------------------------------------------------------------------
     def linear(
@@ -214,4 +221,5 @@ class Recipe:
         return _grouped_linear(self, x, w, offs, param=param, fuse_wgrad=fuse_wgrad, state=state)
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(fp8_format={self.fp8_format!r}, emulate={self.emulate!r})"
+        extra = ", fast_accum_backward=True" if self.fast_accum_backward else ""
+        return f"{type(self).__name__}(fp8_format={self.fp8_format!r}, emulate={self.emulate!r}{extra})"

@@ -83,8 +83,15 @@ class DelayedRecipe(TensorwiseRecipe):
 
     name = "delayed"  # tensorwise's schemes and align_size; only where the scale comes from differs
 
-    def __init__(self, fp8_format: Optional[str] = "e4m3", emulate: Emulate = "auto", history_len: int = DEFAULT_HISTORY) -> None:
-        super().__init__(fp8_format, emulate)
+    def __init__(
+        self,
+        fp8_format: Optional[str] = "e4m3",
+        emulate: Emulate = "auto",
+        history_len: int = DEFAULT_HISTORY,
+        *,
+        fast_accum_backward: bool = False,
+    ) -> None:
+        super().__init__(fp8_format, emulate, fast_accum_backward=fast_accum_backward)
         if history_len < 1:
             raise ValueError("history_len must be >= 1")
         self.history_len = history_len

@@ -26,8 +26,15 @@ class MXFP8Recipe(Recipe):
     name = "mxfp8"
     align_size = BLOCK
 
-    def __init__(self, fp8_format: Optional[str] = "e4m3", emulate: Emulate = "auto", scale_rounding: str = "floor") -> None:
-        super().__init__(fp8_format, emulate)
+    def __init__(
+        self,
+        fp8_format: Optional[str] = "e4m3",
+        emulate: Emulate = "auto",
+        scale_rounding: str = "floor",
+        *,
+        fast_accum_backward: bool = False,
+    ) -> None:
+        super().__init__(fp8_format, emulate, fast_accum_backward=fast_accum_backward)
         if scale_rounding not in ("floor", "rceil"):
             raise ValueError(f"scale_rounding must be 'floor' (OCP) or 'rceil', got {scale_rounding!r}")
         self.scale_rounding = scale_rounding

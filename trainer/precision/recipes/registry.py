@@ -36,7 +36,7 @@ def get_recipe(cfg: MixedPrecisionConfig) -> Optional[Recipe]:
         cls = FP8_RECIPES.get(cfg.fp8_recipe)
         if cls is None:
             raise ConfigError("mixed_precision.fp8_recipe", cfg.fp8_recipe, "unknown fp8 recipe", f"use one of {', '.join(FP8_RECIPES)}")
-        return cls(fp8_format=cfg.fp8, emulate=cfg.emulate)
+        return cls(fp8_format=cfg.fp8, emulate=cfg.emulate, fast_accum_backward=cfg.fp8_fast_accum_backward)
     if cfg.fp4:
         cls = FP4_RECIPES.get(cfg.fp4_recipe)
         if cls is None:
