@@ -3,19 +3,48 @@
 One call quantizes a whole tensor, including a grouped `[E, out, in]` weight (scales per expert or per
 tile inside an expert, never across experts), and a grouped activation `[T, K]` with its token groups
 (`offsets`), so the optimizer's post-step quantize of a single grouped weight is one op, not a loop.
+
+Fast path: per-tensor fp8 (the `tensor` kind: recipes `tensorwise` and `delayed`) on a CUDA tensor, with
+Triton importable, runs the fused kernels of `trainer/kernels/fp8_quant_triton.py`: one amax pass and one
+pass that writes the rowwise and the columnwise copy together, reading x in its own dtype (no fp32 copy, no
+separate transpose). It produces exactly the QuantizedTensor of the eager path below (same bytes, scales
+and groups; tested bitwise on GPU). The eager path stays the reference, and runs everywhere else (CPU,
+the other kinds). `MOECTL_TRITON_QUANTIZE=0` turns the fast path off (comparisons, bisecting).
 """
 
 from __future__ import annotations
 
+import math
+import os
 from typing import Optional
 
 import torch
 
+from trainer.kernels import has_triton
+
 from .blocks import transposed
+from .formats import fp8_format
 from .groups import Jagged, TokenGroups
 from .kinds import KIND_MODULES
+from .kinds.per_tensor import tensor_amax
+from .qdata import QuantizedData
 from .quantized_tensor import QuantizedTensor
 from .scheme import Scheme
+
+TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def triton_fast_path(x: torch.Tensor, scheme: Scheme) -> bool:
+    """Whether `quantize(x, scheme)` runs the fused Triton kernels: per-tensor fp8 of a bf16/fp16/fp32 CUDA
+    tensor, Triton present, and not switched off by `MOECTL_TRITON_QUANTIZE=0`."""
+    return (
+        x.is_cuda
+        and scheme.kind == "tensor"
+        and x.dtype in TRITON_DTYPES
+        and x.numel() > 0
+        and os.environ.get("MOECTL_TRITON_QUANTIZE", "1") != "0"
+        and has_triton()
+    )
 
 
 def quantize(
@@ -58,6 +87,10 @@ def quantize(
         if columnwise:
             groups.check_aligned(scheme.block[1], scheme.describe())
 
+    if triton_fast_path(x, scheme):
+        fast = _quantize_per_tensor_triton(x, scheme, groups, rowwise, columnwise, amax, encode_scale, recipe, False)
+        if fast is not None:
+            return fast[0]
     overrides = {"amax": amax, "encode_scale": encode_scale}
     row = col = None
     if rowwise:
@@ -72,3 +105,85 @@ def quantize(
     return QuantizedTensor(
         scheme=scheme, shape=x.shape, dtype=x.dtype, rowwise=row, columnwise=col, groups=groups, recipe=recipe
     )
+
+
+def quantize_with_amax(
+    x: torch.Tensor,
+    scheme: Scheme,
+    *,
+    encode_scale: torch.Tensor,
+    rowwise: bool = True,
+    columnwise: bool = False,
+    groups: Optional[TokenGroups] = None,
+    recipe: str = "",
+) -> tuple[QuantizedTensor, torch.Tensor]:
+    """Quantize `x` with a given per-tensor `encode_scale` (delayed scaling) and return its own amax too:
+    `[...]` = `x.shape[:-2]`, or `[G]` per token group (what `kinds.per_tensor.tensor_amax` gives).
+
+    On the Triton fast path the amax is taken in the same pass that writes the fp8 copies (the scale does
+    not depend on it); elsewhere it is one eager reduction over the fp32 values."""
+    if scheme.kind != "tensor":
+        raise ValueError(f"quantize_with_amax is for per-tensor scaling, not {scheme.describe()}")
+    if triton_fast_path(x, scheme) and x.dim() >= 2:
+        fast = _quantize_per_tensor_triton(x, scheme, groups, rowwise, columnwise, None, encode_scale, recipe, True)
+        if fast is not None:
+            return fast[0], fast[1]  # type: ignore[return-value]
+    amax = tensor_amax(x.detach().to(torch.float32), Jagged(groups, -2) if groups is not None else None)
+    q = quantize(
+        x, scheme, rowwise=rowwise, columnwise=columnwise, groups=groups, encode_scale=encode_scale, recipe=recipe
+    )
+    return q, amax
+
+
+def _quantize_per_tensor_triton(
+    x: torch.Tensor,
+    scheme: Scheme,
+    groups: Optional[TokenGroups],
+    rowwise: bool,
+    columnwise: bool,
+    amax: Optional[torch.Tensor],
+    encode_scale: Optional[torch.Tensor],
+    recipe: str,
+    want_amax: bool,
+) -> Optional[tuple[QuantizedTensor, Optional[torch.Tensor]]]:
+    """The fused-kernel version of the `tensor` kind (see the module docstring), or None where the eager path
+    must decide (an amax / encode-scale override whose shape is not the per-tensor shape: the eager path
+    broadcasts it, and keeps that shape for the stored scale)."""
+    from trainer.kernels import fp8_quant_triton as tq  # lazy: needs Triton, CUDA only
+
+    fmt = fp8_format(scheme.fmt)
+    M, K = x.shape[-2], x.shape[-1]
+    per_shape = (groups.count,) if groups is not None else tuple(x.shape[:-2])
+    for given in (amax, encode_scale):
+        if given is not None and tuple(given.shape) != per_shape:
+            return None
+    n = math.prod(per_shape)
+    x_BMK = x.detach().contiguous().view(-1, M, K)  # in x's own dtype: no fp32 copy
+    ids = groups.ids if groups is not None else None
+    measured: Optional[torch.Tensor] = None
+    amax_bits: Optional[torch.Tensor] = None
+    if encode_scale is None:
+        if amax is None:
+            amax = measured = tq.amax(x_BMK, ids, n)
+        enc, dec = tq.scales(n, x.device, fmax=fmt.max, pow2=scheme.pow2, amax=amax)
+    else:
+        enc, dec = tq.scales(n, x.device, fmax=fmt.max, pow2=scheme.pow2, encode=encode_scale)
+        if want_amax:
+            amax_bits = torch.zeros(n, dtype=torch.int32, device=x.device)
+    row_BMK, col_BKM = tq.quantize(
+        x_BMK, enc, fmt.dtype, fmt.max, ids_T=ids, rowwise=rowwise, columnwise=columnwise, amax_out=amax_bits
+    )
+    if amax_bits is not None:
+        measured = amax_bits.view(torch.float32)
+    if want_amax and measured is None:  # an amax override was given: measure x's own for the caller
+        measured = tq.amax(x_BMK, ids, n)
+    dec = dec.view(per_shape)
+    col_shape = (*x.shape[:-2], K, M)
+    row = QuantizedData(data=row_BMK.view(x.shape), scale=dec) if row_BMK is not None else None
+    col = None
+    if col_BKM is not None:  # the eager columnwise copy keeps a scale tensor of its own (a clone)
+        col = QuantizedData(data=col_BKM.view(col_shape), scale=dec.clone() if row is not None else dec)
+    qt = QuantizedTensor(
+        scheme=scheme, shape=x.shape, dtype=x.dtype, rowwise=row, columnwise=col, groups=groups, recipe=recipe
+    )
+    return qt, (measured.view(per_shape) if measured is not None else None)

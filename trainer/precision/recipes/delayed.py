@@ -25,9 +25,8 @@ import torch
 
 from ..fp8_scale import scale_from_amax
 from ..formats import fp8_format
-from ..groups import Jagged, TokenGroups
-from ..kinds.per_tensor import tensor_amax
-from ..quantize import quantize
+from ..groups import TokenGroups
+from ..quantize import quantize_with_amax
 from ..quantized_tensor import QuantizedTensor
 from .base import Emulate
 from .tensorwise import TensorwiseRecipe
@@ -121,9 +120,8 @@ class DelayedRecipe(TensorwiseRecipe):
         rowwise: bool,
         columnwise: bool,
     ) -> QuantizedTensor:
-        hp = x.detach().to(torch.float32)
-        amax = tensor_amax(hp, Jagged(groups, -2) if groups is not None else None)
-        q = quantize(
+        # The tensor's own amax comes with the quantization (on the Triton fast path, from the same pass)
+        q, amax = quantize_with_amax(
             x, scheme, rowwise=rowwise, columnwise=columnwise, groups=groups,
             encode_scale=hist.current_scale(x.device), recipe=self.name,
         )
