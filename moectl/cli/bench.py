@@ -145,7 +145,8 @@ def grouped_mlp(
     path: Annotated[
         Optional[list[str]],
         typer.Option("--path", help="Only these paths: loop, eager, compile, grouped, fused, fp8_tensorwise, "
-                     "fp8_tensorwise_pq, fp8_rowwise, sgmm_rowwise, torchao_rowwise (repeatable)."),
+                     "fp8_tensorwise_pq, fp8_tensorwise_pq_fa, fp8_delayed_pq_fa, fp8_rowwise, sgmm_rowwise, "
+                     "torchao_rowwise (repeatable)."),
     ] = None,
     no_fp8: Annotated[bool, typer.Option("--no-fp8", help="Skip the fp8 columns.")] = False,
     profile: Annotated[

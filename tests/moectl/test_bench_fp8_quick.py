@@ -13,7 +13,9 @@ from moectl.bench import grouped_mlp_fp8 as fp8
 from moectl.bench.grouped_mlp import FP8_PATHS, QUICK_SHAPES
 from moectl.cli.app import app
 
-RUN_FP8 = ["fused", "fp8_tensorwise", "fp8_tensorwise_pq", "fp8_rowwise", "sgmm_rowwise", "torchao_rowwise"]
+RUN_FP8 = ["fused", "fp8_tensorwise", "fp8_tensorwise_pq", "fp8_tensorwise_pq_fa", "fp8_delayed_pq_fa", "fp8_rowwise",
+           "sgmm_rowwise", "torchao_rowwise"]  # fmt: skip
+OURS = ("fp8_tensorwise", "fp8_tensorwise_pq", "fp8_tensorwise_pq_fa", "fp8_delayed_pq_fa", "fp8_rowwise")
 
 
 def test_quick_fp8_columns_on_cpu_are_emulated_and_say_so(tmp_path):
@@ -31,13 +33,12 @@ def test_quick_fp8_columns_on_cpu_are_emulated_and_say_so(tmp_path):
 
     data = json.loads(out.read_text())
     assert data["meta"]["fp8_modes"] == {
-        "fp8_tensorwise": "emulated", "fp8_tensorwise_pq": "emulated", "fp8_rowwise": "emulated",
-        "sgmm_rowwise": "emulated", "torchao_rowwise": "not run",
+        **{p: "emulated" for p in OURS}, "sgmm_rowwise": "emulated", "torchao_rowwise": "not run",
     }  # fmt: skip
     rows = data["rows"]
     assert len(rows) == len(QUICK_SHAPES) * 2
     for row in rows:
-        for path in ("fp8_tensorwise", "fp8_tensorwise_pq", "fp8_rowwise", "sgmm_rowwise"):
+        for path in (*OURS, "sgmm_rowwise"):
             assert row[f"{path}_ms"] > 0 and row[f"{path}_mode"] == "emulated"
             assert row[f"{path}_vs_fused"] == row["fused_ms"] / row[f"{path}_ms"]
             err = row[f"{path}_rel_err"]
