@@ -6,6 +6,8 @@ A `ParamStorage` strategy answers, for the params of one buffer:
 - `bind`: how a param is tied to its buffer slice at wrap time;
 - `stage`: how new values for a rank's shard are written from the fp32 masters after a step (cast; a
   per-tensor FP8 recipe would quantize with a dp-agreed amax here);
+- `master_view`: whether the param buffer itself can hold a shard's fp32 masters (fp32 high-precision
+  params: then the optimizer updates the params in place and never stages them);
 - `post_gather`: what every rank does after the all-gather of a bucket (nothing; or quantize the
   gathered bf16 into the param and build columnwise copies, then zero the staging slice);
 - `init_source` / `release_init_source`: the high-precision values the optimizer builds its masters
@@ -66,6 +68,13 @@ class ParamStorage(ABC):
         """Write new values of elements [lo, hi) of `bucket` (bucket-local) from the fp32 `master` slice."""
         bucket.param_data[lo:hi].copy_(master)
 
+    def master_view(self, bucket: "Bucket", lo: int, hi: int) -> torch.Tensor | None:
+        """Elements [lo, hi) of `bucket`'s param buffer to serve as their fp32 masters, or None.
+
+        None (the default): the optimizer keeps a separate fp32 master and `stage` writes it into the buffer.
+        """
+        return None
+
     def prepare_stage(self, shards: Sequence[Shard]) -> None:
         """Collective, before staging (only when `needs_scales`): agree on what `stage` needs from every rank.
 
@@ -124,6 +133,13 @@ class HighPrecisionStorage(ParamStorage):
 
     def post_gather(self, bucket: "Bucket") -> None:
         return None
+
+    def master_view(self, bucket: "Bucket", lo: int, hi: int) -> torch.Tensor | None:
+        # An fp32 param is its own fp32 master (as in Megatron's distributed optimizer): the update lands
+        # in the param buffer, so there is nothing to write back. A narrower param needs a separate fp32
+        # master, or updates below its resolution would be lost.
+        data = bucket.param_data
+        return data[lo:hi] if data.dtype == torch.float32 else None
 
     def replica_tensors(self, param: torch.nn.Parameter) -> list[torch.Tensor]:
         return []  # the param lives in the param buffer, which is broadcast whole

@@ -7,6 +7,9 @@ It steps the buffers of one optimizer tag of a `DistributedModel`. Invariants:
   Adam moments for that range only, as one flat tensor per bucket. Params may straddle shard
   boundaries; padding elements have zero masters and zero updates. With `use_distributed_optimizer:
   false` (plain DDP) every rank owns and steps whole buckets, with the same code;
+- for fp32 params the master IS the param buffer's shard range (a view, as in Megatron): the update
+  writes the params in place and nothing is written back; bf16 and quantized params keep separate
+  fp32 masters that staging writes into the buffer;
 - masters are built from `ParamStorage.init_source` (the high-precision values, never a dequantized
   low-precision param), and every rank releases the init sources afterwards;
 - the grad norm is global (every shard, dp and ep rank, each element counted once) and agreed on by
@@ -71,8 +74,9 @@ class DistributedOptimizer(ShardedOptimizerBase):
     STATE_KEYS = STATE_KEYS
 
     def __init__(self, dmodel: DistributedModel, cfg: OptimizerConfig, *, tag: str = DEFAULT_OPTIMIZER_TAG,
-                 on_nonfinite: Literal["stop", "skip"] = "stop", fused: bool | None = None) -> None:
-        super().__init__(dmodel, cfg, tag=tag, on_nonfinite=on_nonfinite)
+                 on_nonfinite: Literal["stop", "skip"] = "stop", fused: bool | None = None,
+                 alias_masters: bool = True) -> None:
+        super().__init__(dmodel, cfg, tag=tag, on_nonfinite=on_nonfinite, alias_masters=alias_masters)
         self.fused = self.device.type == "cuda" if fused is None else fused
         self._step_tensor = torch.zeros((), dtype=torch.float32, device=self.device)
         self._master_version = 0  # bumped whenever masters change
@@ -83,8 +87,8 @@ class DistributedOptimizer(ShardedOptimizerBase):
     def _make_shard(self, bucket: Bucket) -> _Shard:
         lo, hi, norm_lo, norm_hi = self._shard_ranges(bucket)
         n = hi - lo
-        zeros = lambda: self._zeros(n)  # noqa: E731
-        shard = _Shard(bucket, lo, hi, norm_lo, norm_hi, zeros(), zeros(), zeros(), bucket.pieces(lo, hi))
+        shard = _Shard(bucket, lo, hi, norm_lo, norm_hi, self._new_master(bucket, lo, hi), self._zeros(n),
+                       self._zeros(n), bucket.pieces(lo, hi))
         names = bucket.buffer.names
         cursor = 0
         for pc in shard.pieces:

@@ -19,10 +19,12 @@ unchanged bucket machinery does the distribution:
 With `use_distributed_optimizer: false` the buckets are all-reduced and every rank steps every matrix
 (plain DDP; no gather moves data), with the same code.
 
-Other invariants, shared with `DistributedOptimizer` (`sharded_base.ShardedOptimizerBase`): masters are
-built from `ParamStorage.init_source` and the init sources are released on every rank; the grad norm counts
-each rank's own shard (so every element once over the world) and a non-finite norm is agreed on by all
-ranks (`step(joint_norm=...)` takes the norm a `ChainedOptimizer` computed over all its optimizers instead).
+Other invariants, shared with `DistributedOptimizer` (`sharded_base.ShardedOptimizerBase`): the master of
+an fp32 matrix is its range of the param buffer (`muon_update_` works in place, so the update lands in the
+param and nothing is written back); other masters are built from `ParamStorage.init_source` and the init
+sources are released on every rank; the grad norm counts each rank's own shard (so every element once
+over the world) and a non-finite norm is agreed on by all ranks (`step(joint_norm=...)` takes the norm a
+`ChainedOptimizer` computed over all its optimizers instead).
 """
 
 from __future__ import annotations
@@ -70,8 +72,8 @@ class LayerWiseMuon(ShardedOptimizerBase):
 
     def __init__(self, dmodel: DistributedModel, cfg: OptimizerConfig, *, tag: str = MUON_TAG,
                  on_nonfinite: Literal["stop", "skip"] = "stop",
-                 compute_dtype: torch.dtype = torch.float32) -> None:
-        super().__init__(dmodel, cfg, tag=tag, on_nonfinite=on_nonfinite)
+                 compute_dtype: torch.dtype = torch.float32, alias_masters: bool = True) -> None:
+        super().__init__(dmodel, cfg, tag=tag, on_nonfinite=on_nonfinite, alias_masters=alias_masters)
         self.compute_dtype = compute_dtype
         for buf in self.buffers:  # per-tensor FP8 scales are agreed from shards: not wired for Muon (MOE010)
             if getattr(buf.storage, "needs_scales", False):
@@ -82,7 +84,7 @@ class LayerWiseMuon(ShardedOptimizerBase):
     # ---------------------------------------------------------------- construction
     def _make_shard(self, bucket: Bucket) -> _Shard:
         lo, hi, norm_lo, norm_hi = self._shard_ranges(bucket)
-        shard = _Shard(bucket, lo, hi, norm_lo, norm_hi, self._zeros(hi - lo), self._zeros(hi - lo))
+        shard = _Shard(bucket, lo, hi, norm_lo, norm_hi, self._new_master(bucket, lo, hi), self._zeros(hi - lo))
         names = bucket.buffer.names
         for pc in bucket.pieces(lo, hi):
             name = names[pc.param]

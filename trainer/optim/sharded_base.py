@@ -7,6 +7,10 @@ this base:
 - one `ShardBase` per bucket: this rank steps [lo, hi) of it (its own shard when sharded, the whole
   bucket under plain DDP) and counts [norm_lo, norm_hi) (always its own shard) in the grad norm, so every
   element is counted once over the world; its fp32 state is one flat tensor per state key;
+- the master of an fp32 param IS the param buffer's range (`ParamStorage.master_view`; Megatron's
+  distributed optimizer does the same for fp32 params): the update writes the param in place and
+  staging skips it, so nothing is written back. Other params (bf16, quantized) keep a separate fp32
+  master that staging writes into the buffer;
 - masters are built from `ParamStorage.init_source` (the high-precision values, never a dequantized
   low-precision param), and every rank releases every init source afterwards;
 - the step checks readiness before touching any master, agrees on the global norm and a found-inf flag
@@ -63,6 +67,13 @@ class ShardBase:
     def norm_grad(self) -> torch.Tensor:
         return self.bucket.grad_data[self.norm_lo:self.norm_hi]
 
+    @property
+    def aliased(self) -> bool:
+        """Whether `master` is this shard's own range of the param buffer (an fp32 param: no write-back)."""
+        data = self.bucket.param_data
+        return (self.master.dtype == data.dtype and self.master.numel() == self.hi - self.lo
+                and self.master.data_ptr() == data[self.lo:self.hi].data_ptr())
+
     def segments(self) -> Iterator[Segment]:
         """The params (or pieces of params) in [lo, hi), in bucket order."""
         raise NotImplementedError
@@ -79,18 +90,23 @@ def clipped(grad: torch.Tensor, coef: float) -> torch.Tensor:
 
 class ShardedOptimizerBase:
     """Base of the optimizers over one tag's buffers. Subclasses set `STATE_KEYS`, cut shards
-    (`_make_shard`), update masters (`_update`), and call `_build()` last in their `__init__`."""
+    (`_make_shard`, masters from `_new_master`), update masters (`_update`), and call `_build()` last in
+    their `__init__`.
+
+    `alias_masters=False` keeps a separate fp32 master even for fp32 params (tests compare the two).
+    """
 
     STATE_KEYS: tuple[str, ...] = ()
 
     def __init__(self, dmodel: DistributedModel, cfg: OptimizerConfig, *, tag: str,
-                 on_nonfinite: Literal["stop", "skip"]) -> None:
+                 on_nonfinite: Literal["stop", "skip"], alias_masters: bool = True) -> None:
         if on_nonfinite not in ("stop", "skip"):
             raise ValueError(f"on_nonfinite must be 'stop' or 'skip', got {on_nonfinite!r}")
         self.dmodel = dmodel
         self.cfg = cfg
         self.tag = tag
         self.on_nonfinite = on_nonfinite
+        self.alias_masters = alias_masters
         self.sharded = dmodel.use_distributed_optimizer
         self.buffers = dmodel.buffers_for(tag)
         if not self.buffers:
@@ -128,9 +144,17 @@ class ShardedOptimizerBase:
     def _zeros(self, n: int) -> torch.Tensor:
         return torch.zeros(n, dtype=torch.float32, device=self.device)
 
+    def _new_master(self, bucket: Bucket, lo: int, hi: int) -> torch.Tensor:
+        """The fp32 masters of bucket-local [lo, hi): the param buffer's own range where its storage offers
+        it (fp32 params), else a zero tensor that `_init_masters` fills."""
+        view = bucket.buffer.storage.master_view(bucket, lo, hi) if self.alias_masters else None
+        return view if view is not None else self._zeros(hi - lo)
+
     @torch.no_grad()
     def _init_masters(self) -> None:
         for shard in self.shards:
+            if shard.aliased:
+                continue  # the param buffer holds the init values already (and every replica's are equal)
             storage = shard.bucket.buffer.storage
             for sg in shard.segments():
                 shard.master[sg.lo:sg.hi].copy_(storage.init_source(sg.param).reshape(-1)[sg.param_lo:sg.param_hi])
@@ -142,7 +166,8 @@ class ShardedOptimizerBase:
     def _stage_group(self, group: BucketGroup) -> None:
         for bucket in group.buckets:
             shard = self._shard_of[bucket]
-            bucket.buffer.storage.stage(bucket, shard.lo, shard.hi, shard.master)
+            if not shard.aliased:  # an aliased master was updated in the param buffer itself
+                bucket.buffer.storage.stage(bucket, shard.lo, shard.hi, shard.master)
 
     def _masters_changed(self, *, stepped: bool) -> None:
         """Called whenever the masters changed (`stepped`: by a step; else by a load), before any group stages."""
@@ -173,7 +198,8 @@ class ShardedOptimizerBase:
 
     @torch.no_grad()
     def step(self, lr: float, *, joint_norm: tuple[float, bool] | None = None) -> StepResult:
-        """Clip by the global norm, update masters, write back, gather (now or in the next forward).
+        """Clip by the global norm, update masters, write back (separate masters only), gather (now or in the
+        next forward).
 
         `joint_norm`: (norm, found_inf) a `ChainedOptimizer` agreed over all its optimizers; None: our own.
         """
