@@ -70,8 +70,14 @@ def fused_adamw_update_(
     beta2: float,
     eps: float,
     weight_decay: float,
+    grad_scale: torch.Tensor | None = None,
+    found_inf: torch.Tensor | None = None,
 ) -> None:
-    """One fused AdamW step over lists of tensors; `step` is a float32 scalar tensor already incremented."""
+    """One fused AdamW step over lists of tensors; `step` is a float32 scalar tensor already incremented.
+
+    `grad_scale` (float32 scalar on the device): grads are divided by it, and the kernel stores the divided
+    grads back. `found_inf` (float32 scalar, 0.0 or 1.0): at 1.0 the kernel changes nothing at all.
+    """
     if not params:
         return
     torch._fused_adamw_(
@@ -88,6 +94,6 @@ def fused_adamw_update_(
         weight_decay=weight_decay,
         eps=eps,
         maximize=False,
-        grad_scale=None,
-        found_inf=None,
+        grad_scale=grad_scale,
+        found_inf=found_inf,
     )

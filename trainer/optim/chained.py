@@ -5,7 +5,9 @@ Megatron's `ChainedOptimizer([LayerWise(Muon), DistOpt(Adam)])` (#4771). Per `st
 1. every member's groups must be reduced and stageable (checked for all before any master moves);
 2. one joint grad norm: the members' counted sums of squares (`local_grad_sq`, float64) are added and
    all-reduced once over the world together with a found-inf flag, so clipping uses the norm of all
-   grads (every element once across dp and ep ranks) and every rank gets the same verdict;
+   grads (every element once across dp and ep ranks) and every rank gets the same verdict (a
+   `GradVerdict` on the device: a member whose update takes it as tensors queues its update before any
+   host read);
 3. every member steps with that (norm, found_inf): all skip together (`on_nonfinite: skip`), or the
    first raises `NonFiniteGradError` on every rank before any update (`stop`); otherwise each updates
    its masters with the same clip factor, stages and gathers only its own bucket groups.
@@ -27,7 +29,7 @@ from trainer.distributed.ddp import DistributedModel
 from trainer.distributed.param_sync import Action
 from trainer.optim.distributed_optimizer import STATE_KEYS as ADAM_STATE_KEYS
 from trainer.optim.distributed_optimizer import DistributedOptimizer
-from trainer.optim.grad_norm import global_norm_and_found_inf
+from trainer.optim.grad_norm import GradVerdict, global_grad_verdict
 from trainer.optim.layerwise import LayerWiseMuon
 from trainer.optim.muon_routing import ADAM_TAG, MUON_TAG
 from trainer.optim.step_result import StepResult
@@ -43,7 +45,7 @@ class Member(Protocol):
 
     def local_grad_sq(self) -> torch.Tensor: ...
 
-    def step(self, lr: float, *, joint_norm: tuple[float, bool] | None = None) -> StepResult: ...
+    def step(self, lr: float, *, joint_norm: GradVerdict | None = None) -> StepResult: ...
 
     def gather_logical_state(self) -> dict[str, Any]: ...
 
@@ -101,9 +103,9 @@ class ChainedOptimizer:
     def step(self, lr: float) -> StepResult:
         """One joint norm and verdict, then every member steps (see the module docstring)."""
         self._check_ready()
-        joint = global_norm_and_found_inf(self.local_grad_sq(), self.dmodel.pstate.dp)
+        joint = global_grad_verdict(self.local_grad_sq(), self.dmodel.pstate.dp)
         results = [m.step(lr, joint_norm=joint) for m in self.members]
-        return StepResult(joint[0], skipped=any(r.skipped for r in results))
+        return StepResult(joint.read()[0], skipped=any(r.skipped for r in results))
 
     @torch.no_grad()
     def gather_logical_state(self) -> dict[str, Any]:

@@ -15,7 +15,11 @@ It steps the buffers of one optimizer tag of a `DistributedModel`. Invariants:
 - the grad norm is global (every shard, dp and ep rank, each element counted once) and agreed on by
   all ranks together with a found-inf flag: under `on_nonfinite: stop` every rank raises
   `NonFiniteGradError`; under `skip` every rank returns `skipped=True` with masters, moments, step count,
-  params and grads bit-unchanged;
+  params and grads bit-unchanged. Fused (the CUDA default), the verdict stays on the device: the clip
+  goes to `torch._fused_adamw_` as `grad_scale` and the verdict as `found_inf` (the kernel then leaves
+  everything untouched), and the host reads (norm, found_inf) only once the update is queued. Unfused,
+  the host reads the verdict first and multiplies grads by the clip factor (bitwise torch's
+  `clip_grad_norm_` + `AdamW(foreach=False)`);
 - weight decay applies to matrices only (not to 1-D params, and not to biases of any shape, e.g. a
   grouped `[E, out]` bias, whose per-expert twin is 1-D);
 - after the update, each owned group is staged (masters written into this rank's shard of the param
@@ -41,6 +45,7 @@ from trainer.distributed.bucket import Bucket, Piece
 from trainer.distributed.bucket_group import BucketGroup
 from trainer.distributed.ddp import DEFAULT_OPTIMIZER_TAG, DistributedModel
 from trainer.optim.adamw import adamw_update_, fused_adamw_update_
+from trainer.optim.grad_norm import GradVerdict
 from trainer.optim.sharded_base import Segment, ShardBase, ShardedOptimizerBase, clipped
 
 STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
@@ -126,22 +131,51 @@ class DistributedOptimizer(ShardedOptimizerBase):
         if stepped and any(g.storage.needs_scales for g in self.groups):
             self._prepare_scales()  # the one amax all-reduce of the step, before any group stages
 
+    @property
+    def device_verdict(self) -> bool:
+        """Fused: the update takes clip and skip as device tensors (no host sync before it)."""
+        return self.fused
+
     def _update(self, lr: float, coef: float) -> None:
-        """AdamW on every shard's masters and moments (fused: two multi-tensor calls, decay and not)."""
-        self._step_tensor.fill_(float(self.step_count))
-        hp = dict(lr=lr, beta1=self.cfg.adam_beta1, beta2=self.cfg.adam_beta2, eps=self.cfg.adam_eps)
+        """Unfused AdamW on every shard's masters and moments, grads multiplied by the host's clip `coef`."""
+        for s in self.shards:
+            adamw_update_(s.master, clipped(s.grad(), coef), s.exp_avg, s.exp_avg_sq, step=self.step_count,
+                          weight_decay=self.cfg.weight_decay, decay_ranges=s.decay_ranges, lr=lr,
+                          beta1=self.cfg.adam_beta1, beta2=self.cfg.adam_beta2, eps=self.cfg.adam_eps)
+
+    def _fused_lists(self) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:
+        """(decayed, not decayed): the [masters, fp32 grads, exp_avgs, exp_avg_sqs] runs of every shard."""
         decay_lists: list[list[torch.Tensor]] = [[], [], [], []]
         plain_lists: list[list[torch.Tensor]] = [[], [], [], []]
         for s in self.shards:
-            grad = clipped(s.grad(), coef)
-            if not self.fused:
-                adamw_update_(s.master, grad, s.exp_avg, s.exp_avg_sq, step=self.step_count,
-                              weight_decay=self.cfg.weight_decay, decay_ranges=s.decay_ranges, **hp)
-                continue
+            grad = s.grad()
+            if grad.dtype != torch.float32:
+                grad = grad.float()  # the fused kernel takes one dtype for all of its lists
             for a, b, d in s.runs:
                 lists = decay_lists if d else plain_lists
                 for lst, t in zip(lists, (s.master, grad, s.exp_avg, s.exp_avg_sq)):
                     lst.append(t[a:b])
-        if self.fused:
-            fused_adamw_update_(*decay_lists, step=self._step_tensor, weight_decay=self.cfg.weight_decay, **hp)
-            fused_adamw_update_(*plain_lists, step=self._step_tensor, weight_decay=0.0, **hp)
+        return decay_lists, plain_lists
+
+    def _update_on_device(self, lr: float, verdict: GradVerdict) -> None:
+        """Fused AdamW gated by the device verdict: multi-tensor calls, decayed and not.
+
+        With a `grad_scale` the kernel also stores the divided grads back (4 B/param more), so with
+        clipping on two launches are queued and the device flags let exactly one of them run: the one
+        without `grad_scale` when no clipping is needed (the common steady state), the scaled one
+        otherwise. The other one's blocks read its `found_inf` of 1 and exit, moving no data.
+        """
+        self._step_tensor.fill_(float(self.step_count))
+        hp = dict(lr=lr, beta1=self.cfg.adam_beta1, beta2=self.cfg.adam_beta2, eps=self.cfg.adam_eps,
+                  step=self._step_tensor)
+        decay_lists, plain_lists = self._fused_lists()
+        scale = verdict.grad_scale(self.cfg.clip_grad)
+        if scale is None:
+            launches = [(None, verdict.found_inf)]
+        else:
+            skip, clip = verdict.found_inf > 0, scale > 1  # a nan scale (non-finite norm) is skipped anyway
+            launches = [(None, (skip | clip).float()), (scale, (skip | ~clip).float())]
+        for grad_scale, found_inf in launches:
+            fused_adamw_update_(*decay_lists, weight_decay=self.cfg.weight_decay, grad_scale=grad_scale,
+                                found_inf=found_inf, **hp)
+            fused_adamw_update_(*plain_lists, weight_decay=0.0, grad_scale=grad_scale, found_inf=found_inf, **hp)

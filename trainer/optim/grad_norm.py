@@ -10,11 +10,14 @@ A rank's non-finite grad (inf or nan anywhere in its counted ranges, or a sum of
 sets a found-inf flag that travels in the same all-reduce: a SUM of 0/1 flags is positive exactly when
 their MAX is 1, so one collective gives every rank the same verdict (Megatron all-reduces found_inf
 with MAX; torchtitan and DeepSpeed the same).
+
+The verdict stays on the device (`GradVerdict`): clipping and skipping can be handed to the update kernel
+as tensors (`grad_scale`, `found_inf`), so the host reads the norm only after the update is queued and the
+GPU never idles waiting for the host between the norm and the update.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Sequence
 
 import torch
@@ -46,24 +49,99 @@ def sq_sum(g: torch.Tensor) -> torch.Tensor:
     return total
 
 
-def local_sq_sum(grads: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Sum of squares of all of `grads` (1-D views) as a float64 scalar."""
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    for g in grads:
-        if g.numel():
+def local_sq_sum(grads: Sequence[torch.Tensor], device: torch.device, *, foreach: bool | None = None) -> torch.Tensor:
+    """Sum of squares of all of `grads` (1-D views) as a float64 scalar on `device`; no host sync.
+
+    `foreach` (default: on CUDA): one multi-tensor `torch._foreach_norm` pass in fp32 (a tree reduction on
+    the GPU, so fp32 accumulation is accurate there) whose per-tensor norms are squared and summed in
+    float64: it reads each grad once (4 B/param). Else `sq_sum` per grad, for the CPU, where fp32
+    accumulation is sequential and only the chunked fp64 sum is accurate.
+    """
+    grads = [g for g in grads if g.numel()]
+    if foreach is None:
+        foreach = device.type == "cuda"
+    if not foreach:
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        for g in grads:
             total += sq_sum(g)
-    return total
+        return total
+    norms: list[torch.Tensor] = []
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:  # one fast multi-tensor call per dtype (mixed dtypes take torch's per-tensor path)
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for group in by_dtype.values():
+        norms.extend(torch._foreach_norm(group, 2, dtype=torch.float32))  # bf16 grads: an fp32 norm, not a bf16 one
+    if not norms:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    return torch.stack(norms).double().square().sum()
 
 
-def global_norm_and_found_inf(local_sq: torch.Tensor, group: Group) -> tuple[float, bool]:
-    """All-reduce (sum of squares, found-inf flag) over `group`; the same (norm, found_inf) on every rank."""
+class GradVerdict:
+    """The global grad norm and the non-finite verdict every rank agreed on, still on the device.
+
+    `norm` is a float64 scalar (inf or nan when a grad was not finite); `found_inf` a float32 scalar that
+    is exactly 1.0 or 0.0, the form `torch._fused_adamw_` reads (it leaves params, moments and grads
+    untouched when it is 1.0). An update can thus be queued before the host knows the verdict; the host
+    reads `(norm, found_inf)` afterwards: `start_read()` queues the copy (call it before queuing the
+    update, so waiting for it does not wait for the update), `read()` waits for it.
+    """
+
+    def __init__(self, norm: torch.Tensor, found_inf: torch.Tensor) -> None:
+        self.norm = norm
+        self.found_inf = found_inf
+        self._host: torch.Tensor | None = None
+        self._event: torch.cuda.Event | None = None
+        self._value: tuple[float, bool] | None = None
+
+    def grad_scale(self, max_norm: float) -> torch.Tensor | None:
+        """What the grads are divided by to clip them: max(1, (norm + 1e-6) / max_norm), float32 on the device.
+
+        The reciprocal of `clip_coefficient` (torch's `clip_grad_norm_` multiplies by min(1, max_norm /
+        (norm + 1e-6))): the quotient may differ from that product in the last bit of a grad. None when
+        clipping is off (`max_norm <= 0`).
+        """
+        if max_norm <= 0:
+            return None
+        return ((self.norm + CLIP_EPS) / max_norm).clamp(min=1.0).float()
+
+    def start_read(self) -> None:
+        """Queue the device-to-host copy of (norm, found_inf); idempotent."""
+        if self._host is not None:
+            return
+        packed = torch.stack([self.norm, self.found_inf.double()])
+        if packed.device.type == "cuda":
+            self._host = torch.empty(2, dtype=torch.float64, pin_memory=True)
+            self._host.copy_(packed, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = packed.cpu()
+
+    def read(self) -> tuple[float, bool]:
+        """(norm, found_inf) on the host; waits for the verdict's kernels (not for work queued after `start_read`)."""
+        if self._value is None:
+            self.start_read()
+            if self._event is not None:
+                self._event.synchronize()
+            assert self._host is not None
+            norm, found = self._host.tolist()
+            self._value = (norm, found > 0)
+        return self._value
+
+
+def global_grad_verdict(local_sq: torch.Tensor, group: Group) -> GradVerdict:
+    """All-reduce (sum of squares, found-inf flag) over `group`; the same verdict on every rank, no host sync."""
     flag = (~torch.isfinite(local_sq)).to(torch.float64)
     packed = torch.stack([local_sq, flag])
     comm.all_reduce(packed, group)
-    total_sq, found = packed.tolist()
-    found_inf = found > 0 or not math.isfinite(total_sq)
-    norm = math.sqrt(total_sq) if total_sq >= 0 else math.nan  # inf or nan propagate to the report
-    return norm, found_inf
+    total_sq, found = packed[0], packed[1]
+    found_inf = ((found > 0) | ~torch.isfinite(total_sq)).to(torch.float32)
+    return GradVerdict(total_sq.sqrt(), found_inf)  # inf or nan propagate to the reported norm
+
+
+def global_norm_and_found_inf(local_sq: torch.Tensor, group: Group) -> tuple[float, bool]:
+    """`global_grad_verdict` read to the host at once: (norm, found_inf), the same on every rank."""
+    return global_grad_verdict(local_sq, group).read()
 
 
 def clip_coefficient(norm: float, max_norm: float) -> float:

@@ -23,8 +23,9 @@ Other invariants, shared with `DistributedOptimizer` (`sharded_base.ShardedOptim
 an fp32 matrix is its range of the param buffer (`muon_update_` works in place, so the update lands in the
 param and nothing is written back); other masters are built from `ParamStorage.init_source` and the init
 sources are released on every rank; the grad norm counts each rank's own shard (so every element once
-over the world) and a non-finite norm is agreed on by all ranks (`step(joint_norm=...)` takes the norm a
-`ChainedOptimizer` computed over all its optimizers instead).
+over the world) and a non-finite norm is agreed on by all ranks (`step(joint_norm=...)` takes the verdict
+a `ChainedOptimizer` computed over all its optimizers instead). The host reads the verdict before the
+update (Newton-Schulz has no `found_inf` input) and clips by a host factor.
 """
 
 from __future__ import annotations

@@ -14,10 +14,13 @@ this base:
 - masters are built from `ParamStorage.init_source` (the high-precision values, never a dequantized
   low-precision param), and every rank releases every init source afterwards;
 - the step checks readiness before touching any master, agrees on the global norm and a found-inf flag
-  with all ranks (or takes a `ChainedOptimizer`'s `joint_norm`): under `on_nonfinite: stop` every rank
-  raises `NonFiniteGradError`; under `skip` every rank returns `skipped=True` with state, step count,
-  params and grads bit-unchanged; then clips, updates (the subclass), stages every owned group and
-  gathers now, or lazily by the next forward's pre-hooks with `overlap_param_gather`;
+  with all ranks on the device (or takes a `ChainedOptimizer`'s `joint_norm`): under `on_nonfinite:
+  stop` every rank raises `NonFiniteGradError`; under `skip` every rank returns `skipped=True` with
+  state, step count, params and grads bit-unchanged; then clips, updates (the subclass), stages every
+  owned group and gathers now, or lazily by the next forward's pre-hooks with `overlap_param_gather`.
+  A subclass whose update takes the verdict as device tensors (`device_verdict`: fused AdamW's
+  `grad_scale`/`found_inf`) has its update queued before the host reads the verdict, so there is no
+  host sync between the norm and the update; the others read it first and clip by a host factor;
 - `load_logical_state` takes this rank's ranges of full per-name state and writes the masters into the
   params (stage + synchronous gather).
 """
@@ -34,7 +37,7 @@ from trainer.distributed.bucket import Bucket
 from trainer.distributed.bucket_group import BucketGroup, GradSyncError
 from trainer.distributed.ddp import DistributedModel
 from trainer.distributed.param_sync import Action
-from trainer.optim.grad_norm import clip_coefficient, global_norm_and_found_inf, local_sq_sum
+from trainer.optim.grad_norm import GradVerdict, clip_coefficient, global_grad_verdict, local_sq_sum
 from trainer.optim.logical_state import gather_logical_state
 from trainer.optim.step_result import NonFiniteGradError, StepResult
 
@@ -90,8 +93,8 @@ def clipped(grad: torch.Tensor, coef: float) -> torch.Tensor:
 
 class ShardedOptimizerBase:
     """Base of the optimizers over one tag's buffers. Subclasses set `STATE_KEYS`, cut shards
-    (`_make_shard`, masters from `_new_master`), update masters (`_update`), and call `_build()` last in
-    their `__init__`.
+    (`_make_shard`, masters from `_new_master`), update masters (`_update`, and `_update_on_device` where
+    `device_verdict` holds), and call `_build()` last in their `__init__`.
 
     `alias_masters=False` keeps a separate fp32 master even for fp32 params (tests compare the two).
     """
@@ -176,6 +179,15 @@ class ShardedOptimizerBase:
         """This rank's counted sum of squares (float64 scalar): a chained optimizer adds these up."""
         return local_sq_sum([s.norm_grad() for s in self.shards], self.device)
 
+    def grad_verdict(self) -> GradVerdict:
+        """The global norm and found-inf flag over this optimizer's grads, agreed by all ranks (on the device)."""
+        return global_grad_verdict(self.local_grad_sq(), self.dmodel.pstate.dp)
+
+    @property
+    def device_verdict(self) -> bool:
+        """Whether `_update_on_device` is used: the update takes clip and skip as device tensors."""
+        return False
+
     def check_ready(self) -> None:
         """Raise unless grads are reduced and every group may be staged (before touching any master)."""
         if not self.dmodel.grads_reduced(self.tag):
@@ -189,6 +201,12 @@ class ShardedOptimizerBase:
         """Update the masters of every shard from its grads times `coef` (`step_count` is already this step's)."""
         raise NotImplementedError
 
+    def _update_on_device(self, lr: float, verdict: GradVerdict) -> None:
+        """Queue the update with the verdict still on the device: grads clipped by `verdict.grad_scale`,
+        masters, moments and grads left bit-unchanged where `verdict.found_inf` is 1 (`step_count` is
+        already this step's; the caller takes it back on a skip). Only when `device_verdict`."""
+        raise NotImplementedError
+
     def _stage_and_gather(self, *, force_sync: bool) -> None:
         """Stage every owned group; gather now when `force_sync` or not overlapping (else the next forward)."""
         for g in self.groups:
@@ -197,25 +215,32 @@ class ShardedOptimizerBase:
             self.dmodel.start_param_sync(force_sync=True, tag=self.tag)
 
     @torch.no_grad()
-    def step(self, lr: float, *, joint_norm: tuple[float, bool] | None = None) -> StepResult:
+    def step(self, lr: float, *, joint_norm: GradVerdict | None = None) -> StepResult:
         """Clip by the global norm, update masters, write back (separate masters only), gather (now or in the
         next forward).
 
-        `joint_norm`: (norm, found_inf) a `ChainedOptimizer` agreed over all its optimizers; None: our own.
+        `joint_norm`: the verdict a `ChainedOptimizer` agreed over all its optimizers; None: our own.
         """
         self.check_ready()
-        if joint_norm is None:
-            joint_norm = global_norm_and_found_inf(self.local_grad_sq(), self.dmodel.pstate.dp)
-        norm, found_inf = joint_norm
+        verdict = joint_norm if joint_norm is not None else self.grad_verdict()
+        if self.device_verdict:
+            verdict.start_read()  # queued before the update: the host waits for the norm, not for the update
+            self.step_count += 1
+            self._update_on_device(lr, verdict)
+            norm, found_inf = verdict.read()
+            if found_inf:
+                self.step_count -= 1  # the kernels skipped: masters, moments and grads are untouched
+        else:
+            norm, found_inf = verdict.read()
         if found_inf:
             self.skipped_steps += 1
             if self.on_nonfinite == "stop":
                 raise NonFiniteGradError(norm, self.step_count + 1)
             return StepResult(norm, skipped=True)
 
-        coef = clip_coefficient(norm, self.cfg.clip_grad)
-        self.step_count += 1
-        self._update(lr, coef)
+        if not self.device_verdict:
+            self.step_count += 1
+            self._update(lr, clip_coefficient(norm, self.cfg.clip_grad))
         self._masters_changed(stepped=True)
         self._stage_and_gather(force_sync=False)
         return StepResult(norm, skipped=False)
