@@ -4,28 +4,35 @@ Both step the same parameter set (`param_mix.MixShape`, 803.5M parameters by def
 
     torch fused     `torch.optim.AdamW(fused=True)` over fp32 params with `.grad` set (decay / no-decay groups)
     moectl fp32     `DistributedModel` + `DistributedOptimizer` over fp32 params: the step the loop runs
-                    (global grad norm with its found-inf check, clip factor, fused AdamW on the fp32 masters,
-                    write-back of the masters into the param buffer, the param sync's post-processing)
-    moectl bf16     the same with bf16 params (mixed precision: fp32 grads and masters, bf16 write-back)
+                    (global grad norm and found-inf flag on the device, fused AdamW taking the clip as
+                    `grad_scale` and the verdict as `found_inf`, the host read of the verdict after the
+                    update is queued, the param sync's post-processing). The masters of fp32 params are
+                    the param buffer itself: nothing is written back
+    moectl bf16     the same with bf16 params (mixed precision: fp32 grads and separate fp32 masters,
+                    written back into the bf16 params after the update)
 
-plus the fp32 step's parts timed alone: the grad norm (`local_grad_sq` + the all-reduce and host read of
-the global norm), the update (the same `torch._fused_adamw_` calls on the same shard lists), and the
-write-back (staging every bucket group). Grads are random with a global norm of ~0.3, under the clip
-threshold (1.0), so no clip multiply runs (the common steady state); weight decay 0.01 on matrices.
+plus the parts timed alone: the grad norm (`local_grad_sq` + the all-reduce into the device verdict, no
+host read: the step reads it while the update runs), the update (the step's own gated
+`torch._fused_adamw_` calls on the same shard lists), and the bf16 step's write-back (staging every bucket
+group). Grads are random with a global norm of ~0.3, under the clip threshold (1.0), so the update runs
+the launch without `grad_scale` (the common steady state); weight decay 0.01 on matrices.
 
 The floor of each row is the bytes it must move over the measured copy bandwidth (a large device-to-device
 copy, bytes read + written). Per parameter: fused AdamW reads p, g, m, v and writes p, m, v: 28 B. moectl
-adds the norm's read of g (4 B) and the write-back: fp32 read + fp32 write (8 B), or fp32 read + bf16
-write (6 B): 40 B and 38 B.
+adds the norm's read of g (4 B): 32 B for fp32 params, whose masters are the params; bf16 params add the
+write-back of their separate masters, fp32 read + bf16 write (6 B): 38 B. A step that clips runs the update
+with `grad_scale`, with which the kernel also stores the divided grads (+4 B, not in these rows).
 
 A second table: the post-step quantize of low-precision param gather for one single grouped expert weight
 `[E, out, in]` (default E=128, 1536 x 2048: an fc1 of Qwen3-30B-A3B's shape), bf16 in, rowwise and columnwise
 copies out, as `recipe.quantize_weight` runs it after the optimizer step (mxfp8: after the gather, on every
 rank; tensorwise: the same quantizer the stager runs on shards): ONE call over the whole grouped weight
 against a per-expert loop of E calls over E separate `[out, in]` weights (Megatron's per-expert params).
-Target: the single call >= 2x faster at E=128. Floor: bf16 read + two FP8 copies written = 4 B/param. So moectl's floor is 1.43x fused AdamW's on fp32 params, by design of keeping
-fp32 masters apart from the params: the 0.8x throughput target needs the masters of fp32 params to be
-the param buffer itself (Megatron does this), see docs/benchmarks.md.
+Target: the single call >= 2x faster at E=128. Floor: bf16 read + two FP8 copies written = 4 B/param.
+
+So moectl's fp32 floor is 32/28 = 1.14x fused AdamW's: the target (>= 0.8x its throughput) leaves room for
+the norm and the few scalar kernels of the verdict, not for a write-back or a host sync between the norm
+and the update.
 """
 
 from __future__ import annotations
@@ -39,7 +46,11 @@ import torch
 from moectl.bench.param_mix import MixShape, build_params, copy_bandwidth_gbps, device_meta
 from moectl.bench.timing import interleaved_ms
 
-BYTES_PER_PARAM = {"torch_fused": 28, "moectl_fp32": 40, "moectl_bf16": 38}
+BYTES_PER_PARAM = {"torch_fused": 28, "moectl_fp32": 32, "moectl_bf16": 38}
+#: the parts timed alone: norm (read g), update (fused AdamW), bf16 write-back (fp32 master read, bf16 write)
+PART_BYTES_PER_PARAM = {"grad norm": 4, "update": 28, "write-back": 6}
+PART_LABELS = {"grad norm": "fp32 step part: grad norm", "update": "fp32 step part: update",
+               "write-back": "bf16 step part: write-back"}
 QUANT_RECIPES = ("mxfp8", "tensorwise")
 QUANT_BYTES_PER_PARAM = 4  # bf16 read, rowwise and columnwise FP8 bytes written (scales are < 4% more for mxfp8)
 GRAD_SCALE = 1e-5  # randn * this: global norm ~ 1e-5 * sqrt(N) = 0.28 at 803.5M, under clip_grad = 1.0
@@ -58,6 +69,7 @@ class OptBenchConfig:
     lr: float = 1e-4
     quant_shape: tuple[int, int, int] = (128, 1536, 2048)  # the grouped weight of the quantize rows [E, out, in]
     quant_recipes: tuple[str, ...] = QUANT_RECIPES
+    fused: bool | None = None  # moectl's AdamW: None is its default (fused on CUDA); True runs the CUDA path on a CPU
 
     @staticmethod
     def quick(device: str | None = None) -> "OptBenchConfig":
@@ -103,7 +115,7 @@ def _moectl(cfg: OptBenchConfig, device: torch.device, dtype: torch.dtype) -> tu
 
     model = build_params(cfg.shape, device, dtype, seed=1)
     dm = DistributedModel(model, ParallelConfig(), ParallelState.trivial(device))
-    opt = DistributedOptimizer(dm, OptimizerConfig(lr=cfg.lr, weight_decay=0.01, clip_grad=1.0))
+    opt = DistributedOptimizer(dm, OptimizerConfig(lr=cfg.lr, weight_decay=0.01, clip_grad=1.0), fused=cfg.fused)
     _fill_grads([b.grad_data for b in dm.buffers], seed=2)
 
     def step() -> object:
@@ -113,34 +125,27 @@ def _moectl(cfg: OptBenchConfig, device: torch.device, dtype: torch.dtype) -> tu
     return dm, opt, step
 
 
-def _parts(opt: Any, lr: float) -> dict[str, Callable[[], object]]:
-    """The fp32 step's parts, each alone: norm, update (same kernel, same lists), write-back."""
-    from trainer.optim.adamw import fused_adamw_update_
-    from trainer.optim.grad_norm import global_norm_and_found_inf
+def _parts(opt32: Any, opt16: Any, lr: float) -> dict[str, Callable[[], object]]:
+    """The step's parts, each alone: the fp32 step's norm and update, the bf16 step's write-back.
 
-    lists: dict[bool, list[list[torch.Tensor]]] = {True: [[], [], [], []], False: [[], [], [], []]}
-    for s in opt.shards:
-        for a, b, decay in s.runs:
-            for lst, t in zip(lists[decay], (s.master, s.grad(), s.exp_avg, s.exp_avg_sq)):
-                lst.append(t[a:b])
-    step = torch.ones((), dtype=torch.float32, device=opt.device)
-    hp = dict(lr=lr, beta1=0.9, beta2=0.95, eps=1e-8)
-
-    def update() -> None:
-        fused_adamw_update_(*lists[True], step=step, weight_decay=0.01, **hp)
-        fused_adamw_update_(*lists[False], step=step, weight_decay=0.0, **hp)
+    The fp32 step has no write-back (its masters are the params); the bf16 one does, so that is timed there.
+    """
+    from trainer.optim.grad_norm import global_grad_verdict
 
     def write_back() -> None:
         with torch.no_grad():
-            for g in opt.groups:
-                opt._stage_group(g)  # what g.stage() runs, without the state machine
+            for g in opt16.groups:
+                opt16._stage_group(g)  # what g.stage() runs, without the state machine
 
     parts: dict[str, Callable[[], object]] = {
-        "grad norm": lambda: global_norm_and_found_inf(opt.local_grad_sq(), opt.dmodel.pstate.dp),
+        "grad norm": lambda: global_grad_verdict(opt32.local_grad_sq(), opt32.dmodel.pstate.dp),
         "write-back": write_back,
     }
-    if opt.fused:  # CUDA: the step's update is these two kernel calls (on CPU the step runs the unfused path)
-        parts["update"] = update
+    if opt32.device_verdict:  # CUDA: the step's update is these gated kernel calls (the CPU step runs unfused)
+        if opt32.step_count == 0:
+            raise RuntimeError("time the update part after a step: the bias correction of step 0 divides by 0")
+        verdict = opt32.grad_verdict()
+        parts["update"] = lambda: opt32._update_on_device(lr, verdict)
     return parts
 
 
@@ -218,8 +223,11 @@ def run(cfg: OptBenchConfig, log: Callable[[str], None] = lambda s: None) -> Opt
     log(f"{cfg.shape.describe()}: building torch AdamW(fused) and moectl's optimizers ...")
     fns = {"torch_fused": _torch_fused(cfg, device)}
     _, opt32, fns["moectl_fp32"] = _moectl(cfg, device, torch.float32)
-    _, _, fns["moectl_bf16"] = _moectl(cfg, device, torch.bfloat16)
-    parts = _parts(opt32, cfg.lr)
+    _, opt16, fns["moectl_bf16"] = _moectl(cfg, device, torch.bfloat16)
+    if not all(s.aliased for s in opt32.shards):
+        raise AssertionError("the fp32 params' masters are not the param buffer: the fp32 row would write back")
+    fns["moectl_fp32"]()  # one step first: the update part runs at step count >= 1
+    parts = _parts(opt32, opt16, cfg.lr)
     log("timing (interleaved rounds) ...")
     samples = interleaved_ms({**fns, **parts}, device, cfg.warmup, cfg.rounds, cfg.per_round)
     ms = {k: statistics.median(v) for k, v in samples.items()}
@@ -238,14 +246,13 @@ def run(cfg: OptBenchConfig, log: Callable[[str], None] = lambda s: None) -> Opt
             "gbytes": nbytes / 1e9, "gbps": nbytes / (ms[key] * 1e-3) / 1e9, "floor_ms": floor_ms,
             "pct_floor": 100 * floor_ms / ms[key], "throughput_vs_torch": t_torch / ms[key],
         })  # fmt: skip
-    part_bytes = {"grad norm": 4, "update": 28, "write-back": 8}
-    for key, b in part_bytes.items():
+    for key, b in PART_BYTES_PER_PARAM.items():
         if key not in ms:
             continue
         nbytes = b * n
         floor_ms = nbytes / (copy * 1e9) * 1e3
         rows.append({
-            "name": f"  fp32 step part: {key}", "key": key, "ms": ms[key], "bytes_per_param": b,
+            "name": f"  {PART_LABELS[key]}", "key": key, "ms": ms[key], "bytes_per_param": b,
             "gbytes": nbytes / 1e9, "gbps": nbytes / (ms[key] * 1e-3) / 1e9, "floor_ms": floor_ms,
             "pct_floor": 100 * floor_ms / ms[key], "throughput_vs_torch": None,
         })  # fmt: skip
@@ -254,12 +261,15 @@ def run(cfg: OptBenchConfig, log: Callable[[str], None] = lambda s: None) -> Opt
         "floor = bytes per param x params / copy bandwidth",
         f"target: moectl fp32 >= 0.8x torch fused throughput; measured {t_torch / ms['moectl_fp32']:.2f}x",
     ]
+    notes.append("fp32 params: the masters are the param buffer (no write-back); the norm and found-inf stay on "
+                 "the device until the update is queued")
     if "update" in ms:
         lean = ms["grad norm"] + ms["update"]
-        notes.append(f"norm + update alone (no write-back, i.e. masters aliased on fp32 params): {lean:.3f} ms, "
-                     f"{t_torch / lean:.2f}x torch fused")
+        notes.append(f"norm + update alone (the fp32 step's kernels): {lean:.3f} ms, {t_torch / lean:.2f}x torch "
+                     f"fused; the rest of the step ({ms['moectl_fp32'] - lean:.3f} ms) is the verdict's scalar kernels, "
+                     "its host read and the launch overhead")
     else:
-        notes.append("the update part is timed on CUDA only (the CPU step runs the unfused AdamW)")
+        notes.append("the update part is timed for the fused step only (the CPU default runs the unfused AdamW)")
     result = OptBenchResult(meta, copy, rows, notes)
     if cfg.quant_recipes:
         del fns, parts, opt32
