@@ -22,8 +22,8 @@ from typing import Any, Literal, Optional
 
 import torch
 
-#: (BLOCK_M, BLOCK_K, num_warps): 64x64 bytes per tile keeps every load and store a full 64-byte row
-#: segment per warp-row while the tile fits in registers without spilling
+#: (BLOCK_M, BLOCK_K, num_warps): a 64x64-byte tile (4 KB through shared memory, 32 bytes per thread: two
+#: 16-byte loads and stores); `moectl bench param-gather` also times 128x128 on the GPU
 DEFAULT_TILE = (64, 64, 4)
 
 Impl = Literal["auto", "triton", "torch"]
@@ -40,7 +40,14 @@ def _kernel() -> Optional[Any]:
         return None
 
     @triton.jit
-    def _transpose_kernel(x_ptr, y_ptr, M, K, tiles_k, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _transpose_kernel(x_ptr, y_ptr, m_units, k_units, tiles_k, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                          ALIGN_M: tl.constexpr, ALIGN_K: tl.constexpr):  # fmt: skip
+        # M and K arrive as multiples of their power-of-two alignments: the compiler then knows every row
+        # starts ALIGN bytes apart and vectorises the global loads (rows of K) and stores (rows of M) up to
+        # 16 bytes. As plain ints it assumes nothing unless a dim is divisible by 16 (fc2's K = ffn = 744 is
+        # not), and moves one byte per thread and instruction.
+        M = m_units * ALIGN_M
+        K = k_units * ALIGN_K
         pid = tl.program_id(0)
         batch = tl.program_id(1).to(tl.int64)
         pid_m = pid // tiles_k
@@ -48,9 +55,11 @@ def _kernel() -> Optional[Any]:
         rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         rk = (pid_k * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)
         base = batch * M * K  # int64: a grouped weight may exceed 2^31 bytes
-        mask = (rm[:, None] < M) & (rk[None, :] < K)
-        tile = tl.load(x_ptr + base + rm[:, None] * K + rk[None, :], mask=mask, other=0)
-        tl.store(y_ptr + base + rk[:, None] * M + rm[None, :], tl.trans(tile), mask=tl.trans(mask))
+        load_mask = (rm[:, None] < M) & (rk[None, :] < K)
+        tile = tl.load(x_ptr + base + rm[:, None] * K + rk[None, :], mask=load_mask, other=0)
+        # the store mask is built in the output's index space: only the data tile goes through tl.trans
+        store_mask = (rk[:, None] < K) & (rm[None, :] < M)
+        tl.store(y_ptr + base + rk[:, None] * M + rm[None, :], tl.trans(tile), mask=store_mask)
 
     return _transpose_kernel
 
@@ -75,12 +84,22 @@ def transpose_triton(x: torch.Tensor, tile: tuple[int, int, int] = DEFAULT_TILE)
         return out.view(x.dtype)
     block_m, block_k, warps = tile
     tiles_k = -(-K // block_k)
+    align_m, align_k = _alignment(M), _alignment(K)
     src3, out3 = src.view(batch, M, K), out.view(batch, K, M)
     for b0 in range(0, batch, _MAX_GRID_Y):  # CUDA caps the grid's y dimension; more matrices: more launches
         b1 = min(batch, b0 + _MAX_GRID_Y)
         grid = (-(-M // block_m) * tiles_k, b1 - b0)
-        kernel[grid](src3[b0:b1], out3[b0:b1], M, K, tiles_k, BLOCK_M=block_m, BLOCK_K=block_k, num_warps=warps)
+        kernel[grid](src3[b0:b1], out3[b0:b1], M // align_m, K // align_k, tiles_k, BLOCK_M=block_m,
+                     BLOCK_K=block_k, ALIGN_M=align_m, ALIGN_K=align_k, num_warps=warps)  # fmt: skip
     return out.view(x.dtype)
+
+
+def _alignment(n: int) -> int:
+    """The largest power of two up to 16 dividing `n` (bytes per vector the kernel may move along a row)."""
+    a = 16
+    while n % a:
+        a //= 2
+    return a
 
 
 def transpose_torch(x: torch.Tensor) -> torch.Tensor:

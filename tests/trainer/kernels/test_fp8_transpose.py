@@ -65,6 +65,32 @@ def test_kernel_under_the_interpreter(shape: tuple[int, ...], tile: tuple[int, i
     assert _same(ft.transpose_triton(x.transpose(-2, -1), tile), transposed(x.transpose(-2, -1)))  # strided in
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="compiles the kernel (no interpreter)")
+@pytest.mark.parametrize(("M", "K", "load", "store"), [(1488, 2048, "v4.b32", "v4.b32"), (2048, 744, "v2.b32", "v4.b32"),
+                                                       (96, 7, "b8", "v4.b32")])  # fmt: skip
+def test_kernel_compiles_to_vector_accesses_for_hopper(M: int, K: int, load: str, store: str) -> None:
+    """No GPU needed: the sm_90 PTX moves whole vectors along rows whenever the row length allows it (fc2's
+    K = 744 only 8-byte ones); a kernel moving single bytes runs far below the bandwidth."""
+    import re
+
+    pytest.importorskip("triton")
+    try:
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+    except ImportError as e:  # another Triton version's compiler API
+        pytest.skip(f"Triton's compile API: {e}")
+    bm, bk, warps = ft.DEFAULT_TILE
+    sig = {"x_ptr": "*u8", "y_ptr": "*u8", "m_units": "i32", "k_units": "i32", "tiles_k": "i32",
+           "BLOCK_M": "constexpr", "BLOCK_K": "constexpr", "ALIGN_M": "constexpr", "ALIGN_K": "constexpr"}
+    consts = {"BLOCK_M": bm, "BLOCK_K": bk, "ALIGN_M": ft._alignment(M), "ALIGN_K": ft._alignment(K)}
+    aligned = [["tt.divisibility", 16]]  # torch allocations: what Triton specialises pointers to at launch
+    src = ASTSource(fn=ft._kernel(), signature=sig, constexprs=consts, attrs={(0,): aligned, (1,): aligned})
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["ptx"]
+    assert set(re.findall(r"ld\.global\.([\w.]+)", ptx)) == {load}
+    assert set(re.findall(r"st\.global\.([\w.]+)", ptx)) == {store}
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("shape", SHAPES + [(16, 1488, 2048), (16, 2048, 744), (3072, 2048), (70_000, 2, 64)],
