@@ -20,8 +20,9 @@ Run it on N >= 2 GPUs (`moectl bench param-gather --nproc-per-node 2`, or
        raw, per bucket, coalesced   those calls inside one `_coalescing_manager` (one NCCL group)
        columnwise build (impl)      fp8 only, not a gather: building every FP8 weight's columnwise copy
                                     (the transpose the backward builds at its first use, see
-                                    `quantized_storage.py`) from the gathered bytes, with the Triton kernel
-                                    (CUDA) and with eager torch; GB = bytes read + written
+                                    `quantized_storage.py`) from the gathered bytes, with eager torch and
+                                    (CUDA) the Triton kernel at its default tile and a 128x128 one;
+                                    GB = bytes read + written
 
    Reported per version: median time (the slowest rank's median), bytes gathered (the whole output),
    algorithm bandwidth (bytes / time) and bus bandwidth (algbw * (n-1)/n, nccl-tests' convention for
@@ -231,7 +232,7 @@ def _columnwise_cases(dm: Any, device: torch.device) -> tuple[dict[str, Callable
     backward after a gather does), per transpose implementation; and the bytes that moves (read + write)."""
     from dataclasses import replace
 
-    from trainer.kernels.fp8_transpose_triton import transpose_last2, triton_available
+    from trainer.kernels import fp8_transpose_triton as ft
     from trainer.precision.blocks import transposed
 
     lives = [buf.storage.live(p) for buf in dm.buffers if buf.storage.needs_initial_sync for p in buf.params]
@@ -239,18 +240,21 @@ def _columnwise_cases(dm: Any, device: torch.device) -> tuple[dict[str, Callable
     if not lives:
         return {}, 0
     moved = 2 * sum(qt.rowwise.data.numel() for qt in lives)
-    impls = ["torch"] + (["triton"] if device.type == "cuda" and triton_available() else [])
+    impls: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"torch": ft.transpose_torch}
+    if device.type == "cuda" and ft.triton_available():  # the default tile (what training runs), and a larger one
+        for tile in (ft.DEFAULT_TILE, (128, 128, 8)):
+            impls[f"triton {tile[0]}x{tile[1]}"] = lambda x, t=tile: ft.transpose_triton(x, t)  # type: ignore[misc]
     for qt in lives:  # every implementation, and the storage's own lazy build, must equal the eager copy
         ref = transposed(qt.rowwise.data).view(torch.uint8)
-        built = [transpose_last2(qt.rowwise.data, impl) for impl in impls]  # type: ignore[arg-type]
+        built = [fn(qt.rowwise.data) for fn in impls.values()]
         built.append(replace(qt, columnwise=None).with_columnwise().copy("columnwise").data)
         if not all(torch.equal(b.view(torch.uint8), ref) for b in built):
             raise AssertionError("a columnwise build differs from the eager transpose of the rowwise bytes")
 
-    def build(impl: str) -> Callable[[], object]:
-        return lambda: [transpose_last2(qt.rowwise.data, impl) for qt in lives]  # type: ignore[arg-type]
+    def build(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[], object]:
+        return lambda: [fn(qt.rowwise.data) for qt in lives]
 
-    return {f"columnwise build ({impl})": build(impl) for impl in impls}, moved
+    return {f"columnwise build ({name})": build(fn) for name, fn in impls.items()}, moved
 
 
 def gather_rows(cfg: GatherBenchConfig, fmt_name: str, device: torch.device) -> tuple[list[dict[str, Any]], bool]:

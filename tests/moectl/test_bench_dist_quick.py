@@ -20,7 +20,7 @@ from trainer.distributed.param_gather import is_block_linear
 
 GATHERS = {"moectl sync", "moectl sync, per bucket", "moectl async", "raw, one call", "raw, per bucket",
            "raw, per bucket, coalesced"}
-BUILDS = {"columnwise build (torch)"}  # fp8 only (and "(triton)" on CUDA): not gathers
+BUILDS = {"columnwise build (torch)"}  # fp8 only (and two Triton tiles on CUDA): not gathers
 STEPS = {"overlap on", "overlap off", "compute only"}
 
 
