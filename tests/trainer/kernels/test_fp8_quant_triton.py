@@ -109,8 +109,9 @@ def _jagged(counts: list[int], K: int, dtype: torch.dtype, special: bool) -> tup
         nonempty = [(s, n) for s, n in zip(starts, counts) if n]
         s0, _ = nonempty[0]
         x[s0 + 1, 3] = float("nan")
-        s1, n1 = nonempty[1]
-        x[s1 : s1 + n1] = 0.0  # an all-zero group
+        if len(nonempty) > 2:  # an all-zero group, kept apart from the NaN and inf groups
+            s1, n1 = nonempty[1]
+            x[s1 : s1 + n1] = 0.0
         s2, n2 = nonempty[-1]
         x[s2, 0] = -float("inf")
         x[s2 + n2 - 1] *= 1e3
