@@ -220,6 +220,13 @@ class _BucketPlan:
     whole: tuple[_Whole, ...]
     runs: tuple[_ExpertRun, ...]
     slot_of: dict[nn.Parameter, tuple[int, int]]  # param -> (first slot, slots) in the bucket's scale vector
+    total_slots: int  # length of that vector, gaps included
+
+
+#: A published whole param's decode scale is a view into its bucket's scale vector, handed to cuBLASLt as
+#: the GEMM's scale pointer: it must start on 16 bytes (4 fp32 slots), or `torch._scaled_mm` fails with
+#: CUBLAS_STATUS_NOT_SUPPORTED (seen on an H200). Per-expert runs are copied out by publish_experts instead.
+SCALE_SLOT_ALIGN = 4
 
 
 class PerTensorFP8Storage(QuantizedParamStorage):
@@ -329,8 +336,17 @@ class PerTensorFP8Storage(QuantizedParamStorage):
             x = master[pc.bucket_lo - lo:pc.bucket_hi - lo].to(p.dtype)
             q = quantize_shard(x, pc.param_lo, p.numel() // k, self.scales[p], self.scheme)
             bucket.param_data[pc.bucket_lo:pc.bucket_hi].copy_(q.view(torch.uint8))
-        # One snapshot of every param's scales, in the plan's slot order (one kernel, not one per param).
-        self.staged_scales[bucket] = torch.cat([self.scales[p].reshape(-1) for p in bucket.params])
+        # One snapshot of every param's scales, in the plan's slot order (one kernel, not one per param); the
+        # alignment gaps hold 1 (a finite reciprocal, never read).
+        plan = self._plan(bucket)
+        pieces, at = [], 0
+        for p in bucket.params:
+            slot, k = plan.slot_of[p]
+            if slot > at:
+                pieces.append(torch.ones(slot - at, dtype=torch.float32, device=master.device))
+            pieces.append(self.scales[p].reshape(-1).to(torch.float32))
+            at = slot + k
+        self.staged_scales[bucket] = torch.cat(pieces)
 
     def _plan(self, bucket: "Bucket") -> _BucketPlan:
         """The bucket's publication plan: whole params, and runs of evenly spaced per-expert params of one
@@ -345,18 +361,20 @@ class PerTensorFP8Storage(QuantizedParamStorage):
         for p in bucket.params:
             start, end = bucket.param_ranges[p]
             k = self.slots(p)
-            slot_of[p] = (slot, k)
             self._bucket_of[p] = bucket
             site = self.site(p)
             if site.module is None or site.expert is None:
+                slot = -(-slot // SCALE_SLOT_ALIGN) * SCALE_SLOT_ALIGN
+                slot_of[p] = (slot, k)
                 whole.append(_Whole(p, start, end, slot, k))
             elif runs and runs[-1].extends(site, start, slot):
                 runs[-1].add(site, start)
             else:
                 runs.append(_RunBuilder(site, [site.expert], start, 0, slot))
+            slot_of.setdefault(p, (slot, k))
             slot += k
         device = bucket.param_data.device
-        plan = _BucketPlan(tuple(whole), tuple(r.build(device) for r in runs), slot_of)
+        plan = _BucketPlan(tuple(whole), tuple(r.build(device) for r in runs), slot_of, slot)
         self._plans[bucket] = plan
         return plan
 

@@ -137,3 +137,18 @@ def test_two_micro_batches_equal_quantizing_every_forward(grouped: bool) -> None
     on, off = train(k, PS), train(Knobs(**{**k.__dict__, "gather": False}), PS)
     assert differences(on, off) == []
     assert all(not torch.equal(on.history[i], on.history[i - 1]) for i in range(1, len(on.history)))
+
+
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "per-expert"])
+def test_published_decode_scales_start_on_16_bytes(grouped: bool) -> None:
+    """cuBLASLt takes a published weight's decode scale as its scale pointer and refuses one that does not
+    start on 16 bytes (CUBLAS_STATUS_NOT_SUPPORTED on an H200): every published scale and every data view
+    must be aligned, after the first gather and after a step's."""
+    model, engine, _ = build(Knobs(recipe="tensorwise", grouped=grouped), PS)
+    for step in range(2):
+        live = _live_weights(model)
+        assert len(live) == 8
+        for name, qt in live.items():
+            assert qt.rowwise.scale.data_ptr() % 16 == 0, (step, name, qt.rowwise.scale.data_ptr() % 16)
+            assert qt.rowwise.data.data_ptr() % 16 == 0, (step, name)
+        _step(model, engine, step, n_micro=1)
