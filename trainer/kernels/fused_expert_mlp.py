@@ -298,8 +298,12 @@ def _forward_quantized(
     expert_T = _expert_of_row(offs_E, rows) if b1_EH is not None or b2_ED is not None else None
     kernels = _kernels(x_TD.device)
     h_TH, fc1 = qlinear_forward(precision, "fc1", x_TD.contiguous(), w1_EHD, groups)
-    a_TF = kernels.glu_forward(h_TH, probs_T, activation, interleave, b1_EH, expert_T) if rows else h_TH[:, :f]
-    y_TD, fc2 = qlinear_forward(precision, "fc2", a_TF, w2_EDF, groups)
+    amax_a = _amax_slot(kernels, precision, h_TH, groups)
+    a_TF = (
+        kernels.glu_forward(h_TH, probs_T, activation, interleave, b1_EH, expert_T, **_amax_kw(amax_a, groups))
+        if rows else h_TH[:, :f]
+    )  # fmt: skip
+    y_TD, fc2 = qlinear_forward(precision, "fc2", a_TF, w2_EDF, groups, amax=_as_amax(amax_a))
     if b2_ED is not None and rows:
         assert expert_T is not None
         y_TD = _add_row_bias(kernels, y_TD, probs_T, b2_ED.to(y_TD.dtype), expert_T)
@@ -326,12 +330,40 @@ def _backward_quantized(ctx: QuantizedFusedCtx, dy_TD: torch.Tensor) -> Grads:
         return torch.zeros_like(ctx.x_TD), w1, zeros(ctx.b1_EH), w2, zeros(ctx.b2_ED), zeros(probs)
     dy = dy_TD.to(h.dtype).contiguous()
     da_TF, dw2_EDF = qlinear_backward(ctx.fc2, dy)
-    dh_TH, dprobs_T, _ = _kernels(h.device).glu_backward(
-        h, probs, da_TF, ctx.activation, ctx.interleave, ctx.b1_EH, ctx.expert_T
+    kernels = _kernels(h.device)
+    groups = ctx.fc1.groups
+    amax_dh = _amax_slot(kernels, ctx.fc1, h, groups)
+    extra = {} if kernels is glu_reference else {"write_a": False}  # a's quantized copy was kept instead
+    dh_TH, dprobs_T, _ = kernels.glu_backward(
+        h, probs, da_TF, ctx.activation, ctx.interleave, ctx.b1_EH, ctx.expert_T, **_amax_kw(amax_dh, groups), **extra
     )
-    dx_TD, dw1_EHD = qlinear_backward(ctx.fc1, dh_TH)
+    dx_TD, dw1_EHD = qlinear_backward(ctx.fc1, dh_TH, amax=_as_amax(amax_dh))
     db1_EH, db2_ED, dprobs_T = _bias_grads(ctx.b1_EH, ctx.b2_ED, probs, ctx.expert_T, num_experts, dy, dh_TH, dprobs_T)
     return dx_TD, dw1_EHD, db1_EH, dw2_EDF, db2_ED, dprobs_T
+
+
+def _amax_slot(kernels: ModuleType, who: Any, like: torch.Tensor, groups: Any) -> torch.Tensor | None:
+    """A zeroed int32 `[G]` for the activation kernel to record max |a| (or |dh|) per token group into, when the
+    next quantizer is current per-tensor scaling on its Triton path (it then skips its own amax pass: one read
+    of a or dh saved); None otherwise. `who` carries the recipe (ExpertPrecision or SavedLinear)."""
+    from trainer.precision.quantize import triton_fast_path
+    from trainer.precision.recipes import TensorwiseRecipe
+
+    recipe = who.recipe
+    if kernels is glu_reference or type(recipe) is not TensorwiseRecipe or groups is None or like.shape[0] == 0:
+        return None  # delayed scaling measures the amax in its quantize pass already
+    if not triton_fast_path(like, recipe.activation_scheme()):
+        return None
+    return torch.zeros(groups.count, dtype=torch.int32, device=like.device)
+
+
+def _amax_kw(slot: torch.Tensor | None, groups: Any) -> dict[str, Any]:
+    return {} if slot is None else {"amax_groups": (groups.ids, slot)}
+
+
+def _as_amax(slot: torch.Tensor | None) -> torch.Tensor | None:
+    """The recorded bit patterns as the fp32 amax (non-negative floats order like their int32 bits)."""
+    return None if slot is None else slot.view(torch.float32)
 
 
 def _check_alignment(dtype: torch.dtype, *widths: int) -> None:

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from trainer.kernels.fp8_quant_triton import _record_amax
 from trainer.kernels.glu_reference import QUICK_GELU_ALPHA, check_activation, ffn_width, is_gated
 
 _ACT_CODE = {"swiglu": 0, "quick_geglu": 1, "squared_relu": 2}
@@ -58,10 +59,10 @@ def _load_h(h_ptr, b_ptr, h_row, b_row, c, mask, HAS_BIAS: tl.constexpr):
 
 @triton.jit
 def _glu_fwd_kernel(
-    h_ptr, p_ptr, b_ptr, e_ptr, a_ptr,
+    h_ptr, p_ptr, b_ptr, e_ptr, a_ptr, ids_ptr, amax_ptr,
     P, F, stride_h, stride_a, stride_b,
     ACT: tl.constexpr, INTERLEAVE: tl.constexpr, HAS_PROBS: tl.constexpr, HAS_BIAS: tl.constexpr,
-    SCALE: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_F: tl.constexpr,
+    SCALE: tl.constexpr, AMAX: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_F: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
     cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
@@ -83,15 +84,20 @@ def _glu_fwd_kernel(
         act = g * tl.sigmoid(SCALE * g) * u
     if HAS_PROBS:
         act = act * tl.load(p_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
-    tl.store(a_ptr + (rows64 * stride_a)[:, None] + cols[None, :], act.to(a_ptr.dtype.element_ty), mask=mask)
+    out = act.to(a_ptr.dtype.element_ty)
+    tl.store(a_ptr + (rows64 * stride_a)[:, None] + cols[None, :], out, mask=mask)
+    if AMAX:  # max |a| as stored, per token group (masked lanes hold act(0) = 0)
+        bits = tl.max(tl.abs(out.to(tl.float32)).to(tl.int32, bitcast=True), axis=1)
+        first = tl.program_id(0) * BLOCK_P
+        _record_amax(amax_ptr, ids_ptr, 0, rows, row_ok, bits, first, tl.minimum(first + BLOCK_P, P) - 1, True)
 
 
 @triton.jit
 def _glu_bwd_kernel(
-    h_ptr, p_ptr, b_ptr, e_ptr, da_ptr, dh_ptr, a_ptr, dp_ptr,
+    h_ptr, p_ptr, b_ptr, e_ptr, da_ptr, dh_ptr, a_ptr, dp_ptr, ids_ptr, amax_ptr,
     P, F, stride_h, stride_da, stride_dh, stride_a, stride_b,
     ACT: tl.constexpr, INTERLEAVE: tl.constexpr, HAS_PROBS: tl.constexpr, HAS_BIAS: tl.constexpr,
-    SCALE: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_F: tl.constexpr,
+    SCALE: tl.constexpr, AMAX: tl.constexpr, WRITE_A: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_F: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
     row_ok = rows < P
@@ -105,6 +111,7 @@ def _glu_bwd_kernel(
     if HAS_PROBS:
         p = tl.load(p_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     dp = tl.zeros((BLOCK_P,), tl.float32)
+    bits = tl.zeros((BLOCK_P,), tl.int32)  # max |dh| as stored, per row (AMAX)
     for f0 in range(0, F, BLOCK_F):
         cols = f0 + tl.arange(0, BLOCK_F)
         mask = row_ok[:, None] & (cols < F)[None, :]
@@ -113,8 +120,10 @@ def _glu_bwd_kernel(
         if ACT == 2:
             r = tl.maximum(_load_h(h_ptr, b_ptr, h_row, b_row, cols, mask, HAS_BIAS), 0.0)
             act = r * r
-            tl.store(dh_ptr + (rows64 * stride_dh)[:, None] + cols[None, :],
-                     (2.0 * r * dact).to(dh_ptr.dtype.element_ty), mask=mask)  # fmt: skip
+            dr = (2.0 * r * dact).to(dh_ptr.dtype.element_ty)
+            tl.store(dh_ptr + (rows64 * stride_dh)[:, None] + cols[None, :], dr, mask=mask)
+            if AMAX:
+                bits = tl.maximum(bits, tl.max(tl.abs(dr.to(tl.float32)).to(tl.int32, bitcast=True), axis=1))
         else:
             g_cols, u_cols = _gate_up_cols(cols, F, INTERLEAVE)
             g = _load_h(h_ptr, b_ptr, h_row, b_row, g_cols, mask, HAS_BIAS)
@@ -124,13 +133,22 @@ def _glu_bwd_kernel(
             act = gs * u
             dh_row = (rows64 * stride_dh)[:, None]
             dg = dact * u * (s + SCALE * gs * (1.0 - s))
-            tl.store(dh_ptr + dh_row + g_cols[None, :], dg.to(dh_ptr.dtype.element_ty), mask=mask)
-            tl.store(dh_ptr + dh_row + u_cols[None, :], (dact * gs).to(dh_ptr.dtype.element_ty), mask=mask)
+            dg = dg.to(dh_ptr.dtype.element_ty)
+            du = (dact * gs).to(dh_ptr.dtype.element_ty)
+            tl.store(dh_ptr + dh_row + g_cols[None, :], dg, mask=mask)
+            tl.store(dh_ptr + dh_row + u_cols[None, :], du, mask=mask)
+            if AMAX:
+                big = tl.maximum(tl.abs(dg.to(tl.float32)), tl.abs(du.to(tl.float32)))
+                bits = tl.maximum(bits, tl.max(big.to(tl.int32, bitcast=True), axis=1))
         dp += tl.sum(da * act, axis=1)
-        tl.store(a_ptr + (rows64 * stride_a)[:, None] + cols[None, :],
-                 (act * p[:, None]).to(a_ptr.dtype.element_ty), mask=mask)  # fmt: skip
+        if WRITE_A:
+            tl.store(a_ptr + (rows64 * stride_a)[:, None] + cols[None, :],
+                     (act * p[:, None]).to(a_ptr.dtype.element_ty), mask=mask)  # fmt: skip
     if HAS_PROBS:
         tl.store(dp_ptr + rows, dp, mask=row_ok)
+    if AMAX:
+        first = tl.program_id(0) * BLOCK_P
+        _record_amax(amax_ptr, ids_ptr, 0, rows, row_ok, bits, first, tl.minimum(first + BLOCK_P, P) - 1, True)
 
 
 @triton.jit
@@ -193,10 +211,15 @@ def glu_forward(
     bias_EH: torch.Tensor | None = None,
     expert_P: torch.Tensor | None = None,
     tile: Tile | None = None,
+    amax_groups: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """a_PF = probs * act(h + b1[expert]); same contract as `glu_reference.glu_forward`.
 
     `tile` overrides the launch shape (for tuning; the default is what the benchmark chose).
+    `amax_groups` = (group id of every row `[P]`, zeroed int32 `[G]`): also record max |a| per row group (as
+    stored, fp32 bit patterns, NaN winning) for fc2's per-tensor FP8 quantizer, which then skips its amax pass.
+    Rows of a tile must belong to one group or the kernel takes one atomic per row (groups start on multiples
+    of the recipe's align_size, 16, so tiles of up to 16 rows do).
     """
     f = _check(h_PH, activation, interleave)
     p_rows = h_PH.shape[0]
@@ -208,11 +231,12 @@ def glu_forward(
     # 8 x 512 tiles: measured on an H200 at the benchmark's shapes, 2-4% faster than 32 x 128 (fewer programs)
     t = tile or _tile(f, 4096, max_cols=512)
     grid = (triton.cdiv(p_rows, t.rows), triton.cdiv(f, t.cols))
+    ids, amax = amax_groups if amax_groups is not None else (a_PF, a_PF)
     _glu_fwd_kernel[grid](
-        h_PH, probs, b, e, a_PF, p_rows, f, h_PH.stride(0), a_PF.stride(0), stride_b,
+        h_PH, probs, b, e, a_PF, ids, amax, p_rows, f, h_PH.stride(0), a_PF.stride(0), stride_b,
         ACT=_ACT_CODE[activation], INTERLEAVE=(interleave or 0) if is_gated(activation) else 0,
         HAS_PROBS=probs_P is not None, HAS_BIAS=bias_EH is not None, SCALE=_sigmoid_scale(activation),
-        BLOCK_P=t.rows, BLOCK_F=t.cols, num_warps=t.warps,
+        AMAX=amax_groups is not None, BLOCK_P=t.rows, BLOCK_F=t.cols, num_warps=t.warps,
     )  # fmt: skip
     return a_PF
 
@@ -226,10 +250,14 @@ def glu_backward(
     bias_EH: torch.Tensor | None = None,
     expert_P: torch.Tensor | None = None,
     tile: Tile | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    amax_groups: tuple[torch.Tensor, torch.Tensor] | None = None,
+    write_a: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(dh_PH, dprobs_P, a_PF recomputed); same contract as `glu_reference.glu_backward`.
 
     `tile.cols` is the column step of each program's walk over F; `tile` overrides the default.
+    `amax_groups`: as in `glu_forward`, for max |dh| (fc1's grad quantizer). `write_a=False` skips the
+    recomputed a (None is returned): the FP8 path kept a's quantized copy from forward instead.
     """
     f = _check(h_PH, activation, interleave)
     p_rows = h_PH.shape[0]
@@ -237,24 +265,25 @@ def glu_backward(
         raise ValueError(f"da_PF has shape {tuple(da_PF.shape)}, expected {(p_rows, f)}")
     da_PF = da_PF if da_PF.stride(1) == 1 else da_PF.contiguous()
     dh_PH = torch.empty_like(h_PH, memory_format=torch.contiguous_format)
-    a_PF = torch.empty(p_rows, f, dtype=h_PH.dtype, device=h_PH.device)
+    a_PF = torch.empty(p_rows, f if write_a else 0, dtype=h_PH.dtype, device=h_PH.device)
     dp32_P = torch.empty(p_rows, dtype=torch.float32, device=h_PH.device) if probs_P is not None else None
     if p_rows and f:
+        ids, amax = amax_groups if amax_groups is not None else (h_PH, h_PH)
         b, e, stride_b = _bias_args(h_PH, bias_EH, expert_P)
         probs = probs_P.contiguous() if probs_P is not None else h_PH
         # 4 rows x 512 columns per step: measured on an H200, up to 10% faster than 16 x 128 at F = 14336
         t = tile or _tile(f, 2048, max_cols=512)
         _glu_bwd_kernel[(triton.cdiv(p_rows, t.rows),)](
-            h_PH, probs, b, e, da_PF, dh_PH, a_PF, dp32_P if dp32_P is not None else h_PH,
-            p_rows, f, h_PH.stride(0), da_PF.stride(0), dh_PH.stride(0), a_PF.stride(0), stride_b,
-            ACT=_ACT_CODE[activation], INTERLEAVE=(interleave or 0) if is_gated(activation) else 0,
+            h_PH, probs, b, e, da_PF, dh_PH, a_PF if write_a else h_PH, dp32_P if dp32_P is not None else h_PH,
+            ids, amax, p_rows, f, h_PH.stride(0), da_PF.stride(0), dh_PH.stride(0), f if not write_a else a_PF.stride(0),
+            stride_b, ACT=_ACT_CODE[activation], INTERLEAVE=(interleave or 0) if is_gated(activation) else 0,
             HAS_PROBS=probs_P is not None, HAS_BIAS=bias_EH is not None, SCALE=_sigmoid_scale(activation),
-            BLOCK_P=t.rows, BLOCK_F=t.cols, num_warps=t.warps,
+            AMAX=amax_groups is not None, WRITE_A=write_a, BLOCK_P=t.rows, BLOCK_F=t.cols, num_warps=t.warps,
         )  # fmt: skip
     elif dp32_P is not None:
         dp32_P.zero_()
     dprobs_P = dp32_P.to(probs_P.dtype) if probs_P is not None and dp32_P is not None else None
-    return dh_PH, dprobs_P, a_PF
+    return dh_PH, dprobs_P, a_PF if write_a else None
 
 
 def add_row_bias_(

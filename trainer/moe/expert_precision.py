@@ -102,6 +102,7 @@ def qlinear_forward(
     groups: Optional[TokenGroups],
     *,
     expert: Optional[int] = None,
+    amax: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, Optional[SavedLinear]]:
     """y `[T, out]` = x times w^T in the recipe: grouped (`w` `[E, out, in]`, `groups`) or one expert's
     `[out, in]` weight (`expert` = its index, `groups` None). Returns y in x's dtype and what backward needs
@@ -110,7 +111,9 @@ def qlinear_forward(
     num_experts = w.shape[0] if groups is not None else 1
     state = p.state(fc, expert, num_experts)
     wq = _weight(p, fc, w, expert, state)
-    xq = recipe.quantize_activation(x_TI, groups=groups, columnwise=p.need_grad, state=state)
+    # amax: x's per-group amax, measured by its producer (only for recipes that take it: see fused_expert_mlp)
+    extra = {} if amax is None else {"amax": amax}
+    xq = recipe.quantize_activation(x_TI, groups=groups, columnwise=p.need_grad, state=state, **extra)
     if groups is None and x_TI.shape[0] == 0:  # an expert without rows: nothing to multiply (no kernel call)
         y = x_TI.new_zeros(0, w.shape[-2])
     elif groups is None:
@@ -125,10 +128,13 @@ def qlinear_forward(
     return y, SavedLinear(recipe, state, groups, xq, wq, x_TI.dtype)
 
 
-def qlinear_backward(s: SavedLinear, dy_TO: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def qlinear_backward(
+    s: SavedLinear, dy_TO: torch.Tensor, amax: Optional[torch.Tensor] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx `[T, in]` in x's dtype, dW fp32 `[E, out, in]` or `[out, in]`) from the output grad."""
     r = s.recipe
-    gq = r.quantize_grad(dy_TO.contiguous(), groups=s.groups, rowwise=True, columnwise=True, state=s.state)
+    extra = {} if amax is None else {"amax": amax}
+    gq = r.quantize_grad(dy_TO.contiguous(), groups=s.groups, rowwise=True, columnwise=True, state=s.state, **extra)
     if s.groups is None and dy_TO.shape[0] == 0:
         shape = s.wq.shape  # [out, in]
         return dy_TO.new_zeros(0, shape[-1], dtype=s.x_dtype), dy_TO.new_zeros(shape, dtype=torch.float32)

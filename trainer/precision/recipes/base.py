@@ -105,11 +105,13 @@ class Recipe:
         rowwise: bool = True,
         columnwise: bool = True,
         state: Any = None,
+        amax: Optional[torch.Tensor] = None,
     ) -> QuantizedTensor:
-        """Quantize an activation `[T, in]` (with token groups for a grouped GEMM)."""
+        """Quantize an activation `[T, in]` (with token groups for a grouped GEMM). `amax`: its per-tensor
+        (per-group) amax when the producer already measured it (the fused activation kernel does)."""
         return quantize(
             x, self.activation_scheme(), rowwise=rowwise, columnwise=columnwise, offsets=offsets, groups=groups,
-            recipe=self.name,
+            amax=amax, recipe=self.name,
         )
 
     def quantize_grad(
@@ -121,11 +123,12 @@ class Recipe:
         rowwise: bool = True,
         columnwise: bool = True,
         state: Any = None,
+        amax: Optional[torch.Tensor] = None,
     ) -> QuantizedTensor:
-        """Quantize an output grad `[T, out]` (with token groups for a grouped GEMM)."""
+        """Quantize an output grad `[T, out]` (with token groups for a grouped GEMM); `amax` as for activations."""
         return quantize(
             g, self.grad_scheme(), rowwise=rowwise, columnwise=columnwise, offsets=offsets, groups=groups,
-            recipe=self.name,
+            amax=amax, recipe=self.name,
         )
 
     # ---- device ---------------------------------------------------------------------------------
