@@ -110,21 +110,6 @@ def _amax_kernel(
 
 
 @triton.jit
-def _scale_rule(a, FMAX: tl.constexpr, BIG: tl.constexpr, POW2: tl.constexpr):
-    """fp8_scale.scale_from_amax on an fp32 tensor of amaxes: FMAX / a correctly rounded, inf -> BIG
-    (FLT_MAX), 1 where a is 0 or not finite, optionally rounded down to a power of two."""
-    s = tl.math.div_rn(tl.zeros_like(a) + FMAX, a)
-    # exponent bits all ones: +-inf or NaN (tested on bits: no inf literal needed)
-    s_inf = (s.to(tl.int32, bitcast=True) & 0x7FFFFFFF) == 0x7F800000
-    s = tl.where(s_inf, BIG, s)  # fmax / tiny amax overflows: FLT_MAX, as TE
-    a_nonfinite = (a.to(tl.int32, bitcast=True) & 0x7F800000) == 0x7F800000
-    s = tl.where((a == 0) | a_nonfinite, 1.0, s)
-    if POW2:  # round down to a power of two: keep sign and exponent bits
-        s = (s.to(tl.int32, bitcast=True) & -8388608).to(tl.float32, bitcast=True)  # ~0x7FFFFF
-    return s
-
-
-@triton.jit
 def _scales_kernel(
     amax_ptr, given_ptr, enc_ptr, dec_ptr, N,
     FMAX: tl.constexpr, BIG: tl.constexpr, POW2: tl.constexpr, GIVEN: tl.constexpr, BLOCK: tl.constexpr,
@@ -135,24 +120,27 @@ def _scales_kernel(
     if GIVEN:
         s = tl.load(given_ptr + i, mask=ok, other=1.0)
     else:
-        s = _scale_rule(tl.load(amax_ptr + i, mask=ok, other=1.0), FMAX, BIG, POW2)
+        a = tl.load(amax_ptr + i, mask=ok, other=1.0)
+        s = tl.math.div_rn(tl.full([BLOCK], FMAX, tl.float32), a)
+        # exponent bits all ones: +-inf or NaN (tested on bits: no inf literal needed)
+        s_inf = (s.to(tl.int32, bitcast=True) & 0x7FFFFFFF) == 0x7F800000
+        s = tl.where(s_inf, BIG, s)  # fmax / tiny amax overflows: FLT_MAX, as TE
+        a_nonfinite = (a.to(tl.int32, bitcast=True) & 0x7F800000) == 0x7F800000
+        s = tl.where((a == 0) | a_nonfinite, 1.0, s)
+        if POW2:  # round down to a power of two: keep sign and exponent bits
+            s = (s.to(tl.int32, bitcast=True) & -8388608).to(tl.float32, bitcast=True)  # ~0x7FFFFF
     tl.store(enc_ptr + i, s, mask=ok)
     tl.store(dec_ptr + i, tl.math.div_rn(tl.full([BLOCK], 1.0, tl.float32), s), mask=ok)
 
 
 @triton.jit
 def _quantize_kernel(
-    x_ptr, enc_ptr, ids_ptr, row_ptr, col_ptr, amax_ptr, dec_ptr, M, K, NSLOTS,
+    x_ptr, enc_ptr, ids_ptr, row_ptr, col_ptr, amax_ptr, M, K,
     FMAX: tl.constexpr, OUT: tl.constexpr, JAGGED: tl.constexpr, ROWWISE: tl.constexpr,
-    COLUMNWISE: tl.constexpr, AMAX: tl.constexpr, FROM_AMAX: tl.constexpr, BIG: tl.constexpr,
-    POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    COLUMNWISE: tl.constexpr, AMAX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """One 64 x 128 tile of x `[B, M, K]`: scale, saturate, cast to fp8 once, store rowwise `[B, M, K]` and/or
-    columnwise `[B, K, M]` (as uint8 bytes), optionally record max |x| (int32 bits) into `amax_ptr`.
-
-    FROM_AMAX: `enc_ptr` holds the amaxes (`[NSLOTS]` fp32) and every program applies the scale rule to its
-    own rows' (the same few flops `_scales_kernel` does, so no separate launch); program (0, 0, 0) writes all
-    NSLOTS decode scales to `dec_ptr`, empty groups included."""
+    columnwise `[B, K, M]` (as uint8 bytes), optionally record max |x| (int32 bits) into `amax_ptr`."""
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     b = tl.program_id(2)
@@ -168,17 +156,9 @@ def _quantize_kernel(
     x = tl.load(x_ptr + base + rows64[:, None] * K + cols64[None, :], mask=mask, other=0.0).to(tl.float32)
     if JAGGED:  # one scale per token group: gather it by each row's group id
         ids = tl.load(ids_ptr + rows, mask=row_ok, other=0)
-        s = tl.load(enc_ptr + ids, mask=row_ok, other=1.0)
+        s = tl.load(enc_ptr + ids, mask=row_ok, other=1.0)[:, None]
     else:
-        s = tl.load(enc_ptr + b + tl.zeros([1], tl.int32))
-    if FROM_AMAX:
-        s = _scale_rule(s, FMAX, BIG, POW2)
-        if (pid_m == 0) & (pid_k == 0) & (b == 0):
-            for i0 in range(0, NSLOTS, 128):
-                i = i0 + tl.arange(0, 128)
-                enc_i = _scale_rule(tl.load(enc_ptr + i, mask=i < NSLOTS, other=1.0), FMAX, BIG, POW2)
-                tl.store(dec_ptr + i, tl.math.div_rn(tl.zeros_like(enc_i) + 1.0, enc_i), mask=i < NSLOTS)
-    s = s[:, None]
+        s = tl.load(enc_ptr + b)
     y = x * s
     # cast_to_fp8: clamp to +-fmax (comparisons are false for NaN, so NaN stays), then round to nearest even
     y = tl.where(y > FMAX, FMAX, y)
@@ -279,13 +259,10 @@ def quantize(
     rowwise: bool = True,
     columnwise: bool = False,
     amax_out: Optional[torch.Tensor] = None,
-    from_amax: Optional[tuple[torch.Tensor, bool]] = None,
 ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """(rowwise `[B, M, K]`, columnwise `[B, K, M]`) fp8 copies of x scaled by `encode` (fp32, one per batch
     index, or one per token group with `ids_T`), in one pass over x. `amax_out`: an int32 `[B]` or `[G]`
-    zero-initialised buffer that receives max |x| as bit patterns (view it as fp32), or None.
-    `from_amax` = (decode out `[n]` fp32, pow2): `encode` holds amaxes instead; the kernel applies the scale
-    rule itself and writes the decode scales (what `scales` + `quantize` do, in one launch)."""
+    zero-initialised buffer that receives max |x| as bit patterns (view it as fp32), or None."""
     _check_x(x_BMK, ids_T)
     if out_dtype not in _TL_FP8:
         raise ValueError(f"fp8 output dtype must be float8_e4m3fn or float8_e5m2, got {out_dtype}")
@@ -299,20 +276,14 @@ def quantize(
         enc = encode.to(torch.float32).reshape(-1).contiguous()
         placeholder = enc  # pointer arguments a constexpr switch leaves unread
         grid = (triton.cdiv(M, QUANT_BLOCK_M), triton.cdiv(K, QUANT_BLOCK_K), B)
-        dec = from_amax[0] if from_amax is not None else placeholder
         _quantize_kernel[grid](
             x_BMK, enc, ids_T if ids_T is not None else placeholder,
             row.view(torch.uint8) if row is not None else placeholder,
             col.view(torch.uint8) if col is not None else placeholder,
-            amax_out if amax_out is not None else placeholder, dec, M, K, enc.numel(),
+            amax_out if amax_out is not None else placeholder, M, K,
             FMAX=fmax, OUT=_TL_FP8[out_dtype], JAGGED=ids_T is not None, ROWWISE=rowwise, COLUMNWISE=columnwise,
-            AMAX=amax_out is not None, FROM_AMAX=from_amax is not None, BIG=FLT_MAX,
-            POW2=from_amax is not None and from_amax[1], BLOCK_M=QUANT_BLOCK_M, BLOCK_K=QUANT_BLOCK_K,
-            num_warps=QUANT_WARPS,
+            AMAX=amax_out is not None, BLOCK_M=QUANT_BLOCK_M, BLOCK_K=QUANT_BLOCK_K, num_warps=QUANT_WARPS,
         )  # fmt: skip
-    elif from_amax is not None:  # no program runs: the decode scales still follow the rule
-        enc_s, dec_s = scales(encode.numel(), dev, fmax=fmax, pow2=from_amax[1], amax=encode)
-        from_amax[0].copy_(dec_s)
     return row, col
 
 

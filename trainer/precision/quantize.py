@@ -167,16 +167,11 @@ def _quantize_per_tensor_triton(
     if encode_scale is None:
         if amax is None:
             amax = measured = tq.amax(x_BMK, ids, n)
-        # the quantize kernel applies the scale rule to the amaxes itself (one launch fewer)
-        dec = torch.empty(n, dtype=torch.float32, device=x.device)
-        row_BMK, col_BKM = tq.quantize(
-            x_BMK, amax.reshape(-1).to(torch.float32).contiguous(), fmt.dtype, fmt.max, ids_T=ids,
-            rowwise=rowwise, columnwise=columnwise, from_amax=(dec, scheme.pow2),
-        )
-        return _per_tensor_result(x, scheme, groups, recipe, per_shape, row_BMK, col_BKM, dec, measured)
-    enc, dec = tq.scales(n, x.device, fmax=fmt.max, pow2=scheme.pow2, encode=encode_scale)
-    if want_amax:
-        amax_bits = torch.zeros(n, dtype=torch.int32, device=x.device)
+        enc, dec = tq.scales(n, x.device, fmax=fmt.max, pow2=scheme.pow2, amax=amax)
+    else:
+        enc, dec = tq.scales(n, x.device, fmax=fmt.max, pow2=scheme.pow2, encode=encode_scale)
+        if want_amax:
+            amax_bits = torch.zeros(n, dtype=torch.int32, device=x.device)
     row_BMK, col_BKM = tq.quantize(
         x_BMK, enc, fmt.dtype, fmt.max, ids_T=ids, rowwise=rowwise, columnwise=columnwise, amax_out=amax_bits
     )
@@ -184,30 +179,12 @@ def _quantize_per_tensor_triton(
         measured = amax_bits.view(torch.float32)
     if want_amax and measured is None:  # an amax override was given: measure x's own for the caller
         measured = tq.amax(x_BMK, ids, n)
-    return _per_tensor_result(x, scheme, groups, recipe, per_shape, row_BMK, col_BKM, dec, measured)
-
-
-def _per_tensor_result(
-    x: torch.Tensor,
-    scheme: Scheme,
-    groups: Optional[TokenGroups],
-    recipe: str,
-    per_shape: tuple[int, ...],
-    row_BMK: Optional[torch.Tensor],
-    col_BKM: Optional[torch.Tensor],
-    dec: torch.Tensor,
-    measured: Optional[torch.Tensor],
-) -> tuple[QuantizedTensor, Optional[torch.Tensor]]:
-    """The QuantizedTensor the eager per-tensor path would build from the kernels' outputs."""
-    M, K = x.shape[-2], x.shape[-1]
     dec = dec.view(per_shape)
     col_shape = (*x.shape[:-2], K, M)
     row = QuantizedData(data=row_BMK.view(x.shape), scale=dec) if row_BMK is not None else None
     col = None
-    if col_BKM is not None:  # the eager columnwise copy of a weight keeps a scale tensor of its own (a clone);
-        # a token-grouped activation or grad is transient and never written in place: its copies share one
-        own = row is not None and groups is None
-        col = QuantizedData(data=col_BKM.view(col_shape), scale=dec.clone() if own else dec)
+    if col_BKM is not None:  # the eager columnwise copy keeps a scale tensor of its own (a clone)
+        col = QuantizedData(data=col_BKM.view(col_shape), scale=dec.clone() if row is not None else dec)
     qt = QuantizedTensor(
         scheme=scheme, shape=x.shape, dtype=x.dtype, rowwise=row, columnwise=col, groups=groups, recipe=recipe
     )
