@@ -183,8 +183,10 @@ def _quantize_per_tensor_triton(
     col_shape = (*x.shape[:-2], K, M)
     row = QuantizedData(data=row_BMK.view(x.shape), scale=dec) if row_BMK is not None else None
     col = None
-    if col_BKM is not None:  # the eager columnwise copy keeps a scale tensor of its own (a clone)
-        col = QuantizedData(data=col_BKM.view(col_shape), scale=dec.clone() if row is not None else dec)
+    if col_BKM is not None:  # the eager columnwise copy of a weight keeps a scale tensor of its own (a clone);
+        # a token-grouped activation or grad is transient and never written in place: its copies share one
+        own = row is not None and groups is None
+        col = QuantizedData(data=col_BKM.view(col_shape), scale=dec.clone() if own else dec)
     qt = QuantizedTensor(
         scheme=scheme, shape=x.shape, dtype=x.dtype, rowwise=row, columnwise=col, groups=groups, recipe=recipe
     )
