@@ -192,7 +192,7 @@ class FusedBackend:
     def backward(self, ctx: Any, dy_TD: torch.Tensor) -> Grads:
         """(dx, dw1, db1, dw2, db2, dprobs); None for the inputs that were None."""
         if isinstance(ctx, QuantizedFusedCtx):
-            return _backward_quantized(ctx, dy_TD)
+            return _backward_quantized(ctx, dy_TD, self.overlap_wgrad)
         x, h, w1, w2, probs = ctx.x_TD, ctx.h_TH, ctx.w1_EHD, ctx.w2_EDF, ctx.probs_T
         num_experts = w1.shape[0]
         rows = x.shape[0]
@@ -314,7 +314,7 @@ def _forward_quantized(
     return y_TD, ctx
 
 
-def _backward_quantized(ctx: QuantizedFusedCtx, dy_TD: torch.Tensor) -> Grads:
+def _backward_quantized(ctx: QuantizedFusedCtx, dy_TD: torch.Tensor, overlap_wgrad: bool = False) -> Grads:
     """The recipe path of `FusedBackend.backward`: fc2 dgrad/wgrad, fused activation backward, fc1."""
     from trainer.moe.expert_precision import qlinear_backward
 
@@ -329,6 +329,8 @@ def _backward_quantized(ctx: QuantizedFusedCtx, dy_TD: torch.Tensor) -> Grads:
         w2 = torch.zeros(ctx.w_shapes[1], dtype=torch.float32, device=h.device)
         return torch.zeros_like(ctx.x_TD), w1, zeros(ctx.b1_EH), w2, zeros(ctx.b2_ED), zeros(probs)
     dy = dy_TD.to(h.dtype).contiguous()
+    if overlap_wgrad and h.is_cuda:
+        return _backward_quantized_overlapped(ctx, dy)
     da_TF, dw2_EDF = qlinear_backward(ctx.fc2, dy)
     kernels = _kernels(h.device)
     groups = ctx.fc1.groups
@@ -338,6 +340,43 @@ def _backward_quantized(ctx: QuantizedFusedCtx, dy_TD: torch.Tensor) -> Grads:
         h, probs, da_TF, ctx.activation, ctx.interleave, ctx.b1_EH, ctx.expert_T, **_amax_kw(amax_dh, groups), **extra
     )
     dx_TD, dw1_EHD = qlinear_backward(ctx.fc1, dh_TH, amax=_as_amax(amax_dh))
+    db1_EH, db2_ED, dprobs_T = _bias_grads(ctx.b1_EH, ctx.b2_ED, probs, ctx.expert_T, num_experts, dy, dh_TH, dprobs_T)
+    return dx_TD, dw1_EHD, db1_EH, dw2_EDF, db2_ED, dprobs_T
+
+
+def _backward_quantized_overlapped(ctx: QuantizedFusedCtx, dy: torch.Tensor) -> Grads:
+    """`_backward_quantized` with both weight-grad GEMMs on the side stream: dw2 runs while the main stream
+    does the activation backward, the quantization of dh and dx (memory-bound kernels beside a compute-bound
+    GEMM), dw1 beside dx. The same kernels on the same operands as one stream, so the same bits.
+
+    Tensors made on the main stream and read on the side one (the quantized grads, the saved columnwise
+    copies) are only released after `main.wait_stream(side)` below, so the caching allocator cannot hand
+    their memory to main-stream work that could run before the side stream has read them."""
+    from trainer.moe.expert_precision import quantize_output_grad
+
+    h, probs, fc1, fc2 = ctx.h_TH, ctx.probs_T, ctx.fc1, ctx.fc2
+    main = torch.cuda.current_stream(h.device)
+    side = _side_stream(h.device)
+    g2 = quantize_output_grad(fc2, dy)
+    da_TF = fc2.recipe.grouped_dgrad(g2, fc2.wq, fc2.x_dtype)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        dw2_EDF = fc2.recipe.grouped_wgrad(g2, fc2.xq)
+    kernels = _kernels(h.device)
+    amax_dh = _amax_slot(kernels, fc1, h, fc1.groups)
+    dh_TH, dprobs_T, _ = kernels.glu_backward(
+        h, probs, da_TF, ctx.activation, ctx.interleave, ctx.b1_EH, ctx.expert_T, **_amax_kw(amax_dh, fc1.groups),
+        write_a=False,
+    )  # fmt: skip
+    g1 = quantize_output_grad(fc1, dh_TH, _as_amax(amax_dh))
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        dw1_EHD = fc1.recipe.grouped_wgrad(g1, fc1.xq)
+    dx_TD = fc1.recipe.grouped_dgrad(g1, fc1.wq, fc1.x_dtype)
+    main.wait_stream(side)
+    dw2_EDF.record_stream(main)  # allocated on the side stream, used on the main one from here on
+    dw1_EHD.record_stream(main)
+    num_experts = ctx.w_shapes[0][0]
     db1_EH, db2_ED, dprobs_T = _bias_grads(ctx.b1_EH, ctx.b2_ED, probs, ctx.expert_T, num_experts, dy, dh_TH, dprobs_T)
     return dx_TD, dw1_EHD, db1_EH, dw2_EDF, db2_ED, dprobs_T
 

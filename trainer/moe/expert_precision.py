@@ -128,13 +128,22 @@ def qlinear_forward(
     return y, SavedLinear(recipe, state, groups, xq, wq, x_TI.dtype)
 
 
+def quantize_output_grad(s: SavedLinear, dy_TO: torch.Tensor, amax: Optional[torch.Tensor] = None) -> QuantizedTensor:
+    """The output grad in the recipe (both copies: rowwise for dgrad, columnwise for wgrad); `amax` as in
+    `qlinear_forward`. The first step of `qlinear_backward`, public for backends that schedule the two GEMMs
+    themselves (the fused backend runs the weight grad on a side stream)."""
+    extra = {} if amax is None else {"amax": amax}
+    return s.recipe.quantize_grad(
+        dy_TO.contiguous(), groups=s.groups, rowwise=True, columnwise=True, state=s.state, **extra
+    )  # fmt: skip
+
+
 def qlinear_backward(
     s: SavedLinear, dy_TO: torch.Tensor, amax: Optional[torch.Tensor] = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx `[T, in]` in x's dtype, dW fp32 `[E, out, in]` or `[out, in]`) from the output grad."""
     r = s.recipe
-    extra = {} if amax is None else {"amax": amax}
-    gq = r.quantize_grad(dy_TO.contiguous(), groups=s.groups, rowwise=True, columnwise=True, state=s.state, **extra)
+    gq = quantize_output_grad(s, dy_TO, amax)
     if s.groups is None and dy_TO.shape[0] == 0:
         shape = s.wq.shape  # [out, in]
         return dy_TO.new_zeros(0, shape[-1], dtype=s.x_dtype), dy_TO.new_zeros(shape, dtype=torch.float32)

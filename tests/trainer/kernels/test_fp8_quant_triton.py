@@ -292,7 +292,7 @@ def test_native_grouped_wgrad_is_bf16_with_zero_empty_experts():
     assert ((dw.float() - ref).norm() / ref.norm()).item() < 1e-2
 
 
-def _fused_mlp(recipe, x, w1, w2, probs, counts):  # type: ignore[no-untyped-def]
+def _fused_mlp(recipe, x, w1, w2, probs, counts, overlap=None):  # type: ignore[no-untyped-def]
     """One forward + backward of the fused backend under `recipe` (fresh leaves); (y, dx, dw1, dw2, dprobs)."""
     from moectl.bench.backend_function import BackendFunction
     from trainer.kernels.fused_expert_mlp import FusedBackend
@@ -301,7 +301,8 @@ def _fused_mlp(recipe, x, w1, w2, probs, counts):  # type: ignore[no-untyped-def
 
     x, w1, w2, probs = (t.detach().clone().requires_grad_() for t in (x, w1, w2, probs))
     spec = ExpertSpec("swiglu", w2.shape[-1], None)
-    y = BackendFunction.apply(x, w1, w2, probs, counts, FusedBackend(x.device), spec, lambda: ExpertPrecision(recipe))
+    backend = FusedBackend(x.device, overlap_wgrad=overlap)
+    y = BackendFunction.apply(x, w1, w2, probs, counts, backend, spec, lambda: ExpertPrecision(recipe))
     dy = torch.randn(y.shape, device=y.device, generator=torch.Generator(device=y.device).manual_seed(5)).to(y.dtype)
     grads = torch.autograd.grad(y, [x, w1, w2, probs], dy)
     return (y.detach(), *grads)
@@ -353,6 +354,23 @@ def test_fused_fp8_mlp_is_bitwise_the_same_with_eager_quantization(monkeypatch):
         fast, ref = _both(monkeypatch, lambda: _fused_mlp(recipe, x, w1, w2, probs, counts))
         for name, a, b in zip(("y", "dx", "dw1", "dw2", "dprobs"), fast, ref):
             assert a.dtype == b.dtype and torch.equal(a, b), name
+
+
+@gpu
+def test_fused_fp8_side_stream_weight_grads_are_bitwise_the_same_and_stream_safe():  # type: ignore[no-untyped-def]
+    """The fp8 backward with both weight grads on the side stream equals the one-stream backward bit for bit,
+    also when freed memory is reused at once (a block released too early would be overwritten by the NaNs)."""
+    x, w1, w2, probs, counts = _mlp_problem()
+    for recipe in (TensorwiseRecipe(emulate="never", fast_accum_backward=True), DelayedRecipe(emulate="never")):
+        results = []
+        for overlap in (False, True, True):
+            results.append(_fused_mlp(recipe, x, w1, w2, probs, counts, overlap=overlap))
+            scratch = [torch.full_like(w1, float("nan")) for _ in range(3)]
+            del scratch
+        torch.cuda.synchronize()
+        for other in results[1:]:
+            for name, a, b in zip(("y", "dx", "dw1", "dw2", "dprobs"), results[0], other):
+                assert torch.equal(a, b), name
 
 
 # ----------------------------------------------------------------------------------------------------------
