@@ -10,8 +10,6 @@ the gather, the aliased staging buffer); the 2-rank gather properties are in tes
 
 from __future__ import annotations
 
-from typing import Iterator
-
 import pytest
 import torch
 
@@ -19,13 +17,7 @@ from pg_harness import Knobs, differences, train
 from trainer.distributed import ParallelState
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    # tiny GEMMs: thread start-up dominates, and the CI box has 2 cores shared by several runs
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.mark.parametrize("fuse", [False, True], ids=["unfused", "fused-wgrad"])

@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterator
+
 
 import pytest
 import torch
@@ -37,12 +37,7 @@ RECIPES = {
 GATHER = ["mixed_precision.fp8_param_gather=true"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def trainer(run_dir: Path, *extra: str) -> Trainer:

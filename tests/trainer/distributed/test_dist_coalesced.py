@@ -12,7 +12,7 @@ coalescing manager really used, and not used when coalescing is off.
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -29,12 +29,7 @@ from trainer.distributed.parallel_state import Group, build_parallel_state
 PS = ParallelState.trivial("cpu")
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def test_one_rank_groups_never_coalesce() -> None:

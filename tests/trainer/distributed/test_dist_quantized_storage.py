@@ -5,8 +5,6 @@ The whole-run equivalences (layouts, ON vs OFF, 2 ranks) are in tests/acceptance
 
 from __future__ import annotations
 
-from typing import Iterator
-
 import pytest
 import torch
 
@@ -23,12 +21,7 @@ from trainer.precision import get_recipe
 PS = ParallelState.trivial("cpu")
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "per-expert"])

@@ -11,7 +11,7 @@ expert layouts, which a columnwise copy left over from an earlier step would bre
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -26,12 +26,7 @@ from trainer.precision.blocks import transposed
 PS = ParallelState.trivial("cpu")
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _live_weights(model: torch.nn.Module) -> dict[str, QuantizedTensor]:
