@@ -37,10 +37,11 @@ sum(tokens_per_expert) are not computed by the GEMMs: the caller passes sum(toke
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -86,6 +87,29 @@ def _side_stream(device: torch.device) -> "torch.cuda.Stream":
     if index not in _SIDE_STREAMS:
         _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
     return _SIDE_STREAMS[index]
+
+
+@contextlib.contextmanager
+def _on_side(side: "torch.cuda.Stream | None") -> Iterator[None]:
+    """Run the block on `side` after the work queued so far on the current stream (None: on the current stream)."""
+    if side is None:
+        yield
+        return
+    side.wait_stream(torch.cuda.current_stream(side.device))
+    with torch.cuda.stream(side):
+        yield
+
+
+def _join(side: "torch.cuda.Stream | None", *made_on_side: torch.Tensor) -> None:
+    """Make the current stream wait for `side`, and tell the caching allocator that tensors allocated there are
+    used on the current stream from here on. Tensors the current stream made and `side` read are released
+    after this wait, so their memory cannot go to work that runs before `side` has read them."""
+    if side is None:
+        return
+    main = torch.cuda.current_stream(side.device)
+    main.wait_stream(side)
+    for t in made_on_side:
+        t.record_stream(main)
 
 
 def _offsets(tokens_per_expert_E: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -207,22 +231,12 @@ class FusedBackend:
         )
         # Weight grads come out contiguous in [E, out, in]: the transposed operand order (x^T dh)^T is up to
         # 5% faster for some shapes, but hands back a transposed grad that costs a full copy downstream.
-        if self.overlap_wgrad and x.is_cuda:
-            main = torch.cuda.current_stream(x.device)
-            side = _side_stream(x.device)
-            side.wait_stream(main)
-            with torch.cuda.stream(side):
-                dw2_EDF = torch._grouped_mm(dy.t(), a_TF, ctx.offs_E)
-                dw1_EHD = torch._grouped_mm(dh_TH.t(), x, ctx.offs_E)
-            dx_TD = torch._grouped_mm(dh_TH, w1, ctx.offs_E)
-            main.wait_stream(side)
-            # Allocated on the side stream, used on the main one from here on: tell the caching allocator.
-            dw2_EDF.record_stream(main)
-            dw1_EHD.record_stream(main)
-        else:
+        side = _side_stream(x.device) if self.overlap_wgrad and x.is_cuda else None
+        with _on_side(side):
             dw2_EDF = torch._grouped_mm(dy.t(), a_TF, ctx.offs_E)
-            dx_TD = torch._grouped_mm(dh_TH, w1, ctx.offs_E)
             dw1_EHD = torch._grouped_mm(dh_TH.t(), x, ctx.offs_E)
+        dx_TD = torch._grouped_mm(dh_TH, w1, ctx.offs_E)
+        _join(side, dw2_EDF, dw1_EHD)
         db1_EH, db2_ED, dprobs_T = _bias_grads(
             ctx.b1_EH, ctx.b2_ED, probs, ctx.expert_T, num_experts, dy, dh_TH, dprobs_T
         )
@@ -315,12 +329,16 @@ def _forward_quantized(
 
 
 def _backward_quantized(ctx: QuantizedFusedCtx, dy_TD: torch.Tensor, overlap_wgrad: bool = False) -> Grads:
-    """The recipe path of `FusedBackend.backward`: fc2 dgrad/wgrad, fused activation backward, fc1."""
-    from trainer.moe.expert_precision import qlinear_backward
+    """The recipe path of `FusedBackend.backward`: fc2 dgrad/wgrad, fused activation backward, fc1.
+
+    With `overlap_wgrad` on CUDA both weight-grad GEMMs run on the side stream: dw2 while the main stream
+    does the activation backward, the quantization of dh and dx (memory-bound kernels beside a
+    compute-bound GEMM), dw1 beside dx. The same kernels on the same operands, so the same bits."""
+    from trainer.moe.expert_precision import quantize_output_grad
 
     if ctx.fc1 is None or ctx.fc2 is None:
         raise RuntimeError("expert backward after a forward without grad")
-    h, probs = ctx.h_TH, ctx.probs_T
+    h, probs, fc1, fc2 = ctx.h_TH, ctx.probs_T, ctx.fc1, ctx.fc2
     num_experts = ctx.w_shapes[0][0]
     if h.shape[0] == 0:
         assert ctx.x_TD is not None
@@ -329,54 +347,23 @@ def _backward_quantized(ctx: QuantizedFusedCtx, dy_TD: torch.Tensor, overlap_wgr
         w2 = torch.zeros(ctx.w_shapes[1], dtype=torch.float32, device=h.device)
         return torch.zeros_like(ctx.x_TD), w1, zeros(ctx.b1_EH), w2, zeros(ctx.b2_ED), zeros(probs)
     dy = dy_TD.to(h.dtype).contiguous()
-    if overlap_wgrad and h.is_cuda:
-        return _backward_quantized_overlapped(ctx, dy)
-    da_TF, dw2_EDF = qlinear_backward(ctx.fc2, dy)
-    kernels = _kernels(h.device)
-    groups = ctx.fc1.groups
-    amax_dh = _amax_slot(kernels, ctx.fc1, h, groups)
-    extra = {} if kernels is glu_reference else {"write_a": False}  # a's quantized copy was kept instead
-    dh_TH, dprobs_T, _ = kernels.glu_backward(
-        h, probs, da_TF, ctx.activation, ctx.interleave, ctx.b1_EH, ctx.expert_T, **_amax_kw(amax_dh, groups), **extra
-    )
-    dx_TD, dw1_EHD = qlinear_backward(ctx.fc1, dh_TH, amax=_as_amax(amax_dh))
-    db1_EH, db2_ED, dprobs_T = _bias_grads(ctx.b1_EH, ctx.b2_ED, probs, ctx.expert_T, num_experts, dy, dh_TH, dprobs_T)
-    return dx_TD, dw1_EHD, db1_EH, dw2_EDF, db2_ED, dprobs_T
-
-
-def _backward_quantized_overlapped(ctx: QuantizedFusedCtx, dy: torch.Tensor) -> Grads:
-    """`_backward_quantized` with both weight-grad GEMMs on the side stream: dw2 runs while the main stream
-    does the activation backward, the quantization of dh and dx (memory-bound kernels beside a compute-bound
-    GEMM), dw1 beside dx. The same kernels on the same operands as one stream, so the same bits.
-
-    Tensors made on the main stream and read on the side one (the quantized grads, the saved columnwise
-    copies) are only released after `main.wait_stream(side)` below, so the caching allocator cannot hand
-    their memory to main-stream work that could run before the side stream has read them."""
-    from trainer.moe.expert_precision import quantize_output_grad
-
-    h, probs, fc1, fc2 = ctx.h_TH, ctx.probs_T, ctx.fc1, ctx.fc2
-    main = torch.cuda.current_stream(h.device)
-    side = _side_stream(h.device)
+    side = _side_stream(h.device) if overlap_wgrad and h.is_cuda else None
     g2 = quantize_output_grad(fc2, dy)
     da_TF = fc2.recipe.grouped_dgrad(g2, fc2.wq, fc2.x_dtype)
-    side.wait_stream(main)
-    with torch.cuda.stream(side):
+    with _on_side(side):
         dw2_EDF = fc2.recipe.grouped_wgrad(g2, fc2.xq)
     kernels = _kernels(h.device)
     amax_dh = _amax_slot(kernels, fc1, h, fc1.groups)
+    extra = {} if kernels is glu_reference else {"write_a": False}  # a's quantized copy was kept instead
     dh_TH, dprobs_T, _ = kernels.glu_backward(
         h, probs, da_TF, ctx.activation, ctx.interleave, ctx.b1_EH, ctx.expert_T, **_amax_kw(amax_dh, fc1.groups),
-        write_a=False,
+        **extra,
     )  # fmt: skip
     g1 = quantize_output_grad(fc1, dh_TH, _as_amax(amax_dh))
-    side.wait_stream(main)
-    with torch.cuda.stream(side):
+    with _on_side(side):
         dw1_EHD = fc1.recipe.grouped_wgrad(g1, fc1.xq)
     dx_TD = fc1.recipe.grouped_dgrad(g1, fc1.wq, fc1.x_dtype)
-    main.wait_stream(side)
-    dw2_EDF.record_stream(main)  # allocated on the side stream, used on the main one from here on
-    dw1_EHD.record_stream(main)
-    num_experts = ctx.w_shapes[0][0]
+    _join(side, dw2_EDF, dw1_EHD)
     db1_EH, db2_ED, dprobs_T = _bias_grads(ctx.b1_EH, ctx.b2_ED, probs, ctx.expert_T, num_experts, dy, dh_TH, dprobs_T)
     return dx_TD, dw1_EHD, db1_EH, dw2_EDF, db2_ED, dprobs_T
 
