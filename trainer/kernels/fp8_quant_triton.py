@@ -21,10 +21,14 @@ Kernels, and the bytes each moves per element of x (2 for bf16 input, 4 for fp32
   spans two token groups). The result is exact: max is order-independent, so atomics are deterministic.
 - `_scales_kernel`: the scale rule on `[B]` or `[G]` values in one launch (correctly rounded divisions,
   `div_rn`, as torch's CUDA division), instead of the ~10 tiny eager ops of `scale_from_amax` + `inverse`.
+  For a token-grouped tensor it also writes the decode scales expanded as the native grouped GEMMs read
+  them (per row, and group-major per column), which saved two eager ops and launches per operand.
 - `_quantize_kernel`: one pass, reads x once (2 B/elem) and writes the rowwise copy `[B, M, K]` (1 B/elem)
   and/or the columnwise copy `[B, K, M]` (1 B/elem): the tile is cast once and transposed in registers
-  (`tl.trans`), so both stores are contiguous (along K, and along M). Optionally records the amax of x in
-  the same pass (delayed scaling, whose scale does not depend on it).
+  (`tl.trans`), so both stores are contiguous (along K, and along M). On Hopper and later, for one matrix
+  (B == 1: activations and grads, the per-step hot path), the columnwise tile is stored through a TMA tensor
+  descriptor instead of pointer stores: 20-25% faster on an H200 (docs/benchmarks.md), same bytes.
+  Optionally records the amax of x in the same pass (delayed scaling, whose scale does not depend on it).
   Current scaling therefore costs 2 + 2 + 2 = 6 B/elem for both copies from bf16 (two reads, two writes);
   delayed scaling 4 B/elem.
 - `_zero_empty_kernel`: zeros the `[O, D]` slabs of experts with no tokens in a grouped weight grad
@@ -42,17 +46,31 @@ half-up, not to nearest even, so there it agrees with the eager path within one 
 
 from __future__ import annotations
 
-from typing import Optional
+import functools
+import os
+from typing import Any, Optional
 
 import torch
 import triton
 import triton.language as tl
+
+TensorDescriptor: Any
+try:  # host-side TMA descriptors (Triton >= 3.3); without them the columnwise copy uses pointer stores
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older Triton
+    TensorDescriptor = None
 
 from trainer.precision.formats import FLT_MAX
 
 QUANT_BLOCK_M = 64
 QUANT_BLOCK_K = 128
 QUANT_WARPS = 4
+# With the columnwise copy stored through TMA (Hopper+, one matrix): (BLOCK_M, BLOCK_K, warps) swept on an
+# H200 at T = 32768 rows and K in {1536, 3072, 4096} (docs/benchmarks.md): 64 x 64 tiles won, with 2 warps
+# from K >= COL_TMA_WIDE_K on.
+COL_TMA_TILE = (64, 64, 4)
+COL_TMA_TILE_WIDE = (64, 64, 2)
+COL_TMA_WIDE_K = 3072
 AMAX_MAX_BLOCK_K = 512
 AMAX_TILE = 8192  # elements per amax tile (BLOCK_M x BLOCK_K)
 AMAX_WARPS = 8
@@ -110,37 +128,65 @@ def _amax_kernel(
 
 
 @triton.jit
-def _scales_kernel(
-    amax_ptr, given_ptr, enc_ptr, dec_ptr, N,
-    FMAX: tl.constexpr, BIG: tl.constexpr, POW2: tl.constexpr, GIVEN: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
-    """encode = scale_from_amax(amax) (or the given encode scales), decode = 1 / encode: fp32 `[N]`."""
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = i < N
+def _scale_rule(a, FMAX: tl.constexpr, BIG: tl.constexpr, POW2: tl.constexpr):
+    """encode = scale_from_amax(a) on an fp32 block (correctly rounded division, as torch's CUDA one)."""
+    s = tl.math.div_rn(tl.full(a.shape, FMAX, tl.float32), a)
+    # exponent bits all ones: +-inf or NaN (tested on bits: no inf literal needed)
+    s_inf = (s.to(tl.int32, bitcast=True) & 0x7FFFFFFF) == 0x7F800000
+    s = tl.where(s_inf, BIG, s)  # fmax / tiny amax overflows: FLT_MAX, as TE
+    a_nonfinite = (a.to(tl.int32, bitcast=True) & 0x7F800000) == 0x7F800000
+    s = tl.where((a == 0) | a_nonfinite, 1.0, s)
+    if POW2:  # round down to a power of two: keep sign and exponent bits
+        s = (s.to(tl.int32, bitcast=True) & -8388608).to(tl.float32, bitcast=True)  # ~0x7FFFFF
+    return s
+
+
+@triton.jit
+def _encode_at(amax_ptr, given_ptr, g, ok, FMAX: tl.constexpr, BIG: tl.constexpr, POW2: tl.constexpr,
+               GIVEN: tl.constexpr):  # fmt: skip
+    """The encode scales of slots `g` (fp32 block): the given ones, or the rule applied to their amax."""
     if GIVEN:
-        s = tl.load(given_ptr + i, mask=ok, other=1.0)
-    else:
-        a = tl.load(amax_ptr + i, mask=ok, other=1.0)
-        s = tl.math.div_rn(tl.full([BLOCK], FMAX, tl.float32), a)
-        # exponent bits all ones: +-inf or NaN (tested on bits: no inf literal needed)
-        s_inf = (s.to(tl.int32, bitcast=True) & 0x7FFFFFFF) == 0x7F800000
-        s = tl.where(s_inf, BIG, s)  # fmax / tiny amax overflows: FLT_MAX, as TE
-        a_nonfinite = (a.to(tl.int32, bitcast=True) & 0x7F800000) == 0x7F800000
-        s = tl.where((a == 0) | a_nonfinite, 1.0, s)
-        if POW2:  # round down to a power of two: keep sign and exponent bits
-            s = (s.to(tl.int32, bitcast=True) & -8388608).to(tl.float32, bitcast=True)  # ~0x7FFFFF
+        return tl.load(given_ptr + g, mask=ok, other=1.0)
+    return _scale_rule(tl.load(amax_ptr + g, mask=ok, other=1.0), FMAX, BIG, POW2)
+
+
+@triton.jit
+def _scales_kernel(
+    amax_ptr, given_ptr, enc_ptr, dec_ptr, ids_ptr, rows_ptr, cols_ptr, N, T, R,
+    FMAX: tl.constexpr, BIG: tl.constexpr, POW2: tl.constexpr, GIVEN: tl.constexpr, ROWS: tl.constexpr,
+    COLS: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """encode = scale_from_amax(amax) (or the given encode scales), decode = 1 / encode: fp32 `[N]`; with ROWS
+    also decode per token row `rows[t] = decode[ids[t]]` `[T]`, with COLS group-major `cols[i] = decode[i // R]`
+    `[N * R]` (the layouts the native grouped GEMMs read). Every output recomputes its slot's scale from the
+    same input with the same operations, so all of them hold the same bits and no program waits on another."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    one = tl.full([BLOCK], 1.0, tl.float32)
+    ok = i < N
+    s = _encode_at(amax_ptr, given_ptr, i, ok, FMAX, BIG, POW2, GIVEN)
     tl.store(enc_ptr + i, s, mask=ok)
-    tl.store(dec_ptr + i, tl.math.div_rn(tl.full([BLOCK], 1.0, tl.float32), s), mask=ok)
+    tl.store(dec_ptr + i, tl.math.div_rn(one, s), mask=ok)
+    if ROWS:
+        row_ok = i < T
+        g = tl.load(ids_ptr + i, mask=row_ok, other=0)
+        s_row = _encode_at(amax_ptr, given_ptr, g, row_ok, FMAX, BIG, POW2, GIVEN)
+        tl.store(rows_ptr + i, tl.math.div_rn(one, s_row), mask=row_ok)
+    if COLS:
+        col_ok = i < N * R
+        s_col = _encode_at(amax_ptr, given_ptr, i // R, col_ok, FMAX, BIG, POW2, GIVEN)
+        tl.store(cols_ptr + i, tl.math.div_rn(one, s_col), mask=col_ok)
 
 
 @triton.jit
 def _quantize_kernel(
-    x_ptr, enc_ptr, ids_ptr, row_ptr, col_ptr, amax_ptr, M, K,
+    x_ptr, enc_ptr, ids_ptr, row_ptr, col_ptr, col_desc, amax_ptr, M, K,
     FMAX: tl.constexpr, OUT: tl.constexpr, JAGGED: tl.constexpr, ROWWISE: tl.constexpr,
-    COLUMNWISE: tl.constexpr, AMAX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    COLUMNWISE: tl.constexpr, COL_TMA: tl.constexpr, AMAX: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """One 64 x 128 tile of x `[B, M, K]`: scale, saturate, cast to fp8 once, store rowwise `[B, M, K]` and/or
-    columnwise `[B, K, M]` (as uint8 bytes), optionally record max |x| (int32 bits) into `amax_ptr`."""
+    """One BLOCK_M x BLOCK_K tile of x `[B, M, K]`: scale, saturate, cast to fp8 once, store rowwise
+    `[B, M, K]` and/or columnwise `[B, K, M]` (as uint8 bytes; with COL_TMA, B == 1, through the tensor
+    descriptor `col_desc`), optionally record max |x| (int32 bits) into `amax_ptr`."""
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     b = tl.program_id(2)
@@ -171,8 +217,11 @@ def _quantize_kernel(
     if ROWWISE:
         tl.store(row_ptr + base + rows64[:, None] * K + cols64[None, :], q, mask=mask)
     if COLUMNWISE:  # the transposed tile, stored contiguous along M
-        tl.store(col_ptr + base + cols64[:, None] * M + rows64[None, :], tl.trans(q),
-                 mask=col_ok[:, None] & row_ok[None, :])  # fmt: skip
+        if COL_TMA:  # the TMA unit writes it from shared memory (and clips the edges)
+            col_desc.store([pid_k * BLOCK_K, first_row], tl.trans(q))
+        else:
+            tl.store(col_ptr + base + cols64[:, None] * M + rows64[None, :], tl.trans(q),
+                     mask=col_ok[:, None] & row_ok[None, :])  # fmt: skip
     if AMAX:
         last_row = tl.minimum(first_row + BLOCK_M, M) - 1
         _record_amax(amax_ptr, ids_ptr, b, rows, row_ok, _tile_amax_bits(x), first_row, last_row, JAGGED)
@@ -232,9 +281,13 @@ def scales(
     pow2: bool = False,
     amax: Optional[torch.Tensor] = None,
     encode: Optional[torch.Tensor] = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(encode, decode) fp32 `[n]`: from `amax` by TE's rule (fp8_scale.scale_from_amax), or the given
-    `encode` scales; decode = 1 / encode (fp8_scale.inverse)."""
+    ids_T: Optional[torch.Tensor] = None,
+    cols_per_group: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """(encode, decode, decode per row, decode per column) fp32: encode and decode `[n]`, from `amax` by TE's
+    rule (fp8_scale.scale_from_amax) or the given `encode` scales, decode = 1 / encode (fp8_scale.inverse).
+    With token-group ids `ids_T`, also decode per row `[T]` = decode[ids]; with `cols_per_group` R > 0, also
+    the group-major `[n * R]` = decode repeated R times each. The expansions are None when not asked for."""
     if (amax is None) == (encode is None):
         raise ValueError("pass exactly one of amax and encode")
     src = (amax if encode is None else encode).to(device=device, dtype=torch.float32).reshape(-1).contiguous()
@@ -242,11 +295,18 @@ def scales(
         raise ValueError(f"expected {n} per-tensor values, got {src.numel()}")
     enc = torch.empty(n, dtype=torch.float32, device=device)
     dec = torch.empty(n, dtype=torch.float32, device=device)
-    if n:
-        _scales_kernel[(triton.cdiv(n, SCALE_BLOCK),)](
-            src, src, enc, dec, n, FMAX=fmax, BIG=FLT_MAX, POW2=pow2, GIVEN=encode is not None, BLOCK=SCALE_BLOCK,
+    T = ids_T.numel() if ids_T is not None else 0
+    rows = torch.empty(T, dtype=torch.float32, device=device) if ids_T is not None else None
+    cols = torch.empty(n * cols_per_group, dtype=torch.float32, device=device) if cols_per_group > 0 else None
+    span = max(n, T, n * cols_per_group)
+    if n and span:
+        _scales_kernel[(triton.cdiv(span, SCALE_BLOCK),)](
+            src, src, enc, dec, ids_T if ids_T is not None else src, rows if rows is not None else enc,
+            cols if cols is not None else enc, n, T, max(cols_per_group, 1),
+            FMAX=fmax, BIG=FLT_MAX, POW2=pow2, GIVEN=encode is not None, ROWS=rows is not None,
+            COLS=cols is not None, BLOCK=SCALE_BLOCK,
         )  # fmt: skip
-    return enc, dec
+    return enc, dec, rows, cols
 
 
 def quantize(
@@ -275,16 +335,48 @@ def quantize(
     if x_BMK.numel():
         enc = encode.to(torch.float32).reshape(-1).contiguous()
         placeholder = enc  # pointer arguments a constexpr switch leaves unread
-        grid = (triton.cdiv(M, QUANT_BLOCK_M), triton.cdiv(K, QUANT_BLOCK_K), B)
+        col_u8 = col.view(torch.uint8) if col is not None else None
+        col_desc: object = placeholder
+        block_m, block_k, warps = QUANT_BLOCK_M, QUANT_BLOCK_K, QUANT_WARPS
+        if col_u8 is not None and _col_tma_ok(col_u8):
+            block_m, block_k, warps = col_tma_tile(K)
+            col_desc = TensorDescriptor.from_tensor(col_u8[0], [block_k, block_m])
+        grid = (triton.cdiv(M, block_m), triton.cdiv(K, block_k), B)
         _quantize_kernel[grid](
             x_BMK, enc, ids_T if ids_T is not None else placeholder,
             row.view(torch.uint8) if row is not None else placeholder,
-            col.view(torch.uint8) if col is not None else placeholder,
+            col_u8 if col_u8 is not None else placeholder, col_desc,
             amax_out if amax_out is not None else placeholder, M, K,
             FMAX=fmax, OUT=_TL_FP8[out_dtype], JAGGED=ids_T is not None, ROWWISE=rowwise, COLUMNWISE=columnwise,
-            AMAX=amax_out is not None, BLOCK_M=QUANT_BLOCK_M, BLOCK_K=QUANT_BLOCK_K, num_warps=QUANT_WARPS,
+            COL_TMA=col_desc is not placeholder, AMAX=amax_out is not None, BLOCK_M=block_m, BLOCK_K=block_k,
+            num_warps=warps,
         )  # fmt: skip
     return row, col
+
+
+def col_tma_tile(K: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_K, warps) of the quantize kernel when it stores the columnwise copy through TMA."""
+    return COL_TMA_TILE_WIDE if K >= COL_TMA_WIDE_K else COL_TMA_TILE
+
+
+def _col_tma_ok(col_BKM: torch.Tensor) -> bool:
+    """Whether the columnwise copy can be stored through a TMA descriptor: Hopper or later, one 2-D `[K, M]`
+    matrix (a batch of weights keeps the pointer store: a tile there must not spill into the next matrix),
+    rows a multiple of 16 bytes, and not switched off (`MOECTL_QUANT_TMA=0`)."""
+    return (
+        TensorDescriptor is not None
+        and col_BKM.is_cuda
+        and col_BKM.shape[0] == 1
+        and col_BKM.shape[2] % 16 == 0
+        and col_BKM.data_ptr() % 16 == 0
+        and os.environ.get("MOECTL_QUANT_TMA", "1") != "0"
+        and _major(col_BKM.device.index if col_BKM.device.index is not None else torch.cuda.current_device()) >= 9
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]  # cached: the query costs ~40 us of host time
 
 
 def zero_empty_groups_(out_GXY: torch.Tensor, offsets_G: torch.Tensor) -> torch.Tensor:

@@ -307,7 +307,8 @@ def _forward_quantized(
         raise ValueError(f"w2_EDF has shape {tuple(w2_EDF.shape)}, expected {(num_experts, d_model, f)}")
     precision.check_aligned(torch.as_tensor(tokens_per_expert_E))
     rows = x_TD.shape[0]
-    offs_E = _offsets(tokens_per_expert_E, x_TD.device)
+    counts = torch.as_tensor(tokens_per_expert_E).to(device=x_TD.device, dtype=torch.int64)
+    offs_E = torch.cumsum(counts, 0)  # int64, as TokenGroups keeps them (its int32 copy is made once, for grouped_mm)
     groups = TokenGroups.from_offsets(offs_E, rows, validate=x_TD.device.type == "cpu")
     expert_T = _expert_of_row(offs_E, rows) if b1_EH is not None or b2_ED is not None else None
     kernels = _kernels(x_TD.device)

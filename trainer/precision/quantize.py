@@ -164,12 +164,17 @@ def _quantize_per_tensor_triton(
     ids = groups.ids if groups is not None else None
     measured: Optional[torch.Tensor] = None
     amax_bits: Optional[torch.Tensor] = None
+    # a token-grouped copy also gets its decode scales in the layout the native grouped GEMM reads (per row
+    # for the rowwise copy, group-major per column for the columnwise one), from the same launch
+    expand = {"ids_T": ids if rowwise else None, "cols_per_group": K if columnwise else 0} if ids is not None else {}
     if encode_scale is None:
         if amax is None:
             amax = measured = tq.amax(x_BMK, ids, n)
-        enc, dec = tq.scales(n, x.device, fmax=fmt.max, pow2=scheme.pow2, amax=amax)
+        enc, dec, dec_rows, dec_cols = tq.scales(n, x.device, fmax=fmt.max, pow2=scheme.pow2, amax=amax, **expand)
     else:
-        enc, dec = tq.scales(n, x.device, fmax=fmt.max, pow2=scheme.pow2, encode=encode_scale)
+        enc, dec, dec_rows, dec_cols = tq.scales(
+            n, x.device, fmax=fmt.max, pow2=scheme.pow2, encode=encode_scale, **expand
+        )  # fmt: skip
         if want_amax:
             amax_bits = torch.zeros(n, dtype=torch.int32, device=x.device)
     row_BMK, col_BKM = tq.quantize(
@@ -181,12 +186,12 @@ def _quantize_per_tensor_triton(
         measured = tq.amax(x_BMK, ids, n)
     dec = dec.view(per_shape)
     col_shape = (*x.shape[:-2], K, M)
-    row = QuantizedData(data=row_BMK.view(x.shape), scale=dec) if row_BMK is not None else None
+    row = QuantizedData(data=row_BMK.view(x.shape), scale=dec, gemm_scale=dec_rows) if row_BMK is not None else None
     col = None
     if col_BKM is not None:  # the eager columnwise copy of a weight keeps a scale tensor of its own (a clone);
         # a token-grouped activation or grad is transient and never written in place: its copies share one
         own = row is not None and groups is None
-        col = QuantizedData(data=col_BKM.view(col_shape), scale=dec.clone() if own else dec)
+        col = QuantizedData(data=col_BKM.view(col_shape), scale=dec.clone() if own else dec, gemm_scale=dec_cols)
     qt = QuantizedTensor(
         scheme=scheme, shape=x.shape, dtype=x.dtype, rowwise=row, columnwise=col, groups=groups, recipe=recipe
     )

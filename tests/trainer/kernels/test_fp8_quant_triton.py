@@ -165,6 +165,42 @@ def test_jagged_activation_matches_eager_bitwise(monkeypatch, dtype, fmt, counts
         assert_same(fast, ref)
         q = fast.columnwise if fast.columnwise is not None else fast.rowwise
         assert q is not None and q.scale.shape == (len(counts),)
+        _check_gemm_scales(fast, groups)
+
+
+def _check_gemm_scales(q: QuantizedTensor, groups: TokenGroups) -> None:
+    """The expanded decode scales the scales kernel wrote are the group scales per row / group-major per
+    column, bit for bit (what native.py would otherwise expand with index_select / expand)."""
+    if q.rowwise is not None:
+        assert q.rowwise.gemm_scale is not None
+        assert torch.equal(q.rowwise.gemm_scale.view(torch.int32), q.rowwise.scale[groups.ids].view(torch.int32))
+    if q.columnwise is not None:
+        K = q.shape[-1]
+        want = q.columnwise.scale.repeat_interleave(K)
+        assert q.columnwise.gemm_scale is not None and torch.equal(q.columnwise.gemm_scale.view(torch.int32), want.view(torch.int32))
+        assert "gemm_scale" not in q.columnwise.tensors()  # derived: never stored or counted
+
+
+@gpu
+@pytest.mark.parametrize("K", [1536, 4096, 200])
+def test_tma_columnwise_store_matches_pointer_store(monkeypatch, K):  # type: ignore[no-untyped-def]
+    """On Hopper the columnwise copy of one matrix goes out through a TMA descriptor (both tiles: K >= 4096
+    takes the wide one; K = 200 has a partial edge tile that TMA clips); it must give the pointer store's bytes."""
+    from trainer.kernels import fp8_quant_triton as tq
+
+    if torch.cuda.get_device_capability()[0] < 9 or tq.TensorDescriptor is None:
+        pytest.skip("TMA stores need Hopper and Triton tensor descriptors")
+    counts = [256, 0, 320, 448]  # 1024 rows: a multiple of 16 bytes per columnwise row, so TMA applies
+    x, groups = _jagged(counts, K, torch.bfloat16, True)
+    scheme = Scheme("tensor", "e4m3")
+    taken: list[bool] = []
+    real = tq._col_tma_ok
+    monkeypatch.setattr(tq, "_col_tma_ok", lambda col: taken.append(real(col)) or taken[-1])
+    tma = quantize(x, scheme, rowwise=True, columnwise=True, groups=groups)
+    monkeypatch.setenv("MOECTL_QUANT_TMA", "0")
+    plain = quantize(x, scheme, rowwise=True, columnwise=True, groups=groups)
+    assert taken == [True, False]
+    assert_same(tma, plain)
 
 
 @gpu
