@@ -19,11 +19,12 @@ Kernels, and the bytes each moves per element of x (2 for bf16 input, 4 for fp32
   tile (|x| is non-negative, so integer order is float order, and a NaN, whose bits exceed +inf's, wins:
   NaN propagates without a separate flag), then one int32 `atomic_max` per tile (per row where a tile
   spans two token groups). The result is exact: max is order-independent, so atomics are deterministic.
-- `_scales_kernel`: the scale rule on `[B]` or `[G]` values in one launch (correctly rounded divisions,
-  `div_rn`, as torch's CUDA division), instead of the ~10 tiny eager ops of `scale_from_amax` + `inverse`.
-  For a token-grouped tensor it also writes the decode scales expanded as the native grouped GEMMs read
-  them (per row, and group-major per column), which saved two eager ops and launches per operand.
-- `_quantize_kernel`: one pass, reads x once (2 B/elem) and writes the rowwise copy `[B, M, K]` (1 B/elem)
+- `_quantize_kernel`: the scale rule first, on its rows' amax (or given encode scales): each tile computes the
+  scale of its rows' slots itself (correctly rounded divisions, `div_rn`, as torch's CUDA division), and the
+  first tiles also write the slots' encode / decode scales and, for a token-grouped tensor, the decode scales
+  expanded as the native grouped GEMMs read them (per row, and group-major per column). A separate scales
+  launch, and the eager ops that expanded its output, cost more host time than the divisions cost the tiles.
+  Then one pass, reads x once (2 B/elem) and writes the rowwise copy `[B, M, K]` (1 B/elem)
   and/or the columnwise copy `[B, K, M]` (1 B/elem): the tile is cast once and transposed in registers
   (`tl.trans`), so both stores are contiguous (along K, and along M). On Hopper and later, for one matrix
   (B == 1: activations and grads, the per-step hot path), the columnwise tile is stored through a TMA tensor
@@ -48,7 +49,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 import triton
@@ -76,9 +77,21 @@ AMAX_TILE = 8192  # elements per amax tile (BLOCK_M x BLOCK_K)
 AMAX_WARPS = 8
 ZERO_BLOCK = 4096
 ZERO_PROGRAMS = 64  # programs per expert of the zeroing kernel (each strides over the slab)
-SCALE_BLOCK = 256
+SCALE_BLOCK = 32  # scale slots per step of the loops that write the per-slot and per-column scales
 
 _TL_FP8 = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
+
+
+class Quantized(NamedTuple):
+    """What `quantize` returns: the fp8 copies (None where not asked for), the encode and decode scales `[N]`,
+    and for token groups the decode scales per row `[M]` and group-major per column `[N * K]` (or None)."""
+
+    row: Optional[torch.Tensor]
+    col: Optional[torch.Tensor]
+    encode: torch.Tensor
+    decode: torch.Tensor
+    decode_rows: Optional[torch.Tensor]
+    decode_cols: Optional[torch.Tensor]
 
 
 @triton.jit
@@ -151,42 +164,22 @@ def _encode_at(amax_ptr, given_ptr, g, ok, FMAX: tl.constexpr, BIG: tl.constexpr
 
 
 @triton.jit
-def _scales_kernel(
-    amax_ptr, given_ptr, enc_ptr, dec_ptr, ids_ptr, rows_ptr, cols_ptr, N, T, R,
-    FMAX: tl.constexpr, BIG: tl.constexpr, POW2: tl.constexpr, GIVEN: tl.constexpr, ROWS: tl.constexpr,
-    COLS: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
-    """encode = scale_from_amax(amax) (or the given encode scales), decode = 1 / encode: fp32 `[N]`; with ROWS
-    also decode per token row `rows[t] = decode[ids[t]]` `[T]`, with COLS group-major `cols[i] = decode[i // R]`
-    `[N * R]` (the layouts the native grouped GEMMs read). Every output recomputes its slot's scale from the
-    same input with the same operations, so all of them hold the same bits and no program waits on another."""
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    one = tl.full([BLOCK], 1.0, tl.float32)
-    ok = i < N
-    s = _encode_at(amax_ptr, given_ptr, i, ok, FMAX, BIG, POW2, GIVEN)
-    tl.store(enc_ptr + i, s, mask=ok)
-    tl.store(dec_ptr + i, tl.math.div_rn(one, s), mask=ok)
-    if ROWS:
-        row_ok = i < T
-        g = tl.load(ids_ptr + i, mask=row_ok, other=0)
-        s_row = _encode_at(amax_ptr, given_ptr, g, row_ok, FMAX, BIG, POW2, GIVEN)
-        tl.store(rows_ptr + i, tl.math.div_rn(one, s_row), mask=row_ok)
-    if COLS:
-        col_ok = i < N * R
-        s_col = _encode_at(amax_ptr, given_ptr, i // R, col_ok, FMAX, BIG, POW2, GIVEN)
-        tl.store(cols_ptr + i, tl.math.div_rn(one, s_col), mask=col_ok)
-
-
-@triton.jit
 def _quantize_kernel(
-    x_ptr, enc_ptr, ids_ptr, row_ptr, col_ptr, col_desc, amax_ptr, M, K,
-    FMAX: tl.constexpr, OUT: tl.constexpr, JAGGED: tl.constexpr, ROWWISE: tl.constexpr,
-    COLUMNWISE: tl.constexpr, COL_TMA: tl.constexpr, AMAX: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    x_ptr, src_ptr, ids_ptr, row_ptr, col_ptr, col_desc, amax_ptr, enc_ptr, dec_ptr, drow_ptr, dcol_ptr, M, K, N,
+    FMAX: tl.constexpr, BIG: tl.constexpr, POW2: tl.constexpr, GIVEN: tl.constexpr, OUT: tl.constexpr,
+    JAGGED: tl.constexpr, ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, COL_TMA: tl.constexpr,
+    AMAX: tl.constexpr, DEC_ROWS: tl.constexpr, DEC_COLS: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr,
 ):  # fmt: skip
-    """One BLOCK_M x BLOCK_K tile of x `[B, M, K]`: scale, saturate, cast to fp8 once, store rowwise
-    `[B, M, K]` and/or columnwise `[B, K, M]` (as uint8 bytes; with COL_TMA, B == 1, through the tensor
-    descriptor `col_desc`), optionally record max |x| (int32 bits) into `amax_ptr`."""
+    """One BLOCK_M x BLOCK_K tile of x `[B, M, K]`: the encode scale of its rows' slot (batch index b, or each
+    row's token group) from `src` (amax, or the given encode scales with GIVEN), scale, saturate, cast to fp8
+    once, store rowwise `[B, M, K]` and/or columnwise `[B, K, M]` (as uint8 bytes; with COL_TMA, B == 1, through
+    the tensor descriptor `col_desc`), optionally record max |x| (int32 bits) into `amax_ptr`.
+
+    The slots' encode / decode scales `[N]` are written by the first tile of each batch index; with DEC_ROWS the
+    tiles of the first column block also write the decode scale of each of their rows `[M]`, with DEC_COLS the
+    tiles of the first row block write the group-major `[N * K]` (the layouts the native grouped GEMMs read).
+    Every writer applies the same rule to the same input, so all of them hold the same bits."""
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     b = tl.program_id(2)
@@ -199,13 +192,38 @@ def _quantize_kernel(
     base = b.to(tl.int64) * M * K
     rows64 = rows.to(tl.int64)
     cols64 = cols.to(tl.int64)
-    x = tl.load(x_ptr + base + rows64[:, None] * K + cols64[None, :], mask=mask, other=0.0).to(tl.float32)
-    if JAGGED:  # one scale per token group: gather it by each row's group id
+    if JAGGED:  # one scale per token group: each row's group id
         ids = tl.load(ids_ptr + rows, mask=row_ok, other=0)
-        s = tl.load(enc_ptr + ids, mask=row_ok, other=1.0)[:, None]
+        lo = 0
+        hi = N
     else:
-        s = tl.load(enc_ptr + b)
-    y = x * s
+        ids = tl.zeros([BLOCK_M], dtype=tl.int32) + b
+        lo = b
+        hi = b + 1
+    s_M = _encode_at(src_ptr, src_ptr, ids, row_ok, FMAX, BIG, POW2, GIVEN)
+    if (pid_m == 0) & (pid_k == 0):  # the slots' encode and decode scales
+        for g0 in range(lo, hi, BLOCK_G):
+            g = g0 + tl.arange(0, BLOCK_G)
+            g_ok = g < hi
+            s_G = _encode_at(src_ptr, src_ptr, g, g_ok, FMAX, BIG, POW2, GIVEN)
+            tl.store(enc_ptr + g, s_G, mask=g_ok)
+            tl.store(dec_ptr + g, tl.math.div_rn(tl.full([BLOCK_G], 1.0, tl.float32), s_G), mask=g_ok)
+    if DEC_ROWS:
+        if pid_k == 0:
+            tl.store(drow_ptr + rows, tl.math.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), s_M), mask=row_ok)
+    if DEC_COLS:
+        if pid_m == 0:
+            for g0 in range(0, N, BLOCK_G):
+                g = g0 + tl.arange(0, BLOCK_G)
+                g_ok = g < N
+                d_G = tl.math.div_rn(
+                    tl.full([BLOCK_G], 1.0, tl.float32), _encode_at(src_ptr, src_ptr, g, g_ok, FMAX, BIG, POW2, GIVEN)
+                )  # fmt: skip
+                d_GK = tl.broadcast_to(d_G[:, None], [BLOCK_G, BLOCK_K])
+                tl.store(dcol_ptr + g.to(tl.int64)[:, None] * K + cols64[None, :], d_GK,
+                         mask=g_ok[:, None] & col_ok[None, :])  # fmt: skip
+    x = tl.load(x_ptr + base + rows64[:, None] * K + cols64[None, :], mask=mask, other=0.0).to(tl.float32)
+    y = x * s_M[:, None]
     # cast_to_fp8: clamp to +-fmax (comparisons are false for NaN, so NaN stays), then round to nearest even
     y = tl.where(y > FMAX, FMAX, y)
     y = tl.where(y < -FMAX, -FMAX, y)
@@ -256,13 +274,19 @@ def _check_x(x_BMK: torch.Tensor, ids_T: Optional[torch.Tensor]) -> None:
         raise ValueError("token group ids need x as [1, T, K] with one id per row")
 
 
-def amax(x_BMK: torch.Tensor, ids_T: Optional[torch.Tensor] = None, num_groups: int = 0) -> torch.Tensor:
+def amax(
+    x_BMK: torch.Tensor, ids_T: Optional[torch.Tensor] = None, num_groups: int = 0, out: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """max |x| in fp32: `[B]` for x `[B, M, K]`, or `[G]` for x `[1, T, K]` with row group ids `ids_T`
-    (int64, non-decreasing, `num_groups` = G; a group without rows gets 0). NaN propagates."""
+    (int64, non-decreasing, `num_groups` = G; a group without rows gets 0). NaN propagates. `out`: a zeroed
+    int32 buffer of that many slots to record into (a caller that needs several amaxes zeroes them at once)."""
     _check_x(x_BMK, ids_T)
     B, M, K = x_BMK.shape
     slots = num_groups if ids_T is not None else B
-    out = torch.zeros(slots, dtype=torch.int32, device=x_BMK.device)
+    if out is None:
+        out = torch.zeros(slots, dtype=torch.int32, device=x_BMK.device)
+    elif out.dtype != torch.int32 or out.numel() != slots or not out.is_contiguous():
+        raise ValueError(f"amax out must be a contiguous int32 tensor of {slots} slots")
     if x_BMK.numel():
         block_k = min(AMAX_MAX_BLOCK_K, triton.next_power_of_2(K))
         block_m = max(1, min(16, AMAX_TILE // block_k, triton.next_power_of_2(M)))
@@ -273,85 +297,75 @@ def amax(x_BMK: torch.Tensor, ids_T: Optional[torch.Tensor] = None, num_groups: 
     return out.view(torch.float32)
 
 
-def scales(
-    n: int,
-    device: torch.device,
-    *,
-    fmax: float,
-    pow2: bool = False,
-    amax: Optional[torch.Tensor] = None,
-    encode: Optional[torch.Tensor] = None,
-    ids_T: Optional[torch.Tensor] = None,
-    cols_per_group: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """(encode, decode, decode per row, decode per column) fp32: encode and decode `[n]`, from `amax` by TE's
-    rule (fp8_scale.scale_from_amax) or the given `encode` scales, decode = 1 / encode (fp8_scale.inverse).
-    With token-group ids `ids_T`, also decode per row `[T]` = decode[ids]; with `cols_per_group` R > 0, also
-    the group-major `[n * R]` = decode repeated R times each. The expansions are None when not asked for."""
-    if (amax is None) == (encode is None):
-        raise ValueError("pass exactly one of amax and encode")
-    src = (amax if encode is None else encode).to(device=device, dtype=torch.float32).reshape(-1).contiguous()
-    if src.numel() != n:
-        raise ValueError(f"expected {n} per-tensor values, got {src.numel()}")
-    enc = torch.empty(n, dtype=torch.float32, device=device)
-    dec = torch.empty(n, dtype=torch.float32, device=device)
-    T = ids_T.numel() if ids_T is not None else 0
-    rows = torch.empty(T, dtype=torch.float32, device=device) if ids_T is not None else None
-    cols = torch.empty(n * cols_per_group, dtype=torch.float32, device=device) if cols_per_group > 0 else None
-    span = max(n, T, n * cols_per_group)
-    if n and span:
-        _scales_kernel[(triton.cdiv(span, SCALE_BLOCK),)](
-            src, src, enc, dec, ids_T if ids_T is not None else src, rows if rows is not None else enc,
-            cols if cols is not None else enc, n, T, max(cols_per_group, 1),
-            FMAX=fmax, BIG=FLT_MAX, POW2=pow2, GIVEN=encode is not None, ROWS=rows is not None,
-            COLS=cols is not None, BLOCK=SCALE_BLOCK,
-        )  # fmt: skip
-    return enc, dec, rows, cols
-
-
 def quantize(
     x_BMK: torch.Tensor,
-    encode: torch.Tensor,
     out_dtype: torch.dtype,
     fmax: float,
     *,
+    amax: Optional[torch.Tensor] = None,
+    encode: Optional[torch.Tensor] = None,
+    pow2: bool = False,
     ids_T: Optional[torch.Tensor] = None,
+    num_groups: int = 0,
     rowwise: bool = True,
     columnwise: bool = False,
     amax_out: Optional[torch.Tensor] = None,
-) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """(rowwise `[B, M, K]`, columnwise `[B, K, M]`) fp8 copies of x scaled by `encode` (fp32, one per batch
-    index, or one per token group with `ids_T`), in one pass over x. `amax_out`: an int32 `[B]` or `[G]`
-    zero-initialised buffer that receives max |x| as bit patterns (view it as fp32), or None."""
+    gemm_scales: bool = False,
+) -> Quantized:
+    """The fp8 copies of x `[B, M, K]` (rowwise `[B, M, K]`, columnwise `[B, K, M]`) and their scales, in one
+    pass over x. Scales: one per batch index, or one per token group with `ids_T` (`num_groups` = G), encode
+    = scale_from_amax(`amax`) by TE's rule (fp8_scale.scale_from_amax) or the given `encode`; decode =
+    1 / encode (fp8_scale.inverse). `amax_out`: an int32 `[B]` or `[G]` zero-initialised buffer that receives
+    max |x| as bit patterns (view it as fp32), or None. `gemm_scales` (token groups only): also the decode
+    scales per row of the rowwise copy and group-major per column of the columnwise one."""
     _check_x(x_BMK, ids_T)
     if out_dtype not in _TL_FP8:
         raise ValueError(f"fp8 output dtype must be float8_e4m3fn or float8_e5m2, got {out_dtype}")
     if not (rowwise or columnwise):
         raise ValueError("ask for at least one of rowwise / columnwise")
+    if (amax is None) == (encode is None):
+        raise ValueError("pass exactly one of amax and encode")
     B, M, K = x_BMK.shape
+    n = num_groups if ids_T is not None else B
     dev = x_BMK.device
-    row = torch.empty((B, M, K), dtype=out_dtype, device=dev) if rowwise else None
-    col = torch.empty((B, K, M), dtype=out_dtype, device=dev) if columnwise else None
-    if x_BMK.numel():
-        enc = encode.to(torch.float32).reshape(-1).contiguous()
-        placeholder = enc  # pointer arguments a constexpr switch leaves unread
-        col_u8 = col.view(torch.uint8) if col is not None else None
-        col_desc: object = placeholder
-        block_m, block_k, warps = QUANT_BLOCK_M, QUANT_BLOCK_K, QUANT_WARPS
-        if col_u8 is not None and _col_tma_ok(col_u8):
-            block_m, block_k, warps = col_tma_tile(K)
-            col_desc = TensorDescriptor.from_tensor(col_u8[0], [block_k, block_m])
-        grid = (triton.cdiv(M, block_m), triton.cdiv(K, block_k), B)
-        _quantize_kernel[grid](
-            x_BMK, enc, ids_T if ids_T is not None else placeholder,
-            row.view(torch.uint8) if row is not None else placeholder,
-            col_u8 if col_u8 is not None else placeholder, col_desc,
-            amax_out if amax_out is not None else placeholder, M, K,
-            FMAX=fmax, OUT=_TL_FP8[out_dtype], JAGGED=ids_T is not None, ROWWISE=rowwise, COLUMNWISE=columnwise,
-            COL_TMA=col_desc is not placeholder, AMAX=amax_out is not None, BLOCK_M=block_m, BLOCK_K=block_k,
-            num_warps=warps,
-        )  # fmt: skip
-    return row, col
+    src = (amax if encode is None else encode).to(device=dev, dtype=torch.float32).reshape(-1).contiguous()
+    if src.numel() != n:
+        raise ValueError(f"expected {n} per-tensor values, got {src.numel()}")
+    expand = gemm_scales and ids_T is not None
+    out = Quantized(
+        torch.empty((B, M, K), dtype=out_dtype, device=dev) if rowwise else None,
+        torch.empty((B, K, M), dtype=out_dtype, device=dev) if columnwise else None,
+        torch.empty(n, dtype=torch.float32, device=dev),
+        torch.empty(n, dtype=torch.float32, device=dev),
+        torch.empty(M, dtype=torch.float32, device=dev) if expand and rowwise else None,
+        torch.empty(n * K, dtype=torch.float32, device=dev) if expand and columnwise else None,
+    )
+    if x_BMK.numel() == 0:  # no tile to carry the scales: the eager rule (the same bits, tested)
+        from trainer.precision import fp8_scale
+
+        out.encode.copy_(src if encode is not None else fp8_scale.scale_from_amax(src, fmax, pow2))
+        out.decode.copy_(fp8_scale.inverse(out.encode))
+        if out.decode_cols is not None:
+            out.decode_cols.copy_(out.decode.repeat_interleave(K))
+        return out
+    placeholder = src  # pointer arguments a constexpr switch leaves unread
+    col_u8 = out.col.view(torch.uint8) if out.col is not None else None
+    col_desc: object = placeholder
+    block_m, block_k, warps = QUANT_BLOCK_M, QUANT_BLOCK_K, QUANT_WARPS
+    if col_u8 is not None and _col_tma_ok(col_u8):
+        block_m, block_k, warps = col_tma_tile(K)
+        col_desc = TensorDescriptor.from_tensor(col_u8[0], [block_k, block_m])
+    grid = (triton.cdiv(M, block_m), triton.cdiv(K, block_k), B)
+    opt = lambda t: t if t is not None else placeholder  # noqa: E731
+    _quantize_kernel[grid](
+        x_BMK, src, opt(ids_T), opt(out.row.view(torch.uint8) if out.row is not None else None), opt(col_u8),
+        col_desc, opt(amax_out), out.encode, out.decode, opt(out.decode_rows), opt(out.decode_cols), M, K, n,
+        FMAX=fmax, BIG=FLT_MAX, POW2=pow2, GIVEN=encode is not None, OUT=_TL_FP8[out_dtype],
+        JAGGED=ids_T is not None, ROWWISE=rowwise, COLUMNWISE=columnwise, COL_TMA=col_desc is not placeholder,
+        AMAX=amax_out is not None, DEC_ROWS=out.decode_rows is not None, DEC_COLS=out.decode_cols is not None,
+        BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_G=SCALE_BLOCK, num_warps=warps,
+    )  # fmt: skip
+    return out
 
 
 def col_tma_tile(K: int) -> tuple[int, int, int]:

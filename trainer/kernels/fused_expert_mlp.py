@@ -312,8 +312,13 @@ def _forward_quantized(
     groups = TokenGroups.from_offsets(offs_E, rows, validate=x_TD.device.type == "cpu")
     expert_T = _expert_of_row(offs_E, rows) if b1_EH is not None or b2_ED is not None else None
     kernels = _kernels(x_TD.device)
-    h_TH, fc1 = qlinear_forward(precision, "fc1", x_TD.contiguous(), w1_EHD, groups)
-    amax_a = _amax_slot(kernels, precision, h_TH, groups)
+    x_TD = x_TD.contiguous()
+    amax_x, amax_a = _amax_slots(kernels, precision, x_TD, groups)
+    if amax_x is not None:  # x's amax into its slot here (the quantizer then skips its own pass and zeroing)
+        from trainer.kernels.fp8_quant_triton import amax as measure_amax
+
+        measure_amax(x_TD.view(1, *x_TD.shape), groups.ids, groups.count, out=amax_x)
+    h_TH, fc1 = qlinear_forward(precision, "fc1", x_TD, w1_EHD, groups, amax=_as_amax(amax_x))
     a_TF = (
         kernels.glu_forward(h_TH, probs_T, activation, interleave, b1_EH, expert_T, **_amax_kw(amax_a, groups))
         if rows else h_TH[:, :f]
@@ -349,12 +354,16 @@ def _backward_quantized(ctx: QuantizedFusedCtx, dy_TD: torch.Tensor, overlap_wgr
         return torch.zeros_like(ctx.x_TD), w1, zeros(ctx.b1_EH), w2, zeros(ctx.b2_ED), zeros(probs)
     dy = dy_TD.to(h.dtype).contiguous()
     side = _side_stream(h.device) if overlap_wgrad and h.is_cuda else None
-    g2 = quantize_output_grad(fc2, dy)
+    kernels = _kernels(h.device)
+    amax_dy, amax_dh = _amax_slots(kernels, fc2, dy, fc2.groups)
+    if amax_dy is not None:
+        from trainer.kernels.fp8_quant_triton import amax as measure_amax
+
+        measure_amax(dy.view(1, *dy.shape), fc2.groups.ids, fc2.groups.count, out=amax_dy)
+    g2 = quantize_output_grad(fc2, dy, _as_amax(amax_dy))
     da_TF = fc2.recipe.grouped_dgrad(g2, fc2.wq, fc2.x_dtype)
     with _on_side(side):
         dw2_EDF = fc2.recipe.grouped_wgrad(g2, fc2.xq)
-    kernels = _kernels(h.device)
-    amax_dh = _amax_slot(kernels, fc1, h, fc1.groups)
     extra = {} if kernels is glu_reference else {"write_a": False}  # a's quantized copy was kept instead
     dh_TH, dprobs_T, _ = kernels.glu_backward(
         h, probs, da_TF, ctx.activation, ctx.interleave, ctx.b1_EH, ctx.expert_T, **_amax_kw(amax_dh, fc1.groups),
@@ -369,19 +378,24 @@ def _backward_quantized(ctx: QuantizedFusedCtx, dy_TD: torch.Tensor, overlap_wgr
     return dx_TD, dw1_EHD, db1_EH, dw2_EDF, db2_ED, dprobs_T
 
 
-def _amax_slot(kernels: ModuleType, who: Any, like: torch.Tensor, groups: Any) -> torch.Tensor | None:
-    """A zeroed int32 `[G]` for the activation kernel to record max |a| (or |dh|) per token group into, when the
-    next quantizer is current per-tensor scaling on its Triton path (it then skips its own amax pass: one read
-    of a or dh saved); None otherwise. `who` carries the recipe (ExpertPrecision or SavedLinear)."""
+def _amax_slots(
+    kernels: ModuleType, who: Any, like: torch.Tensor, groups: Any
+) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
+    """Two zeroed int32 `[G]` slots (one allocation, one fill) for the per-group amax of a GEMM input and of
+    the activation kernel's output (forward: x and a; backward: dy and dh), when the next quantizer is current
+    per-tensor scaling on its Triton path: it then skips its own amax pass (for a and dh: one read of the
+    tensor saved, the activation kernel records it) and its own zeroing. (None, None) otherwise. `who`
+    carries the recipe (ExpertPrecision or SavedLinear)."""
     from trainer.precision.quantize import triton_fast_path
     from trainer.precision.recipes import TensorwiseRecipe
 
     recipe = who.recipe
     if kernels is glu_reference or type(recipe) is not TensorwiseRecipe or groups is None or like.shape[0] == 0:
-        return None  # delayed scaling measures the amax in its quantize pass already
+        return None, None  # delayed scaling measures the amax in its quantize pass already
     if not triton_fast_path(like, recipe.activation_scheme()):
-        return None
-    return torch.zeros(groups.count, dtype=torch.int32, device=like.device)
+        return None, None
+    slots = torch.zeros(2, groups.count, dtype=torch.int32, device=like.device)
+    return slots[0], slots[1]
 
 
 def _amax_kw(slot: torch.Tensor | None, groups: Any) -> dict[str, Any]:

@@ -164,34 +164,27 @@ def _quantize_per_tensor_triton(
     ids = groups.ids if groups is not None else None
     measured: Optional[torch.Tensor] = None
     amax_bits: Optional[torch.Tensor] = None
-    # a token-grouped copy also gets its decode scales in the layout the native grouped GEMM reads (per row
-    # for the rowwise copy, group-major per column for the columnwise one), from the same launch
-    expand = {"ids_T": ids if rowwise else None, "cols_per_group": K if columnwise else 0} if ids is not None else {}
-    if encode_scale is None:
-        if amax is None:
-            amax = measured = tq.amax(x_BMK, ids, n)
-        enc, dec, dec_rows, dec_cols = tq.scales(n, x.device, fmax=fmt.max, pow2=scheme.pow2, amax=amax, **expand)
-    else:
-        enc, dec, dec_rows, dec_cols = tq.scales(
-            n, x.device, fmax=fmt.max, pow2=scheme.pow2, encode=encode_scale, **expand
-        )  # fmt: skip
-        if want_amax:
-            amax_bits = torch.zeros(n, dtype=torch.int32, device=x.device)
-    row_BMK, col_BKM = tq.quantize(
-        x_BMK, enc, fmt.dtype, fmt.max, ids_T=ids, rowwise=rowwise, columnwise=columnwise, amax_out=amax_bits
-    )
+    if encode_scale is None and amax is None:
+        amax = measured = tq.amax(x_BMK, ids, n)
+    if encode_scale is not None and want_amax:
+        amax_bits = torch.zeros(n, dtype=torch.int32, device=x.device)
+    q = tq.quantize(
+        x_BMK, fmt.dtype, fmt.max, amax=amax if encode_scale is None else None, encode=encode_scale,
+        pow2=scheme.pow2, ids_T=ids, num_groups=n, rowwise=rowwise, columnwise=columnwise, amax_out=amax_bits,
+        gemm_scales=True,  # a token-grouped copy also gets its scales as the native grouped GEMM reads them
+    )  # fmt: skip
     if amax_bits is not None:
         measured = amax_bits.view(torch.float32)
     if want_amax and measured is None:  # an amax override was given: measure x's own for the caller
         measured = tq.amax(x_BMK, ids, n)
-    dec = dec.view(per_shape)
+    dec = q.decode.view(per_shape)
     col_shape = (*x.shape[:-2], K, M)
-    row = QuantizedData(data=row_BMK.view(x.shape), scale=dec, gemm_scale=dec_rows) if row_BMK is not None else None
+    row = QuantizedData(data=q.row.view(x.shape), scale=dec, gemm_scale=q.decode_rows) if q.row is not None else None
     col = None
-    if col_BKM is not None:  # the eager columnwise copy of a weight keeps a scale tensor of its own (a clone);
+    if q.col is not None:  # the eager columnwise copy of a weight keeps a scale tensor of its own (a clone);
         # a token-grouped activation or grad is transient and never written in place: its copies share one
         own = row is not None and groups is None
-        col = QuantizedData(data=col_BKM.view(col_shape), scale=dec.clone() if own else dec, gemm_scale=dec_cols)
+        col = QuantizedData(data=q.col.view(col_shape), scale=dec.clone() if own else dec, gemm_scale=q.decode_cols)
     qt = QuantizedTensor(
         scheme=scheme, shape=x.shape, dtype=x.dtype, rowwise=row, columnwise=col, groups=groups, recipe=recipe
     )
