@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from moectl.bench import grouped_mlp_fp8 as fp8
 from moectl.bench.backend_function import BackendFunction
-from moectl.bench.timing import dense_ceiling_tflops, dense_matmul, interleaved_ms
+from moectl.bench.timing import dense_ceiling_tflops, dense_matmul, interleaved_ms, queued_ms
 
 PATHS = ("loop", "eager", "compile", "grouped", "fused")  # bf16 (fp32 in --quick on CPU)
 FP8_PATHS = fp8.FP8_PATHS
@@ -289,6 +289,9 @@ def bench_shape(
             calls["dense"] = dense  # the ceiling again, in the same rounds: what the device gives right now
             rounds = max(1, min(cfg.rounds, cfg.iters))
             samples = interleaved_ms(calls, device, cfg.warmup, rounds, -(-cfg.iters // rounds))
+            paths_only = {k: v for k, v in calls.items() if k != "dense"}
+            queued, behind = queued_ms(paths_only, device, rounds, -(-cfg.iters // rounds))
+            row["queued_host_behind"] = sorted(behind)
             dense_ms = statistics.median(samples["dense"])
             row["dense_row_tflops"] = 2 * cfg.ceiling_size**3 / (dense_ms * 1e-3) / 1e12
             for path in ALL_PATHS:
@@ -296,6 +299,7 @@ def bench_shape(
                 ms = statistics.median(times) if times else None
                 tflops = None if ms is None else flops / (ms * 1e-3) / 1e12
                 row[f"{path}_ms"] = ms
+                row[f"{path}_queued_ms"] = statistics.median(queued[path]) if queued.get(path) else None
                 row[f"{path}_ms_min"] = min(times) if times else None
                 row[f"{path}_ms_max"] = max(times) if times else None
                 row[f"{path}_tflops"] = tflops
@@ -306,6 +310,8 @@ def bench_shape(
             for path in FP8_PATHS:  # speed-up over our bf16 fused path (> 1: the fp8 path is faster)
                 ok = row["fused_ms"] is not None and row[f"{path}_ms"] is not None
                 row[f"{path}_vs_fused"] = row["fused_ms"] / row[f"{path}_ms"] if ok else None
+                ok = row["fused_queued_ms"] is not None and row[f"{path}_queued_ms"] is not None
+                row[f"{path}_queued_vs_fused"] = row["fused_queued_ms"] / row[f"{path}_queued_ms"] if ok else None
                 row[f"{path}_mode"] = fp8.recipe_mode(path, device) if row[f"{path}_ms"] is not None else None
                 row[f"{path}_rel_err"] = errors.get(path)
             for base in ("sgmm_rowwise", "torchao_rowwise"):

@@ -10,6 +10,11 @@ instead of favouring whichever ran first; each round starts with one untimed cal
 version pays for the allocator state the previous one left. Back-to-back runs of the same version on an H200
 moved by up to ~5%, and its dense matmul rate fell from ~805 to ~730 TFLOP/s over a 2-minute run;
 interleaving is what makes side-by-side ratios trustworthy.
+
+`queued_ms` measures the other regime: device time per call when the host has queued the calls ahead (one
+event pair over several calls behind a sleep kernel), what a training step sees when its CPU runs ahead. A
+path heavy in host work (many small launches) looks slower per call from an idle queue than queued; on an
+H200 the fp8 expert MLP's two numbers differed by 5-10% (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -41,6 +46,43 @@ def interleaved_ms(
             fn()  # untimed: back to this version's steady state (caching allocator, caches) after the others
             samples[name].extend(_timed(fn, device, per_round))
     return samples
+
+
+# Cycles of the device-side sleep that holds the GPU while the host queues a round of `queued_ms` (~20 ms at
+# the ~2 GHz of an H100/H200: room for a few calls of several ms of host work each).
+HEAD_START_CYCLES = 40_000_000
+
+
+def queued_ms(
+    fns: dict[str, Callable[[], object]], device: torch.device, rounds: int, calls: int
+) -> tuple[dict[str, list[float]], set[str]]:
+    """Device time per call (ms) with the host ahead of the device, as in a training step whose CPU runs
+    ahead of its GPU: per version and round, a sleep kernel holds the device while the host queues `calls`
+    calls, and one pair of events brackets them (time / calls). Launch latency and host gaps are out of the
+    number; what `interleaved_ms` measures per call from an idle queue keeps them in. Versions interleave
+    by round, as there. CUDA only (an empty result elsewhere).
+
+    Also returns the versions whose host work outlasted the head start in some round (the device caught up
+    with the host, so that round included host time): their numbers are upper bounds."""
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    behind: set[str] = set()
+    if device.type != "cuda":
+        return {}, behind
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            fn()  # untimed, as in interleaved_ms
+            torch.cuda.synchronize(device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(HEAD_START_CYCLES)
+            start.record()
+            for _ in range(calls):
+                fn()
+            end.record()
+            if start.query():  # the sleep ended before the host had queued every call
+                behind.add(name)
+            torch.cuda.synchronize(device)
+            samples[name].append(start.elapsed_time(end) / calls)
+    return samples, behind
 
 
 def _timed(fn: Callable[[], object], device: torch.device, iters: int) -> list[float]:

@@ -82,7 +82,13 @@ def _fp8_cell(row: dict[str, Any], path: str) -> str:
         return "-"
     ratio = f" {row[f'{path}_vs_fused']:.2f}x" if row.get(f"{path}_vs_fused") else ""
     emulated = " EMUL" if row.get(f"{path}_mode") == "emulated" else ""
-    return f"{ms:.3g}{ratio}{emulated}"
+    cell = f"{ms:.3g}{ratio}{emulated}"
+    queued = row.get(f"{path}_queued_ms")
+    if queued is not None:  # second line: the host-ahead regime (timing.queued_ms)
+        q_ratio = f" {row[f'{path}_queued_vs_fused']:.2f}x" if row.get(f"{path}_queued_vs_fused") else ""
+        behind = "*" if path in row.get("queued_host_behind", []) else ""
+        cell += f"\nq {queued:.3g}{q_ratio}{behind}"
+    return cell
 
 
 def render_fp8(result: Any, console: Console) -> None:
@@ -100,7 +106,9 @@ def render_fp8(result: Any, console: Console) -> None:
             if r.get(f"{p}_rel_err") and (r["shape"], p) not in errs:
                 errs[(r["shape"], p)] = r[f"{p}_rel_err"]
     caption = (
-        f"median ms per call, and fused ms / this ms (> 1: fp8 faster); TFLOP/s in the JSON. "
+        f"median ms per call from an idle queue, and fused ms / this ms (> 1: fp8 faster); 'q': the same with "
+        f"the host queued ahead of the device (one event pair over several calls; * host still fell behind); "
+        f"TFLOP/s in the JSON. "
         f"fp8 modes: {', '.join(f'{p} {m}' for p, m in modes.items())}"
         + (f"; {meta['torchao']}" if meta.get("torchao") else "")
         + "\nrel. error vs the eager path (y / dx / dw1): "
