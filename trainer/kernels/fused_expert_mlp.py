@@ -314,10 +314,6 @@ def _forward_quantized(
     kernels = _kernels(x_TD.device)
     x_TD = x_TD.contiguous()
     amax_x, amax_a = _amax_slots(kernels, precision, x_TD, groups)
-    if amax_x is not None:  # x's amax into its slot here (the quantizer then skips its own pass and zeroing)
-        from trainer.kernels.fp8_quant_triton import amax as measure_amax
-
-        measure_amax(x_TD.view(1, *x_TD.shape), groups.ids, groups.count, out=amax_x)
     h_TH, fc1 = qlinear_forward(precision, "fc1", x_TD, w1_EHD, groups, amax=_as_amax(amax_x))
     a_TF = (
         kernels.glu_forward(h_TH, probs_T, activation, interleave, b1_EH, expert_T, **_amax_kw(amax_a, groups))
@@ -356,10 +352,6 @@ def _backward_quantized(ctx: QuantizedFusedCtx, dy_TD: torch.Tensor, overlap_wgr
     side = _side_stream(h.device) if overlap_wgrad and h.is_cuda else None
     kernels = _kernels(h.device)
     amax_dy, amax_dh = _amax_slots(kernels, fc2, dy, fc2.groups)
-    if amax_dy is not None:
-        from trainer.kernels.fp8_quant_triton import amax as measure_amax
-
-        measure_amax(dy.view(1, *dy.shape), fc2.groups.ids, fc2.groups.count, out=amax_dy)
     g2 = quantize_output_grad(fc2, dy, _as_amax(amax_dy))
     da_TF = fc2.recipe.grouped_dgrad(g2, fc2.wq, fc2.x_dtype)
     with _on_side(side):
@@ -379,22 +371,26 @@ def _backward_quantized(ctx: QuantizedFusedCtx, dy_TD: torch.Tensor, overlap_wgr
 
 
 def _amax_slots(
-    kernels: ModuleType, who: Any, like: torch.Tensor, groups: Any
+    kernels: ModuleType, who: Any, first_TK: torch.Tensor, groups: Any
 ) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
-    """Two zeroed int32 `[G]` slots (one allocation, one fill) for the per-group amax of a GEMM input and of
+    """Per-group amax slots (int32 `[G]` each, one allocation and one fill for both) for a GEMM input and for
     the activation kernel's output (forward: x and a; backward: dy and dh), when the next quantizer is current
-    per-tensor scaling on its Triton path: it then skips its own amax pass (for a and dh: one read of the
-    tensor saved, the activation kernel records it) and its own zeroing. (None, None) otherwise. `who`
-    carries the recipe (ExpertPrecision or SavedLinear)."""
+    per-tensor scaling on its Triton path. The first slot comes back holding max |first_TK| per group; the
+    second is zero, for the activation kernel to record into. Quantizers given an amax skip their own pass and
+    zeroing (for a and dh one read of the tensor is saved). (None, None) otherwise. `who` carries the recipe
+    (ExpertPrecision or SavedLinear); `first_TK` must be contiguous."""
     from trainer.precision.quantize import triton_fast_path
     from trainer.precision.recipes import TensorwiseRecipe
 
     recipe = who.recipe
-    if kernels is glu_reference or type(recipe) is not TensorwiseRecipe or groups is None or like.shape[0] == 0:
+    if kernels is glu_reference or type(recipe) is not TensorwiseRecipe or groups is None or first_TK.shape[0] == 0:
         return None, None  # delayed scaling measures the amax in its quantize pass already
-    if not triton_fast_path(like, recipe.activation_scheme()):
+    if not triton_fast_path(first_TK, recipe.activation_scheme()):
         return None, None
-    slots = torch.zeros(2, groups.count, dtype=torch.int32, device=like.device)
+    from trainer.kernels.fp8_quant_triton import amax as measure_amax  # lazy: needs Triton
+
+    slots = torch.zeros(2, groups.count, dtype=torch.int32, device=first_TK.device)
+    measure_amax(first_TK.view(1, *first_TK.shape), groups.ids, groups.count, out=slots[0])
     return slots[0], slots[1]
 
 
