@@ -47,7 +47,6 @@ half-up, not to nearest even, so there it agrees with the eager path within one 
 
 from __future__ import annotations
 
-import functools
 import os
 from typing import Any, NamedTuple, Optional
 
@@ -62,6 +61,7 @@ except ImportError:  # pragma: no cover - older Triton
     TensorDescriptor = None
 
 from trainer.precision.formats import FLT_MAX
+from trainer.precision.native import capability  # cached per device
 
 QUANT_BLOCK_M = 64
 QUANT_BLOCK_K = 128
@@ -155,12 +155,11 @@ def _scale_rule(a, FMAX: tl.constexpr, BIG: tl.constexpr, POW2: tl.constexpr):
 
 
 @triton.jit
-def _encode_at(amax_ptr, given_ptr, g, ok, FMAX: tl.constexpr, BIG: tl.constexpr, POW2: tl.constexpr,
-               GIVEN: tl.constexpr):  # fmt: skip
-    """The encode scales of slots `g` (fp32 block): the given ones, or the rule applied to their amax."""
+def _encode_at(src_ptr, g, ok, FMAX: tl.constexpr, BIG: tl.constexpr, POW2: tl.constexpr, GIVEN: tl.constexpr):
+    """The encode scales of slots `g` (fp32 block): `src` itself (GIVEN), or the rule applied to `src` as amax."""
     if GIVEN:
-        return tl.load(given_ptr + g, mask=ok, other=1.0)
-    return _scale_rule(tl.load(amax_ptr + g, mask=ok, other=1.0), FMAX, BIG, POW2)
+        return tl.load(src_ptr + g, mask=ok, other=1.0)
+    return _scale_rule(tl.load(src_ptr + g, mask=ok, other=1.0), FMAX, BIG, POW2)
 
 
 @triton.jit
@@ -200,12 +199,12 @@ def _quantize_kernel(
         ids = tl.zeros([BLOCK_M], dtype=tl.int32) + b
         lo = b
         hi = b + 1
-    s_M = _encode_at(src_ptr, src_ptr, ids, row_ok, FMAX, BIG, POW2, GIVEN)
+    s_M = _encode_at(src_ptr, ids, row_ok, FMAX, BIG, POW2, GIVEN)
     if (pid_m == 0) & (pid_k == 0):  # the slots' encode and decode scales
         for g0 in range(lo, hi, BLOCK_G):
             g = g0 + tl.arange(0, BLOCK_G)
             g_ok = g < hi
-            s_G = _encode_at(src_ptr, src_ptr, g, g_ok, FMAX, BIG, POW2, GIVEN)
+            s_G = _encode_at(src_ptr, g, g_ok, FMAX, BIG, POW2, GIVEN)
             tl.store(enc_ptr + g, s_G, mask=g_ok)
             tl.store(dec_ptr + g, tl.math.div_rn(tl.full([BLOCK_G], 1.0, tl.float32), s_G), mask=g_ok)
     if DEC_ROWS:
@@ -217,7 +216,7 @@ def _quantize_kernel(
                 g = g0 + tl.arange(0, BLOCK_G)
                 g_ok = g < N
                 d_G = tl.math.div_rn(
-                    tl.full([BLOCK_G], 1.0, tl.float32), _encode_at(src_ptr, src_ptr, g, g_ok, FMAX, BIG, POW2, GIVEN)
+                    tl.full([BLOCK_G], 1.0, tl.float32), _encode_at(src_ptr, g, g_ok, FMAX, BIG, POW2, GIVEN)
                 )  # fmt: skip
                 d_GK = tl.broadcast_to(d_G[:, None], [BLOCK_G, BLOCK_K])
                 tl.store(dcol_ptr + g.to(tl.int64)[:, None] * K + cols64[None, :], d_GK,
@@ -384,13 +383,8 @@ def _col_tma_ok(col_BKM: torch.Tensor) -> bool:
         and col_BKM.shape[2] % 16 == 0
         and col_BKM.data_ptr() % 16 == 0
         and os.environ.get("MOECTL_QUANT_TMA", "1") != "0"
-        and _major(col_BKM.device.index if col_BKM.device.index is not None else torch.cuda.current_device()) >= 9
+        and (capability(col_BKM.device) or (0, 0))[0] >= 9
     )
-
-
-@functools.lru_cache(maxsize=None)
-def _major(index: int) -> int:
-    return torch.cuda.get_device_capability(index)[0]  # cached: the query costs ~40 us of host time
 
 
 def zero_empty_groups_(out_GXY: torch.Tensor, offsets_G: torch.Tensor) -> torch.Tensor:

@@ -112,10 +112,11 @@ def _join(side: "torch.cuda.Stream | None", *made_on_side: torch.Tensor) -> None
         t.record_stream(main)
 
 
-def _offsets(tokens_per_expert_E: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Cumulative row ends per expert, int32 on the compute device (what grouped_mm takes)."""
+def _offsets(tokens_per_expert_E: torch.Tensor, device: torch.device, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    """Cumulative row ends per expert on the compute device: int32 (what grouped_mm takes), or int64 (what
+    TokenGroups keeps; it makes its int32 copy once)."""
     counts = torch.as_tensor(tokens_per_expert_E)
-    return torch.cumsum(counts.to(device=device, dtype=torch.int64), 0).to(torch.int32)
+    return torch.cumsum(counts.to(device=device, dtype=torch.int64), 0).to(dtype)
 
 
 def _expert_of_row(offs_E: torch.Tensor, rows: int) -> torch.Tensor:
@@ -307,8 +308,7 @@ def _forward_quantized(
         raise ValueError(f"w2_EDF has shape {tuple(w2_EDF.shape)}, expected {(num_experts, d_model, f)}")
     precision.check_aligned(torch.as_tensor(tokens_per_expert_E))
     rows = x_TD.shape[0]
-    counts = torch.as_tensor(tokens_per_expert_E).to(device=x_TD.device, dtype=torch.int64)
-    offs_E = torch.cumsum(counts, 0)  # int64, as TokenGroups keeps them (its int32 copy is made once, for grouped_mm)
+    offs_E = _offsets(tokens_per_expert_E, x_TD.device, torch.int64)  # no int32 round trip through TokenGroups
     groups = TokenGroups.from_offsets(offs_E, rows, validate=x_TD.device.type == "cpu")
     expert_T = _expert_of_row(offs_E, rows) if b1_EH is not None or b2_ED is not None else None
     kernels = _kernels(x_TD.device)
