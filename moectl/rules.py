@@ -12,7 +12,8 @@ family. Families and their ids: precision MOE001-009, optimizer and LR schedule 
 MOE016-017, MoE MOE018-027, parallel layout MOE028-033, CUDA graphs MOE034-035, checkpoint
 MOE036-037, hardware and environment MOE038-040, model, data and training basics MOE041-047, and
 later additions: MOE048 (precision: which recipes and optimizers low-precision param gather supports),
-MOE049 (precision: fp8_fast_accum_backward needs an fp8 recipe with native GEMMs).
+MOE049 (precision: fp8_fast_accum_backward needs an fp8 recipe with native GEMMs), MOE050 (CUDA graphs:
+`train.cuda_graph` is validated but not yet captured; the run is eager and says so).
 
 Environment rules (Transformer Engine, device) probe lazily and cheaply: TE is looked up through
 `importlib.util.find_spec` and package metadata, never imported; torch is imported only when a GPU
@@ -1392,4 +1393,25 @@ def fp8_fast_accum_backward_needs_native_fp8(c: Context) -> Iterator[_Hit]:
             "use fp8_recipe tensorwise, delayed or rowwise for native fp8 GEMMs, or drop fp8_fast_accum_backward",
             keys=("mixed_precision.fp8_fast_accum_backward", "mixed_precision.fp8_recipe"),
             severity="warning",
+        )
+
+
+@rule(
+    "MOE050",
+    "cuda_graph",
+    "warning",
+    ["train.cuda_graph"],
+    "train.cuda_graph is accepted but this build runs every micro-batch eagerly",
+)
+def cuda_graph_not_captured_yet(c: Context) -> Iterator[_Hit]:
+    """The trainer does not capture CUDA graphs yet: `train.cuda_graph=true` is validated (MOE034, MOE035)
+    so that configs written for it stay correct, but the run launches every kernel eagerly, with the same
+    results and without the launch-overhead saving. Said here, and at start-up, rather than silently
+    ignored. (When capture lands, the seed 003 rule applies: anything that depends on "is this the first
+    micro-batch" must be read from a tensor at replay, not baked in at capture.)"""
+    if c.cfg.train.cuda_graph:
+        yield _Hit(
+            "train.cuda_graph=true: CUDA-graph capture is not implemented in this build; every micro-batch "
+            "runs eagerly (same results, no launch-overhead saving)",
+            "set train.cuda_graph=false to silence this, or keep it: the run is the same either way",
         )

@@ -417,6 +417,7 @@ CASES = [
         severity="warning",
         name="emulated",
     ),
+    Case("MOE050", ["train.cuda_graph=true", *DROP_AND_PAD], [*DROP_AND_PAD], severity="warning"),
 ]
 
 # Rules whose boundary needs files or probes; each has its own tests below.
