@@ -37,14 +37,23 @@ TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 def triton_fast_path(x: torch.Tensor, scheme: Scheme) -> bool:
     """Whether `quantize(x, scheme)` runs the fused Triton kernels: per-tensor fp8 of a bf16/fp16/fp32 CUDA
     tensor, Triton present, and not switched off by `MOECTL_TRITON_QUANTIZE=0`."""
+    return scheme.kind == "tensor" and _triton_ok(x)
+
+
+def _triton_ok(x: torch.Tensor) -> bool:
     return (
         x.is_cuda
-        and scheme.kind == "tensor"
         and x.dtype in TRITON_DTYPES
         and x.numel() > 0
         and os.environ.get("MOECTL_TRITON_QUANTIZE", "1") != "0"
         and has_triton()
     )
+
+
+def mx_triton_fast_path(x: torch.Tensor, scheme: Scheme) -> bool:
+    """Whether `quantize(x, scheme)` runs the one-pass Triton MXFP8 kernel (trainer/kernels/mxfp8_quant_triton.py):
+    the mx kind with 1x32 blocks on a bf16/fp16/fp32 CUDA tensor, under the same switches as `triton_fast_path`."""
+    return scheme.kind == "mx" and scheme.block == (1, 32) and _triton_ok(x)
 
 
 def quantize(
@@ -82,6 +91,10 @@ def quantize(
         fast = _quantize_per_tensor_triton(x, scheme, groups, rowwise, columnwise, amax, encode_scale, recipe, False)
         if fast is not None:
             return fast[0]
+    if mx_triton_fast_path(x, scheme):
+        if groups is not None and columnwise:
+            groups.check_aligned(scheme.block[1], scheme.describe())  # as the eager path below
+        return _quantize_mx_triton(x, scheme, groups, rowwise, columnwise, recipe)
     hp = x.detach().to(torch.float32).contiguous()
     if scheme.packed:
         for dim, which in ((-1, "rowwise"), (-2, "columnwise")):
@@ -189,3 +202,26 @@ def _quantize_per_tensor_triton(
         scheme=scheme, shape=x.shape, dtype=x.dtype, rowwise=row, columnwise=col, groups=groups, recipe=recipe
     )
     return qt, (measured.view(per_shape) if measured is not None else None)
+
+
+def _quantize_mx_triton(
+    x: torch.Tensor, scheme: Scheme, groups: Optional[TokenGroups], rowwise: bool, columnwise: bool, recipe: str
+) -> QuantizedTensor:
+    """The one-pass Triton version of the mx kind (both copies from one read of x, in x's own dtype)."""
+    from trainer.kernels import mxfp8_quant_triton as mxq  # lazy: needs Triton, CUDA only
+
+    fmt = fp8_format(scheme.fmt)
+    M, K = x.shape[-2], x.shape[-1]
+    x_BMK = x.detach().contiguous().view(-1, M, K)
+    q = mxq.quantize(
+        x_BMK, fmt.dtype, fmt.max, fmt.emax, rounding=scheme.mx_rounding, rowwise=rowwise, columnwise=columnwise
+    )
+    lead = x.shape[:-2]
+    row = col = None
+    if q.row is not None and q.row_scale is not None:
+        row = QuantizedData(data=q.row.view(x.shape), scale=q.row_scale.view(*lead, M, -1))
+    if q.col is not None and q.col_scale is not None:
+        col = QuantizedData(data=q.col.view(*lead, K, M), scale=q.col_scale.view(*lead, K, -1))
+    return QuantizedTensor(
+        scheme=scheme, shape=x.shape, dtype=x.dtype, rowwise=row, columnwise=col, groups=groups, recipe=recipe
+    )
