@@ -9,7 +9,9 @@ Triton importable, runs the fused kernels of `trainer/kernels/fp8_quant_triton.p
 pass that writes the rowwise and the columnwise copy together, reading x in its own dtype (no fp32 copy, no
 separate transpose). It produces exactly the QuantizedTensor of the eager path below (same bytes, scales
 and groups; tested bitwise on GPU). The eager path stays the reference, and runs everywhere else (CPU,
-the other kinds). `MOECTL_TRITON_QUANTIZE=0` turns the fast path off (comparisons, bisecting).
+the other kinds). MXFP8 (the mx kind, 1x32 blocks) has a one-pass kernel of its own
+(`trainer/kernels/mxfp8_quant_triton.py`), bitwise equal to kinds/mx.py. `MOECTL_TRITON_QUANTIZE=0` turns both
+fast paths off (comparisons, bisecting).
 """
 
 from __future__ import annotations
