@@ -30,12 +30,12 @@ import torch
 import triton
 import triton.language as tl
 
+from trainer.kernels.fp8_quant_triton import _TL_FP8, _check_x
+
 BLOCK = 32  # MX block length (OCP MX v1.0)
 TILE_M = 64
 TILE_K = 64
 WARPS = 4
-E8M0_NAN = 255
-_TL_FP8 = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
 
 
 class MXQuantized(NamedTuple):
@@ -133,8 +133,7 @@ def quantize(
     columnwise: bool = False,
 ) -> MXQuantized:
     """MXFP8 copies of a contiguous bf16/fp16/fp32 x `[B, M, K]` in one pass (see the module docstring)."""
-    if x_BMK.dim() != 3 or not x_BMK.is_contiguous():
-        raise ValueError(f"expected a contiguous [B, M, K] tensor, got shape {tuple(x_BMK.shape)}")
+    _check_x(x_BMK, None)
     if out_dtype not in _TL_FP8:
         raise ValueError(f"fp8 output dtype must be float8_e4m3fn or float8_e5m2, got {out_dtype}")
     if rounding not in ("floor", "rceil"):
