@@ -19,7 +19,12 @@ TFLOP/s count only the GEMMs, 2*M*N*K each: forward = fc1 + fc2 = 2*T*D*(H + F);
 that (dgrad and wgrad of both). Two sets of rows: the expert MLP alone, and with the permute/unpermute of
 `trainer.moe.dispatch.LocalDispatcher` around it (sort by expert, gather, and the combine back to tokens;
 each token routed to k experts). Routing is balanced, m rows per expert, so the shapes are the ones named.
-Every timed call uses a real upstream grad (`randn_like(y)`), never an expanded one. The weights of every
+Every timed call uses a real upstream grad (`randn_like(y)`), never an expanded one.
+
+Three timings per path (moectl/bench/timing.py): per call from an idle queue (the headline column), with the
+host queued ahead after a rest (`_queued_ms`), and in steady state under continuous load (`_sustained_ms`,
+with the SM clock, board power and allocator retries meanwhile). The first two start from a rested device,
+which boosts; a 700 W Hopper board in training runs at the clock of the third. The weights of every
 default shape are hundreds of MB, far over the L2 (50-60 MB), so repeated calls do not run from cache.
 """
 
@@ -34,7 +39,7 @@ import torch.nn.functional as F
 
 from moectl.bench import grouped_mlp_fp8 as fp8
 from moectl.bench.backend_function import BackendFunction
-from moectl.bench.timing import dense_ceiling_tflops, dense_matmul, interleaved_ms, queued_ms
+from moectl.bench.timing import SUSTAINED_SECONDS, dense_ceiling_tflops, dense_matmul, interleaved_ms, queued_ms, sustained_ms
 
 PATHS = ("loop", "eager", "compile", "grouped", "fused")  # bf16 (fp32 in --quick on CPU)
 FP8_PATHS = fp8.FP8_PATHS
@@ -91,6 +96,8 @@ class BenchConfig:
     warmup: int = 5
     iters: int = 30  # timed calls per path and row, spread over `rounds` interleaved rounds
     rounds: int = 5
+    sustained_seconds: float = SUSTAINED_SECONDS  # per path and round of the steady-state column (0: none)
+    sustained_rounds: int = 3
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
     dtype: torch.dtype = torch.bfloat16
     ceiling_size: int = 8192
@@ -102,7 +109,7 @@ class BenchConfig:
     def quick_config(device: Optional[str] = None) -> "BenchConfig":
         dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
         return BenchConfig(
-            shapes=QUICK_SHAPES, warmup=1, iters=3, rounds=1, device=dev,
+            shapes=QUICK_SHAPES, warmup=1, iters=3, rounds=1, device=dev, sustained_seconds=0.2, sustained_rounds=1,
             dtype=torch.bfloat16 if dev == "cuda" else torch.float32, ceiling_size=256 if dev == "cpu" else 2048,
         )  # fmt: skip
 
@@ -292,6 +299,7 @@ def bench_shape(
             paths_only = {k: v for k, v in calls.items() if k != "dense"}
             queued, behind = queued_ms(paths_only, device, rounds, -(-cfg.iters // rounds))
             row["queued_host_behind"] = sorted(behind)
+            sustained, states = sustained_ms(paths_only, device, cfg.sustained_rounds, cfg.sustained_seconds)
             dense_ms = statistics.median(samples["dense"])
             row["dense_row_tflops"] = 2 * cfg.ceiling_size**3 / (dense_ms * 1e-3) / 1e12
             for path in ALL_PATHS:
@@ -300,6 +308,11 @@ def bench_shape(
                 tflops = None if ms is None else flops / (ms * 1e-3) / 1e12
                 row[f"{path}_ms"] = ms
                 row[f"{path}_queued_ms"] = statistics.median(queued[path]) if queued.get(path) else None
+                row[f"{path}_sustained_ms"] = statistics.median(sustained[path]) if sustained.get(path) else None
+                for unit in ("mhz", "watts"):  # what the power limit did meanwhile
+                    got = [getattr(st, unit) for st in states.get(path, []) if getattr(st, unit) is not None]
+                    row[f"{path}_sustained_{unit}"] = statistics.median(got) if got else None
+                row[f"{path}_sustained_alloc_retries"] = sum(st.alloc_retries for st in states.get(path, []))
                 row[f"{path}_ms_min"] = min(times) if times else None
                 row[f"{path}_ms_max"] = max(times) if times else None
                 row[f"{path}_tflops"] = tflops
@@ -312,6 +325,10 @@ def bench_shape(
                 row[f"{path}_vs_fused"] = row["fused_ms"] / row[f"{path}_ms"] if ok else None
                 ok = row["fused_queued_ms"] is not None and row[f"{path}_queued_ms"] is not None
                 row[f"{path}_queued_vs_fused"] = row["fused_queued_ms"] / row[f"{path}_queued_ms"] if ok else None
+                ok = row["fused_sustained_ms"] is not None and row[f"{path}_sustained_ms"] is not None
+                row[f"{path}_sustained_vs_fused"] = (
+                    row["fused_sustained_ms"] / row[f"{path}_sustained_ms"] if ok else None
+                )  # fmt: skip
                 row[f"{path}_mode"] = fp8.recipe_mode(path, device) if row[f"{path}_ms"] is not None else None
                 row[f"{path}_rel_err"] = errors.get(path)
             for base in ("sgmm_rowwise", "torchao_rowwise"):
@@ -398,7 +415,8 @@ def run(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None) -> BenchR
     log(f"dense {cfg.ceiling_size}^3 {cfg.dtype} matmul: {ceiling:.3g} TFLOP/s")
     meta = environment(device, cfg.dtype)
     meta.update(
-        warmup=cfg.warmup, iters=cfg.iters, rounds=cfg.rounds, ceiling_size=cfg.ceiling_size, paths=list(cfg.paths)
+        warmup=cfg.warmup, iters=cfg.iters, rounds=cfg.rounds, ceiling_size=cfg.ceiling_size, paths=list(cfg.paths),
+        sustained_seconds=cfg.sustained_seconds, sustained_rounds=cfg.sustained_rounds,
     )  # fmt: skip
     fp8_paths = [p for p in cfg.paths if p in FP8_PATHS]
     if fp8_paths:

@@ -88,6 +88,11 @@ def _fp8_cell(row: dict[str, Any], path: str) -> str:
         q_ratio = f" {row[f'{path}_queued_vs_fused']:.2f}x" if row.get(f"{path}_queued_vs_fused") else ""
         behind = "*" if path in row.get("queued_host_behind", []) else ""
         cell += f"\nq {queued:.3g}{q_ratio}{behind}"
+    steady = row.get(f"{path}_sustained_ms")
+    if steady is not None:  # third line: steady state under continuous load (timing.sustained_ms)
+        s_ratio = f" {row[f'{path}_sustained_vs_fused']:.2f}x" if row.get(f"{path}_sustained_vs_fused") else ""
+        mhz = row.get(f"{path}_sustained_mhz")
+        cell += f"\ns {steady:.3g}{s_ratio}" + (f"\n  {mhz:.0f} MHz" if mhz else "")
     return cell
 
 
@@ -108,7 +113,13 @@ def render_fp8(result: Any, console: Console) -> None:
     caption = (
         f"median ms per call from an idle queue, and fused ms / this ms (> 1: fp8 faster); 'q': the same with "
         f"the host queued ahead of the device (one event pair over several calls; * host still fell behind); "
-        f"TFLOP/s in the JSON. "
+        + (
+            f"'s': steady state, calls back to back for {meta.get('sustained_seconds', 0):g} s per path and round, "
+            f"the second half timed, and the SM clock meanwhile (what the power limit holds under continuous load, "
+            f"as in training); "
+            if any(r.get(f"{p}_sustained_ms") for r in result.rows for p in ran) else ""
+        )
+        + "TFLOP/s in the JSON. "
         f"fp8 modes: {', '.join(f'{p} {m}' for p, m in modes.items())}"
         + (f"; {meta['torchao']}" if meta.get("torchao") else "")
         + "\nrel. error vs the eager path (y / dx / dw1): "
@@ -166,6 +177,11 @@ def grouped_mlp(
     iters: Annotated[Optional[int], typer.Option("--iters", min=1, help="Timed calls per number.")] = None,
     warmup: Annotated[Optional[int], typer.Option("--warmup", min=0, help="Untimed calls before timing.")] = None,
     device: Annotated[Optional[str], typer.Option("--device", help="cuda or cpu (default: cuda if present).")] = None,
+    sustained: Annotated[
+        Optional[float],
+        typer.Option("--sustained-seconds", min=0.0, help="Seconds of back-to-back calls per path and round of the "
+                     "steady-state column (CUDA; 0 skips it). Default 2."),
+    ] = None,
 ) -> None:
     from moectl.bench import grouped_mlp as gm
 
@@ -192,6 +208,7 @@ def grouped_mlp(
     cfg.permute = not no_permute
     cfg.iters = iters or cfg.iters
     cfg.warmup = cfg.warmup if warmup is None else warmup
+    cfg.sustained_seconds = cfg.sustained_seconds if sustained is None else sustained
     console = Console()
     result = gm.run(cfg, log=lambda line: console.print(line, style="dim", highlight=False))
     render(result, console)

@@ -35,6 +35,7 @@ def test_quick_bench_writes_json_with_every_column(tmp_path):
         assert row["compile_tflops"] is None  # skipped on CPU in quick mode, and the table says so
         # the host-ahead regime is CUDA-only: present in the JSON, empty on the CPU
         assert row["fused_queued_ms"] is None and row["queued_host_behind"] == []
+        assert row["fused_sustained_ms"] is None  # so is the steady-state one
         assert row["fused_vs_eager"] == row["eager_ms"] / row["fused_ms"]
 
 
