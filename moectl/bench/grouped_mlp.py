@@ -321,14 +321,9 @@ def bench_shape(
                 ok = row["fused_ms"] is not None and row[f"{base}_ms"] is not None
                 row[f"fused_vs_{base}"] = row[f"{base}_ms"] / row["fused_ms"] if ok else None
             for path in FP8_PATHS:  # speed-up over our bf16 fused path (> 1: the fp8 path is faster)
-                ok = row["fused_ms"] is not None and row[f"{path}_ms"] is not None
-                row[f"{path}_vs_fused"] = row["fused_ms"] / row[f"{path}_ms"] if ok else None
-                ok = row["fused_queued_ms"] is not None and row[f"{path}_queued_ms"] is not None
-                row[f"{path}_queued_vs_fused"] = row["fused_queued_ms"] / row[f"{path}_queued_ms"] if ok else None
-                ok = row["fused_sustained_ms"] is not None and row[f"{path}_sustained_ms"] is not None
-                row[f"{path}_sustained_vs_fused"] = (
-                    row["fused_sustained_ms"] / row[f"{path}_sustained_ms"] if ok else None
-                )  # fmt: skip
+                for regime in ("", "_queued", "_sustained"):  # per call, host ahead after a rest, steady state
+                    base, this = row[f"fused{regime}_ms"], row[f"{path}{regime}_ms"]
+                    row[f"{path}{regime}_vs_fused"] = base / this if base is not None and this is not None else None
                 row[f"{path}_mode"] = fp8.recipe_mode(path, device) if row[f"{path}_ms"] is not None else None
                 row[f"{path}_rel_err"] = errors.get(path)
             for base in ("sgmm_rowwise", "torchao_rowwise"):

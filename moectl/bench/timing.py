@@ -18,9 +18,9 @@ H200 the fp8 expert MLP's two numbers differed by 5-10% (docs/benchmarks.md).
 
 `sustained_ms` measures a third: device time per call under continuous load, once the device has settled at
 the clock its power limit allows for that load. Both regimes above start from a rested device (a sync, or a
-sleep kernel), and an H100/H200 boosts after a rest: at its 700 W cap an H200 ran the bf16 expert MLP at
-1500-1560 MHz under load against 1935-1980 MHz rested, and the fp8 one at 1620-1680 MHz. Training keeps the
-GPU busy for hours, so this is the regime its throughput follows.
+sleep kernel), and an H100/H200 boosts after a rest: at their 700 W cap both ran the bf16 expert MLP at
+1470-1485 MHz under load and the fp8 one at 1620-1665 MHz, against up to 1980 MHz rested
+(docs/benchmarks.md). Training keeps the GPU busy for hours, so this is the regime its throughput follows.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def queued_ms(
 SUSTAINED_SECONDS = 2.0
 # How many calls the host may queue ahead of the device in `sustained_ms`. Unbounded, the host of the bf16 fused
 # expert MLP ran hundreds of calls ahead and the caching allocator, unable to reuse blocks still owned by
-# queued side-stream work, ran out and flushed (alloc retries: 7% slower per call on an H100); a training step
+# queued side-stream work, ran out and flushed (alloc retries: 7-8% slower per call on an H100); a training step
 # never runs that far ahead.
 SUSTAINED_AHEAD = 2
 
@@ -128,10 +128,10 @@ def sustained_ms(
     events around the second half (time / calls). Versions interleave by round, as in `interleaved_ms`. Also
     what the device did meanwhile (`DeviceState`, one per round). CUDA only (empty results elsewhere);
     `seconds` <= 0 measures nothing."""
-    samples: dict[str, list[float]] = {name: [] for name in fns}
-    states: dict[str, list[DeviceState]] = {name: [] for name in fns}
     if device.type != "cuda" or seconds <= 0:
         return {}, {}
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    states: dict[str, list[DeviceState]] = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
             torch.cuda.synchronize(device)
