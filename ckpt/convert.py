@@ -33,7 +33,7 @@ from ckpt.layout import (
 )
 from ckpt.reader import Checkpoint, open_checkpoint
 from ckpt.save import save_checkpoint
-from moectl.errors import CheckpointError
+from moectl.core.errors import CheckpointError
 
 
 class _Keep:

@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 from ckpt import manifest, names
-from moectl.errors import CheckpointError
+from moectl.core.errors import CheckpointError
 
 _LOAD_FIX = "set checkpoint.load to a step_NNNNNNNN folder or a checkpoints folder, or to null to train from scratch"
 

@@ -36,12 +36,13 @@ from __future__ import annotations
 
 import json
 import os
+import copy
 from collections import Counter
 import secrets
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 from safetensors import safe_open
@@ -53,10 +54,9 @@ from ckpt.inspect import tensor_role
 from ckpt.reader import open_checkpoint
 from ckpt.save import save_checkpoint
 from ckpt.st_header import TORCH_NAME
-from ckpt.training import recipe_meta
-from moectl.config import Config, config_from_dict, config_to_dict
-from moectl.config.load import apply_overrides, read_yaml
-from moectl.errors import CheckpointError, ConfigError
+from ckpt.logical import recipe_meta
+from moectl.core.config import Config, config_from_dict, config_to_dict
+from moectl.core.errors import CheckpointError, ConfigError
 
 DEFAULT_SHARD_BYTES = 4 << 30
 Unit = Union[str, int]  # "embed", a layer index, or "final": the pieces both directions stream through
@@ -533,15 +533,14 @@ def import_hf(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],
     *,
-    config: str | os.PathLike[str] | None = None,
-    overrides: Iterable[str] = (),
+    base: dict[str, Any] | None = None,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
 ) -> Path:
     """Import the HF Mixtral / Qwen3-MoE folder `src` as a committed moectl checkpoint under `dst` (new).
 
     The architecture comes from `src/config.json`; training settings, the expert layout
-    (`moe.single_grouped_weight`) and `moe.glu_interleave_size` from `config` and `overrides` (`--set`),
-    which may not contradict the architecture. Writes step 0 with model weights only, in their HF dtype
+    (`moe.single_grouped_weight`) and `moe.glu_interleave_size` from `base` (the user's config as plain
+    data, `--set` overrides applied), which may not contradict the architecture. Writes step 0 with model weights only, in their HF dtype
     (no optimizer state: train from it with `checkpoint.no_load_optim=true`, which takes the fp32 masters
     from these weights; no probe loss is recorded). Returns the step folder.
     """
@@ -551,7 +550,7 @@ def import_hf(
     if fam is None:
         raise CheckpointError(f"{src / 'config.json'}: model_type {hf.get('model_type')!r} is not supported",
                               f"import-hf reads {', '.join(f.model_type for f in FAMILIES.values())}")  # fmt: skip
-    cfg = _import_config(config, overrides, moectl_fields(hf, fam))
+    cfg = _import_config(base, moectl_fields(hf, fam))
     root = _new_path(Path(dst))
     d = Dims.of(cfg)
     index, read = _hf_index(src)
@@ -594,10 +593,9 @@ def _plan_shards(sizes: dict[Unit, int], max_bytes: int) -> dict[str, list[Unit]
     return plan
 
 
-def _import_config(path: str | os.PathLike[str] | None, overrides: Iterable[str], fields: dict[str, Any]) -> Config:
-    """The user's config + overrides with the HF architecture fields; a contradiction is an error naming the key."""
-    raw = read_yaml(path) if path is not None else {}
-    raw = apply_overrides(raw, overrides)
+def _import_config(base: dict[str, Any] | None, fields: dict[str, Any]) -> Config:
+    """The user's config with the HF architecture fields; a contradiction is an error naming the key."""
+    raw = copy.deepcopy(base or {})
     clash = []
     for dotted, value in fields.items():
         section, key = dotted.split(".")

@@ -16,7 +16,7 @@ import torch
 from ckpt.integrity import verify_checkpoint
 from ckpt.layout import OPTIMIZER_SUFFIXES, detect_layout
 from ckpt.reader import open_checkpoint
-from moectl.errors import CheckpointError
+from moectl.core.errors import CheckpointError
 
 
 @dataclass

@@ -22,7 +22,7 @@ from ckpt import problems as P
 from ckpt.discovery import is_step_dir, resolve_load_path
 from ckpt.problems import Problem
 from ckpt.st_header import TORCH_NAME, Header, read_header
-from moectl.errors import CheckpointError
+from moectl.core.errors import CheckpointError
 
 _CHUNK = 16 << 20
 _PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".pkl", ".pickle", ".ckpt", ".distcp")

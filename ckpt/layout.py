@@ -28,7 +28,7 @@ from typing import Iterable, Literal, Mapping, Optional
 
 import torch
 
-from moectl.errors import CheckpointError
+from moectl.core.errors import CheckpointError
 
 SINGLE_GROUPED = "single-grouped"
 PER_EXPERT = "per-expert"

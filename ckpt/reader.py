@@ -21,7 +21,7 @@ from ckpt.discovery import resolve_load_path
 from ckpt.integrity import verify_checkpoint
 from ckpt.manifest import META_OPTIONAL, META_REQUIRED
 from ckpt.st_header import TORCH_NAME
-from moectl.errors import CheckpointError
+from moectl.core.errors import CheckpointError
 
 Slices = slice | int | tuple[Any, ...] | None
 _ST_DTYPE = {v: k for k, v in TORCH_NAME.items()}  # manifest (torch) dtype name -> safetensors dtype

@@ -37,7 +37,7 @@ from ckpt.collective import Comm, all_gather_json, broadcast_int, broadcast_json
 from ckpt.durable import fsync_dir, replace_file, write_file
 from ckpt.retention import apply_retention
 from ckpt.shards import prepare, write_shard
-from moectl.errors import CheckpointError, MoectlError
+from moectl.core.errors import CheckpointError, MoectlError
 
 
 class CheckpointSaveError(CheckpointError):

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from moectl import hardware
-from moectl.config import load_config
-from moectl.rules import Environment, check
-from moectl.summary import summarize
+from moectl.core import hardware
+from moectl.core.config.load import load_config
+from moectl.core.rules import Environment, check
+from moectl.core.summary import summarize
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
 NO_MACHINE = Environment(te=None, device=None)
@@ -54,7 +54,7 @@ def test_config_has_no_errors_on_hopper_or_blackwell(path: Path, capability: tup
         pytest.skip("a CPU config")
     found = check(cfg, world_size=world_size(path), device_capability=capability, env=NO_MACHINE)
     assert [v for v in found if v.severity == "error"] == []
-    mp = cfg.mixed_precision  # MOE038 warns exactly where the run emulates (moectl/hardware.py)
+    mp = cfg.mixed_precision  # MOE038 warns exactly where the run emulates (moectl/core/hardware.py)
     recipes = ([(mp.fp8_recipe, mp.fp8)] if mp.fp8 else []) + ([(mp.fp4_recipe, None)] if mp.fp4 else [])
     emulates = any(hardware.emulated_gemms(r, f, capability) for r, f in recipes)
     assert any(v.rule == "MOE038" for v in found) == emulates

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from moectl.config.schema import Config
+from moectl.core.config.schema import Config
 from trainer.distributed.engine import DistributedEngine
 from trainer.distributed.parallel_state import ParallelState
 from trainer.engine import Engine, LocalEngine
@@ -59,7 +59,7 @@ def build_engine(cfg: Config, model: GPTMoE, rt: Runtime) -> Engine:
     """
     if cfg.optimizer.optimizer == "sgd":
         if rt.world_size > 1 or cfg.mixed_precision.bf16:
-            from moectl.errors import ConfigError
+            from moectl.core.errors import ConfigError
 
             raise ConfigError("optimizer.optimizer", "sgd", "SGD runs on one process with fp32 params only",
                               "use optimizer.optimizer=adam, or one process with mixed_precision.bf16=false")

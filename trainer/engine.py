@@ -1,8 +1,12 @@
-"""The optimizer side of a training step, behind one small interface the loop calls.
+"""The optimizer side of a training step, behind one small interface the loop and checkpoints call.
 
 `LocalEngine` is the one-device engine: `torch.optim.AdamW` (or SGD) over fp32 params, global-norm
 clipping, a non-finite guard. The distributed engine (`trainer.distributed`) offers the same methods,
-so `trainer.loop` does not know which one it drives.
+so `trainer.loop` and `trainer.checkpointing` do not know which one they drive.
+
+Checkpoints see an engine's state as logical entries per param name (this rank's experts, unsharded):
+`{"param": the weight a high-precision run holds, "master": fp32, <moment>: fp32, ...}`, the moments being
+`state_keys(name)` minus "master".
 """
 
 from __future__ import annotations
@@ -14,7 +18,8 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from moectl.config.schema import OptimizerConfig
+from moectl.core.config.schema import OptimizerConfig
+from moectl.core.errors import MoectlError
 from trainer.optim.distributed_optimizer import decays
 from trainer.optim.step_result import StepResult
 
@@ -32,6 +37,25 @@ class Engine(Protocol):
 
     def sync_params_for_eval(self) -> None: ...
 
+    @property
+    def step_count(self) -> int:
+        """Optimizer updates applied so far (skipped steps not counted)."""
+        ...
+
+    def state_keys(self, name: str) -> tuple[str, ...]:
+        """The logical state of param `name`: "master" and the optimizer's moments for it."""
+        ...
+
+    def logical_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Every local param's logical entries (see the module docstring), after finishing any deferred
+        param gather. A collective: every rank calls it."""
+        ...
+
+    def load_logical_state(self, params: dict[str, dict[str, torch.Tensor]], step: int | None) -> None:
+        """Take masters (and moments where given, and the step count unless None); the params then equal
+        the masters. A collective under data parallelism."""
+        ...
+
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """AdamW groups with the distributed optimizer's decay rule (matrices yes; norms and biases no)."""
@@ -47,6 +71,7 @@ class LocalEngine:
 
     def __init__(self, model: nn.Module, cfg: OptimizerConfig) -> None:
         self.model, self.cfg = model, cfg
+        self._steps = 0
         groups = param_groups(model, cfg.weight_decay)
         if cfg.optimizer == "sgd":
             self.optimizer: torch.optim.Optimizer = torch.optim.SGD(groups, lr=cfg.lr)
@@ -55,8 +80,6 @@ class LocalEngine:
                 groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps
             )
         else:
-            from moectl.errors import MoectlError
-
             raise MoectlError(
                 f"optimizer.optimizer={cfg.optimizer!r} needs the distributed optimizer engine",
                 "set optimizer.optimizer=adam for a single-device run",
@@ -78,7 +101,26 @@ class LocalEngine:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
+        self._steps += 1
         return StepResult(norm, skipped=False)
 
     def sync_params_for_eval(self) -> None:
         """Nothing to gather on one device."""
+
+    @property
+    def step_count(self) -> int:
+        return self._steps
+
+    def state_keys(self, name: str) -> tuple[str, ...]:
+        """fp32 params are their own masters; torch's optimizer state is not checkpointed (SGD has none)."""
+        return ("master",)
+
+    def logical_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        return {n: {"param": p.detach(), "master": p.detach().float()} for n, p in self.model.named_parameters()}
+
+    @torch.no_grad()
+    def load_logical_state(self, params: dict[str, dict[str, torch.Tensor]], step: int | None) -> None:
+        for n, p in self.model.named_parameters():
+            p.copy_(params[n]["master"])
+        if step is not None:
+            self._steps = step

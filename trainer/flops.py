@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from moectl.config.schema import ModelConfig, MoEConfig
+from moectl.core.config.schema import ModelConfig, MoEConfig
 
 # Dense (non-sparse) tensor-core peaks in TFLOP/s from NVIDIA's datasheets:
 # H100/H200 SXM: bf16 989, fp8 1979 (nvidia.com/en-us/data-center/h100, /h200);

@@ -16,16 +16,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from rich.console import Console
-
-from moectl.config.load import dump_config
-from moectl.config.schema import Config
-from moectl.errors import MoectlError
+from ckpt import list_committed, resolve_load_path
+from moectl.core.config import dump_config
+from moectl.core.config.schema import Config
+from moectl.core.errors import MoectlError
 from trainer.build import build_data_for, build_engine, build_model
+from trainer.checkpointing import load_training_checkpoint, save_training_checkpoint
 from trainer.data import Sampler
 from trainer.flops import flops_per_token, peak_tflops
-from trainer.metrics import MetricsWriter, ProgressDisplay, expert_balance
+from trainer.metrics import MetricsWriter, expert_balance
 from trainer.model import count_params
+from trainer.observer import PrintObserver, RunObserver, SilentObserver
 from trainer.optim.lr_schedule import lr_at
 from trainer.precision import describe
 from trainer.runtime import Runtime, setup_runtime
@@ -75,10 +76,10 @@ class _StopFlag:
 class Trainer:
     """Runs `cfg` to `train.train_iters` steps on this process's device."""
 
-    def __init__(self, cfg: Config, console: Console | None = None, runtime: Runtime | None = None) -> None:
+    def __init__(self, cfg: Config, observer: RunObserver | None = None, runtime: Runtime | None = None) -> None:
         self.cfg = cfg
         self.rt = runtime or setup_runtime(cfg.train, cfg.parallel)
-        self.console = console or Console(stderr=False)
+        self.observer: RunObserver = observer or PrintObserver()
         tc = cfg.train
         self.dp = self.rt.world_size
         self.n_micro = tc.global_batch_size // (tc.micro_batch_size * self.dp)
@@ -96,9 +97,6 @@ class Trainer:
         self.last_record: dict[str, Any] | None = None  # the latest step's metrics record
         self._refuse_to_overwrite_checkpoints()
         if cfg.checkpoint.load:
-            from ckpt import resolve_load_path
-            from ckpt.training import load_training_checkpoint
-
             restored = load_training_checkpoint(
                 resolve_load_path(cfg.checkpoint.load), cfg, self.model, self.engine, self.rt.pstate
             )
@@ -170,8 +168,6 @@ class Trainer:
         ccfg = self.cfg.checkpoint
         if not ccfg.save_interval or ccfg.load:
             return
-        from ckpt import list_committed
-
         root = Path(self.cfg.run_dir) / "checkpoints"
         if root.is_dir() and list_committed(root):
             raise MoectlError(
@@ -191,56 +187,51 @@ class Trainer:
 
     def save(self, step: int) -> Path:
         """Commit a checkpoint of the state after `step` steps (collective: every rank calls it)."""
-        from ckpt.training import save_training_checkpoint
-
-        optimizer_step = getattr(getattr(self.engine, "optimizer", None), "step_count", step)
-        return save_training_checkpoint(
-            self.run_dir / "checkpoints", step, self.cfg, self.model, self.engine, self.rt.pstate,
-            self.probe_loss(), optimizer_step=optimizer_step,
-        )
+        return save_training_checkpoint(self.run_dir / "checkpoints", step, self.cfg, self.engine, self.rt.pstate,
+                                        self.probe_loss())
 
     # --- the run ----------------------------------------------------------------------------
-    def _banner(self) -> None:
+    def _banner(self) -> list[str]:
         cfg = self.cfg
         total, active = count_params(self.model, cfg.moe)
-        self.console.print(
-            f"[bold]moectl train[/] {cfg.model.num_layers} layers, d={cfg.model.hidden_size}, "
+        lines = [
+            f"moectl train {cfg.model.num_layers} layers, d={cfg.model.hidden_size}, "
             f"{cfg.moe.num_experts} experts top-{cfg.moe.router_topk}: {total / 1e6:.2f}M params "
-            f"({active / 1e6:.2f}M active/token) on {self.rt.device} x{self.rt.world_size}"
-        )
-        self.console.print(
+            f"({active / 1e6:.2f}M active/token) on {self.rt.device} x{self.rt.world_size}",
             f"  data: {self.train_data.stream.describe()} | batch {cfg.train.global_batch_size} x {cfg.model.seq_length} "
-            f"tokens ({self.n_micro} micro-batches of {cfg.train.micro_batch_size}/rank) | run_dir {self.run_dir}"
-        )
-        # Say which GEMMs run native and which are emulated: a run never pretends.
-        self.console.print("  " + describe(self.model.recipe, self.rt.device))  # begins "precision: ..."
+            f"tokens ({self.n_micro} micro-batches of {cfg.train.micro_batch_size}/rank) | run_dir {self.run_dir}",
+            # Say which GEMMs run native and which are emulated: a run never pretends.
+            "  " + describe(self.model.recipe, self.rt.device),  # begins "precision: ..."
+        ]
         mp = cfg.mixed_precision
         if mp.fp8_param_gather or mp.fp4_param_gather:
             staged = "bf16 staged on the grad buffer" if mp.reuse_grad_buf_for_mxfp8_param_ag or mp.fp4 else "bytes"
-            self.console.print(
+            lines.append(
                 f"  param gather: block weights stored {mp.fp4_recipe if mp.fp4 else mp.fp8_recipe}, all-gathered "
                 f"as {staged}; fp32 masters from the init values"
             )
+        return lines
 
     def run(self) -> TrainResult:
         """Train to `train.train_iters`; returns the per-step losses and how the run ended."""
         cfg, tc, main = self.cfg, self.cfg.train, self.rt.is_main
         result = TrainResult(steps=self.start_step, run_dir=self.run_dir)
+        observer = self.observer if main else SilentObserver()
         if main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(dump_config(cfg))
-            self._banner()
+            observer.started(self._banner())
         start = self.start_step
         writer = (
             MetricsWriter(self.run_dir, jsonl=cfg.logging.jsonl, tensorboard=cfg.logging.tensorboard, resume=start > 0)
             if main
             else None
         )
-        if main and start:
-            self.console.print(f"  resumed from {self.resumed_from} at step {start}")
+        if start:
+            observer.log(f"  resumed from {self.resumed_from} at step {start}")
         save_every = cfg.checkpoint.save_interval
         try:
-            with _StopFlag() as stop, ProgressDisplay(tc.train_iters, start, self.console, enabled=main) as bar:
+            with _StopFlag() as stop, observer.running(tc.train_iters, start):
                 for step in range(start, tc.train_iters):
                     t0 = time.perf_counter()
                     record = self._train_step(step)
@@ -256,23 +247,23 @@ class Trainer:
                     result.skipped_steps += int(record["skipped"])
                     if writer is not None and (step + 1) % tc.log_interval == 0:
                         writer.write(record)
-                    bar.update(step + 1, record)
+                    observer.step(step + 1, record)
                     if record["skipped"]:
-                        bar.log(f"step {step + 1}: non-finite loss or grad norm, update skipped")
+                        observer.log(f"step {step + 1}: non-finite loss or grad norm, update skipped")
                     last = step + 1 == tc.train_iters
                     if tc.eval_interval and ((step + 1) % tc.eval_interval == 0 or last):
                         eval_loss = self.evaluate()
                         result.eval_losses.append((step + 1, eval_loss))
                         if writer is not None:
                             writer.write({"step": step + 1, "eval_loss": eval_loss})
-                        bar.show_eval(eval_loss)
+                        observer.evaluated(step + 1, eval_loss)
                     # Save on schedule, at the end, and when asked to stop (SIGTERM from a scheduler).
                     if save_every and ((step + 1) % save_every == 0 or last or stop.signal is not None):
                         path = self.save(step + 1)
-                        bar.log(f"saved {path}")
+                        observer.log(f"saved {path}")
                     if stop.signal is not None:
                         result.stopped_by = stop.signal
-                        bar.log(f"{stop.signal}: stopped cleanly after step {step + 1}")
+                        observer.log(f"{stop.signal}: stopped cleanly after step {step + 1}")
                         break
         finally:
             if writer is not None:
@@ -280,6 +271,6 @@ class Trainer:
         return result
 
 
-def train(cfg: Config, console: Console | None = None) -> TrainResult:
+def train(cfg: Config, observer: RunObserver | None = None) -> TrainResult:
     """Run `cfg` on this process (rank and world from torchrun's environment when launched by it)."""
-    return Trainer(cfg, console).run()
+    return Trainer(cfg, observer).run()

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moectl.config.schema import ModelConfig, MoEConfig
+from moectl.core.config.schema import ModelConfig, MoEConfig
 from trainer.attention import SelfAttention, rope_cache
 from trainer.linear import Linear
 from trainer.moe import MoELayer

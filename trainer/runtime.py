@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from moectl.config.schema import ParallelConfig, TrainConfig
-from moectl.errors import MoectlError
+from moectl.core.config.schema import ParallelConfig, TrainConfig
+from moectl.core.errors import MoectlError
 from trainer.distributed.parallel_state import ParallelState, init_distributed
 
 

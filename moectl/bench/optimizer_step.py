@@ -109,7 +109,7 @@ def _torch_fused(cfg: OptBenchConfig, device: torch.device) -> Callable[[], obje
 
 
 def _moectl(cfg: OptBenchConfig, device: torch.device, dtype: torch.dtype) -> tuple[Any, Any, Callable[[], object]]:
-    from moectl.config.schema import OptimizerConfig, ParallelConfig
+    from moectl.core.config.schema import OptimizerConfig, ParallelConfig
     from trainer.distributed import DistributedModel, ParallelState
     from trainer.optim.distributed_optimizer import DistributedOptimizer
 

@@ -75,7 +75,7 @@ def _param_gather(recipe: str) -> Callable[[], Any]:
     attention and expert weights quantized, the rest bf16 (trainer/distributed/param_gather.py)."""
 
     def spec() -> Any:
-        from moectl.config.schema import MixedPrecisionConfig
+        from moectl.core.config.schema import MixedPrecisionConfig
         from trainer.distributed.param_gather import storage_by_name
         from trainer.precision import get_recipe
 
@@ -259,7 +259,7 @@ def _columnwise_cases(dm: Any, device: torch.device) -> tuple[dict[str, Callable
 
 def gather_rows(cfg: GatherBenchConfig, fmt_name: str, device: torch.device) -> tuple[list[dict[str, Any]], bool]:
     """The rows of one format, and whether its coalesced sync equalled the per-bucket one bitwise."""
-    from moectl.config.schema import OptimizerConfig, ParallelConfig
+    from moectl.core.config.schema import OptimizerConfig, ParallelConfig
     from trainer.distributed import DistributedModel
     from trainer.distributed.parallel_state import build_parallel_state
     from trainer.optim.distributed_optimizer import DistributedOptimizer
@@ -363,7 +363,7 @@ def no_collectives() -> Iterator[None]:
 
 
 def step_rows(cfg: GatherBenchConfig, device: torch.device) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    from moectl.config.schema import ModelConfig, MoEConfig, OptimizerConfig, ParallelConfig
+    from moectl.core.config.schema import ModelConfig, MoEConfig, OptimizerConfig, ParallelConfig
     from trainer.distributed.engine import DistributedEngine
     from trainer.distributed.parallel_state import build_parallel_state
     from trainer.model import GPTMoE

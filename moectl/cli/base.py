@@ -13,7 +13,7 @@ from typing import Any, Callable, TypeVar
 
 import typer
 
-from moectl.errors import MoectlError
+from moectl.core.errors import MoectlError
 
 F = TypeVar("F", bound=Callable[..., Any])
 

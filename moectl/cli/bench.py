@@ -12,7 +12,7 @@ from rich.table import Table
 
 from moectl.cli.base import app, command, new_app
 from moectl.cli.options import JsonPathOpt, examples
-from moectl.errors import UsageError
+from moectl.core.errors import UsageError
 
 bench_app = new_app("bench", "Benchmarks: kernels and layers against the baselines a user would pick.")
 app.add_typer(bench_app, name="bench")
@@ -360,7 +360,7 @@ def param_gather(
     import torch
 
     from moectl.bench.param_mix import MIXES
-    from moectl.launcher import launch_local, reexec_args, under_torchrun
+    from moectl.cli.launch import launch_local, reexec_args, under_torchrun
 
     if mix not in MIXES:
         raise UsageError(f"--mix {mix!r} is not a param mix", f"use one of: {', '.join(sorted(MIXES))}")

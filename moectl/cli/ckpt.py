@@ -19,7 +19,7 @@ from rich.table import Table
 
 from moectl.cli.base import app, command, new_app
 from moectl.cli.options import JsonFlag, SetOpt, examples
-from moectl.errors import UsageError
+from moectl.core.errors import UsageError
 
 ckpt_app = new_app("ckpt", "Inspect, convert, validate and export moectl checkpoints.")
 app.add_typer(ckpt_app, name="ckpt")
@@ -190,8 +190,10 @@ def import_hf_command(
     set_: SetOpt = None,
 ) -> None:
     from ckpt.hf import import_hf
+    from moectl.core.config.load import apply_overrides, read_yaml
 
-    out = import_hf(src, dst, config=config, overrides=list(set_ or []))
+    base = apply_overrides(read_yaml(config) if config is not None else {}, set_ or [])
+    out = import_hf(src, dst, base=base)
     Console().print(f"[green]imported[/] {src} -> {out}", highlight=False)
 
 
@@ -218,9 +220,12 @@ def validate_command(
 ) -> None:
     import os
 
-    from ckpt.validate import validate_checkpoint
+    from moectl.core.config.load import load_config, overridden
+    from trainer.checkpointing.validate import validate_checkpoint
 
-    report = validate_checkpoint(path, config, list(set_ or []))
+    overrides = list(set_ or [])
+    given = None if config is None else load_config(config, overrides)  # a bad --config fails here, in one line
+    report = validate_checkpoint(path, overridden(overrides) if given is None else lambda saved: given)
     if int(os.environ.get("RANK", "0")) != 0:
         raise typer.Exit(0 if report.ok else 1)
     console = Console()

@@ -11,8 +11,8 @@ from rich.console import Console
 
 from moectl.cli.base import app, command
 from moectl.cli.options import ConfigArg, RunDirOpt, SetOpt, examples
-from moectl.config import load_config
-from moectl.errors import ConfigError
+from moectl.core.config.load import load_config
+from moectl.core.errors import ConfigError
 
 NprocOpt = Annotated[
     int, typer.Option("--nproc-per-node", min=1, help="Processes (GPUs) on this machine; >1 launches through torchrun.")
@@ -21,7 +21,7 @@ NprocOpt = Annotated[
 
 def _refuse_on_rule_errors(cfg, world_size: int, console: Console) -> None:
     from moectl.cli.validate import print_violations
-    from moectl.rules import check
+    from moectl.core.rules import check
 
     violations = check(cfg, world_size=world_size)
     errors = [v for v in violations if v.severity == "error"]
@@ -53,7 +53,7 @@ def train_command(
     nproc_per_node: NprocOpt = 1,
     run_dir: RunDirOpt = None,
 ) -> None:
-    from moectl.launcher import launch_local, reexec_args, under_torchrun
+    from moectl.cli.launch import launch_local, reexec_args, under_torchrun
 
     overrides = list(set_ or [])
     if run_dir is not None:
@@ -67,9 +67,10 @@ def train_command(
     if nproc_per_node > 1 and not under_torchrun():
         raise typer.Exit(launch_local(nproc_per_node, reexec_args()))
 
+    from moectl.cli.progress import RichObserver
     from trainer.loop import train
 
-    result = train(cfg, console)
+    result = train(cfg, RichObserver(console))
     if rank0:
         how = f"stopped by {result.stopped_by}" if result.stopped_by else "done"
         last = f", final loss {result.losses[-1]:.4f}" if result.losses else ""

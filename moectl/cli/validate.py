@@ -2,7 +2,7 @@
 
 Exit codes: 0 valid (warnings allowed), 1 violations, 2 unreadable input (missing file, bad YAML,
 unknown key, type error: the loader raises those as exit-code-2 errors). Nothing here imports torch;
-the hardware rule does so lazily, and only when a GPU looks present (see `moectl.rules`).
+the hardware rule does so lazily, and only when a GPU looks present (see `moectl.core.rules`).
 """
 
 from __future__ import annotations
@@ -19,10 +19,11 @@ from rich.table import Table
 
 from moectl.cli.base import app, command
 from moectl.cli.options import JsonFlag, SetOpt, WorldSizeOpt, examples
-from moectl.config import Config, load_config
-from moectl.errors import UsageError
-from moectl.rules import RULES, Context, Device, Environment, Violation, check, default_world_size, fmt, has_errors
-from moectl.summary import summarize, summary_lines
+from moectl.core.config import Config
+from moectl.core.config.load import load_config
+from moectl.core.errors import UsageError
+from moectl.core.rules import RULES, Context, Device, Environment, Violation, check, default_world_size, fmt, has_errors
+from moectl.core.summary import summarize, summary_lines
 
 ConfigOptArg = Annotated[
     Optional[Path],

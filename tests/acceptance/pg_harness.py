@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from moectl.config.schema import Config, ParallelConfig
+from moectl.core.config.schema import Config, ParallelConfig
 from trainer.distributed import ParallelState
 from trainer.distributed.engine import DistributedEngine
 from trainer.distributed.param_gather import param_gather_storage

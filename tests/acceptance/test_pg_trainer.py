@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from rich.console import Console
+from trainer.observer import SilentObserver
 
 from ckpt import open_checkpoint
-from ckpt.validate import validate_checkpoint
-from moectl.config import load_config
+from trainer.checkpointing.validate import validate_checkpoint
+from moectl.core.config.load import load_config
 from trainer.distributed.quantized_storage import quantized_storage_of
 from trainer.loop import Trainer
 
@@ -41,7 +41,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def trainer(run_dir: Path, *extra: str) -> Trainer:
-    return Trainer(load_config(None, [*FAST, f"run_dir={run_dir}", *extra]), Console(quiet=True))
+    return Trainer(load_config(None, [*FAST, f"run_dir={run_dir}", *extra]), SilentObserver())
 
 
 def masters(t: Trainer) -> dict[str, torch.Tensor]:

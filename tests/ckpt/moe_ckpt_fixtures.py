@@ -10,8 +10,8 @@ from typing import Any, Optional
 import torch
 
 from ckpt import save_checkpoint
-from moectl.config import Config, config_to_dict
-from moectl.config.schema import ModelConfig, MoEConfig
+from moectl.core.config import Config, config_to_dict
+from moectl.core.config.schema import ModelConfig, MoEConfig
 from trainer.model import GPTMoE
 
 OPTIM_SUFFIXES = (".main_param", ".exp_avg", ".exp_avg_sq")

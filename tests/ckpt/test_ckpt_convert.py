@@ -21,7 +21,7 @@ from moe_ckpt_fixtures import (
 from ckpt import open_checkpoint, save_checkpoint, verify_checkpoint
 from ckpt.convert import convert_checkpoint
 from ckpt.layout import normalize_for_model
-from moectl.errors import CheckpointError
+from moectl.core.errors import CheckpointError
 
 FC1 = "decoder.layers.{}.mlp.experts.linear_fc1.{}"
 

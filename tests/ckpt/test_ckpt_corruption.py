@@ -19,7 +19,7 @@ from ckpt_fixtures import save_simple
 from ckpt import open_checkpoint, verify_checkpoint
 from ckpt import problems as P
 from ckpt.st_header import read_header
-from moectl.errors import CheckpointError
+from moectl.core.errors import CheckpointError
 
 MODEL = "model-00000.safetensors"
 OPTIM = "optim-00000.safetensors"

@@ -16,8 +16,9 @@ from safetensors.torch import load_file, save_file
 
 from ckpt import open_checkpoint
 from ckpt.hf import export_hf, import_hf
-from moectl.config import Config
-from moectl.errors import CheckpointError
+from moectl.core.config import Config
+from moectl.core.config.load import apply_overrides
+from moectl.core.errors import CheckpointError
 
 MIXTRAL = {"model": {"rotary_base": 5000.0}, "moe": {"router_norm_topk_prob": True, "glu_interleave_size": 32,
                                                       "single_grouped_weight": False}}  # fmt: skip
@@ -66,8 +67,8 @@ def test_mixtral_export_matches_transformers_logits(mixtral: dict[str, Any]) -> 
 
 
 def test_mixtral_import_round_trips_bit_exact(mixtral: dict[str, Any], tmp_path: Path) -> None:
-    out = import_hf(mixtral["folder"], tmp_path / "back", overrides=["moe.single_grouped_weight=false",
-                                                                     "moe.glu_interleave_size=32"])  # fmt: skip
+    out = import_hf(mixtral["folder"], tmp_path / "back", base=apply_overrides({}, ["moe.single_grouped_weight=false",
+                                                                     "moe.glu_interleave_size=32"]))  # fmt: skip
     assert out == tmp_path / "back" / "step_00000000"
     assert_same_tensors(read_all(out), mixtral["state"])
     with open_checkpoint(out) as ck:
@@ -84,7 +85,7 @@ def test_import_reads_transformers_v5_fused_experts(mixtral: dict[str, Any], tmp
     folder.mkdir()
     save_file(sd, str(folder / "model.safetensors"), metadata={"format": "pt"})
     shutil.copy(mixtral["folder"] / "config.json", folder / "config.json")
-    out = import_hf(folder, tmp_path / "ck", overrides=["moe.single_grouped_weight=false", "moe.glu_interleave_size=32"])
+    out = import_hf(folder, tmp_path / "ck", base=apply_overrides({}, ["moe.single_grouped_weight=false", "moe.glu_interleave_size=32"]))
     assert_same_tensors(read_all(out), mixtral["state"])
 
 
@@ -181,8 +182,8 @@ def test_import_names_missing_unexpected_and_misshaped_tensors(qwen_folder: Path
 
 def test_import_config_may_not_contradict_the_architecture(qwen_folder: Path, tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match=r"model\.hidden_size=64 \(the HF model has 32\)"):
-        import_hf(qwen_folder, tmp_path / "out", overrides=["model.hidden_size=64", "train.seed=7"])
-    out = import_hf(qwen_folder, tmp_path / "ok", overrides=["train.seed=7", "moe.single_grouped_weight=false"])
+        import_hf(qwen_folder, tmp_path / "out", base=apply_overrides({}, ["model.hidden_size=64", "train.seed=7"]))
+    out = import_hf(qwen_folder, tmp_path / "ok", base=apply_overrides({}, ["train.seed=7", "moe.single_grouped_weight=false"]))
     with open_checkpoint(out) as ck:
         assert ck.meta["config"]["train"]["seed"] == 7 and ck.meta["expert_layout"] == "per-expert"
 

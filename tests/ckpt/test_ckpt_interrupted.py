@@ -24,7 +24,7 @@ from ckpt import (
 )
 from ckpt import problems as P
 from ckpt.faults import InjectedCrash
-from moectl.errors import CheckpointError
+from moectl.core.errors import CheckpointError
 
 THREE_FILES = {
     "model-00000.safetensors": {"a": torch.ones(3)},

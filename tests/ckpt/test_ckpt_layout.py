@@ -15,7 +15,7 @@ from ckpt.layout import (
     to_per_expert,
     to_single_grouped,
 )
-from moectl.errors import CheckpointError
+from moectl.core.errors import CheckpointError
 
 P = "decoder.layers.0.mlp.experts.linear_fc1"
 

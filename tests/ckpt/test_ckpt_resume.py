@@ -4,11 +4,11 @@ import json
 
 import pytest
 import torch
-from rich.console import Console
+from trainer.observer import SilentObserver
 
 from ckpt import open_checkpoint
-from moectl.config import load_config
-from moectl.errors import CheckpointError
+from moectl.core.config.load import load_config
+from moectl.core.errors import CheckpointError
 from trainer.loop import Trainer
 
 FAST = [
@@ -19,7 +19,7 @@ FAST = [
 
 
 def trainer(run_dir, *extra) -> Trainer:
-    return Trainer(load_config(None, [*FAST, f"run_dir={run_dir}", *extra]), Console(quiet=True))
+    return Trainer(load_config(None, [*FAST, f"run_dir={run_dir}", *extra]), SilentObserver())
 
 
 def final_state(t: Trainer) -> dict[str, torch.Tensor]:
@@ -108,7 +108,7 @@ def test_training_resumed_from_a_converted_checkpoint_equals_the_original_run(tm
 
 
 def test_a_fresh_run_refuses_to_save_over_an_earlier_runs_checkpoints(tmp_path):
-    from moectl.errors import MoectlError
+    from moectl.core.errors import MoectlError
 
     trainer(tmp_path, "train.train_iters=2", "checkpoint.save_interval=2").run()
     before = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())

@@ -3,10 +3,10 @@
 import pytest
 import torch
 from dist_helpers import run_distributed
-from rich.console import Console
+from trainer.observer import SilentObserver
 
 from ckpt import open_checkpoint
-from moectl.config import load_config
+from moectl.core.config.load import load_config
 from trainer.loop import Trainer
 
 FAST = [
@@ -19,7 +19,7 @@ HALF = 10
 
 
 def trainer(*extra: str) -> Trainer:
-    return Trainer(load_config(None, [*FAST, *extra]), Console(quiet=True))
+    return Trainer(load_config(None, [*FAST, *extra]), SilentObserver())
 
 
 def masters(t: Trainer) -> dict[str, torch.Tensor]:
@@ -100,7 +100,8 @@ def _ep2_save_and_resume(rank: int, world: int, root: str, layout: bool) -> tupl
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [True, False])
 def test_expert_parallel_checkpoint_resumes_bitwise_and_loads_at_ep1(tmp_path, layout):
-    from ckpt.validate import validate_checkpoint
+    from moectl.core.config.load import overridden
+    from trainer.checkpointing.validate import validate_checkpoint
 
     for full, resumed in run_distributed(_ep2_save_and_resume, root=str(tmp_path), layout=layout):
         assert resumed == full[HALF:]
@@ -112,5 +113,5 @@ def test_expert_parallel_checkpoint_resumes_bitwise_and_loads_at_ep1(tmp_path, l
         assert "decoder.layers.0.mlp.experts.linear_fc1.weight3.main_param" in ck.tensor_names()
     report = validate_checkpoint(ck.path)  # one process: ep=1 (the config's ep=2 is overridden below)
     assert not report.ok  # its own config asks for ep=2 on one process: refused, not silently changed
-    report = validate_checkpoint(ck.path, overrides=["parallel.expert_model_parallel_size=1"])
+    report = validate_checkpoint(ck.path, overridden(["parallel.expert_model_parallel_size=1"]))
     assert report.ok, report.failures()

@@ -11,7 +11,7 @@ from ckpt_fixtures import bits, make_meta, mixed_tensors, save_simple
 
 from ckpt import CheckpointSaveError, open_checkpoint, save_checkpoint, verify_checkpoint
 from ckpt.manifest import FORMAT_VERSION
-from moectl.errors import CheckpointError
+from moectl.core.errors import CheckpointError
 
 
 def test_mixed_dtypes_round_trip_bit_exact(tmp_path: Path) -> None:

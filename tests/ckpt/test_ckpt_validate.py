@@ -6,11 +6,12 @@ import json
 import pytest
 import torch
 from dist_helpers import run_distributed
-from rich.console import Console
+from trainer.observer import SilentObserver
 from safetensors.torch import load_file, save
 
-from ckpt.validate import validate_checkpoint
-from moectl.config import load_config
+from moectl.core.config.load import overridden
+from trainer.checkpointing.validate import validate_checkpoint
+from moectl.core.config.load import load_config
 from trainer.loop import Trainer
 
 FAST = [
@@ -24,7 +25,7 @@ FAST = [
 @pytest.fixture(scope="module")
 def ckpt_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("v")
-    Trainer(load_config(None, [*FAST, f"run_dir={root}"]), Console(quiet=True)).run()
+    Trainer(load_config(None, [*FAST, f"run_dir={root}"]), SilentObserver()).run()
     return root / "checkpoints" / "step_00000003"
 
 
@@ -42,7 +43,7 @@ def test_good_checkpoint_passes_every_stage(ckpt_dir):
 
 
 def test_passes_into_the_other_layout(ckpt_dir):
-    report = validate_checkpoint(ckpt_dir, overrides=["moe.single_grouped_weight=false"])
+    report = validate_checkpoint(ckpt_dir, overridden(["moe.single_grouped_weight=false"]))
     assert report.ok, report.failures()
     assert any(c.name.endswith("linear_fc1.weight3.main_param") for c in report.checks)
 

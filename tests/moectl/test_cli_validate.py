@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from moectl.cli.app import app
-from moectl.rules import RULES
+from moectl.core.rules import RULES
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = str(REPO / "configs" / "tiny.yaml")

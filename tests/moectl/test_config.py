@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from moectl.config import Config, config_from_dict, dump_config, load_config
-from moectl.config.load import parse_override, read_yaml
-from moectl.errors import ConfigError, MoectlError, UsageError
+from moectl.core.config import Config, config_from_dict, dump_config
+from moectl.core.config.load import load_config
+from moectl.core.config.load import parse_override, read_yaml
+from moectl.core.errors import ConfigError, MoectlError, UsageError
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -16,10 +16,10 @@ from typing import Optional
 
 import pytest
 
-from moectl import rules
-from moectl.config import Config, load_config
-from moectl.config.load import yaml_scalar
-from moectl.rules import RULES, Device, Environment, TEInstall, Violation, check, has_errors
+from moectl.core import rules
+from moectl.core.config import Config
+from moectl.core.config.load import load_config, yaml_scalar
+from moectl.core.rules import RULES, Device, Environment, TEInstall, Violation, check, has_errors
 
 REPO = Path(__file__).resolve().parents[2]
 NO_MACHINE = Environment(te=None, device=None)
@@ -535,7 +535,7 @@ def test_hardware_rule_names_the_emulated_gemms() -> None:
 def test_rule_table_is_what_the_run_dispatches(cap: tuple[int, int], monkeypatch: pytest.MonkeyPatch) -> None:
     """MOE038 and trainer/precision read one table: for every recipe, format and capability, the GEMMs
     the rule calls native are exactly those the recipe dispatches to a native kernel."""
-    from moectl import hardware
+    from moectl.core import hardware
     from trainer.precision import native
     from trainer.precision.recipes import FP4_RECIPES, FP8_RECIPES
 
@@ -675,9 +675,9 @@ def test_validate_path_never_imports_torch() -> None:
     code = (
         "import sys\n"
         "import moectl.cli.app\n"
-        "from moectl.config import load_config\n"
-        "from moectl.rules import check\n"
-        "from moectl.summary import summarize\n"
+        "from moectl.core.config.load import load_config\n"
+        "from moectl.core.rules import check\n"
+        "from moectl.core.summary import summarize\n"
         "cfg = load_config('configs/fp8_tensorwise.yaml', ['moe.backend=te'])\n"
         "check(cfg, world_size=8)\n"
         "summarize(cfg, 8)\n"

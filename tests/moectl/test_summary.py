@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from moectl.config import Config, load_config
-from moectl.summary import human_bytes, human_count, layout, memory, param_counts, summarize
+from moectl.core.config import Config
+from moectl.core.config.load import load_config
+from moectl.core.summary import human_bytes, human_count, layout, memory, param_counts, summarize
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -1,6 +1,6 @@
 import torch
 
-from moectl.config.schema import ModelConfig, MoEConfig
+from moectl.core.config.schema import ModelConfig, MoEConfig
 from trainer.flops import flops_per_token, peak_tflops
 
 

@@ -3,9 +3,9 @@ import math
 
 import pytest
 import torch
-from rich.console import Console
+from trainer.observer import SilentObserver
 
-from moectl.config import load_config
+from moectl.core.config.load import load_config
 from trainer.loop import NonFiniteError, Trainer
 
 FAST = [
@@ -18,7 +18,7 @@ FAST = [
 
 def make(tmp_path, *extra: str) -> Trainer:
     cfg = load_config(None, [*FAST, f"run_dir={tmp_path / 'run'}", *extra])
-    return Trainer(cfg, Console(quiet=True))
+    return Trainer(cfg, SilentObserver())
 
 
 def test_metrics_jsonl_fields_and_full_precision_losses(tmp_path):

@@ -19,10 +19,10 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from rich.console import Console
+from trainer.observer import SilentObserver
 
 from dist_helpers import run_distributed
-from moectl.config import load_config
+from moectl.core.config.load import load_config
 from trainer.distributed import ParallelState
 from trainer.loop import Trainer
 from trainer.runtime import Runtime, setup_runtime
@@ -47,7 +47,7 @@ RUNS: dict[str, list[str]] = {
 
 def _train(overrides: list[str], run_dir: Path, runtime: Runtime | None = None) -> dict[str, Any]:
     cfg = load_config(None, [*BASE, *overrides, f"run_dir={run_dir}"])
-    trainer = Trainer(cfg, Console(quiet=True), runtime=runtime or setup_runtime(cfg.train, cfg.parallel))
+    trainer = Trainer(cfg, SilentObserver(), runtime=runtime or setup_runtime(cfg.train, cfg.parallel))
     result = trainer.run()
     trainer.engine.sync_params_for_eval()
     dmodel = trainer.engine.dmodel  # type: ignore[attr-defined]

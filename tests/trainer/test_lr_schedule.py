@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from moectl.config.schema import OptimizerConfig
+from moectl.core.config.schema import OptimizerConfig
 from trainer.optim.lr_schedule import lr_at
 
 

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from moectl.config.schema import ModelConfig, MoEConfig
+from moectl.core.config.schema import ModelConfig, MoEConfig
 from trainer.model import GPTMoE, count_params
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moectl.config.schema import ModelConfig, MoEConfig
+from moectl.core.config.schema import ModelConfig, MoEConfig
 from trainer.linear import Linear
 from trainer.model import DenseMLP, GPTMoE
 from trainer.moe import MoELayer

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from moectl.config.schema import DataConfig
-from moectl.errors import DataError
+from moectl.core.config.schema import DataConfig
+from moectl.core.errors import DataError
 
 from .sources import build_corpus, build_synthetic, load_megatron, load_text, load_tokens
 from .stream import TokenStream, check_vocab, split_stream

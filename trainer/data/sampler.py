@@ -30,7 +30,7 @@ from collections.abc import Iterator
 
 import torch
 
-from moectl.errors import ConfigError, DataError
+from moectl.core.errors import ConfigError, DataError
 
 from .stream import TokenStream
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moectl.errors import DataError
+from moectl.core.errors import DataError
 
 #: The integer dtypes a token stream may be stored in, by the names used in file suffixes and docs.
 TOKEN_DTYPES: dict[str, torch.dtype] = {

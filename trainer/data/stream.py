@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from moectl.errors import ConfigError, DataError
+from moectl.core.errors import ConfigError, DataError
 
 from .storage import Fingerprint, dtype_name, fingerprint, max_token, min_token
 

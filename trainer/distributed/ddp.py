@@ -58,7 +58,7 @@ from trainer.distributed.param_sync import SETTLED, ParamSyncError, ParamSyncSta
 from trainer.distributed.parallel_state import ParallelState
 from trainer.main_grad import READY_HOOK, grad_ready
 
-from moectl.config.schema import ParallelConfig
+from moectl.core.config.schema import ParallelConfig
 
 DEFAULT_OPTIMIZER_TAG = "adam"
 

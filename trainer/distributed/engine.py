@@ -16,12 +16,14 @@ from __future__ import annotations
 import contextlib
 from typing import Literal
 
+import torch
 from torch import nn
 
-from moectl.config.schema import OptimizerConfig, ParallelConfig
-from moectl.errors import ConfigError
+from moectl.core.config.schema import OptimizerConfig, ParallelConfig
+from moectl.core.errors import ConfigError
 from trainer.distributed.ddp import DistributedModel, StorageSpec
 from trainer.distributed.parallel_state import ParallelState
+from trainer.distributed.quantized_storage import quantized_storage_of
 from trainer.optim.chained import ChainedOptimizer, build_muon_optimizer
 from trainer.optim.distributed_optimizer import DistributedOptimizer
 from trainer.optim.muon_routing import muon_model_options
@@ -57,3 +59,30 @@ class DistributedEngine:
 
     def sync_params_for_eval(self) -> None:
         self.dmodel.force_param_sync()
+
+    @property
+    def step_count(self) -> int:
+        return self.optimizer.step_count
+
+    def state_keys(self, name: str) -> tuple[str, ...]:
+        return self.optimizer.state_keys(name)
+
+    def logical_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The optimizer's gathered state per param, plus the weight: the param itself, or - under fp8/fp4
+        param gather, where the model holds only quantized bytes - the master cast to the param dtype, which
+        is what a run without param gather would hold (quantized bytes are never saved)."""
+        self.sync_params_for_eval()  # params equal the masters, with any deferred gather finished
+        state = self.optimizer.gather_logical_state()["params"]
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for name, p in self.dmodel.module.named_parameters():
+            entry = dict(state[name])
+            stored = quantized_storage_of(p) is not None
+            entry["param"] = entry["master"].to(p.dtype) if stored else p.detach()
+            out[name] = entry
+        return out
+
+    def load_logical_state(self, params: dict[str, dict[str, torch.Tensor]], step: int | None) -> None:
+        state: dict[str, object] = {"params": params}
+        if step is not None:
+            state["step"] = step
+        self.optimizer.load_logical_state(state)

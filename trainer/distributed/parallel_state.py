@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from moectl.errors import ConfigError
+from moectl.core.errors import ConfigError
 
 if TYPE_CHECKING:
-    from moectl.config.schema import ParallelConfig
+    from moectl.core.config.schema import ParallelConfig
 
 DEFAULT_TIMEOUT_S = 600.0
 # Expert params must differ across ep ranks (each holds different experts), and agree across expert-dp

@@ -19,8 +19,8 @@ from typing import Callable, Optional
 
 import torch
 
-from moectl.config.schema import MixedPrecisionConfig
-from moectl.errors import ConfigError
+from moectl.core.config.schema import MixedPrecisionConfig
+from moectl.core.errors import ConfigError
 from trainer.distributed.ddp import StorageSpec
 from trainer.distributed.param_storage import HighPrecisionStorage, ParamStorage
 from trainer.distributed.quantized_storage import PerTensorFP8Storage, StagedQuantizedStorage

@@ -45,7 +45,7 @@ from typing import Any, Iterator
 
 import torch
 
-from moectl.errors import MoectlError
+from moectl.core.errors import MoectlError
 from trainer.kernels import glu_reference
 
 Grads = tuple[

@@ -29,7 +29,7 @@ from typing import Optional
 
 import torch
 
-from moectl.errors import ConfigError
+from moectl.core.errors import ConfigError
 from trainer.moe.router import RouterOutput
 
 

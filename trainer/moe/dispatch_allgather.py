@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from moectl.errors import ConfigError
+from moectl.core.errors import ConfigError
 from trainer.moe.dispatch_alltoall import check_divisible
 from trainer.moe.ep_comm import all_gather_rows, all_gather_rows_nograd, reduce_scatter_rows
 from trainer.moe.router import RouterOutput

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from moectl.errors import ConfigError
+from moectl.core.errors import ConfigError
 from trainer.moe.dispatch import DispatchPlan, LocalDispatcher
 from trainer.moe.ep_comm import all_to_all, all_to_all_counts
 from trainer.moe.router import RouterOutput

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 import torch
 import torch.nn.functional as F
 
-from moectl.errors import MoectlError
+from moectl.core.errors import MoectlError
 
 if TYPE_CHECKING:
     from trainer.moe.expert_precision import ExpertPrecision

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional, Union
 
-from moectl.config.schema import MoEConfig
+from moectl.core.config.schema import MoEConfig
 from trainer.moe.dispatch import LocalDispatcher
 from trainer.moe.dispatch_allgather import AllGatherDispatcher
 from trainer.moe.dispatch_alltoall import AllToAllDispatcher, check_divisible

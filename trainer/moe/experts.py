@@ -33,8 +33,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from moectl.config.schema import MoEConfig
-from moectl.errors import MoectlError
+from moectl.core.config.schema import MoEConfig
+from moectl.core.errors import MoectlError
 from trainer.linear import state_for_call
 from trainer.main_grad import accumulate_wgrad
 from trainer.moe.expert_backend import ExpertBackend, ExpertSpec, get_backend, supports_precision

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from moectl.config.schema import MoEConfig
+from moectl.core.config.schema import MoEConfig
 from trainer.distributed.parallel_state import Group
 from trainer.moe.expert_parallel import build_dispatcher, expert_shard
 from trainer.moe.experts import GroupedMLP

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moectl.config.schema import MoEConfig
+from moectl.core.config.schema import MoEConfig
 
 
 @dataclass

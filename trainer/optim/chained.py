@@ -23,11 +23,10 @@ from typing import Any, Literal, Protocol, Sequence
 
 import torch
 
-from moectl.config.schema import OptimizerConfig
+from moectl.core.config.schema import OptimizerConfig
 from trainer.distributed.bucket_group import GradSyncError
 from trainer.distributed.ddp import DistributedModel
 from trainer.distributed.param_sync import Action
-from trainer.optim.distributed_optimizer import STATE_KEYS as ADAM_STATE_KEYS
 from trainer.optim.distributed_optimizer import DistributedOptimizer
 from trainer.optim.grad_norm import GradVerdict, global_grad_verdict
 from trainer.optim.layerwise import LayerWiseMuon
@@ -50,6 +49,8 @@ class Member(Protocol):
     def gather_logical_state(self) -> dict[str, Any]: ...
 
     def load_logical_state(self, state: dict[str, Any], strict: bool = True) -> None: ...
+
+    def state_keys(self, name: str) -> tuple[str, ...]: ...
 
 
 def _names(member: Member) -> set[str]:
@@ -86,9 +87,8 @@ class ChainedOptimizer:
         return {m.tag: sorted(_names(m)) for m in self.members}
 
     def state_keys(self, name: str) -> tuple[str, ...]:
-        member = self._owner[name]
-        keys = getattr(member, "state_keys", None)
-        return keys(name) if keys is not None else ADAM_STATE_KEYS
+        """The logical state entries of `name`: those of the member that owns it."""
+        return self._owner[name].state_keys(name)
 
     def local_grad_sq(self) -> torch.Tensor:
         return sum((m.local_grad_sq() for m in self.members[1:]), self.members[0].local_grad_sq())

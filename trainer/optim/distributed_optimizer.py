@@ -40,7 +40,7 @@ from typing import Any, Iterator, Literal
 
 import torch
 
-from moectl.config.schema import OptimizerConfig
+from moectl.core.config.schema import OptimizerConfig
 from trainer.distributed.bucket import Bucket, Piece
 from trainer.distributed.bucket_group import BucketGroup
 from trainer.distributed.ddp import DEFAULT_OPTIMIZER_TAG, DistributedModel

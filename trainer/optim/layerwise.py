@@ -35,7 +35,7 @@ from typing import Iterator, Literal
 
 import torch
 
-from moectl.config.schema import OptimizerConfig
+from moectl.core.config.schema import OptimizerConfig
 from trainer.distributed.bucket import Bucket
 from trainer.distributed.ddp import DistributedModel
 from trainer.optim.muon import muon_update_
@@ -113,10 +113,6 @@ class LayerWiseMuon(ShardedOptimizerBase):
     def owned_names(self) -> list[str]:
         """Names of the matrices this rank steps, in buffer order."""
         return [m.name for s in self.shards for m in s.matrices]
-
-    def state_keys(self, name: str) -> tuple[str, ...]:
-        """The logical state entries of a param (see `gather_logical_state`)."""
-        return STATE_KEYS
 
     # ---------------------------------------------------------------- the step
     def _update(self, lr: float, coef: float) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from moectl.config.schema import OptimizerConfig
+from moectl.core.config.schema import OptimizerConfig
 
 
 def lr_at(step: int, cfg: OptimizerConfig, train_iters: int) -> float:

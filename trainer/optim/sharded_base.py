@@ -32,7 +32,7 @@ from typing import Any, Iterator, Literal, NamedTuple
 
 import torch
 
-from moectl.config.schema import OptimizerConfig
+from moectl.core.config.schema import OptimizerConfig
 from trainer.distributed.bucket import Bucket
 from trainer.distributed.bucket_group import BucketGroup, GradSyncError
 from trainer.distributed.ddp import DistributedModel
@@ -246,6 +246,10 @@ class ShardedOptimizerBase:
         return StepResult(norm, skipped=False)
 
     # ---------------------------------------------------------------- logical (unsharded) state
+    def state_keys(self, name: str) -> tuple[str, ...]:
+        """The logical state entries of a param (see `gather_logical_state`): the master and its moments."""
+        return self.STATE_KEYS
+
     def gather_logical_state(self) -> dict[str, Any]:
         """Full state per param name, on every rank (collective when sharded).
 

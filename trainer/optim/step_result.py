@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moectl.errors import MoectlError
+from moectl.core.errors import MoectlError
 
 
 @dataclass(frozen=True)

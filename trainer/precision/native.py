@@ -27,7 +27,7 @@ an exact zero grad from a kernel that touches only their slabs (no host sync).
 
 MXFP8 / NVFP4 GEMMs need Blackwell (sm100) kernels and DeepSeek-style blockwise scaled_mm a cuBLAS/torch
 combination, none of which this build wires in: those recipes are emulated on every device (see
-`report.describe`). Which capability runs what is the torch-free table in `moectl/hardware.py`, shared
+`report.describe`). Which capability runs what is the torch-free table in `moectl/core/hardware.py`, shared
 with rule MOE038 so `validate-config` says exactly what the run will do.
 
 Everything CUDA-only is behind `torch.cuda.is_available()`; this module imports and answers "no" on CPU.
@@ -40,7 +40,7 @@ from typing import Optional
 
 import torch
 
-from moectl import hardware
+from moectl.core import hardware
 from trainer.kernels import has_triton
 
 from .quantized_tensor import QuantizedTensor
@@ -62,7 +62,7 @@ def _cuda_capability(index: int) -> tuple[int, int]:
 
 
 def kernel_supports(kind: str, fmt_a: str, fmt_b: str, *, grouped: bool, device: torch.device | str | None) -> bool:
-    """Which operand pairs have a native fp8 kernel on `device`: the table of `moectl.hardware` (which
+    """Which operand pairs have a native fp8 kernel on `device`: the table of `moectl.core.hardware` (which
     rule MOE038 reads too), at this device's capability, provided this torch has the kernel."""
     kernel = "_scaled_grouped_mm" if grouped else "_scaled_mm"
     return hasattr(torch, kernel) and hardware.kernel_supports(

@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 import torch
 
-from moectl.errors import ConfigError, DataError
+from moectl.core.errors import ConfigError, DataError
 from trainer.data import Sampler, TokenStream, splitmix64
 from trainer.data.sampler import _GAMMA, _mix64
 

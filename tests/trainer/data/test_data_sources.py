@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from moectl.config.schema import DataConfig
-from moectl.errors import DataError
+from moectl.core.config.schema import DataConfig
+from moectl.core.errors import DataError
 from trainer.data import build_data, load_source
 from trainer.data.sources import build_corpus, build_synthetic, load_megatron, load_text, load_tokens
 from trainer.data.sources.corpus import MAX_BYTES

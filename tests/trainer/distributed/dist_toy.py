@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from moectl.config.schema import OptimizerConfig, ParallelConfig
+from moectl.core.config.schema import OptimizerConfig, ParallelConfig
 from trainer.distributed import DistributedModel, ParallelState, ParamStorage
 from trainer.distributed.bucket import Bucket
 from trainer.distributed.parallel_state import dense_seed, expert_seed

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from dist_toy import Run, ToyMoE, forward_backward, make
-from moectl.config.schema import ParallelConfig
-from moectl.errors import ConfigError
+from moectl.core.config.schema import ParallelConfig
+from moectl.core.errors import ConfigError
 from trainer.distributed import (
     AliasedStagingStorage,
     DistributedModel,

@@ -19,7 +19,7 @@ import torch
 
 from acceptance.pg_harness import Knobs, build, differences, train, with_
 from dist_helpers import run_distributed
-from moectl.config.schema import ParallelConfig
+from moectl.core.config.schema import ParallelConfig
 from trainer.distributed import ParallelState, comm
 from trainer.distributed import bucket_group as bg
 from trainer.distributed.ddp import DistributedModel
@@ -216,7 +216,7 @@ def _gpu_body(rank: int, world_size: int, root: str) -> dict[str, Any]:
 
     from moectl.bench import param_gather as pgb
     from moectl.bench.param_mix import MixShape, build_params
-    from moectl.config.schema import OptimizerConfig
+    from moectl.core.config.schema import OptimizerConfig
     from trainer.optim.distributed_optimizer import DistributedOptimizer
 
     dist.destroy_process_group()  # run_distributed joined gloo

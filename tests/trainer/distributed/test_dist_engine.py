@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moectl.config.schema import Config, ParallelConfig
+from moectl.core.config.schema import Config, ParallelConfig
 from trainer.build import build_model
 from trainer.distributed import ParallelState
 from trainer.distributed.engine import DistributedEngine

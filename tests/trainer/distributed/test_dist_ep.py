@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from dist_helpers import run_distributed
-from moectl.config.schema import ModelConfig, MoEConfig, OptimizerConfig, ParallelConfig
+from moectl.core.config.schema import ModelConfig, MoEConfig, OptimizerConfig, ParallelConfig
 from trainer.distributed import ParallelState
 from trainer.distributed.engine import DistributedEngine
 from trainer.distributed.parallel_state import build_parallel_state

@@ -26,7 +26,7 @@ from dist_toy import (
     state_tensors,
     train,
 )
-from moectl.config.schema import OptimizerConfig, ParallelConfig
+from moectl.core.config.schema import OptimizerConfig, ParallelConfig
 from trainer.distributed import AliasedStagingStorage, DistributedModel, ParallelState, ParamSyncState
 from trainer.distributed.bucket import Bucket
 from trainer.distributed.comm import all_gather_object

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moectl.errors import ConfigError
+from moectl.core.errors import ConfigError
 from acceptance.pg_harness import Knobs, batch, build, config, quantized_params
 from trainer.distributed import ParallelState
 from trainer.distributed import quantized_storage as qs
@@ -150,7 +150,7 @@ def test_matches_master_catches_a_changed_byte_or_master(recipe: str) -> None:
 def test_bare_params_by_name(recipe: str) -> None:
     """Benchmarks hold parameters without their layers: the storage holds their quantized values itself."""
     from moectl.bench.param_mix import MixShape, build_params
-    from moectl.config.schema import ParallelConfig
+    from moectl.core.config.schema import ParallelConfig
     from trainer.distributed import DistributedModel
     from trainer.distributed.param_gather import is_block_linear, storage_by_name
     from trainer.optim.distributed_optimizer import DistributedOptimizer

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from _expert_math import loop_expert_mlp, rel_err
-from moectl.config.schema import MoEConfig
-from moectl.errors import MoectlError
+from moectl.core.config.schema import MoEConfig
+from moectl.core.errors import MoectlError
 from trainer.kernels.fused_expert_mlp import FusedBackend
 
 ACTS = ["swiglu", "quick_geglu", "squared_relu"]

@@ -173,7 +173,7 @@ def test_fused_fp32_on_cuda_matches_loop():
 
 def test_fused_matches_grouped_backend_and_runs_through_grouped_mlp():
     """The registry's `fused` on CUDA, inside GroupedMLP (both layouts), against `grouped`, bf16."""
-    from moectl.config.schema import MoEConfig
+    from moectl.core.config.schema import MoEConfig
     from trainer.moe.experts import GroupedMLP
 
     outs = {}

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moectl.config.schema import MoEConfig
-from moectl.errors import MoectlError
+from moectl.core.config.schema import MoEConfig
+from moectl.core.errors import MoectlError
 from trainer.moe import ExpertSpec, GroupedMLP, get_backend
 from trainer.moe import expert_backend as eb
 

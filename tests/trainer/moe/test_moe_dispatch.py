@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moectl.config.schema import MoEConfig
-from moectl.errors import ConfigError
+from moectl.core.config.schema import MoEConfig
+from moectl.core.errors import ConfigError
 from trainer.moe import GroupedMLP, LocalDispatcher, RouterOutput
 
 D = 8

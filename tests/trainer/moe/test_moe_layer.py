@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moectl.config.schema import MoEConfig
+from moectl.core.config.schema import MoEConfig
 from trainer.moe import MoELayer
 
 D = 8

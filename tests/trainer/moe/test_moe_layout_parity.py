@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moectl.config.schema import MoEConfig
+from moectl.core.config.schema import MoEConfig
 from trainer.main_grad import attach_main_grads
 from trainer.moe import GroupedMLP
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moectl.config.schema import MoEConfig
-from moectl.errors import MoectlError
+from moectl.core.config.schema import MoEConfig
+from moectl.core.errors import MoectlError
 from trainer.main_grad import attach_main_grads
 from trainer.moe import GroupedMLP, MoELayer
 from trainer.moe import expert_backend as eb

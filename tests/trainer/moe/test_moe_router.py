@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from moectl.config.schema import MoEConfig
+from moectl.core.config.schema import MoEConfig
 from trainer.moe import TopKRouter
 
 # Four tokens, three experts. With router weight = I, the logits are the inputs, so choosing inputs

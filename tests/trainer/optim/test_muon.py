@@ -16,14 +16,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from rich.console import Console
+from trainer.observer import SilentObserver
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
 from dist_toy import ToyMoE, global_batch  # noqa: E402
 
-from moectl.config import load_config  # noqa: E402
-from moectl.config.schema import OptimizerConfig, ParallelConfig  # noqa: E402
+from moectl.core.config.load import load_config  # noqa: E402
+from moectl.core.config.schema import OptimizerConfig, ParallelConfig  # noqa: E402
 from trainer.distributed import DistributedModel, ParallelState  # noqa: E402
 from trainer.optim.chained import ChainedOptimizer, build_muon_optimizer  # noqa: E402
 from trainer.optim.distributed_optimizer import decays  # noqa: E402
@@ -351,7 +351,7 @@ FAST = [
 
 
 def trainer(run_dir: Path, *extra: str) -> Trainer:
-    return Trainer(load_config(None, [*FAST, f"run_dir={run_dir}", *extra]), Console(quiet=True))
+    return Trainer(load_config(None, [*FAST, f"run_dir={run_dir}", *extra]), SilentObserver())
 
 
 def test_trainer_expert_layouts_train_bitwise_alike(tmp_path: Path) -> None:
@@ -397,7 +397,7 @@ def test_muon_trains_the_tiny_config_with_a_falling_loss(tmp_path: Path) -> None
     cfg = load_config(Path(__file__).resolve().parents[3] / "configs" / "tiny.yaml",
                       ["optimizer.optimizer=muon", "train.train_iters=20", "train.eval_interval=null",
                        "train.global_batch_size=8", f"run_dir={tmp_path}", "logging.jsonl=false"])
-    losses = Trainer(cfg, Console(quiet=True)).run().losses
+    losses = Trainer(cfg, SilentObserver()).run().losses
     assert all(math.isfinite(x) for x in losses)
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     assert last < first - 0.5, (first, last)

@@ -29,15 +29,15 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from rich.console import Console
+from trainer.observer import SilentObserver
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
 from dist_helpers import run_distributed  # noqa: E402
 from dist_toy import Run, ToyMoE, evaluate, forward_backward  # noqa: E402
 
-from moectl.config import load_config  # noqa: E402
-from moectl.config.schema import OptimizerConfig, ParallelConfig  # noqa: E402
+from moectl.core.config.load import load_config  # noqa: E402
+from moectl.core.config.schema import OptimizerConfig, ParallelConfig  # noqa: E402
 from trainer.distributed import (  # noqa: E402
     AliasedStagingStorage, DistributedModel, ParallelState, build_parallel_state,
 )
@@ -66,7 +66,7 @@ RUNS: dict[str, list[str]] = {
 
 def _trainer(overrides: list[str], run_dir: Path, runtime: Runtime | None = None) -> Trainer:
     cfg = load_config(None, [*BASE, *overrides, f"run_dir={run_dir}"])
-    return Trainer(cfg, Console(quiet=True), runtime=runtime or setup_runtime(cfg.train, cfg.parallel))
+    return Trainer(cfg, SilentObserver(), runtime=runtime or setup_runtime(cfg.train, cfg.parallel))
 
 
 def _train(overrides: list[str], run_dir: Path, runtime: Runtime | None = None) -> dict[str, Any]:

@@ -24,15 +24,15 @@ from typing import Any
 
 import pytest
 import torch
-from rich.console import Console
+from trainer.observer import SilentObserver
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
 from dist_toy import ToyMoE, global_batch  # noqa: E402
 
 from dist_helpers import run_distributed  # noqa: E402
-from moectl.config import load_config  # noqa: E402
-from moectl.config.schema import OptimizerConfig, ParallelConfig  # noqa: E402
+from moectl.core.config.load import load_config  # noqa: E402
+from moectl.core.config.schema import OptimizerConfig, ParallelConfig  # noqa: E402
 from trainer.distributed import DistributedModel, ParallelState  # noqa: E402
 from trainer.distributed.param_storage import HighPrecisionStorage  # noqa: E402
 from trainer.optim import distributed_optimizer as dopt  # noqa: E402
@@ -443,7 +443,7 @@ def test_checkpoint_round_trip_of_aliased_fp32_masters_is_exact(tmp_path, monkey
                         lambda *a, **k: DistributedOptimizer(*a, **k, fused=fused))
 
     def trainer(*extra: str) -> Trainer:
-        return Trainer(load_config(None, [*FAST, f"run_dir={tmp_path}", *extra]), Console(quiet=True))
+        return Trainer(load_config(None, [*FAST, f"run_dir={tmp_path}", *extra]), SilentObserver())
 
     first = trainer("train.train_iters=3", "checkpoint.save_interval=3", "optimizer.clip_grad=0.01")
     first.run()

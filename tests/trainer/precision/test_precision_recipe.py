@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moectl.config.schema import MixedPrecisionConfig
-from moectl.errors import ConfigError, MoectlError
+from moectl.core.config.schema import MixedPrecisionConfig
+from moectl.core.errors import ConfigError, MoectlError
 from trainer.precision import (
     BlockwiseRecipe,
     DelayedRecipe,

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from moectl.errors import DataError
+from moectl.core.errors import DataError
 
 from ..storage import map_file
 from ..stream import TokenStream

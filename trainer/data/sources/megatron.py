@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moectl.errors import DataError
+from moectl.core.errors import DataError
 
 from ..storage import map_file
 from ..stream import TokenStream

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from moectl.errors import DataError
+from moectl.core.errors import DataError
 
 from ..storage import map_file
 from ..stream import TokenStream

@@ -23,7 +23,7 @@ from typing import Any, ClassVar, Literal, Optional, Sequence, Union
 
 import torch
 
-from moectl.errors import MoectlError
+from moectl.core.errors import MoectlError
 
 from .. import gemm
 from ..groups import TokenGroups

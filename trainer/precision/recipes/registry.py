@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from moectl.config.schema import MixedPrecisionConfig
-from moectl.errors import ConfigError
+from moectl.core.config.schema import MixedPrecisionConfig
+from moectl.core.errors import ConfigError
 
 from .base import Recipe
 from .blockwise import BlockwiseRecipe

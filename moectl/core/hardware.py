@@ -1,7 +1,7 @@
 """Which low-precision GEMMs run natively on which GPU: the one table, torch-free.
 
 Both sides read it: `trainer/precision/native.py` (what the training run actually dispatches to a kernel)
-and rule MOE038 in `moectl/rules.py` (what `validate-config` warns about, without importing torch). So the
+and rule MOE038 in `moectl/core/rules.py` (what `validate-config` warns about, without importing torch). So the
 warning can never disagree with what the run does.
 
 What this build runs natively (everything else is emulated exactly: real low-precision values and scales,

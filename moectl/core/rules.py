@@ -72,8 +72,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Literal, Mapping, Optional, Sequence
 
-from moectl import hardware
-from moectl.config.schema import Config
+from moectl.core import hardware
+from moectl.core.config.schema import Config
 
 Severity = Literal["error", "warning"]
 
@@ -1128,7 +1128,7 @@ def no_load_optim_without_load(c: Context) -> Iterator[_Hit]:
 def recipe_native_on_device(c: Context) -> Iterator[_Hit]:
     """moectl never pretends: a GEMM the device has no kernel for is emulated exactly (real FP8/FP4 values
     and scales, dequantized, high-precision matmul), which is correct but slow. What runs natively is the
-    table in `moectl/hardware.py`, the same one the training run dispatches by: per-tensor fp8
+    table in `moectl/core/hardware.py`, the same one the training run dispatches by: per-tensor fp8
     (tensorwise, delayed) and rowwise through `torch._scaled_mm` on sm89+, and the experts' grouped GEMMs
     through `torch._scaled_grouped_mm` on sm90/sm100, e4m3 only (so `fp8: hybrid`, whose grads are e5m2,
     emulates the grouped backward). blockwise, mxfp8 and nvfp4 are emulated on every device in this build;

@@ -2,7 +2,7 @@
 
 Names follow Megatron-Core where a user would recognise them (see ../shared/design/interface.md).
 Each component receives only its own section (`cfg.moe`, `cfg.parallel`, ...). Cross-field rules do
-not live here: they live in `moectl.rules`, the one place `validate-config` and `train` both run.
+not live here: they live in `moectl.core.rules`, the one place `validate-config` and `train` both run.
 Defaults make `configs/tiny.yaml` train on a CPU in about a minute.
 """
 

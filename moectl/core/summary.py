@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from moectl.config.schema import Config
+from moectl.core.config.schema import Config
 
 GATED = ("swiglu", "quick_geglu")
 # Bytes per element of a quantized weight, both planes (rowwise for forward, columnwise for backward).

@@ -1,5 +1,7 @@
 """`moectl ckpt validate`: prove that what a checkpoint holds comes back into a live model and optimizer.
 
+It lives on the engine's side because it builds a live run (`Trainer`) to restore into.
+
 Three stages, each reported per tensor:
 1. integrity: sha256, sizes, safetensors headers, the complete tensor set (`verify_checkpoint`);
 2. restore: build the model and optimizer from the checkpoint's own config, or a given one (other expert
@@ -15,18 +17,26 @@ Three stages, each reported per tensor:
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from ckpt.integrity import verify_checkpoint
-from ckpt.reader import open_checkpoint
-from ckpt.training import STATE_SUFFIX, expert_layouts, localize, read_logical, recipe_meta
-from moectl.config.load import config_from_dict, load_config, apply_overrides
-from moectl.config.schema import Config
+from ckpt.logical import STATE_SUFFIX, expert_layouts, localize, read_logical, recipe_meta
+from ckpt.reader import Checkpoint, open_checkpoint
+from moectl.core.config import config_from_dict
+from moectl.core.config.schema import Config
+from moectl.core.errors import MoectlError
+from trainer.distributed.quantized_storage import quantized_storage_of
+from trainer.loop import Trainer
+from trainer.observer import SilentObserver
+
+# Builds the config to restore into from the checkpoint's own (plain data, a private copy).
+ConfigFor = Callable[[dict[str, Any]], Config]
 
 # Another expert layout or world size changes reduction orders inside the forward (grouped vs stacked
 # GEMMs are bitwise equal, but a different world size is not), so the probe then gets a tolerance.
@@ -63,14 +73,12 @@ class ValidationReport:
         return [c for c in self.checks if not c.ok]
 
 
-def _config_for(ck: Any, config_path: Optional[Path], overrides: list[str]) -> Config:
-    if config_path is not None:
-        return load_config(config_path, overrides)
-    return config_from_dict(apply_overrides(dict(ck.meta["config"]), overrides))
+def validate_checkpoint(path: str | Path, config_for: Optional[ConfigFor] = None) -> ValidationReport:
+    """Run all three stages on `path` (a step folder or a checkpoints folder); never raises for a bad checkpoint.
 
-
-def validate_checkpoint(path: str | Path, config_path: Optional[Path] = None, overrides: list[str] = ()) -> ValidationReport:
-    """Run all three stages on `path` (a step folder or a checkpoints folder); never raises for a bad checkpoint."""
+    `config_for` builds the config to restore into from a deep copy of the checkpoint's own (default: that
+    config as it is); the proofs compare against the checkpoint's recorded config, which it cannot touch.
+    """
     report = ValidationReport(Path(path))
     problems = verify_checkpoint(path)
     for p in problems:
@@ -79,19 +87,15 @@ def validate_checkpoint(path: str | Path, config_path: Optional[Path] = None, ov
         return report
     report.add(Check("integrity", "-", True, "sha256, sizes, headers and tensor set"))
 
-    from moectl.errors import MoectlError
-    from trainer.loop import Trainer
-    from rich.console import Console
-
     ck = open_checkpoint(path, verify=False)  # verified just above
     report.path = ck.path
     try:
-        cfg = _config_for(ck, config_path, list(overrides))
+        cfg = (config_for or config_from_dict)(copy.deepcopy(ck.meta["config"]))
         cfg.checkpoint.load = str(ck.path)
         cfg.checkpoint.no_load_optim = False
         cfg.checkpoint.load_main_params_from_ckpt = False
         cfg.run_dir = str(ck.path.parent / ".validate")  # never written: validate does not call run()
-        trainer = Trainer(cfg, Console(quiet=True))
+        trainer = Trainer(cfg, SilentObserver())
     except MoectlError as e:
         report.add(Check("restore", "-", False, e.one_line()))
         return report
@@ -101,12 +105,12 @@ def validate_checkpoint(path: str | Path, config_path: Optional[Path] = None, ov
     return report
 
 
-def _prove_tensors(report: ValidationReport, ck: Any, cfg: Config, trainer: Any) -> None:
-    from trainer.distributed.quantized_storage import quantized_storage_of
-
+def _prove_tensors(report: ValidationReport, ck: Checkpoint, cfg: Config, trainer: Trainer) -> None:
     local_names = {n for n, _ in trainer.model.named_parameters()}
-    expected = localize(read_logical(ck, cfg, wanted=local_names), trainer.rt.pstate, cfg.moe.num_experts, local_names)
-    state = trainer.engine.optimizer.gather_logical_state()["params"]
+    pstate = trainer.rt.pstate
+    expected = localize(read_logical(ck, cfg, wanted=local_names), pstate.ep if pstate is not None else None,
+                        cfg.moe.num_experts, local_names)
+    state = trainer.engine.logical_state()
     params = dict(trainer.model.named_parameters())
     for name in sorted(state):
         entry = state[name]
@@ -136,7 +140,7 @@ def _prove_tensors(report: ValidationReport, ck: Any, cfg: Config, trainer: Any)
         report.add(Check("param", name, ok, "" if ok else f"param != master cast to {p.dtype}"))
 
 
-def _prove_probe(report: ValidationReport, ck: Any, cfg: Config, trainer: Any) -> None:
+def _prove_probe(report: ValidationReport, ck: Checkpoint, cfg: Config, trainer: Trainer) -> None:
     recorded = ck.meta.get("probe", {})
     if "loss" not in recorded:
         report.add(Check("probe", "-", False, "the checkpoint records no probe loss"))

@@ -1,0 +1,93 @@
+"""Reading a config: YAML file + dotted `--set` overrides -> a checked `Config` (the checks: `dicts.py`).
+
+Values of `--set` are parsed as YAML scalars, so `--set moe.glu_interleave_size=null` and
+`--set optimizer.lr=3e-4` do what they say. The only module of the base that imports PyYAML.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import yaml
+
+from moectl.core.config.dicts import config_from_dict
+from moectl.core.config.dump import dump_config  # noqa: F401 - the loader's inverse, re-exported
+from moectl.core.config.schema import Config
+from moectl.core.errors import UsageError
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that reads `3e-4` as a float (YAML 1.2), as every user writing a learning rate expects."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)?(?:\.[0-9_]*)?[eE][-+]?[0-9]+$|^[-+]?[0-9][0-9_]*\.[0-9_]*$|^[-+]?\.[0-9_]+$"),
+    list("-+0123456789."),
+)
+
+
+def yaml_scalar(raw: str) -> Any:
+    """Parse one YAML value with moectl's loader."""
+    return yaml.load(raw, Loader=_Loader)
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """Split one `--set KEY=VALUE` into its dotted key path and its YAML-scalar value."""
+    if "=" not in item:
+        raise UsageError(f"--set {item!r}: expected KEY=VALUE", "write it as --set section.key=value")
+    key, raw = item.split("=", 1)
+    try:
+        value = yaml_scalar(raw) if raw.strip() else None
+    except yaml.YAMLError as e:
+        raise UsageError(f"--set {item!r}: value is not a YAML scalar ({e.__class__.__name__})", "quote the value") from None
+    if isinstance(value, dict):
+        raise UsageError(f"--set {item!r}: value must be a scalar or a list", "set one key at a time")
+    return key.strip().split("."), value
+
+
+def apply_overrides(data: dict[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
+    """Apply `--set` overrides to the raw YAML mapping (unknown keys are caught by the typed build)."""
+    for item in overrides:
+        path, value = parse_override(item)
+        node = data
+        for part in path[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise UsageError(f"--set {item!r}: {part} is not a section", "check the key path")
+            node = child
+        node[path[-1]] = value
+    return data
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a YAML config file into a mapping; an empty file is an empty mapping."""
+    p = Path(path)
+    if not p.is_file():
+        raise UsageError(f"config file {str(p)!r} not found", "pass the path of a YAML config, e.g. configs/tiny.yaml")
+    try:
+        data = yaml.load(p.read_text(), Loader=_Loader)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or "invalid YAML"
+        raise UsageError(f"{p}: not valid YAML{where}: {problem}", "fix the YAML syntax there") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UsageError(f"{p}: the top level must be a mapping of sections", "start with 'model:', 'moe:', ...")
+    return data
+
+
+def load_config(path: str | Path | None, overrides: Iterable[str] = ()) -> Config:
+    """Load a config file (or the defaults when `path` is None) and apply `--set` overrides."""
+    data = read_yaml(path) if path is not None else {}
+    return config_from_dict(apply_overrides(data, overrides))
+
+
+def overridden(overrides: Iterable[str]) -> Callable[[dict[str, Any]], Config]:
+    """A function that builds a `Config` from raw data (a checkpoint's stored config) with `--set` applied."""
+    items = list(overrides)
+    return lambda data: config_from_dict(apply_overrides(data, items))
