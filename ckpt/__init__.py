@@ -1,4 +1,4 @@
-"""moectl checkpoints: the on-disk format of `shared/design/checkpoint.md` and its storage layer.
+"""moectl checkpoints: the on-disk format (docs/checkpoint.md) and its storage layer.
 
     checkpoints/step_00000100/{model,optim}-NNNNN.safetensors + manifest.json (written last)
     checkpoints/latest          (the newest committed step's folder name, replaced atomically)

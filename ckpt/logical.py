@@ -190,7 +190,7 @@ def restore_rng(meta: dict[str, Any]) -> None:
 
 def training_meta(cfg: Config, step: int, tensors: dict[str, torch.Tensor], world: int, probe_loss: float,
                   optimizer_step: int) -> dict[str, Any]:
-    """The manifest's `meta` of a training checkpoint after `step` steps (checkpoint.md)."""
+    """The manifest's `meta` of a training checkpoint after `step` steps (docs/checkpoint.md)."""
     layout, _ = expert_layouts(cfg)
     return {
         "consumed_samples": step * cfg.train.global_batch_size,

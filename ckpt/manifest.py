@@ -1,4 +1,4 @@
-"""manifest.json: what a checkpoint holds, written last as its commit marker (checkpoint.md).
+"""manifest.json: what a checkpoint holds, written last as its commit marker (docs/checkpoint.md).
 
 Plain JSON only. Layout (format version 1):
 

@@ -16,7 +16,7 @@ LATEST = "latest"
 STEP_DIR_RE = re.compile(r"^step_(\d{8})$")
 TMP_DIR_RE = re.compile(r"^step_(\d{8})\.tmp-([0-9a-f]+)$")
 TRASH_DIR_RE = re.compile(r"^step_(\d{8})\.trash-([0-9a-f]+)$")
-# The only data files a checkpoint may hold (checkpoint.md): model weights and optimizer state.
+# The only data files a checkpoint may hold (docs/checkpoint.md): model weights and optimizer state.
 SHARD_RE = re.compile(r"^(model|optim)-(\d{5})\.safetensors$")
 
 MAX_STEP = 10**8 - 1

@@ -2,7 +2,7 @@
 
 The file is serialised in memory (`safetensors.torch.save`) so the sha256s are computed over exactly the
 bytes written, without reading them back. That costs one shard's size in host memory: callers size
-shards accordingly (checkpoint.md: "more shards as size requires").
+shards accordingly (docs/checkpoint.md: "more shards as size requires").
 """
 
 from __future__ import annotations

@@ -5,10 +5,9 @@ from __future__ import annotations
 import torch
 
 from moectl.core.config.schema import Config
-from trainer.distributed.engine import DistributedEngine
-from trainer.distributed.parallel_state import ParallelState
-from trainer.engine import Engine, LocalEngine
+from trainer.engine import DistributedEngine, Engine, LocalEngine
 from trainer.model import GPTMoE
+from trainer.parallel import ParallelState
 from trainer.precision import Recipe
 from trainer.runtime import Runtime
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from moectl.core.config.schema import ModelConfig, MoEConfig
+from moectl.core.params import count_params
 
 # Dense (non-sparse) tensor-core peaks in TFLOP/s from NVIDIA's datasheets:
 # H100/H200 SXM: bf16 989, fp8 1979 (nvidia.com/en-us/data-center/h100, /h200);
@@ -37,17 +38,5 @@ def peak_tflops(device: torch.device, precision: str = "bf16") -> float | None:
 
 def flops_per_token(mcfg: ModelConfig, moe_cfg: MoEConfig) -> float:
     """Training FLOPs (forward + backward) per token of the active parameters."""
-    d, heads, groups = mcfg.hidden_size, mcfg.num_attention_heads, mcfg.kv_heads
-    head_dim = d // heads
-    attn = d * (heads + 2 * groups) * head_dim + heads * head_dim * d
-    gated = moe_cfg.activation != "squared_relu"
-    expert = (2 if gated else 1) * moe_cfg.ffn_hidden_size * d + moe_cfg.ffn_hidden_size * d
-    dense = 3 * mcfg.ffn_hidden_size * d
-    matmul = mcfg.vocab_size * d  # output head
-    for layer in range(mcfg.num_layers):
-        matmul += attn
-        if mcfg.is_moe_layer(layer):
-            matmul += moe_cfg.router_topk * expert + moe_cfg.num_experts * d  # experts + router
-        else:
-            matmul += dense
-    return 6.0 * matmul + 12.0 * mcfg.num_layers * mcfg.seq_length * d
+    matmul = count_params(mcfg, moe_cfg).active_matmul(mcfg.vocab_size, mcfg.hidden_size)
+    return 6.0 * matmul + 12.0 * mcfg.num_layers * mcfg.seq_length * mcfg.hidden_size

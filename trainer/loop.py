@@ -19,13 +19,13 @@ import torch
 from ckpt import list_committed, resolve_load_path
 from moectl.core.config import dump_config
 from moectl.core.config.schema import Config
+from moectl.core.params import count_params
 from moectl.core.errors import MoectlError
 from trainer.build import build_data_for, build_engine, build_model
 from trainer.checkpointing import load_training_checkpoint, save_training_checkpoint
 from trainer.data import Sampler
 from trainer.flops import flops_per_token, peak_tflops
 from trainer.metrics import MetricsWriter, expert_balance
-from trainer.model import count_params
 from trainer.observer import PrintObserver, RunObserver, SilentObserver
 from trainer.optim.lr_schedule import lr_at
 from trainer.precision import describe
@@ -193,7 +193,8 @@ class Trainer:
     # --- the run ----------------------------------------------------------------------------
     def _banner(self) -> list[str]:
         cfg = self.cfg
-        total, active = count_params(self.model, cfg.moe)
+        params = count_params(cfg.model, cfg.moe)
+        total, active = params.total, params.active
         lines = [
             f"moectl train {cfg.model.num_layers} layers, d={cfg.model.hidden_size}, "
             f"{cfg.moe.num_experts} experts top-{cfg.moe.router_topk}: {total / 1e6:.2f}M params "

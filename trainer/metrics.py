@@ -1,7 +1,7 @@
 """What a run records: `metrics.jsonl`, optional TensorBoard (the live display is the observer's).
 
 `metrics.jsonl` holds one JSON object per line. Python's json writes floats with `repr`, i.e. the
-shortest string that round-trips, so losses compare bit for bit across runs (interface.md).
+shortest string that round-trips, so losses compare bit for bit across runs (docs/interface.md).
 Only rank 0 writes or prints.
 """
 

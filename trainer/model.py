@@ -207,15 +207,3 @@ class GPTMoE(nn.Module):
         lm_loss = F.cross_entropy(logits_BSV.float().flatten(0, 1), targets_BS.flatten())
         aux = sum((m.aux_loss for m in self.moe_layers()), torch.zeros((), device=lm_loss.device))
         return LossParts(total=lm_loss + aux, lm_loss=lm_loss, aux_loss=aux)
-
-
-def count_params(model: GPTMoE, moe_cfg: MoEConfig) -> tuple[int, int]:
-    """(total parameters, parameters active per token): only top-k of E experts count as active."""
-    total = active = 0
-    for name, p in model.named_parameters():
-        total += p.numel()
-        if ".experts." in name:
-            active += p.numel() * moe_cfg.router_topk // moe_cfg.num_experts
-        else:
-            active += p.numel()
-    return total, active

@@ -14,7 +14,7 @@ import torch
 
 from moectl.core.config.schema import ParallelConfig, TrainConfig
 from moectl.core.errors import MoectlError
-from trainer.distributed.parallel_state import ParallelState, init_distributed
+from trainer.parallel.groups import ParallelState, init_distributed
 
 
 @dataclass(frozen=True)

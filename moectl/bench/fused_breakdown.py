@@ -30,8 +30,8 @@ def _copy_gbps(device: torch.device, warmup: int, iters: int) -> float:
 def stages(shape: Shape, device: torch.device, warmup: int = 3, iters: int = 10) -> list[dict[str, Any]]:
     """Time each stage of the fused backend (and the tried alternatives) at one shape."""
     from trainer.kernels import glu_triton
-    from trainer.kernels.fused_expert_mlp import FusedBackend
-    from trainer.moe.expert_backend import ExpertSpec
+    from trainer.moe.backends.fused import FusedBackend
+    from trainer.moe.expert_math import ExpertSpec
 
     E, D, Fd, T = shape.experts, shape.hidden, shape.ffn, shape.rows
     H = 2 * Fd

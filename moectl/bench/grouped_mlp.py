@@ -7,8 +7,8 @@ Paths (all compute the same function, y = probs * fc2(swiglu(fc1(x))), bf16 on C
     eager    torch._grouped_mm for fc1 (gate and up in one GEMM) and fc2, eager silu*mul between,
              probs applied to the output in fp32 (torchtitan's GroupedExperts way, with w1/w3 merged)
     compile  the same function under torch.compile (default mode)
-    grouped  moectl's `grouped` backend (trainer.moe.expert_backend)
-    fused    moectl's `fused` backend (trainer.kernels.fused_expert_mlp: Triton activation with probs)
+    grouped  moectl's `grouped` backend (trainer/moe/backends/grouped.py)
+    fused    moectl's `fused` backend (trainer/moe/backends/fused.py: Triton activation with probs)
 plus the fp8 columns of `grouped_mlp_fp8` (FP8_PATHS: moectl's fused backend under the fp8 tensorwise and
 rowwise recipes, `torch._scaled_grouped_mm` unfused, torchao's MoE fp8 path; compared with `fused`, bf16),
 and the ceiling: a dense size^3 bf16 matmul measured at the start of the run, against which every number
@@ -215,7 +215,7 @@ def _expert_fn(path: str, inp: _Inputs, spec: Any, compiled: Optional[Callable[.
         f = compiled if path == "compile" else eager_expert_mlp
         assert f is not None
         return (lambda x, p: f(x, inp.w1_EHD, inp.w2_EDF, inp.offs_E, p)), [inp.w1_EHD, inp.w2_EDF]
-    from trainer.moe.expert_backend import get_backend
+    from trainer.moe.backends import get_backend
 
     backend = get_backend(path, inp.x_TD.device)
     return (
@@ -260,7 +260,7 @@ def bench_shape(
     profiles: Optional[dict[str, Any]] = None,
 ) -> list[dict[str, Any]]:
     """The rows of one shape: (fwd, fwd+bwd) x (experts only, with permute)."""
-    from trainer.moe.expert_backend import ExpertSpec
+    from trainer.moe.expert_math import ExpertSpec
 
     device = torch.device(cfg.device)
     topk = cfg.topk or (2 if shape.experts <= 8 else 8)

@@ -208,7 +208,7 @@ def expert_fn(path: str, inp: Any, spec: Any) -> tuple[Callable[..., torch.Tenso
         if mm is None:
             raise RuntimeError(why)
         return (lambda x, p: torchao_expert_mlp(mm, x, w1, w2, inp.offs_E, p)), [w1, w2]
-    from trainer.moe.expert_backend import get_backend
+    from trainer.moe.backends import get_backend
     from trainer.moe.expert_precision import ExpertPrecision
 
     recipe = recipe_for(path)

@@ -110,7 +110,8 @@ def _torch_fused(cfg: OptBenchConfig, device: torch.device) -> Callable[[], obje
 
 def _moectl(cfg: OptBenchConfig, device: torch.device, dtype: torch.dtype) -> tuple[Any, Any, Callable[[], object]]:
     from moectl.core.config.schema import OptimizerConfig, ParallelConfig
-    from trainer.distributed import DistributedModel, ParallelState
+    from trainer.distributed import DistributedModel
+    from trainer.parallel import ParallelState
     from trainer.optim.distributed_optimizer import DistributedOptimizer
 
     model = build_params(cfg.shape, device, dtype, seed=1)

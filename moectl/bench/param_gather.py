@@ -261,7 +261,7 @@ def gather_rows(cfg: GatherBenchConfig, fmt_name: str, device: torch.device) -> 
     """The rows of one format, and whether its coalesced sync equalled the per-bucket one bitwise."""
     from moectl.core.config.schema import OptimizerConfig, ParallelConfig
     from trainer.distributed import DistributedModel
-    from trainer.distributed.parallel_state import build_parallel_state
+    from trainer.parallel.groups import build_parallel_state
     from trainer.optim.distributed_optimizer import DistributedOptimizer
 
     fmt = FORMATS[fmt_name]
@@ -350,7 +350,7 @@ def gather_rows(cfg: GatherBenchConfig, fmt_name: str, device: torch.device) -> 
 @contextlib.contextmanager
 def no_collectives() -> Iterator[None]:
     """moectl's grad reduce, param gather and norm all-reduce as no-ops (compute-only timing)."""
-    from trainer.distributed import comm
+    from trainer.parallel import comm
 
     saved = {k: getattr(comm, k) for k in ("reduce_scatter", "all_gather", "all_reduce")}
     try:
@@ -364,8 +364,8 @@ def no_collectives() -> Iterator[None]:
 
 def step_rows(cfg: GatherBenchConfig, device: torch.device) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     from moectl.core.config.schema import ModelConfig, MoEConfig, OptimizerConfig, ParallelConfig
-    from trainer.distributed.engine import DistributedEngine
-    from trainer.distributed.parallel_state import build_parallel_state
+    from trainer.engine.distributed import DistributedEngine
+    from trainer.parallel.groups import build_parallel_state
     from trainer.model import GPTMoE
 
     s = cfg.step

@@ -221,7 +221,7 @@ def validate_command(
     import os
 
     from moectl.core.config.load import load_config, overridden
-    from trainer.checkpointing.validate import validate_checkpoint
+    from trainer.validation import validate_checkpoint
 
     overrides = list(set_ or [])
     given = None if config is None else load_config(config, overrides)  # a bad --config fails here, in one line

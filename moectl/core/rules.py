@@ -28,7 +28,8 @@ Decisions taken here:
 - Muon with low-precision param gather: only mxfp8 with the reuse buffer (MOE010, MOE011), the one
   path where every rank quantizes the gathered bf16 masters itself, so Muon's updates stay exact.
 
-Megatron rules (section 4 of ../shared/research/megatron.md) dropped, and why:
+Megatron-LM argument checks with no moectl rule, and why (numbered as in the survey of Megatron's
+`validate_args` this catalogue started from):
 - 2 `overlap_param_gather_with_optimizer_step`, 9 `optimizer_cpu_offload`, 17 recompute, 20 and 22
   EP-communication overlap, 23 `save_params_interval`: moectl has none of these options.
 - 3 and 6-8 torch-FSDP2, Megatron-FSDP and GTP variants of param gather: moectl has one path, the
@@ -67,19 +68,18 @@ import importlib.util
 import inspect
 import os
 import re
+import subprocess
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Literal, Mapping, Optional, Sequence
 
 from moectl.core import hardware
+from moectl.core.facts import GATED_ACTIVATIONS, RECIPE_ALIGN
 from moectl.core.config.schema import Config
 
 Severity = Literal["error", "warning"]
 
-GATED_ACTIVATIONS = ("swiglu", "quick_geglu")
-# Elements per scaling block along a GEMM dimension, so every quantized tile is whole.
-RECIPE_BLOCK = {"tensorwise": 16, "delayed": 16, "rowwise": 16, "blockwise": 128, "mxfp8": 32, "nvfp4": 32}
 TE_MIN_VERSION = (2, 14)
 BYTE_LEVEL_VOCAB = 256
 
@@ -183,15 +183,25 @@ def _nvidia_gpu_nodes() -> bool:
 
 
 def probe_device() -> Optional[Device]:
-    """The first visible CUDA GPU, or None. Imports torch only when a GPU looks present."""
-    if "torch" not in sys.modules and not _nvidia_gpu_nodes():
+    """The first visible CUDA GPU, or None, without importing torch: torch's own answer when the process
+    has loaded it already, else the driver's (`nvidia-smi`), for the first device CUDA_VISIBLE_DEVICES lets
+    through. None when no GPU looks present or the driver cannot be asked."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        if not torch.cuda.is_available():
+            return None
+        cap = torch.cuda.get_device_capability()
+        return Device("cuda", (int(cap[0]), int(cap[1])), f"torch.cuda: {torch.cuda.get_device_name()}")
+    if not _nvidia_gpu_nodes():
         return None
-    import torch  # lazy: seconds to import, and only worth it when there is a GPU to ask about
-
-    if not torch.cuda.is_available():
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+    cmd = ["nvidia-smi", "--query-gpu=compute_cap,name", "--format=csv,noheader"] + (["-i", visible] if visible else [])
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
         return None
-    cap = torch.cuda.get_device_capability()
-    return Device("cuda", (int(cap[0]), int(cap[1])), f"torch.cuda: {torch.cuda.get_device_name()}")
+    m = re.match(r"\s*(\d+)\.(\d+)\s*,\s*(.+)", out.splitlines()[0] if out.strip() else "")
+    return Device("cuda", (int(m.group(1)), int(m.group(2))), f"nvidia-smi: {m.group(3).strip()}") if m else None
 
 
 def parse_version(text: Optional[str]) -> Optional[tuple[int, int]]:
@@ -487,7 +497,7 @@ def gemm_dims_fit_recipe_block(c: Context) -> Iterator[_Hit]:
     if c.moe_layers > 0:
         dims.append("moe.ffn_hidden_size")
     for recipe, recipe_key in c.recipes:
-        block = RECIPE_BLOCK[recipe]
+        block = RECIPE_ALIGN[recipe]
         for key in dims:
             v = c.value(key)
             if v > 0 and v % block:

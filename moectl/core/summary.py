@@ -1,10 +1,7 @@
 """The run summary `validate-config` prints: world layout, parameter counts, per-rank memory estimate.
 
-Pure arithmetic on the config: no model is built and torch is not imported. The counts follow the
-model in `trainer/model.py`: no linear biases outside the experts, RMSNorm weights only, QKV of
-(heads + 2 x query groups) x head_dim rows, a dense SwiGLU MLP (fc1 `[2F, D]`, fc2 `[D, F]`) on
-non-MoE layers, a bias-free router `[E, D]`, expert fc1 `[2F, D]` for gated activations (`[F, D]`
-otherwise) and fc2 `[D, F]`.
+Pure arithmetic on the config: no model is built and torch is not imported. The counts are the one
+parameter counter's (`moectl/core/params.py`).
 
 Memory is per rank and leaves out activations, temporary quantized copies and communication buffers:
 - weights: bf16 (2 bytes) or fp32 (4); with low-precision param gather the GEMM weights (attention,
@@ -24,8 +21,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from moectl.core.config.schema import Config
+from moectl.core.params import count_params
 
-GATED = ("swiglu", "quick_geglu")
 # Bytes per element of a quantized weight, both planes (rowwise for forward, columnwise for backward).
 QUANTIZED_WEIGHT_BYTES = {
     "tensorwise": 2.0,
@@ -103,24 +100,14 @@ class _Groups:
 
 
 def _groups(cfg: Config) -> _Groups:
-    m, e = cfg.model, cfg.moe
-    d, heads = m.hidden_size, m.num_attention_heads
-    head_dim = d // heads
-    kv = m.num_query_groups or heads
-    attention = (heads + 2 * kv) * head_dim * d + heads * head_dim * d
-    qk_norms = 2 * head_dim if m.qk_layernorm else 0
-    moe_layers = sum(1 for i in range(m.num_layers) if m.is_moe_layer(i))
-    dense_layers = m.num_layers - moe_layers
-    fc1_rows = 2 * e.ffn_hidden_size if e.activation in GATED else e.ffn_hidden_size
-    per_expert = fc1_rows * d + d * e.ffn_hidden_size
-    per_expert_bias = fc1_rows + d if e.add_bias else 0
+    p = count_params(cfg.model, cfg.moe)
     return _Groups(
-        gemm=m.num_layers * attention + dense_layers * 3 * d * m.ffn_hidden_size,
-        router=moe_layers * e.num_experts * d,
-        embedding=m.vocab_size * d * (1 if m.tie_embeddings else 2),
-        vectors=m.num_layers * (2 * d + qk_norms) + d,
-        expert_gemm=moe_layers * e.num_experts * per_expert,
-        expert_bias=moe_layers * e.num_experts * per_expert_bias,
+        gemm=p.attention + p.dense_mlp,
+        router=p.router,
+        embedding=p.embedding + p.output_head,
+        vectors=p.norms,
+        expert_gemm=p.expert_weights,
+        expert_bias=p.expert_biases,
     )
 
 
@@ -134,28 +121,19 @@ def layout(cfg: Config, world_size: int) -> Layout:
 
 def param_counts(cfg: Config, world_size: int) -> ParamCounts:
     """Total, active-per-token and per-rank parameter counts."""
-    g = _groups(cfg)
+    p = count_params(cfg.model, cfg.moe)
     lay = layout(cfg, world_size)
-    k, e = cfg.moe.router_topk, cfg.moe.num_experts
-    experts = g.expert_gemm + g.expert_bias
-    rest = g.gemm + g.router + g.embedding + g.vectors
     return ParamCounts(
-        embedding=g.embedding,
-        attention=g.gemm - _dense_mlp(cfg),
-        dense_mlp=_dense_mlp(cfg),
-        router=g.router,
-        experts=experts,
-        norms=g.vectors,
-        total=rest + experts,
-        active=rest + experts * k // e,
-        per_rank=rest + experts // lay.ep,
+        embedding=p.embedding + p.output_head,
+        attention=p.attention,
+        dense_mlp=p.dense_mlp,
+        router=p.router,
+        experts=p.experts,
+        norms=p.norms,
+        total=p.total,
+        active=p.active,
+        per_rank=p.total - p.experts + p.experts // lay.ep,
     )
-
-
-def _dense_mlp(cfg: Config) -> int:
-    m = cfg.model
-    dense_layers = sum(1 for i in range(m.num_layers) if not m.is_moe_layer(i))
-    return dense_layers * 3 * m.hidden_size * m.ffn_hidden_size
 
 
 def memory(cfg: Config, world_size: int) -> Memory:

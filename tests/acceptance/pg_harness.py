@@ -27,8 +27,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from moectl.core.config.schema import Config, ParallelConfig
-from trainer.distributed import ParallelState
-from trainer.distributed.engine import DistributedEngine
+from trainer.parallel import ParallelState
+from trainer.engine.distributed import DistributedEngine
 from trainer.distributed.param_gather import param_gather_storage
 from trainer.distributed.quantized_storage import quantized_storage_of
 from trainer.model import GPTMoE

@@ -27,7 +27,7 @@ import torch
 from dist_helpers import run_distributed
 from pg_harness import Knobs, build, differences, quantized_params, train, with_
 from trainer.distributed import ParamSyncState
-from trainer.distributed.parallel_state import build_parallel_state
+from trainer.parallel.groups import build_parallel_state
 from trainer.distributed.weight_sites import is_placeholder
 
 DELAYED_LOSS_RTOL = 2e-3  # delayed scaling, 2 micro-batches, 3 steps (measured 3e-4 on CPU)

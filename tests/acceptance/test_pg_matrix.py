@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from pg_harness import Knobs, differences, train
-from trainer.distributed import ParallelState
+from trainer.parallel import ParallelState
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py

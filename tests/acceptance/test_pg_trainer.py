@@ -18,7 +18,7 @@ import torch
 from trainer.observer import SilentObserver
 
 from ckpt import open_checkpoint
-from trainer.checkpointing.validate import validate_checkpoint
+from trainer.validation import validate_checkpoint
 from moectl.core.config.load import load_config
 from trainer.distributed.quantized_storage import quantized_storage_of
 from trainer.loop import Trainer

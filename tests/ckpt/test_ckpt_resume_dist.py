@@ -101,7 +101,7 @@ def _ep2_save_and_resume(rank: int, world: int, root: str, layout: bool) -> tupl
 @pytest.mark.parametrize("layout", [True, False])
 def test_expert_parallel_checkpoint_resumes_bitwise_and_loads_at_ep1(tmp_path, layout):
     from moectl.core.config.load import overridden
-    from trainer.checkpointing.validate import validate_checkpoint
+    from trainer.validation import validate_checkpoint
 
     for full, resumed in run_distributed(_ep2_save_and_resume, root=str(tmp_path), layout=layout):
         assert resumed == full[HALF:]

@@ -23,7 +23,7 @@ from trainer.observer import SilentObserver
 
 from dist_helpers import run_distributed
 from moectl.core.config.load import load_config
-from trainer.distributed import ParallelState
+from trainer.parallel import ParallelState
 from trainer.loop import Trainer
 from trainer.runtime import Runtime, setup_runtime
 

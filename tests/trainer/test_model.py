@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from moectl.core.config.schema import ModelConfig, MoEConfig
-from trainer.model import GPTMoE, count_params
+from moectl.core.params import count_params
+from trainer.model import GPTMoE
 
 
 def small(**kw) -> tuple[ModelConfig, MoEConfig]:
@@ -77,7 +78,9 @@ def test_causality_future_tokens_do_not_change_past_logits():
 def test_active_params_count_top_k_of_experts():
     mcfg, ecfg = small(moe_layer_freq=1)
     model = GPTMoE(mcfg, ecfg)
-    total, active = count_params(model, ecfg)
+    counts = count_params(mcfg, ecfg)
+    total, active = counts.total, counts.active
+    assert total == sum(p.numel() for p in model.parameters())
     expert = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     assert total - active == expert - expert * 2 // 4
 

@@ -13,8 +13,8 @@ from ckpt.logical import STATE_SUFFIX, check_architecture, localize, read_logica
 from ckpt.reader import open_checkpoint
 from moectl.core.config.schema import Config
 from moectl.core.errors import CheckpointError
-from trainer.distributed.parallel_state import ParallelState
-from trainer.engine import Engine
+from trainer.parallel.groups import ParallelState
+from trainer.engine.protocol import Engine
 
 
 @dataclass

@@ -8,8 +8,8 @@ from typing import Optional
 from ckpt.logical import flatten_state, globalize, rank_files, training_meta
 from ckpt.save import save_checkpoint
 from moectl.core.config.schema import Config
-from trainer.distributed.parallel_state import ParallelState
-from trainer.engine import Engine
+from trainer.parallel.groups import ParallelState
+from trainer.engine.protocol import Engine
 
 
 def save_training_checkpoint(root: Path, step: int, cfg: Config, engine: Engine, pstate: Optional[ParallelState],

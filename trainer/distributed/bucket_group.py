@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from trainer.distributed import comm
+from trainer.parallel import comm
 from trainer.distributed.bucket import Bucket
 from trainer.distributed.param_sync import Action, ParamSyncError, ParamSyncMachine, ParamSyncState
 

@@ -22,7 +22,7 @@ import torch
 from trainer.distributed.bucket import Bucket
 from trainer.distributed.layout import BufferPlan, plan_buffer
 from trainer.distributed.param_storage import ParamStorage
-from trainer.distributed.parallel_state import Group
+from trainer.parallel.groups import Group
 
 if TYPE_CHECKING:
     from trainer.distributed.bucket_group import BucketGroup

@@ -49,13 +49,13 @@ from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
-from trainer.distributed import comm
+from trainer.parallel import comm
 from trainer.distributed.bucket_group import BucketGroup, GradSyncError, GradSyncState, dispatch_coalesced
 from trainer.distributed.buffers import BufferKey, ParamAndGradBuffer, Planner
 from trainer.distributed.layout import default_bucket_size
 from trainer.distributed.param_storage import HighPrecisionStorage, ParamStorage
 from trainer.distributed.param_sync import SETTLED, ParamSyncError, ParamSyncState
-from trainer.distributed.parallel_state import ParallelState
+from trainer.parallel.groups import ParallelState
 from trainer.main_grad import READY_HOOK, grad_ready
 
 from moectl.core.config.schema import ParallelConfig

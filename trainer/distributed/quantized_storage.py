@@ -48,12 +48,12 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 import torch
 from torch import nn
 
-from trainer.distributed import comm
+from trainer.parallel import comm
 from trainer.distributed.param_storage import AliasedStagingStorage, ParamStorage, Shard
-from trainer.distributed.parallel_state import Group
+from trainer.parallel.groups import Group
 from trainer.distributed.weight_sites import WeightSite, live, placeholder, publish, publish_experts
 from trainer.precision import QuantizedData, QuantizedTensor, Recipe, quantize
-from trainer.precision.fp8_scale import inverse, scale_from_amax
+from trainer.kernels.fp8_scale import inverse, scale_from_amax
 from trainer.precision.formats import fp8_format
 from trainer.precision.recipes import DelayedRecipe
 from trainer.precision.recipes.delayed import AmaxHistory

@@ -60,8 +60,9 @@ try:  # host-side TMA descriptors (Triton >= 3.3); without them the columnwise c
 except ImportError:  # pragma: no cover - older Triton
     TensorDescriptor = None
 
-from trainer.precision.formats import FLT_MAX
-from trainer.precision.native import capability  # cached per device
+from trainer.kernels import capability  # cached per device
+from trainer.kernels import fp8_scale
+from trainer.kernels.fp8_scale import FLT_MAX
 
 QUANT_BLOCK_M = 64
 QUANT_BLOCK_K = 128
@@ -340,8 +341,6 @@ def quantize(
         torch.empty(n * K, dtype=torch.float32, device=dev) if expand and columnwise else None,
     )
     if x_BMK.numel() == 0:  # no tile to carry the scales: the eager rule (the same bits, tested)
-        from trainer.precision import fp8_scale
-
         out.encode.copy_(src if encode is not None else fp8_scale.scale_from_amax(src, fmax, pow2))
         out.decode.copy_(fp8_scale.inverse(out.encode))
         if out.decode_cols is not None:

@@ -103,10 +103,9 @@ def _alignment(n: int) -> int:
 
 
 def transpose_torch(x: torch.Tensor) -> torch.Tensor:
-    """The torch fallback (and the reference): the eager strided copy."""
-    from trainer.precision.blocks import transposed
-
-    return transposed(x)
+    """The torch fallback (and the reference): the eager strided copy, in standard contiguous strides (also
+    for size-1 dims, which `.contiguous()` would leave strided and which then cannot be viewed as bytes)."""
+    return x.transpose(-2, -1).clone(memory_format=torch.contiguous_format)
 
 
 def transpose_last2(x: torch.Tensor, impl: Impl = "auto") -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Triton kernels for the fused expert activation (forward, backward) and the fc2 bias epilogue.
 
-Same math as `glu_reference.py` (read its docstring for the formula, the layouts and why the routing
+Same math as `expert_math.fused_forward` / `fused_backward` (trainer/moe/expert_math.py: read its docstring for the formula, the layouts and why the routing
 probabilities are applied inside the activation). Legend: P rows, H fc1 width, F ffn width, E experts.
 
 - forward: reads h (the fc1 output, without bias), probs, optionally b1 by each row's expert, and writes
@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from trainer.kernels.fp8_quant_triton import _record_amax
-from trainer.kernels.glu_reference import QUICK_GELU_ALPHA, check_activation, ffn_width, is_gated
+from moectl.core.facts import QUICK_GELU_ALPHA, check_activation, ffn_width, is_gated
 
 _ACT_CODE = {"swiglu": 0, "quick_geglu": 1, "squared_relu": 2}
 
@@ -213,7 +213,7 @@ def glu_forward(
     tile: Tile | None = None,
     amax_groups: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """a_PF = probs * act(h + b1[expert]); same contract as `glu_reference.glu_forward`.
+    """a_PF = probs * act(h + b1[expert]); same contract as `expert_math.fused_forward` (trainer/moe).
 
     `tile` overrides the launch shape (for tuning; the default is what the benchmark chose).
     `amax_groups` = (group id of every row `[P]`, zeroed int32 `[G]`): also record max |a| per row group (as
@@ -253,7 +253,7 @@ def glu_backward(
     amax_groups: tuple[torch.Tensor, torch.Tensor] | None = None,
     write_a: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """(dh_PH, dprobs_P, a_PF recomputed); same contract as `glu_reference.glu_backward`.
+    """(dh_PH, dprobs_P, a_PF recomputed); same contract as `expert_math.fused_backward` (trainer/moe).
 
     `tile.cols` is the column step of each program's walk over F; `tile` overrides the default.
     `amax_groups`: as in `glu_forward`, for max |dh| (fc1's grad quantizer). `write_a=False` skips the

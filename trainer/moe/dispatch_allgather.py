@@ -32,7 +32,7 @@ from trainer.moe.ep_comm import all_gather_rows, all_gather_rows_nograd, reduce_
 from trainer.moe.router import RouterOutput
 
 if TYPE_CHECKING:
-    from trainer.distributed.parallel_state import Group
+    from trainer.parallel.groups import Group
 
 
 @dataclass

@@ -40,7 +40,7 @@ from trainer.moe.ep_comm import all_to_all, all_to_all_counts
 from trainer.moe.router import RouterOutput
 
 if TYPE_CHECKING:
-    from trainer.distributed.parallel_state import Group
+    from trainer.parallel.groups import Group
 
 
 @dataclass

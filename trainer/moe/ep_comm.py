@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 import torch.distributed as dist
 
-from trainer.distributed import comm
+from trainer.parallel import comm
 
 if TYPE_CHECKING:
-    from trainer.distributed.parallel_state import Group
+    from trainer.parallel.groups import Group
 
 
 def _a2a(x: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int], group: "Group") -> torch.Tensor:

@@ -17,7 +17,7 @@ from trainer.moe.dispatch_allgather import AllGatherDispatcher
 from trainer.moe.dispatch_alltoall import AllToAllDispatcher, check_divisible
 
 if TYPE_CHECKING:
-    from trainer.distributed.parallel_state import Group
+    from trainer.parallel.groups import Group
 
 Dispatcher = Union[LocalDispatcher, AllToAllDispatcher, AllGatherDispatcher]
 

@@ -111,7 +111,7 @@ def qlinear_forward(
     num_experts = w.shape[0] if groups is not None else 1
     state = p.state(fc, expert, num_experts)
     wq = _weight(p, fc, w, expert, state)
-    # amax: x's per-group amax, measured by its producer (only for recipes that take it: see fused_expert_mlp)
+    # amax: x's per-group amax, measured by its producer (only for recipes that take it: see backends/fused.py)
     extra = {} if amax is None else {"amax": amax}
     xq = recipe.quantize_activation(x_TI, groups=groups, columnwise=p.need_grad, state=state, **extra)
     if groups is None and x_TI.shape[0] == 0:  # an expert without rows: nothing to multiply (no kernel call)

@@ -6,7 +6,7 @@ Shape suffixes (logical shapes, torchtitan style):
     E  local experts               K  experts per token (router top-k)
     P  permuted rows: T*K routings sorted by expert, maybe dropped (capacity) or padded (alignment)
 
-Layouts (design/architecture.md, "Expert layouts"):
+Layouts (docs/architecture.md, "Expert layouts"):
     single grouped: `linear_fc1.weight` `[E, H, D]`, `linear_fc2.weight` `[E, D, F]` (biases `bias` `[E, out]`
                     with `single_grouped_bias`)
     per-expert:     `linear_fc1.weight0..weight{E-1}` `[H, D]`, ... (biases `bias0..`)
@@ -37,7 +37,8 @@ from moectl.core.config.schema import MoEConfig
 from moectl.core.errors import MoectlError
 from trainer.linear import state_for_call
 from trainer.main_grad import accumulate_wgrad
-from trainer.moe.expert_backend import ExpertBackend, ExpertSpec, get_backend, supports_precision
+from trainer.moe.backends import ExpertBackend, get_backend, supports_precision
+from trainer.moe.expert_math import ExpertSpec
 from trainer.moe.expert_precision import ExpertPrecision
 from trainer.precision import QuantizedTensor, Recipe
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from moectl.core.config.schema import MoEConfig
-from trainer.distributed.parallel_state import Group
+from trainer.parallel.groups import Group
 from trainer.moe.expert_parallel import build_dispatcher, expert_shard
 from trainer.moe.experts import GroupedMLP
 from trainer.moe.router import TopKRouter

@@ -22,8 +22,8 @@ from typing import Sequence
 
 import torch
 
-from trainer.distributed import comm
-from trainer.distributed.parallel_state import Group
+from trainer.parallel import comm
+from trainer.parallel.groups import Group
 
 CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s epsilon
 

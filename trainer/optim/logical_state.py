@@ -11,7 +11,7 @@ from typing import Any, Iterable
 
 import torch
 
-from trainer.distributed import comm
+from trainer.parallel import comm
 
 
 @torch.no_grad()

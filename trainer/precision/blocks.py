@@ -9,6 +9,8 @@ quantized as if the block were full of zeros there (what TE's kernels do at a ra
 from __future__ import annotations
 
 import torch
+
+from trainer.kernels.fp8_transpose_triton import transpose_torch
 import torch.nn.functional as F
 
 
@@ -46,6 +48,6 @@ def per_block(s: torch.Tensor) -> torch.Tensor:
 
 
 def transposed(x: torch.Tensor) -> torch.Tensor:
-    """`x` with its last two dims swapped, in standard contiguous strides (also for size-1 dims, which
-    `.contiguous()` would leave strided and which then cannot be viewed as raw bytes)."""
-    return x.transpose(-2, -1).clone(memory_format=torch.contiguous_format)
+    """`x` with its last two dims swapped, in standard contiguous strides (the eager transpose the kernels'
+    fallback runs)."""
+    return transpose_torch(x)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-FLT_MAX = torch.finfo(torch.float32).max
+from trainer.kernels.fp8_scale import FLT_MAX  # noqa: F401 - re-exported: the formats' overflow value
 
 E8M0_BIAS = 127
 E8M0_NAN = 255  # the one E8M0 byte that is not a power of two

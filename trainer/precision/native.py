@@ -35,30 +35,14 @@ Everything CUDA-only is behind `torch.cuda.is_available()`; this module imports 
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
 
 from moectl.core import hardware
-from trainer.kernels import has_triton
+from trainer.kernels import capability, has_triton
 
 from .quantized_tensor import QuantizedTensor
-
-
-def capability(device: torch.device | str | None) -> Optional[tuple[int, int]]:
-    """CUDA compute capability of `device`, or None for a non-CUDA device / no CUDA."""
-    device = torch.device(device) if device is not None else torch.device("cpu")
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return None
-    return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_capability(index: int) -> tuple[int, int]:
-    # cached: asked before every grouped GEMM, and the device query cost ~40 us of host time per call on an
-    # H200 host, about 0.2 ms of a 4.5 ms fp8 expert-MLP step
-    return torch.cuda.get_device_capability(index)
 
 
 def kernel_supports(kind: str, fmt_a: str, fmt_b: str, *, grouped: bool, device: torch.device | str | None) -> bool:

@@ -1,6 +1,6 @@
 """The typed config: one dataclass per section, every key with its type, default and docstring.
 
-Names follow Megatron-Core where a user would recognise them (see ../shared/design/interface.md).
+Names follow Megatron-Core where a user would recognise them (docs/interface.md).
 Each component receives only its own section (`cfg.moe`, `cfg.parallel`, ...). Cross-field rules do
 not live here: they live in `moectl.core.rules`, the one place `validate-config` and `train` both run.
 Defaults make `configs/tiny.yaml` train on a CPU in about a minute.
@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Literal, Optional, Union
+
+from moectl.core.facts import Activation
 
 
 def doc(default: Any, help: str) -> Any:
@@ -64,7 +66,7 @@ class MoEConfig:
     )
     aux_loss_coeff: float = doc(0.01, "Load-balancing auxiliary loss coefficient (0 disables).")
     z_loss_coeff: float = doc(0.0, "Router z-loss coefficient (0 disables).")
-    activation: Literal["swiglu", "quick_geglu", "squared_relu"] = doc("swiglu", "Expert activation.")
+    activation: Activation = doc("swiglu", "Expert activation.")
     add_bias: bool = doc(False, "Biases on the expert linears.")
     single_grouped_weight: bool = doc(
         True, "Store each expert linear as one [E, out, in] parameter instead of weight0..weight{E-1}."

@@ -16,9 +16,10 @@ import torch
 from torch import nn
 
 from moectl.core.config.schema import OptimizerConfig, ParallelConfig
-from trainer.distributed import DistributedModel, ParallelState, ParamStorage
+from trainer.distributed import DistributedModel, ParamStorage
+from trainer.parallel import ParallelState
 from trainer.distributed.bucket import Bucket
-from trainer.distributed.parallel_state import dense_seed, expert_seed
+from trainer.parallel.groups import dense_seed, expert_seed
 from trainer.optim.distributed_optimizer import DistributedOptimizer
 
 D_IN, D, E, D_OUT = 8, 16, 3, 4

@@ -12,17 +12,11 @@ from torch import nn
 from dist_toy import Run, ToyMoE, forward_backward, make
 from moectl.core.config.schema import ParallelConfig
 from moectl.core.errors import ConfigError
-from trainer.distributed import (
-    AliasedStagingStorage,
-    DistributedModel,
-    GradSyncError,
-    ParallelState,
-    ParamSyncError,
-    ParamSyncState,
-)
+from trainer.distributed import AliasedStagingStorage, DistributedModel, GradSyncError, ParamSyncError, ParamSyncState
+from trainer.parallel import ParallelState
 from trainer.distributed.bucket_group import BucketGroup
 from trainer.distributed.layout import PARAM_ALIGN, default_bucket_size, plan_buffer
-from trainer.distributed.parallel_state import check_ep_size, expert_seed, init_distributed
+from trainer.parallel.groups import check_ep_size, expert_seed, init_distributed
 from trainer.main_grad import accumulate_wgrad
 
 ONE = ParallelState.trivial()

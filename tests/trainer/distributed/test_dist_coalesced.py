@@ -20,11 +20,12 @@ import torch
 from acceptance.pg_harness import Knobs, build, differences, train, with_
 from dist_helpers import run_distributed
 from moectl.core.config.schema import ParallelConfig
-from trainer.distributed import ParallelState, comm
+from trainer.parallel import ParallelState
+from trainer.parallel import comm
 from trainer.distributed import bucket_group as bg
 from trainer.distributed.ddp import DistributedModel
 from trainer.distributed.param_sync import ParamSyncError, ParamSyncState
-from trainer.distributed.parallel_state import Group, build_parallel_state
+from trainer.parallel.groups import Group, build_parallel_state
 
 PS = ParallelState.trivial("cpu")
 

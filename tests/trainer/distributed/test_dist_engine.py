@@ -7,8 +7,8 @@ import torch
 
 from moectl.core.config.schema import Config, ParallelConfig
 from trainer.build import build_model
-from trainer.distributed import ParallelState
-from trainer.distributed.engine import DistributedEngine
+from trainer.parallel import ParallelState
+from trainer.engine.distributed import DistributedEngine
 from trainer.engine import LocalEngine
 
 

@@ -24,9 +24,9 @@ import torch.distributed as dist
 
 from dist_helpers import run_distributed
 from moectl.core.config.schema import ModelConfig, MoEConfig, OptimizerConfig, ParallelConfig
-from trainer.distributed import ParallelState
-from trainer.distributed.engine import DistributedEngine
-from trainer.distributed.parallel_state import build_parallel_state
+from trainer.parallel import ParallelState
+from trainer.engine.distributed import DistributedEngine
+from trainer.parallel.groups import build_parallel_state
 from trainer.model import GPTMoE
 from trainer.moe import GroupedMLP, RouterOutput
 from trainer.moe.expert_parallel import build_dispatcher, expert_shard

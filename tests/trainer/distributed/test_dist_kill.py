@@ -41,7 +41,7 @@ def _rank_main(rank: int, port: int, results: Any) -> None:
         torch.set_num_threads(1)
         from dist_toy import Run, forward_backward, make
         from moectl.core.config.schema import ParallelConfig
-        from trainer.distributed.parallel_state import init_distributed
+        from trainer.parallel.groups import init_distributed
 
         st = init_distributed(ParallelConfig(overlap_grad_reduce=True), timeout_s=PG_TIMEOUT_S)
         run = Run(steps=5)

@@ -27,10 +27,11 @@ from dist_toy import (
     train,
 )
 from moectl.core.config.schema import OptimizerConfig, ParallelConfig
-from trainer.distributed import AliasedStagingStorage, DistributedModel, ParallelState, ParamSyncState
+from trainer.distributed import AliasedStagingStorage, DistributedModel, ParamSyncState
+from trainer.parallel import ParallelState
 from trainer.distributed.bucket import Bucket
-from trainer.distributed.comm import all_gather_object
-from trainer.distributed.parallel_state import build_parallel_state
+from trainer.parallel.comm import all_gather_object
+from trainer.parallel.groups import build_parallel_state
 from trainer.optim.distributed_optimizer import DistributedOptimizer
 from trainer.optim.step_result import NonFiniteGradError
 

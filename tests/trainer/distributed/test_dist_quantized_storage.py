@@ -10,7 +10,7 @@ import torch
 
 from moectl.core.errors import ConfigError
 from acceptance.pg_harness import Knobs, batch, build, config, quantized_params
-from trainer.distributed import ParallelState
+from trainer.parallel import ParallelState
 from trainer.distributed import quantized_storage as qs
 from trainer.distributed.param_gather import param_gather_storage
 from trainer.distributed.param_sync import ParamSyncState

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from acceptance.pg_harness import Knobs, batch, build, differences, quantized_params, train
-from trainer.distributed import ParallelState
+from trainer.parallel import ParallelState
 from trainer.distributed import quantized_storage as qs
 from trainer.distributed import weight_sites
 from trainer.precision import QuantizedTensor

@@ -331,8 +331,8 @@ def test_native_grouped_wgrad_is_bf16_with_zero_empty_experts():
 def _fused_mlp(recipe, x, w1, w2, probs, counts, overlap=None):  # type: ignore[no-untyped-def]
     """One forward + backward of the fused backend under `recipe` (fresh leaves); (y, dx, dw1, dw2, dprobs)."""
     from moectl.bench.backend_function import BackendFunction
-    from trainer.kernels.fused_expert_mlp import FusedBackend
-    from trainer.moe.expert_backend import ExpertSpec
+    from trainer.moe.backends.fused import FusedBackend
+    from trainer.moe.expert_math import ExpertSpec
     from trainer.moe.expert_precision import ExpertPrecision
 
     x, w1, w2, probs = (t.detach().clone().requires_grad_() for t in (x, w1, w2, probs))

@@ -17,7 +17,7 @@ from moectl.core.config.schema import MoEConfig
 from moectl.core.errors import MoectlError
 from trainer.main_grad import attach_main_grads
 from trainer.moe import GroupedMLP, MoELayer
-from trainer.moe import expert_backend as eb
+from trainer.moe import backends as eb
 from trainer.precision import (
     BlockwiseRecipe,
     DelayedRecipe,

@@ -24,7 +24,8 @@ from dist_toy import ToyMoE, global_batch  # noqa: E402
 
 from moectl.core.config.load import load_config  # noqa: E402
 from moectl.core.config.schema import OptimizerConfig, ParallelConfig  # noqa: E402
-from trainer.distributed import DistributedModel, ParallelState  # noqa: E402
+from trainer.distributed import DistributedModel  # noqa: E402
+from trainer.parallel import ParallelState  # noqa: E402
 from trainer.optim.chained import ChainedOptimizer, build_muon_optimizer  # noqa: E402
 from trainer.optim.distributed_optimizer import decays  # noqa: E402
 from trainer.optim.layerwise_layout import lpt_assign, plan_layerwise_buffer  # noqa: E402

@@ -38,9 +38,8 @@ from dist_toy import Run, ToyMoE, evaluate, forward_backward  # noqa: E402
 
 from moectl.core.config.load import load_config  # noqa: E402
 from moectl.core.config.schema import OptimizerConfig, ParallelConfig  # noqa: E402
-from trainer.distributed import (  # noqa: E402
-    AliasedStagingStorage, DistributedModel, ParallelState, build_parallel_state,
-)
+from trainer.distributed import AliasedStagingStorage, DistributedModel  # noqa: E402
+from trainer.parallel import ParallelState, build_parallel_state  # noqa: E402
 from trainer.loop import Trainer  # noqa: E402
 from trainer.optim.chained import build_muon_optimizer  # noqa: E402
 from trainer.optim.layerwise import LayerWiseMuon  # noqa: E402

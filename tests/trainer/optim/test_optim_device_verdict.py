@@ -33,7 +33,8 @@ from dist_toy import ToyMoE, global_batch  # noqa: E402
 from dist_helpers import run_distributed  # noqa: E402
 from moectl.core.config.load import load_config  # noqa: E402
 from moectl.core.config.schema import OptimizerConfig, ParallelConfig  # noqa: E402
-from trainer.distributed import DistributedModel, ParallelState  # noqa: E402
+from trainer.distributed import DistributedModel  # noqa: E402
+from trainer.parallel import ParallelState  # noqa: E402
 from trainer.distributed.param_storage import HighPrecisionStorage  # noqa: E402
 from trainer.optim import distributed_optimizer as dopt  # noqa: E402
 from trainer.optim.distributed_optimizer import DistributedOptimizer, decays  # noqa: E402
@@ -342,7 +343,7 @@ def test_foreach_norm_path_sums_squares_like_the_chunked_one(dtype: torch.dtype)
 def _dp2_body(rank: int, world_size: int) -> dict[str, Any]:
     from dist_toy import Run, forward_backward
 
-    from trainer.distributed.parallel_state import build_parallel_state
+    from trainer.parallel.groups import build_parallel_state
 
     st = build_parallel_state(1)
     run = Run(clip_grad=0.05)
@@ -436,7 +437,7 @@ FAST = [
 @pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
 def test_checkpoint_round_trip_of_aliased_fp32_masters_is_exact(tmp_path, monkeypatch, fused: bool) -> None:
     from ckpt import open_checkpoint
-    from trainer.distributed import engine as dengine
+    from trainer.engine import distributed as dengine
     from trainer.loop import Trainer
 
     monkeypatch.setattr(dengine, "DistributedOptimizer",

@@ -21,7 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
 from dist_toy import ToyMoE, global_batch  # noqa: E402
 
 from moectl.core.config.schema import OptimizerConfig, ParallelConfig  # noqa: E402
-from trainer.distributed import DistributedModel, ParallelState, ParamSyncState  # noqa: E402
+from trainer.distributed import DistributedModel, ParamSyncState  # noqa: E402
+from trainer.parallel import ParallelState  # noqa: E402
 from trainer.optim.adamw import adamw_update_, fused_adamw_update_  # noqa: E402
 from trainer.optim.distributed_optimizer import DistributedOptimizer, decays  # noqa: E402
 from trainer.optim.step_result import NonFiniteGradError  # noqa: E402

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from trainer.precision import TensorwiseRecipe
-from trainer.precision.fp8_scale import scale_from_amax
+from trainer.kernels.fp8_scale import scale_from_amax
 from trainer.precision.formats import E4M3
 from trainer.precision.kinds.per_tensor import tensor_amax
 from trainer.precision.shard import quantize_shard, shard_amax, slot_runs

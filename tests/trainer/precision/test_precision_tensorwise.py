@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from trainer.precision import DelayedRecipe, Scheme, TensorwiseRecipe, quantize
-from trainer.precision.fp8_scale import scale_from_amax
+from trainer.kernels.fp8_scale import scale_from_amax
 
 E4M3_TENSOR = Scheme("tensor", "e4m3")
 

@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 
 from ..blocks import block_amax, from_blocks, per_block, to_blocks, transposed
-from ..fp8_scale import inverse, scale_from_amax
+from trainer.kernels.fp8_scale import inverse, scale_from_amax
 from ..formats import cast_to_fp8, fp8_format
 from ..groups import Jagged
 from ..qdata import QuantizedData

@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from ..fp8_scale import inverse, scale_from_amax
+from trainer.kernels.fp8_scale import inverse, scale_from_amax
 from ..formats import cast_to_fp8, fp8_format
 from ..groups import Jagged
 from ..qdata import QuantizedData

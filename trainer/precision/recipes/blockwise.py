@@ -9,10 +9,12 @@ tokens for the weight grad, so every expert's token group must start on a multip
 
 from __future__ import annotations
 
+from moectl.core.facts import RECIPE_ALIGN
+
 from ..scheme import Scheme
 from .base import Recipe
 
-BLOCK = 128
+BLOCK = RECIPE_ALIGN["blockwise"]  # 128x128 weight blocks, 1x128 activation blocks
 
 
 class BlockwiseRecipe(Recipe):

@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..fp8_scale import scale_from_amax
+from trainer.kernels.fp8_scale import scale_from_amax
 from ..formats import fp8_format
 from ..groups import TokenGroups
 from ..quantize import quantize_with_amax

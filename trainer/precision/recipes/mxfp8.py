@@ -14,10 +14,12 @@ from __future__ import annotations
 
 from typing import Optional
 
+from moectl.core.facts import RECIPE_ALIGN
+
 from ..scheme import Scheme
 from .base import Emulate, Recipe
 
-BLOCK = 32
+BLOCK = RECIPE_ALIGN["mxfp8"]  # the 1x32 scaling block, also the token-group multiple
 
 
 class MXFP8Recipe(Recipe):

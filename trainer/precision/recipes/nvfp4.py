@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from moectl.core.facts import RECIPE_ALIGN
+
 from ..scheme import Scheme
 from .base import Emulate, Recipe
 
@@ -21,7 +23,7 @@ class NVFP4Recipe(Recipe):
     """NVFP4 two-level block scaling."""
 
     name = "nvfp4"
-    align_size = 32
+    align_size = RECIPE_ALIGN["nvfp4"]
 
     def __init__(self, fp8_format: Optional[str] = None, emulate: Emulate = "auto") -> None:
         # fp8_format is meaningless here (every operand is e2m1); kept for get_recipe's uniform call

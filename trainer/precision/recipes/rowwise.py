@@ -9,6 +9,8 @@ and `torch._scaled_grouped_mm` (sm90); with e5m2 grads the backward GEMMs are em
 
 from __future__ import annotations
 
+from moectl.core.facts import RECIPE_ALIGN
+
 from ..scheme import Scheme
 from .base import Recipe
 
@@ -17,7 +19,7 @@ class RowwiseRecipe(Recipe):
     """Per-row scaling along the contraction dim."""
 
     name = "rowwise"
-    align_size = 16  # torch._scaled_grouped_mm needs token groups that are multiples of 16
+    align_size = RECIPE_ALIGN["rowwise"]  # torch._scaled_grouped_mm needs token groups that are multiples of 16
 
     def weight_scheme(self) -> Scheme:
         return Scheme("row", "e4m3", pow2=True)

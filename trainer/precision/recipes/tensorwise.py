@@ -10,6 +10,8 @@ which take e5m2 grads, are emulated).
 
 from __future__ import annotations
 
+from moectl.core.facts import RECIPE_ALIGN
+
 from ..scheme import Scheme
 from .base import Recipe
 
@@ -18,7 +20,7 @@ class TensorwiseRecipe(Recipe):
     """Per-tensor current scaling."""
 
     name = "tensorwise"
-    align_size = 16  # the fp8 grouped GEMM's token-group multiple (Megatron: fp8 16; torchao: 16)
+    align_size = RECIPE_ALIGN["tensorwise"]  # the fp8 grouped GEMM's token-group multiple
 
     def weight_scheme(self) -> Scheme:
         return Scheme("tensor", "e4m3")

@@ -17,7 +17,7 @@ from typing import Any, Literal, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
-from trainer.distributed.parallel_state import Group
+from trainer.parallel.groups import Group
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -9,10 +9,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from _expert_math import loop_expert_mlp, rel_err
+from expert_oracle import loop_expert_mlp, rel_err
 from moectl.core.config.schema import MoEConfig
 from moectl.core.errors import MoectlError
-from trainer.kernels.fused_expert_mlp import FusedBackend
+from trainer.moe.backends.fused import FusedBackend
 
 ACTS = ["swiglu", "quick_geglu", "squared_relu"]
 COUNTS = [5, 0, 11, 3, 0, 9]  # uneven, with empty experts (one in the middle, one before the last)
@@ -114,7 +114,8 @@ def test_registry_builds_fused_and_the_cpu_path_never_imports_triton():
     """`moe.backend: fused` resolves to this backend; on CPU it must not touch the Triton module."""
     code = (
         "import sys, torch\n"
-        "from trainer.moe.expert_backend import ExpertSpec, get_backend\n"
+        "from trainer.moe.backends import get_backend\n"
+        "from trainer.moe.expert_math import ExpertSpec\n"
         "b = get_backend('fused', 'cpu')\n"
         "assert type(b).__name__ == 'FusedBackend' and b.name == 'fused'\n"
         "x = torch.randn(6, 8); w1 = torch.randn(2, 16, 8); w2 = torch.randn(2, 8, 8)\n"

@@ -13,9 +13,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from _expert_math import loop_expert_mlp, rel_err
-from trainer.kernels import glu_reference
-from trainer.kernels.fused_expert_mlp import FusedBackend
+from expert_oracle import loop_expert_mlp, rel_err
+from trainer.moe import expert_math
+from trainer.moe.backends.fused import FusedBackend
 
 pytestmark = pytest.mark.gpu
 
@@ -48,9 +48,9 @@ def test_triton_glu_matches_reference(activation, interleave, dtype, with_bias):
     expert_P = torch.randint(0, experts, (rows,), device=dev, dtype=torch.int32) if with_bias else None
 
     a = glu_triton.glu_forward(h_PH, probs_P, activation, interleave, bias_EH, expert_P)
-    a_ref = glu_reference.glu_forward(h_PH, probs_P, activation, interleave, bias_EH, expert_P)
+    a_ref = expert_math.fused_forward(h_PH, probs_P, activation, interleave, bias_EH, expert_P)
     dh, dp, a2 = glu_triton.glu_backward(h_PH, probs_P, da_PF, activation, interleave, bias_EH, expert_P)
-    dh_ref, dp_ref, a2_ref = glu_reference.glu_backward(
+    dh_ref, dp_ref, a2_ref = expert_math.fused_backward(
         h_PH, probs_P, da_PF, activation, interleave, bias_EH, expert_P
     )
     _finite(a, dh, dp, a2)
@@ -64,7 +64,7 @@ def test_triton_glu_matches_reference(activation, interleave, dtype, with_bias):
 
     # Without probs: no dprobs, and the activation is unscaled.
     a_np = glu_triton.glu_forward(h_PH, None, activation, interleave, bias_EH, expert_P)
-    assert rel_err(a_np, glu_reference.glu_forward(h_PH, None, activation, interleave, bias_EH, expert_P)) < tol
+    assert rel_err(a_np, expert_math.fused_forward(h_PH, None, activation, interleave, bias_EH, expert_P)) < tol
     _, dp_none, _ = glu_triton.glu_backward(h_PH, None, da_PF, activation, interleave, bias_EH, expert_P)
     assert dp_none is None
 

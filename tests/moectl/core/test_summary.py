@@ -10,7 +10,7 @@ from moectl.core.config import Config
 from moectl.core.config.load import load_config
 from moectl.core.summary import human_bytes, human_count, layout, memory, param_counts, summarize
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 # The defaults with 2 ranks, ep 2. Hand counts (D=64, 4 heads, 4 kv heads, head_dim 16, 2 MoE layers, E=4, F=64):
 ATTENTION = 2 * ((4 + 2 * 4) * 16 * 64 + 64 * 64)  # 32768

@@ -1,4 +1,4 @@
-"""The `loop` and `grouped` expert backends under a low-precision recipe (`expert_precision.py`).
+"""The `loop` and `grouped` expert backends under a low-precision recipe (`trainer/moe/expert_precision.py`).
 
 Same math as their high-precision paths, `y = probs * (fc2(act(fc1(x) + b1)) + b2)`, with fc1 and fc2 run
 by the recipe (quantized operands, native or emulated GEMMs) and everything between them (biases, the
@@ -23,14 +23,14 @@ from typing import Optional
 
 import torch
 
-from trainer.moe.expert_backend import (
+from trainer.moe.expert_math import (
     ExpertSpec,
-    _expert_of_row,
-    _scale_by_probs,
-    _segment_sum,
-    _unscale_grad,
     activation,
     activation_backward,
+    bias_grads,
+    expert_of_row,
+    scale_by_probs,
+    unscale_grad,
 )
 from trainer.moe.expert_precision import ExpertPrecision, SavedLinear, qlinear_backward, qlinear_forward
 from trainer.precision.groups import TokenGroups
@@ -83,7 +83,7 @@ def forward(
         parts = [qlinear_forward(p, "fc1", x_TD[s : s + n], w1_EHD[e], None, expert=e)
                  for e, (s, n) in enumerate(zip(starts, counts))]  # fmt: skip
         h_TH = torch.cat([h for h, _ in parts])
-    rows_T = _expert_of_row(tokens_per_expert_E, T) if b1_EH is not None or b2_ED is not None else None
+    rows_T = expert_of_row(tokens_per_expert_E, T) if b1_EH is not None or b2_ED is not None else None
     if b1_EH is not None:
         h_TH = h_TH + b1_EH[rows_T]
     a_TF = activation(h_TH, spec)
@@ -99,7 +99,7 @@ def forward(
             fc1, fc2 = [_saved(s) for _, s in parts], [_saved(s) for _, s in parts2]
     if b2_ED is not None:
         z_TD = z_TD + b2_ED[rows_T]
-    y_TD = _scale_by_probs(z_TD, probs_T)
+    y_TD = scale_by_probs(z_TD, probs_T)
     ctx = QuantizedCtx(
         grouped, fc1, fc2, h_TH, counts, tokens_per_expert_E, b1_EH, b2_ED, probs_T,
         None if probs_T is None else z_TD, spec,
@@ -112,7 +112,7 @@ def backward(ctx: QuantizedCtx, dy_TD: Tensor) -> tuple[OptTensor, ...]:
     their inputs' dtypes."""
     if not ctx.fc1:
         raise RuntimeError("expert backward after a forward without grad (need_grad was off)")
-    dz_TD, dprobs_T = _unscale_grad(dy_TD.contiguous(), ctx.z_TD, ctx.probs_T)
+    dz_TD, dprobs_T = unscale_grad(dy_TD.contiguous(), ctx.z_TD, ctx.probs_T)
     if ctx.grouped:
         da_TF, dw2_EDF = qlinear_backward(ctx.fc2[0], dz_TD)
     else:
@@ -122,9 +122,7 @@ def backward(ctx: QuantizedCtx, dy_TD: Tensor) -> tuple[OptTensor, ...]:
         dx_TD, dw1_EHD = qlinear_backward(ctx.fc1[0], dh_TH)
     else:
         dx_TD, dw1_EHD = _per_expert(ctx.fc1, dh_TH, ctx.counts)
-    counts_E = ctx.tokens_per_expert_E
-    db1_EH = None if ctx.b1_EH is None else _segment_sum(dh_TH, counts_E).to(ctx.b1_EH.dtype)
-    db2_ED = None if ctx.b2_ED is None else _segment_sum(dz_TD, counts_E).to(ctx.b2_ED.dtype)
+    db1_EH, db2_ED = bias_grads(dh_TH, dz_TD, ctx.tokens_per_expert_E, ctx.b1_EH, ctx.b2_ED)
     return dx_TD, dw1_EHD, db1_EH, dw2_EDF, db2_ED, dprobs_T
 
 

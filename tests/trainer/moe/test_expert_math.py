@@ -1,12 +1,12 @@
-"""glu_reference: forward and the hand-written backward against autograd of the eager formula (fp32)."""
+"""expert_math.fused_forward/fused_backward (the fused activation's reference): forward and the hand-written backward against autograd of the eager formula (fp32)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from _expert_math import eager_act, rel_err
-from trainer.kernels import glu_reference as ref
+from expert_oracle import eager_act, rel_err
+from trainer.moe import expert_math as ref
 
 ACTS = ["swiglu", "quick_geglu", "squared_relu"]
 
@@ -41,11 +41,11 @@ def test_forward_and_backward_match_autograd(activation, interleave, with_probs,
     da = torch.randn_like(a64)
     grads = torch.autograd.grad(a64, [h64] + ([p64] if p64 is not None else []), da)
 
-    a = ref.glu_forward(h_PH, probs, activation, interleave, bias, experts)
+    a = ref.fused_forward(h_PH, probs, activation, interleave, bias, experts)
     assert a.dtype == h_PH.dtype and a.shape == a64.shape
     assert rel_err(a, a64) < 1e-6
 
-    dh, dprobs, a_again = ref.glu_backward(h_PH, probs, da.float(), activation, interleave, bias, experts)
+    dh, dprobs, a_again = ref.fused_backward(h_PH, probs, da.float(), activation, interleave, bias, experts)
     assert rel_err(dh, grads[0]) < 1e-6
     assert torch.equal(a_again, a)  # the backward's recomputed activation is the forward's, bit for bit
     if with_probs:
@@ -62,14 +62,14 @@ def test_interleaved_layout_reads_the_right_rows():
     up = torch.arange(f, dtype=torch.float32)[None]
     # interleaved row b*2I + h*I + o == contiguous row h*F + b*I + o
     h = torch.cat([gate[:, 0:2], up[:, 0:2], gate[:, 2:4], up[:, 2:4]], dim=1)
-    a = ref.glu_forward(h, None, "swiglu", interleave=i)
+    a = ref.fused_forward(h, None, "swiglu", interleave=i)
     assert torch.allclose(a, torch.nn.functional.silu(torch.ones(())) * up)
 
 
 def test_bf16_io_keeps_dtype_and_stays_close():
     h_PH, probs_P, _, _ = _inputs("swiglu")
-    a32 = ref.glu_forward(h_PH, probs_P, "swiglu")
-    a16 = ref.glu_forward(h_PH.bfloat16(), probs_P, "swiglu")
+    a32 = ref.fused_forward(h_PH, probs_P, "swiglu")
+    a16 = ref.fused_forward(h_PH.bfloat16(), probs_P, "swiglu")
     assert a16.dtype == torch.bfloat16
     assert rel_err(a16, a32) < 1e-2
 
@@ -77,8 +77,8 @@ def test_bf16_io_keeps_dtype_and_stays_close():
 def test_bad_arguments_are_rejected():
     h = torch.randn(3, 12)
     with pytest.raises(ValueError, match="unknown expert activation"):
-        ref.glu_forward(h, None, "gelu")
+        ref.fused_forward(h, None, "gelu")
     with pytest.raises(ValueError, match="glu_interleave_size"):
-        ref.glu_forward(h, None, "swiglu", interleave=4)  # F = 6 is not a multiple of 4
-    with pytest.raises(ValueError, match="expert_P"):
-        ref.glu_forward(h, None, "swiglu", bias_EH=torch.zeros(2, 12))
+        ref.fused_forward(h, None, "swiglu", interleave=4)  # F = 6 is not a multiple of 4
+    with pytest.raises(ValueError, match="expert_T"):
+        ref.fused_forward(h, None, "swiglu", b1_EH=torch.zeros(2, 12))

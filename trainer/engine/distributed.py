@@ -1,4 +1,4 @@
-"""`DistributedEngine`: the loop's `Engine` (see `trainer/engine.py`) over DistributedModel + DistributedOptimizer.
+"""`DistributedEngine`: the loop's `Engine` (`protocol.py`) over DistributedModel + DistributedOptimizer.
 
 It wraps the single-device model in place (buffers, hooks), broadcasts dp replicas' params from their
 first rank, and builds the AdamW `DistributedOptimizer` on the "adam" tag; with `optimizer: muon`, a
@@ -22,7 +22,7 @@ from torch import nn
 from moectl.core.config.schema import OptimizerConfig, ParallelConfig
 from moectl.core.errors import ConfigError
 from trainer.distributed.ddp import DistributedModel, StorageSpec
-from trainer.distributed.parallel_state import ParallelState
+from trainer.parallel.groups import ParallelState
 from trainer.distributed.quantized_storage import quantized_storage_of
 from trainer.optim.chained import ChainedOptimizer, build_muon_optimizer
 from trainer.optim.distributed_optimizer import DistributedOptimizer

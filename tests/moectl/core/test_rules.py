@@ -21,7 +21,7 @@ from moectl.core.config import Config
 from moectl.core.config.load import load_config, yaml_scalar
 from moectl.core.rules import RULES, Device, Environment, TEInstall, Violation, check, has_errors
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 NO_MACHINE = Environment(te=None, device=None)
 TE_OK = TEInstall("2.14.0", has_pytorch=True)
 
@@ -687,3 +687,26 @@ def test_validate_path_never_imports_torch() -> None:
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, env=env, timeout=60)
     assert out.returncode == 0, out.stderr
+
+
+def test_probe_device_asks_the_driver_without_importing_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With torch not loaded, the GPU is read off nvidia-smi (the first device CUDA_VISIBLE_DEVICES lets
+    through); an unanswering driver means no device, not an error."""
+    calls = []
+
+    def fake_run(cmd, **kw):
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, stdout="9.0, NVIDIA H100 80GB HBM3\n", stderr="")
+
+    monkeypatch.setattr(rules.sys, "modules", {k: v for k, v in sys.modules.items() if k != "torch"})
+    monkeypatch.setattr(rules, "_nvidia_gpu_nodes", lambda: True)
+    monkeypatch.setattr(rules.subprocess, "run", fake_run)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
+    assert rules.probe_device() == Device("cuda", (9, 0), "nvidia-smi: NVIDIA H100 80GB HBM3")
+    assert calls[0][-2:] == ["-i", "3"]
+
+    def broken(cmd, **kw):
+        raise FileNotFoundError("nvidia-smi")
+
+    monkeypatch.setattr(rules.subprocess, "run", broken)
+    assert rules.probe_device() is None

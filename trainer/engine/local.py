@@ -1,19 +1,9 @@
-"""The optimizer side of a training step, behind one small interface the loop and checkpoints call.
-
-`LocalEngine` is the one-device engine: `torch.optim.AdamW` (or SGD) over fp32 params, global-norm
-clipping, a non-finite guard. The distributed engine (`trainer.distributed`) offers the same methods,
-so `trainer.loop` and `trainer.checkpointing` do not know which one they drive.
-
-Checkpoints see an engine's state as logical entries per param name (this rank's experts, unsharded):
-`{"param": the weight a high-precision run holds, "master": fp32, <moment>: fp32, ...}`, the moments being
-`state_keys(name)` minus "master".
-"""
+"""`LocalEngine`: one device, fp32 params, torch's AdamW/SGD, global-norm clipping, a non-finite guard."""
 
 from __future__ import annotations
 
 import contextlib
 import math
-from typing import Protocol
 
 import torch
 from torch import nn
@@ -22,39 +12,6 @@ from moectl.core.config.schema import OptimizerConfig
 from moectl.core.errors import MoectlError
 from trainer.optim.distributed_optimizer import decays
 from trainer.optim.step_result import StepResult
-
-__all__ = ["Engine", "LocalEngine", "StepResult", "param_groups"]
-
-
-class Engine(Protocol):
-    """What the loop needs from the optimizer side."""
-
-    def zero_grad(self) -> None: ...
-
-    def micro_batch(self, is_last: bool) -> contextlib.AbstractContextManager[None]: ...
-
-    def step(self, lr: float) -> StepResult: ...
-
-    def sync_params_for_eval(self) -> None: ...
-
-    @property
-    def step_count(self) -> int:
-        """Optimizer updates applied so far (skipped steps not counted)."""
-        ...
-
-    def state_keys(self, name: str) -> tuple[str, ...]:
-        """The logical state of param `name`: "master" and the optimizer's moments for it."""
-        ...
-
-    def logical_state(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Every local param's logical entries (see the module docstring), after finishing any deferred
-        param gather. A collective: every rank calls it."""
-        ...
-
-    def load_logical_state(self, params: dict[str, dict[str, torch.Tensor]], step: int | None) -> None:
-        """Take masters (and moments where given, and the step count unless None); the params then equal
-        the masters. A collective under data parallelism."""
-        ...
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:

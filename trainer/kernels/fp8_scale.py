@@ -1,5 +1,7 @@
 """The fp32 scale of the FP8 kinds with fp32 scales (tensor, row, block): scale = FP8_MAX / amax.
 
+The eager rule, and the reference the fused quantize kernel (`fp8_quant_triton.py`) matches bit for bit.
+
 Follows Transformer Engine's `compute_scale_from_amax` (transformer_engine/common/recipe/
 recipe_common.cuh), the rule behind Float8CurrentScaling, DelayedScaling and Float8BlockScaling:
 
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .formats import FLT_MAX
+FLT_MAX = torch.finfo(torch.float32).max  # the largest finite fp32, what an overflowing scale becomes
 
 
 def scale_from_amax(amax: torch.Tensor, fmax: float, pow2: bool = False) -> torch.Tensor:

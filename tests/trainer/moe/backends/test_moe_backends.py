@@ -9,7 +9,9 @@ import torch.nn.functional as F
 from moectl.core.config.schema import MoEConfig
 from moectl.core.errors import MoectlError
 from trainer.moe import ExpertSpec, GroupedMLP, get_backend
-from trainer.moe import expert_backend as eb
+from ckpt.layout import reinterleave_fc1
+from trainer.moe import backends as eb
+from trainer.moe.expert_math import gate_up_views
 
 E, D, FF = 4, 8, 8
 COUNTS = [3, 0, 6, 2]
@@ -103,12 +105,14 @@ def test_megatron_interleave_example():
     """Megatron's example: rows [1,2,5,6,3,4,7,8] with I=2 de-interleave to 1..8 (gate 1..4, up 5..8)."""
     contiguous = torch.arange(1.0, 9.0)[:, None]
     interleaved = torch.tensor([1.0, 2, 5, 6, 3, 4, 7, 8])[:, None]
-    assert torch.equal(eb.interleave_glu(contiguous, 2, dim=0), interleaved)
-    assert torch.equal(eb.deinterleave_glu(interleaved, 2, dim=0), contiguous)
-    spec = ExpertSpec("swiglu", 4, 2)
-    gate, up = eb.split_glu(interleaved.t(), spec)
+    assert torch.equal(reinterleave_fc1(contiguous, None, 2, 4, dim=0), interleaved)
+    assert torch.equal(reinterleave_fc1(interleaved, 2, None, 4, dim=0), contiguous)
+    gate, up = (v.reshape(1, -1) for v in gate_up_views(interleaved.t(), 2))
     assert gate.tolist() == [[1, 2, 3, 4]] and up.tolist() == [[5, 6, 7, 8]]
-    assert torch.equal(eb.join_glu(gate, up, spec), interleaved.t())
+    joined = torch.empty(1, 8)
+    for view, half in zip(gate_up_views(joined, 2), (gate, up)):
+        view.copy_(half.reshape(view.shape))
+    assert torch.equal(joined, interleaved.t())
 
 
 @pytest.mark.parametrize("backend", ["loop", "grouped"])
@@ -120,8 +124,8 @@ def test_interleaved_layout_is_a_row_permutation_of_the_contiguous_one(backend):
     inter = GroupedMLP(MoEConfig(**base, glu_interleave_size=I), D, init_std=0.3)
     with torch.no_grad():
         contig.linear_fc1.bias.normal_(0, 0.1, generator=torch.Generator().manual_seed(2))
-        inter.linear_fc1.weight.copy_(eb.interleave_glu(contig.linear_fc1.weight, I, dim=-2))
-        inter.linear_fc1.bias.copy_(eb.interleave_glu(contig.linear_fc1.bias, I, dim=-1))
+        inter.linear_fc1.weight.copy_(reinterleave_fc1(contig.linear_fc1.weight, None, I, FF, dim=-2))
+        inter.linear_fc1.bias.copy_(reinterleave_fc1(contig.linear_fc1.bias, None, I, FF, dim=-1))
         inter.linear_fc2.weight.copy_(contig.linear_fc2.weight)
     assert not torch.equal(inter.linear_fc1.weight, contig.linear_fc1.weight)
     g = torch.Generator().manual_seed(3)
@@ -136,8 +140,8 @@ def test_interleaved_layout_is_a_row_permutation_of_the_contiguous_one(backend):
     (y0, dx0, dw10, db10, dw20), (y1, dx1, dw11, db11, dw21) = outs
     torch.testing.assert_close(y1, y0, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(dx1, dx0, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(eb.deinterleave_glu(dw11, I, dim=-2), dw10, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(eb.deinterleave_glu(db11, I, dim=-1), db10, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(reinterleave_fc1(dw11, I, None, FF, dim=-2), dw10, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(reinterleave_fc1(db11, I, None, FF, dim=-1), db10, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(dw21, dw20, rtol=1e-6, atol=1e-6)
 
 
@@ -173,7 +177,7 @@ def test_spec_validation():
 
 
 def test_auto_picks_grouped_on_cpu_and_fused_on_cuda():
-    from trainer.moe.expert_backend import _resolve_auto
+    from trainer.moe.backends import _resolve_auto
 
     assert _resolve_auto(torch.device("cpu")) == "grouped"
     assert _resolve_auto(torch.device("cuda", 0)) == "fused"

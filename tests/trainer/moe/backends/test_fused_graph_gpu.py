@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from moectl.bench.backend_function import BackendFunction
-from trainer.kernels.fused_expert_mlp import FusedBackend
-from trainer.moe.expert_backend import ExpertSpec
+from trainer.moe.backends.fused import FusedBackend
+from trainer.moe.expert_math import ExpertSpec
 from trainer.moe.expert_precision import ExpertPrecision
 from trainer.precision import TensorwiseRecipe
 

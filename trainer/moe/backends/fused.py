@@ -3,13 +3,13 @@
 Legend: T routed rows (tokens after permute, grouped by expert), D model width, H fc1 width (2F gated),
 F expert ffn width, E experts. Weights are `[E, out, in]`: w1_EHD, w2_EDF; biases b1_EH, b2_ED.
 
-Computes, per the expert-backend protocol (docs: shared/design/architecture.md),
+Computes, per the expert-backend protocol (`__init__.py`),
 
     y = probs[:, None] * (fc2(act(fc1(x) + b1)) + b2)
 
 as
     h_TH  = grouped_mm(x, w1^T)                       (saved for backward; no bias in it)
-    a_TF  = probs * act(h + b1[expert])               (one kernel; see glu_reference for why probs go here)
+    a_TF  = probs * act(h + b1[expert])               (one kernel; expert_math.py says why probs go here)
     y_TD  = grouped_mm(a, w2^T) [+ probs * b2[expert]] (bias epilogue only when there is a b2)
 
 and backward by recomputation: only h (T x H) is kept between forward and backward, never the F-wide
@@ -18,8 +18,9 @@ and dprobs; then dw2 = grouped_mm(dy^T, a), dx = grouped_mm(dh, w1), dw1 = group
 (2-D x 2-D -> 3-D, one group per expert, contracting over that expert's rows). On CUDA the two weight-grad
 GEMMs run on a second stream, concurrently with dx (`FusedBackend.overlap_wgrad`).
 
-On CUDA the activation runs in Triton (`glu_triton`); elsewhere in the pure-torch reference
-(`glu_reference`), through the same code path, so this backend is tested on every machine.
+On CUDA the activation runs in Triton (`trainer/kernels/glu_triton.py`); elsewhere in its pure-torch
+reference (`expert_math.fused_forward` / `fused_backward`), through the same code path, so this backend is
+tested on every machine.
 
 Low precision (`forward(..., precision=ExpertPrecision)`, trainer/moe/expert_precision.py): the two grouped
 GEMMs become the recipe's quantized grouped GEMMs (fprop, dgrad, wgrad; native `torch._scaled_grouped_mm`
@@ -40,13 +41,18 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import dataclass
-from types import ModuleType
 from typing import Any, Iterator
 
 import torch
 
 from moectl.core.errors import MoectlError
-from trainer.kernels import glu_reference
+from moectl.core.facts import ffn_width
+from trainer.moe import expert_math
+from trainer.moe.expert_math import bias_grads, expert_of_row
+from trainer.moe.expert_precision import qlinear_forward, quantize_output_grad
+from trainer.precision.groups import TokenGroups
+from trainer.precision.quantize import triton_fast_path
+from trainer.precision.recipes import TensorwiseRecipe
 
 Grads = tuple[
     torch.Tensor,
@@ -59,7 +65,7 @@ Grads = tuple[
 
 
 def spec_activation(spec: Any) -> str:
-    """The activation named by an expert spec (`ExpertSpec` of trainer.moe.expert_backend, or any object)."""
+    """The activation named by an expert spec (`ExpertSpec` of trainer.moe.expert_math, or any object)."""
     return str(getattr(spec, "activation"))
 
 
@@ -69,13 +75,20 @@ def spec_interleave(spec: Any) -> int | None:
     return int(value) if value else None
 
 
-def _kernels(device: torch.device) -> ModuleType:
+class _Reference:
+    """The activation kernels' pure-torch reference, with the Triton module's entry points (CPU path)."""
+
+    glu_forward = staticmethod(expert_math.fused_forward)
+    glu_backward = staticmethod(expert_math.fused_backward)
+
+
+def _kernels(device: torch.device) -> Any:
     """Triton kernels on CUDA, the pure-torch reference elsewhere (Triton is imported only here, lazily)."""
     if device.type == "cuda":
         from trainer.kernels import glu_triton
 
         return glu_triton
-    return glu_reference
+    return _Reference
 
 
 _SIDE_STREAMS: dict[int, "torch.cuda.Stream"] = {}
@@ -119,19 +132,6 @@ def _offsets(tokens_per_expert_E: torch.Tensor, device: torch.device, dtype: tor
     return torch.cumsum(counts.to(device=device, dtype=torch.int64), 0).to(dtype)
 
 
-def _expert_of_row(offs_E: torch.Tensor, rows: int) -> torch.Tensor:
-    """Expert index of every row [T] (int32), without a device sync: counts ride along as a tensor."""
-    counts = torch.diff(offs_E, prepend=offs_E.new_zeros(1))
-    experts = torch.arange(offs_E.numel(), device=offs_E.device, dtype=torch.int32)
-    return torch.repeat_interleave(experts, counts, output_size=rows)
-
-
-def _segment_sum(rows_TX: torch.Tensor, expert_T: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Per-expert sum of rows [E, X] in fp32 (bias grads)."""
-    out = torch.zeros(num_experts, rows_TX.shape[1], dtype=torch.float32, device=rows_TX.device)
-    return out.index_add_(0, expert_T.long(), rows_TX.float())
-
-
 @dataclass
 class FusedCtx:
     """What backward needs: inputs, the fc1 output h (without bias), offsets, row experts, the spec."""
@@ -144,6 +144,7 @@ class FusedCtx:
     b2_ED: torch.Tensor | None
     probs_T: torch.Tensor | None
     offs_E: torch.Tensor
+    tokens_per_expert_E: torch.Tensor
     expert_T: torch.Tensor | None
     activation: str
     interleave: int | None
@@ -152,7 +153,7 @@ class FusedCtx:
 class FusedBackend:
     """Expert-MLP backend `fused`: two grouped GEMMs around one fused activation kernel, recompute backward.
 
-    Built by the registry (`trainer.moe.expert_backend.get_backend`) as `FusedBackend(device)`.
+    Built by the registry (`trainer.moe.backends.get_backend`) as `FusedBackend(device)`.
 
     `overlap_wgrad` (CUDA only): run the two weight-grad GEMMs on a second stream, concurrently with fc1's
     data-grad GEMM; the three are independent once the activation backward has run, and running them side
@@ -189,17 +190,18 @@ class FusedBackend:
             return _forward_quantized(x_TD, w1_EHD, b1_EH, w2_EDF, b2_ED, tokens_per_expert_E, probs_T, spec, precision)
         activation, interleave = spec_activation(spec), spec_interleave(spec)
         num_experts, h_width, d_model = w1_EHD.shape
-        f = glu_reference.ffn_width(h_width, activation, interleave)
+        f = ffn_width(h_width, activation, interleave)
         if w2_EDF.shape != (num_experts, d_model, f):
             raise ValueError(f"w2_EDF has shape {tuple(w2_EDF.shape)}, expected {(num_experts, d_model, f)}")
         _check_alignment(x_TD.dtype, d_model, h_width, f)
         rows = x_TD.shape[0]
-        offs_E = _offsets(tokens_per_expert_E, x_TD.device)
+        counts_E = torch.as_tensor(tokens_per_expert_E).to(x_TD.device)
+        offs_E = _offsets(counts_E, x_TD.device)
         if x_TD.device.type == "cpu" and rows and int(offs_E[-1]) != rows:
             raise ValueError(f"sum(tokens_per_expert)={int(offs_E[-1])} must equal the rows of x ({rows})")
         w1, w2 = w1_EHD.to(x_TD.dtype), w2_EDF.to(x_TD.dtype)
         need_rows = b1_EH is not None or b2_ED is not None
-        expert_T = _expert_of_row(offs_E, rows) if need_rows else None
+        expert_T = expert_of_row(counts_E, rows) if need_rows else None
         kernels = _kernels(x_TD.device)
         if rows:
             h_TH = torch._grouped_mm(x_TD, w1.transpose(-2, -1), offs_E)
@@ -211,7 +213,7 @@ class FusedBackend:
         else:  # grouped_mm rejects an empty contraction in backward; keep both directions trivially right
             h_TH = x_TD.new_empty(0, h_width)
             y_TD = x_TD.new_empty(0, d_model)
-        ctx = FusedCtx(x_TD, h_TH, w1, b1_EH, w2, b2_ED, probs_T, offs_E, expert_T, activation, interleave)
+        ctx = FusedCtx(x_TD, h_TH, w1, b1_EH, w2, b2_ED, probs_T, offs_E, counts_E, expert_T, activation, interleave)
         return y_TD, ctx
 
     def backward(self, ctx: Any, dy_TD: torch.Tensor) -> Grads:
@@ -219,7 +221,6 @@ class FusedBackend:
         if isinstance(ctx, QuantizedFusedCtx):
             return _backward_quantized(ctx, dy_TD, self.overlap_wgrad)
         x, h, w1, w2, probs = ctx.x_TD, ctx.h_TH, ctx.w1_EHD, ctx.w2_EDF, ctx.probs_T
-        num_experts = w1.shape[0]
         rows = x.shape[0]
         # grouped_mm rejects stride-0 (expanded) grads and needs aligned rows: make dy a plain tensor.
         dy = dy_TD.to(x.dtype).contiguous()
@@ -239,7 +240,7 @@ class FusedBackend:
         dx_TD = torch._grouped_mm(dh_TH, w1, ctx.offs_E)
         _join(side, dw2_EDF, dw1_EHD)
         db1_EH, db2_ED, dprobs_T = _bias_grads(
-            ctx.b1_EH, ctx.b2_ED, probs, ctx.expert_T, num_experts, dy, dh_TH, dprobs_T
+            ctx.b1_EH, ctx.b2_ED, probs, ctx.expert_T, ctx.tokens_per_expert_E, dy, dh_TH, dprobs_T
         )
         return dx_TD, dw1_EHD, db1_EH, dw2_EDF, db2_ED, dprobs_T
 
@@ -249,20 +250,17 @@ def _bias_grads(
     b2_ED: torch.Tensor | None,
     probs_T: torch.Tensor | None,
     expert_T: torch.Tensor | None,
-    num_experts: int,
+    tokens_per_expert_E: torch.Tensor,
     dy_TD: torch.Tensor,
     dh_TH: torch.Tensor,
     dprobs_T: torch.Tensor | None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """(db1, db2, dprobs): per-expert bias grads, and p * b2's share of dprobs."""
-    db1_EH = db2_ED = None
-    if b1_EH is not None:
-        assert expert_T is not None
-        db1_EH = _segment_sum(dh_TH, expert_T, num_experts).to(b1_EH.dtype)
+    """(db1, db2, dprobs): per-expert bias grads, and p * b2's share of dprobs. y = ... + p * b2, so b2's grad
+    sums p * dy (in fp32: the probs stay unrounded)."""
+    dy_scaled = dy_TD if probs_T is None or b2_ED is None else dy_TD.float() * probs_T.float()[:, None]
+    db1_EH, db2_ED = bias_grads(dh_TH, dy_scaled, tokens_per_expert_E, b1_EH, b2_ED)
     if b2_ED is not None:
         assert expert_T is not None
-        dy_scaled = dy_TD if probs_T is None else dy_TD.float() * probs_T.float()[:, None]
-        db2_ED = _segment_sum(dy_scaled, expert_T, num_experts).to(b2_ED.dtype)
         if dprobs_T is not None and probs_T is not None:  # y also holds p * b2: d/dp = dy . b2[expert]
             b2_rows = b2_ED.float().index_select(0, expert_T.long())
             dprobs_T = (dprobs_T.float() + (dy_TD.float() * b2_rows).sum(1)).to(probs_T.dtype)
@@ -281,6 +279,7 @@ class QuantizedFusedCtx:
     b1_EH: torch.Tensor | None
     b2_ED: torch.Tensor | None
     probs_T: torch.Tensor | None
+    tokens_per_expert_E: torch.Tensor
     expert_T: torch.Tensor | None
     activation: str
     interleave: int | None
@@ -298,19 +297,18 @@ def _forward_quantized(
     precision: Any,
 ) -> tuple[torch.Tensor, QuantizedFusedCtx]:
     """The recipe path of `FusedBackend.forward` (module docstring): quantized grouped GEMMs, fused activation."""
-    from trainer.moe.expert_precision import qlinear_forward
-    from trainer.precision.groups import TokenGroups
-
     activation, interleave = spec_activation(spec), spec_interleave(spec)
     num_experts, h_width, d_model = w1_EHD.shape
-    f = glu_reference.ffn_width(h_width, activation, interleave)
+    f = ffn_width(h_width, activation, interleave)
     if w2_EDF.shape != (num_experts, d_model, f):
         raise ValueError(f"w2_EDF has shape {tuple(w2_EDF.shape)}, expected {(num_experts, d_model, f)}")
-    precision.check_aligned(torch.as_tensor(tokens_per_expert_E))
+    counts_E = torch.as_tensor(tokens_per_expert_E)
+    precision.check_aligned(counts_E)
+    counts_E = counts_E.to(x_TD.device)
     rows = x_TD.shape[0]
-    offs_E = _offsets(tokens_per_expert_E, x_TD.device, torch.int64)  # no int32 round trip through TokenGroups
+    offs_E = _offsets(counts_E, x_TD.device, torch.int64)  # no int32 round trip through TokenGroups
     groups = TokenGroups.from_offsets(offs_E, rows, validate=x_TD.device.type == "cpu")
-    expert_T = _expert_of_row(offs_E, rows) if b1_EH is not None or b2_ED is not None else None
+    expert_T = expert_of_row(counts_E, rows) if b1_EH is not None or b2_ED is not None else None
     kernels = _kernels(x_TD.device)
     x_TD = x_TD.contiguous()
     amax_x, amax_a = _amax_slots(kernels, precision, x_TD, groups)
@@ -324,8 +322,8 @@ def _forward_quantized(
         assert expert_T is not None
         y_TD = _add_row_bias(kernels, y_TD, probs_T, b2_ED.to(y_TD.dtype), expert_T)
     ctx = QuantizedFusedCtx(
-        h_TH, fc1, fc2, x_TD if rows == 0 else None, (w1_EHD.shape, w2_EDF.shape), b1_EH, b2_ED, probs_T, expert_T,
-        activation, interleave,
+        h_TH, fc1, fc2, x_TD if rows == 0 else None, (w1_EHD.shape, w2_EDF.shape), b1_EH, b2_ED, probs_T, counts_E,
+        expert_T, activation, interleave,
     )  # fmt: skip
     return y_TD, ctx
 
@@ -336,12 +334,9 @@ def _backward_quantized(ctx: QuantizedFusedCtx, dy_TD: torch.Tensor, overlap_wgr
     With `overlap_wgrad` on CUDA both weight-grad GEMMs run on the side stream: dw2 while the main stream
     does the activation backward, the quantization of dh and dx (memory-bound kernels beside a
     compute-bound GEMM), dw1 beside dx. The same kernels on the same operands, so the same bits."""
-    from trainer.moe.expert_precision import quantize_output_grad
-
     if ctx.fc1 is None or ctx.fc2 is None:
         raise RuntimeError("expert backward after a forward without grad")
     h, probs, fc1, fc2 = ctx.h_TH, ctx.probs_T, ctx.fc1, ctx.fc2
-    num_experts = ctx.w_shapes[0][0]
     if h.shape[0] == 0:
         assert ctx.x_TD is not None
         zeros = lambda t: None if t is None else torch.zeros_like(t)  # noqa: E731
@@ -356,7 +351,7 @@ def _backward_quantized(ctx: QuantizedFusedCtx, dy_TD: torch.Tensor, overlap_wgr
     da_TF = fc2.recipe.grouped_dgrad(g2, fc2.wq, fc2.x_dtype)
     with _on_side(side):
         dw2_EDF = fc2.recipe.grouped_wgrad(g2, fc2.xq)
-    extra = {} if kernels is glu_reference else {"write_a": False}  # a's quantized copy was kept instead
+    extra = {} if kernels is _Reference else {"write_a": False}  # a's quantized copy was kept instead
     dh_TH, dprobs_T, _ = kernels.glu_backward(
         h, probs, da_TF, ctx.activation, ctx.interleave, ctx.b1_EH, ctx.expert_T, **_amax_kw(amax_dh, fc1.groups),
         **extra,
@@ -366,12 +361,14 @@ def _backward_quantized(ctx: QuantizedFusedCtx, dy_TD: torch.Tensor, overlap_wgr
         dw1_EHD = fc1.recipe.grouped_wgrad(g1, fc1.xq)
     dx_TD = fc1.recipe.grouped_dgrad(g1, fc1.wq, fc1.x_dtype)
     _join(side, dw2_EDF, dw1_EHD)
-    db1_EH, db2_ED, dprobs_T = _bias_grads(ctx.b1_EH, ctx.b2_ED, probs, ctx.expert_T, num_experts, dy, dh_TH, dprobs_T)
+    db1_EH, db2_ED, dprobs_T = _bias_grads(
+        ctx.b1_EH, ctx.b2_ED, probs, ctx.expert_T, ctx.tokens_per_expert_E, dy, dh_TH, dprobs_T
+    )
     return dx_TD, dw1_EHD, db1_EH, dw2_EDF, db2_ED, dprobs_T
 
 
 def _amax_slots(
-    kernels: ModuleType, who: Any, first_TK: torch.Tensor, groups: Any
+    kernels: Any, who: Any, first_TK: torch.Tensor, groups: Any
 ) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
     """Per-group amax slots (int32 `[G]` each, one allocation and one fill for both) for a GEMM input and for
     the activation kernel's output (forward: x and a; backward: dy and dh), when the next quantizer is current
@@ -379,11 +376,8 @@ def _amax_slots(
     second is zero, for the activation kernel to record into. Quantizers given an amax skip their own pass and
     zeroing (for a and dh one read of the tensor is saved). (None, None) otherwise. `who` carries the recipe
     (ExpertPrecision or SavedLinear); `first_TK` must be contiguous."""
-    from trainer.precision.quantize import triton_fast_path
-    from trainer.precision.recipes import TensorwiseRecipe
-
     recipe = who.recipe
-    if kernels is glu_reference or type(recipe) is not TensorwiseRecipe or groups is None or first_TK.shape[0] == 0:
+    if kernels is _Reference or type(recipe) is not TensorwiseRecipe or groups is None or first_TK.shape[0] == 0:
         return None, None  # delayed scaling measures the amax in its quantize pass already
     if not triton_fast_path(first_TK, recipe.activation_scheme()):
         return None, None
@@ -415,19 +409,16 @@ def _check_alignment(dtype: torch.dtype, *widths: int) -> None:
 
 
 def _add_row_bias(
-    kernels: ModuleType,
+    kernels: Any,
     y_TD: torch.Tensor,
     probs_T: torch.Tensor | None,
     b2_ED: torch.Tensor,
     expert_T: torch.Tensor,
 ) -> torch.Tensor:
     """y + probs * b2[expert]: in place in one pass on CUDA, plain torch elsewhere."""
-    if hasattr(kernels, "add_row_bias_"):
-        return kernels.add_row_bias_(y_TD, probs_T, b2_ED, expert_T)
-    bias_TD = b2_ED.float().index_select(0, expert_T.long())
-    if probs_T is not None:
-        bias_TD = bias_TD * probs_T.float()[:, None]
-    return (y_TD.float() + bias_TD).to(y_TD.dtype)
+    if kernels is _Reference:
+        return expert_math.add_row_bias(y_TD, probs_T, b2_ED, expert_T)
+    return kernels.add_row_bias_(y_TD, probs_T, b2_ED, expert_T)
 
 
 def _empty_grads(ctx: FusedCtx) -> Grads:

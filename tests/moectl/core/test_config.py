@@ -12,7 +12,7 @@ from moectl.core.config.load import load_config
 from moectl.core.config.load import parse_override, read_yaml
 from moectl.core.errors import ConfigError, MoectlError, UsageError
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def write(tmp_path: Path, text: str, name: str = "c.yaml") -> Path:

@@ -10,7 +10,7 @@ from trainer.observer import SilentObserver
 from safetensors.torch import load_file, save
 
 from moectl.core.config.load import overridden
-from trainer.checkpointing.validate import validate_checkpoint
+from trainer.validation import validate_checkpoint
 from moectl.core.config.load import load_config
 from trainer.loop import Trainer
 

@@ -1,0 +1,74 @@
+"""Facts several layers share, stated once: the expert activations, the fc1 gate/up row layout, and the
+token alignment each low-precision recipe needs. Torch-free, so the rule catalogue, the parameter counter,
+the checkpoint format, the engine's math and the kernels all read the same values."""
+
+from __future__ import annotations
+
+from typing import Literal, Optional, get_args
+
+# --- expert activations ------------------------------------------------------------------------------
+Activation = Literal["swiglu", "quick_geglu", "squared_relu"]
+ACTIVATIONS: tuple[str, ...] = get_args(Activation)
+# Gated activations read a gate and an up half from fc1, whose output is then 2F wide (H = 2F).
+GATED_ACTIVATIONS: tuple[str, ...] = ("swiglu", "quick_geglu")
+QUICK_GELU_ALPHA = 1.702  # quick_gelu(x) = x * sigmoid(1.702 x), as in CLIP and TE's ScaledClampedQGeGLU
+
+
+def check_activation(activation: str) -> None:
+    """Raise ValueError for an activation nothing implements."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"unknown expert activation {activation!r}; expected one of {ACTIVATIONS}")
+
+
+def is_gated(activation: str) -> bool:
+    """True for activations that read a gate and an up half (H == 2F)."""
+    check_activation(activation)
+    return activation in GATED_ACTIVATIONS
+
+
+def fc1_rows(activation: str, ffn_size: int) -> int:
+    """H, the rows of an expert's fc1 weight: 2F for a gated activation, else F."""
+    return 2 * ffn_size if is_gated(activation) else ffn_size
+
+
+def ffn_width(h_width: int, activation: str, interleave: Optional[int]) -> int:
+    """F from H, checking that a gated H is even and that the interleave block divides F."""
+    gated = is_gated(activation)
+    if gated and h_width % 2:
+        raise ValueError(f"gated activation {activation!r} needs an even fc1 width, got {h_width}")
+    f = h_width // 2 if gated else h_width
+    if gated and interleave is not None and (interleave <= 0 or f % interleave):
+        raise ValueError(f"glu_interleave_size={interleave} must be positive and divide the ffn width {f}")
+    return f
+
+
+# --- the fc1 gate/up row layout ----------------------------------------------------------------------
+# fc1's 2F rows are `[gate; up]` (row h*F + f: h = 0 gate, 1 up), or with interleave I blocks
+# `[g(I), u(I), g(I), u(I), ...]` (row b*2I + h*I + o holds f = b*I + o). The engine reads either layout
+# through views (trainer/moe/expert_math.py), the Triton kernel through the same index arithmetic, and the
+# checkpoint format moves rows between layouts with the permutation below.
+def fc1_row_order(from_interleave: Optional[int], to_interleave: Optional[int], ffn_size: int) -> list[int]:
+    """The source row of every target row of fc1 when moving from one layout to another (None = `[gate; up]`)."""
+    F = ffn_size
+    order = []
+    for j in range(2 * F):
+        if to_interleave is None:
+            h, f = divmod(j, F)
+        else:
+            i = to_interleave
+            h, f = (j % (2 * i)) // i, (j // (2 * i)) * i + j % i
+        if from_interleave is None:
+            order.append(h * F + f)
+        else:
+            i = from_interleave
+            order.append((f // i) * (2 * i) + h * i + f % i)
+    return order
+
+
+# --- low-precision recipes ---------------------------------------------------------------------------
+# Rows per expert token group must be a multiple of this (each recipe's `align_size`), and so must every
+# GEMM dimension the recipe quantizes in blocks along, so every scaling block is whole: the fp8 grouped
+# GEMM's 16-row groups (Megatron and torchao: 16), blockwise's 128x128 / 1x128 blocks, the 1x32 blocks of
+# MXFP8, and NVFP4's 32 (its 16-element blocks, at the FP4 GEMM's K granularity, as Megatron pads).
+RECIPE_ALIGN: dict[str, int] = {"tensorwise": 16, "delayed": 16, "rowwise": 16, "blockwise": 128, "mxfp8": 32,
+                                "nvfp4": 32}
