@@ -16,6 +16,8 @@ expert input (kept routings grouped by expert, each expert's segment padded).
 - Combine: each kept routing's output row (already scaled by its prob inside the expert MLP) goes back to
   its `[T, K]` slot, and the K slots of a token are summed in a fixed order: no atomics, so the result is
   deterministic on every device.
+- Rows move by gathers in both directions, forward and backward (`permute.py`): one gather builds x_PD,
+  padding included, and its backward sums each token's K row grads; no scatter-add anywhere.
 
 Host syncs: only to size P when it is data-dependent (alignment padding without pad-to-capacity, or drops).
 `LocalDispatcher` is the one-device dispatcher; an expert-parallel all-to-all dispatcher keeps its interface.
@@ -30,6 +32,7 @@ from typing import Optional
 import torch
 
 from moectl.core.errors import ConfigError
+from trainer.moe.permute import combine_rows, dispatch_rows
 from trainer.moe.router import RouterOutput
 
 
@@ -40,7 +43,9 @@ class DispatchPlan:
     num_tokens: int  # T
     topk: int  # K
     order_R: torch.Tensor  # routing index (into T*K) of each sorted routing; kept ones first, by expert
-    dest_R: Optional[torch.Tensor]  # row of x_PD for each sorted routing, P for dropped ones; None = identity
+    src_P: torch.Tensor  # routing index of each row of x_PD, N for padding rows
+    row_N: torch.Tensor  # row of x_PD of each routing, P for dropped ones
+    padded: bool  # x_PD has padding rows (alignment or pad-to-capacity)
     num_rows: int  # P
     tokens_per_expert_E: torch.Tensor  # kept routings per expert, before padding (int64)
     rows_per_expert_E: torch.Tensor  # rows per expert in x_PD, padding included (int64)
@@ -121,24 +126,24 @@ class LocalDispatcher:
             rows_E = counts_E
             P = N if self.capacity_factor is None else int(counts_E.sum())
 
-        x_RD = x_TD[order_R // K]  # indexing, not index_select: its backward is deterministic under torch's flag
-        probs_R = probs_N[order_R]
-        identity = self.capacity_factor is None and self.align == 1
-        if identity:
-            dest_R = None
-            x_PD, probs_P = x_RD, probs_R
+        arange_N = torch.arange(N, device=dev)
+        if self.capacity_factor is None and self.align == 1:  # x_PD is the sorted routings themselves
+            src_P, dest_R = order_R, arange_N
         else:
             key_R = key_N[order_R]
             e_R = key_R.clamp(max=E - 1)
             kept_start_E = torch.cumsum(counts_E, 0) - counts_E
             row_start_E = torch.cumsum(rows_E, 0) - rows_E
-            rank_R = torch.arange(N, device=dev) - kept_start_E[e_R]
-            dest_R = torch.where(key_R < E, row_start_E[e_R] + rank_R, P)  # row P: a trash row, sliced off
-            x_PD = x_RD.new_zeros(P + 1, x_TD.shape[1]).index_put((dest_R,), x_RD)[:P]
-            probs_P = probs_R.new_zeros(P + 1).index_put((dest_R,), probs_R)[:P]
+            dest_R = torch.where(key_R < E, row_start_E[e_R] + arange_N - kept_start_E[e_R], P)  # P: dropped
+            # every dropped routing writes the trash slot P, which is sliced off: which one wins is moot
+            src_P = torch.full((P + 1,), N, dtype=torch.int64, device=dev).index_put_((dest_R,), order_R)[:P]
+        row_N = torch.empty_like(order_R).index_put_((order_R,), dest_R)  # order_R is a permutation
+        padded = self.pad_to_capacity or self.align > 1
+        x_PD = dispatch_rows(x_TD, src_P, row_N, K, padded)
+        probs_P = dispatch_rows(probs_N[:, None], src_P, row_N, 1, padded)[:, 0]  # routings are 'tokens' of K=1
 
         plan = DispatchPlan(
-            num_tokens=T, topk=K, order_R=order_R, dest_R=dest_R, num_rows=P,
+            num_tokens=T, topk=K, order_R=order_R, src_P=src_P, row_N=row_N, padded=padded, num_rows=P,
             tokens_per_expert_E=counts_E, rows_per_expert_E=rows_E,
             num_dropped=router_out.tokens_per_expert_E.sum() - counts_E.sum(),
         )  # fmt: skip
@@ -146,10 +151,4 @@ class LocalDispatcher:
 
     def combine(self, y_PD: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
         """Sum each token's K expert outputs back into `[T, D]` (probs were applied in the expert MLP)."""
-        T, K, D = plan.num_tokens, plan.topk, y_PD.shape[1]
-        if plan.dest_R is None:
-            y_RD = y_PD
-        else:
-            y_RD = torch.cat([y_PD, y_PD.new_zeros(1, D)])[plan.dest_R]  # dropped routings read the zero row
-        y_NKD = y_RD.new_zeros(T * K, D).index_put((plan.order_R,), y_RD)  # order_R is a permutation: no clashes
-        return y_NKD.view(T, K, D).sum(dim=1)
+        return combine_rows(y_PD, plan.src_P, plan.row_N, plan.topk, plan.padded)

@@ -31,7 +31,8 @@ def test_permutation_is_stable_by_expert_and_padding_is_zero_with_prob_zero():
     assert x_PD[:, 0].tolist() == [1, 2, 4, 5, 1, 2, 3, 4, 3, 5, 0, 0]
     assert probs_P.tolist() == pytest.approx([0.4, 0.7, 0.9, 0.2, 0.6, 0.3, 0.5, 0.1, 0.5, 0.8, 0, 0])
     no_pad = LocalDispatcher(4).dispatch(x, ro)
-    assert no_pad[0][:, 0].tolist() == [1, 2, 4, 5, 1, 2, 3, 4, 3, 5] and no_pad[3].dest_R is None
+    assert no_pad[0][:, 0].tolist() == [1, 2, 4, 5, 1, 2, 3, 4, 3, 5]
+    assert not no_pad[3].padded and torch.equal(no_pad[3].src_P, no_pad[3].order_R)  # x_PD: the sorted routings
 
 
 @pytest.mark.parametrize("kw", [{}, {"align": 8}, {"capacity_factor": 0.75, "align": 4},
