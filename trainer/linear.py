@@ -4,7 +4,9 @@ run through a low-precision recipe when one is given.
 It is an `nn.Linear` (same `weight`/`bias` parameters, state-dict keys and default init), so models and
 checkpoints do not change with the recipe:
 
-    recipe None   F.linear(x, weight, bias), bitwise what nn.Linear computes
+    recipe None   F.linear(x, weight, bias), bitwise what nn.Linear computes; under
+                  `gradient_accumulation_fusion` the weight grad is accumulated in fp32 straight into
+                  `weight.main_grad` inside the GEMM (`main_grad.accumulate_wgrad_mm`), no bf16 `.grad`
     recipe set    recipe.linear(x, weight, param=weight, fuse_wgrad=..., state=...) (+ bias in x's dtype):
                   x, weight and the output grad quantized, fprop/dgrad/wgrad native or emulated
                   (trainer/precision/linear.py); the weight grad is fp32, into `weight.main_grad` under
@@ -32,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trainer.main_grad import accumulate_wgrad_mm
 from trainer.precision import QuantizedTensor, Recipe
 
 
@@ -74,6 +77,9 @@ class Linear(nn.Linear):
         if self.recipe is None:
             if self.quantized_weight is not None:
                 raise RuntimeError("Linear.quantized_weight is set but the layer has no recipe to run it")
+            if self.gradient_accumulation_fusion and torch.is_grad_enabled() and self.weight.requires_grad:
+                y = _FusedWgradLinear.apply(x, self.weight)
+                return y if self.bias is None else y + self.bias
             return F.linear(x, self.weight, self.bias)
         w: torch.Tensor | QuantizedTensor = self.weight
         if self.quantized_weight is not None:
@@ -90,3 +96,26 @@ class Linear(nn.Linear):
 
     def extra_repr(self) -> str:
         return super().extra_repr() + (f", recipe={self.recipe.name}" if self.recipe is not None else "")
+
+
+class _FusedWgradLinear(torch.autograd.Function):
+    """y = x W^T; backward: dx = dy W, and dW accumulated into `W.main_grad` in fp32 (no autograd grad)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: nn.Parameter) -> torch.Tensor:
+        if getattr(weight, "main_grad", None) is None:
+            raise RuntimeError(
+                "gradient_accumulation_fusion needs weight.main_grad; wrap the model with trainer.distributed "
+                "or call trainer.main_grad.attach_main_grads(model) first"
+            )
+        ctx.save_for_backward(x)
+        ctx.weight = weight
+        return F.linear(x, weight)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[Optional[torch.Tensor], None]:
+        (x,) = ctx.saved_tensors
+        weight = ctx.weight
+        dx = dy @ weight if ctx.needs_input_grad[0] else None
+        accumulate_wgrad_mm(weight, dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1]))
+        return dx, None

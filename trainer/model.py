@@ -163,7 +163,9 @@ class GPTMoE(nn.Module):
             layers.append(DecoderLayer(mcfg, moe_cfg, mlp, params_dtype, **linears))
         self.decoder = Decoder(layers, RMSNorm(mcfg.hidden_size, mcfg.norm_epsilon, dtype=params_dtype))
         self.output_layer = (
-            None if mcfg.tie_embeddings else nn.Linear(mcfg.hidden_size, mcfg.vocab_size, bias=False, dtype=params_dtype)
+            None if mcfg.tie_embeddings
+            else Linear(mcfg.hidden_size, mcfg.vocab_size, dtype=params_dtype,
+                        gradient_accumulation_fusion=gradient_accumulation_fusion)
         )
         self._init_dense(gen, std, out_std)
         self.register_buffer(

@@ -172,3 +172,31 @@ def test_quantized_weight_hook_checks_shape_and_recipe() -> None:
     plain.quantized_weight = TensorwiseRecipe().quantize_weight(torch.randn(OUT, IN))
     with pytest.raises(RuntimeError, match="no recipe"):
         plain(inputs()[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_wgrad_without_recipe_accumulates_fp32_products(dtype: torch.dtype) -> None:
+    """No recipe, `gradient_accumulation_fusion`: dW goes into main_grad as the fp32 product of the operands
+    (never rounded to the param dtype), twice over two micro-batches; dx is F.linear's; .grad stays None."""
+    x, dy = (t.to(dtype) for t in inputs())
+    lin = Linear(IN, OUT, dtype=dtype, gradient_accumulation_fusion=True)
+    attach_main_grads(lin)
+    ref = nn.Linear(IN, OUT, bias=False, dtype=dtype)
+    ref.weight.data.copy_(lin.weight.data)
+    for _ in range(2):
+        xi, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+        lin(xi).backward(dy)
+        ref(xr).backward(dy)
+        assert torch.equal(xi.grad, xr.grad)
+    assert lin.weight.grad is None and lin.weight.main_grad.dtype == torch.float32
+    product = dy.reshape(-1, OUT).float().t() @ x.reshape(-1, IN).float()
+    torch.testing.assert_close(lin.weight.main_grad, 2 * product, rtol=1e-6, atol=1e-6)
+    if dtype == torch.bfloat16:  # the unfused grad was rounded to bf16 per micro-batch
+        assert not torch.equal(lin.weight.main_grad, ref.weight.grad.float())
+
+
+def test_fused_wgrad_without_recipe_needs_main_grad() -> None:
+    lin = Linear(IN, OUT, gradient_accumulation_fusion=True)
+    x, _ = inputs()
+    with pytest.raises(RuntimeError, match="attach_main_grads"):
+        lin(x.requires_grad_())
