@@ -45,6 +45,11 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def itemsize(dtype: torch.dtype) -> int:
+    """Bytes per value of `dtype` (`torch.uint16` -> 2)."""
+    return torch.empty((), dtype=dtype).element_size()
+
+
 def map_file(path: str, dtype: torch.dtype, *, offset: int = 0, count: int | None = None) -> torch.Tensor:
     """Map `count` items of `dtype` starting at byte `offset` of `path` as a read-only-in-practice 1-D tensor.
 
@@ -56,19 +61,20 @@ def map_file(path: str, dtype: torch.dtype, *, offset: int = 0, count: int | Non
     if not os.path.isfile(path):
         raise DataError(f"{path}: no such file", "check data.path")
     size = os.path.getsize(path)
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    width = itemsize(dtype)
     if count is None:
-        if (size - offset) % itemsize:
+        if (size - offset) % width:
             raise DataError(
-                f"{path}: {size - offset} bytes of tokens is not a whole number of {dtype_name(dtype)} values",
-                "check the token dtype the file was written with (see trainer/data/sources/tokens.py)",
+                f"{path}: {size - offset:,} bytes of tokens is not a whole number of {dtype_name(dtype)} values "
+                f"({width} bytes each)",
+                "check the token dtype the file was written with (data.dtype; see trainer/data/sources/tokens.py)",
             )
-        count = (size - offset) // itemsize
+        count = (size - offset) // width
     if count <= 0:
         raise DataError(f"{path}: no tokens in the file", "point data.path at a non-empty token file")
-    if offset + count * itemsize > size:
+    if offset + count * width > size:
         raise DataError(
-            f"{path}: needs {offset + count * itemsize} bytes but the file has {size}",
+            f"{path}: needs {offset + count * width:,} bytes but the file has {size:,}",
             "the file is truncated or does not match its index/header; rebuild it",
         )
     with open(path, "rb") as f:

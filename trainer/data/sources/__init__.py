@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from .corpus import build_corpus
-from .megatron import load_megatron, read_index
+from .megatron import load_megatron
+from .megatron_index import read_index
 from .synthetic import build_synthetic
 from .text import load_text
 from .tokens import load_tokens

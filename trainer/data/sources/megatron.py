@@ -1,148 +1,120 @@
 """`megatron`: Megatron-LM's indexed dataset (`<prefix>.bin` + `<prefix>.idx`), read directly.
 
-`data.path` is the prefix (a path ending in `.bin` or `.idx` is accepted too). The `.idx` layout, all
-little-endian, as written by Megatron's `IndexedDatasetBuilder` (megatron/core/datasets/indexed_dataset.py):
+`data.path` is the prefix (a path ending in `.bin` or `.idx` is accepted too); the `.idx` format is in
+`megatron_index.py`. The stream is every sequence in index order, concatenated (documents are runs of
+sequences, so their order is kept; no separator is added, as Megatron's own GPT dataset adds none: the
+tokenizer's EOD token is already in the data when `preprocess_data.py --append-eod` was used). When the
+sequences lie back to back in the .bin (what the builder always writes) the stream is a zero-copy memory
+map; otherwise the sequences are gathered into memory.
 
-    magic            9 bytes   b"MMIDIDX\\x00\\x00"
-    version          u64       1
-    dtype code       u8        1 uint8, 2 int8, 3 int16, 4 int32, 5 int64, 6 float64, 7 float32, 8 uint16
-    sequence count   u64       S
-    document count   u64       D = len(document_indices); this list starts with 0, so D-1 documents
-    sequence lengths int32[S]  tokens per sequence
-    sequence ptrs    int64[S]  byte offset of each sequence in the .bin
-    document indices int64[D]  sequence index where each document starts; the last one equals S
-    (sequence modes  int8[S]   multimodal datasets only; ignored here)
-
-The stream is every sequence in index order, concatenated (documents are runs of sequences, so their
-order is kept; no separator is added, as Megatron's own GPT dataset adds none: the tokenizer's EOD token
-is already in the data when `preprocess_data.py --append-eod` was used). When the sequences lie back to
-back in the .bin (what the builder always writes) the stream is a zero-copy memory map; otherwise the
-sequences are gathered into memory.
+The `.bin` must be exactly what the index accounts for: sum(sequence lengths) x the index dtype's size,
+with no sequence overlapping another. Megatron's builder always writes exactly that, so any other size means
+the pair does not belong together: a `.bin` 2x or 4x too large (or small) is an index whose dtype code does
+not match its data (the message says which dtype the `.bin` holds), anything else is trailing bytes or a
+truncated file. `data.dtype`, when set, must equal the index's dtype.
 """
 
 from __future__ import annotations
 
 import os
-import struct
-from dataclasses import dataclass
 
 import torch
 
 from moectl.core.errors import DataError
 
-from ..storage import map_file
+from ..dtype_check import check_plausible, data_dtype
+from ..storage import dtype_name, itemsize, map_file
 from ..stream import TokenStream
+from .megatron_index import MegatronIndex, prefix_paths, read_index
 
-MAGIC = b"MMIDIDX\x00\x00"
-# Megatron's dtype codes. The float codes exist in the format but cannot hold token ids.
-DTYPE_CODES: dict[int, torch.dtype | None] = {
-    1: torch.uint8,
-    2: torch.int8,
-    3: torch.int16,
-    4: torch.int32,
-    5: torch.int64,
-    6: None,  # float64
-    7: None,  # float32
-    8: torch.uint16,
-}
-_HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequence count, document count
+_REBUILD = "rebuild the pair (the .bin and .idx must come from one IndexedDatasetBuilder run)"
 
 
-@dataclass(frozen=True)
-class MegatronIndex:
-    """A parsed `.idx` file."""
-
-    dtype: torch.dtype
-    sequence_lengths: torch.Tensor  # int32 [S]
-    sequence_pointers: torch.Tensor  # int64 [S], byte offsets into the .bin
-    document_indices: torch.Tensor  # int64 [D]
-
-    @property
-    def num_documents(self) -> int:
-        """Documents in the dataset (the index list has a leading 0)."""
-        return max(self.document_indices.numel() - 1, 0)
+def _mismatched_dtype(width: int, size: int, need: int) -> str | None:
+    """The dtype the .bin holds when its size is the index's byte count times (or over) 2 or 4, else None."""
+    names = {1: "uint8", 2: "uint16", 4: "int32 or uint32", 8: "int64"}
+    for ratio in (2, 4):
+        if size == need * ratio and width * ratio in names:
+            return names[width * ratio]
+        if size * ratio == need and width % ratio == 0:
+            return names[width // ratio]
+    return None
 
 
-def prefix_paths(path: str) -> tuple[str, str]:
-    """`(bin_path, idx_path)` for a prefix, or for a path that already ends in `.bin`/`.idx`."""
-    for ext in (".bin", ".idx"):
-        if path.endswith(ext):
-            path = path[: -len(ext)]
-    return path + ".bin", path + ".idx"
-
-
-def read_index(idx_path: str) -> MegatronIndex:
-    """Parse and check a Megatron `.idx` file; every problem is a `DataError` naming the file."""
-    if not os.path.isfile(idx_path):
+def check_bin_size(bin_path: str, idx_path: str, index: MegatronIndex, tokens: int) -> None:
+    """The .bin holds exactly `tokens` values of the index's dtype; otherwise a `DataError` naming both sizes."""
+    width = itemsize(index.dtype)
+    need, size = tokens * width, os.path.getsize(bin_path)
+    if size == need:
+        return
+    what = (
+        f"{bin_path}: {size:,} bytes, but {os.path.basename(idx_path)} accounts for {tokens:,} "
+        f"{dtype_name(index.dtype)} tokens = {need:,} bytes"
+    )
+    real = _mismatched_dtype(width, size, need)
+    if real is not None:
         raise DataError(
-            f"{idx_path}: no such file", "data.path is the prefix of a Megatron <prefix>.bin/<prefix>.idx pair"
+            f"{what}: the sizes differ by exactly {max(size, need) // min(size, need)}x, as when the .bin holds "
+            f"{real} tokens under an index that says {dtype_name(index.dtype)}",
+            "the index's dtype code does not match its .bin; " + _REBUILD,
         )
-    with open(idx_path, "rb") as f:
-        raw = f.read(_HEADER.size)
-    if len(raw) < _HEADER.size or raw[:9] != MAGIC:
+    if size > need:
         raise DataError(
-            f"{idx_path}: not a Megatron index (bad magic {raw[:9]!r}, expected {MAGIC!r})",
-            "point data.path at the prefix of files written by Megatron's preprocess_data.py",
+            f"{what} ({size - need:,} bytes extra)",
+            "the .bin has trailing bytes or belongs to another index; " + _REBUILD,
         )
-    _, version, code, n_seq, n_doc = _HEADER.unpack_from(raw)
-    if version != 1:
-        raise DataError(f"{idx_path}: index version {version} is not supported (only 1)", "rebuild with Megatron-Core")
-    if code not in DTYPE_CODES:
-        raise DataError(f"{idx_path}: unknown dtype code {code}", "rebuild the dataset with Megatron-Core")
-    dtype = DTYPE_CODES[code]
-    if dtype is None:
-        raise DataError(f"{idx_path}: float tokens (dtype code {code}) cannot be token ids", "rebuild as integers")
-    need = _HEADER.size + n_seq * 4 + n_seq * 8 + n_doc * 8
-    size = os.path.getsize(idx_path)
-    if size < need:
-        raise DataError(f"{idx_path}: truncated ({size} bytes, the header promises {need})", "rebuild the dataset")
-    at = _HEADER.size
-    lengths = _array(idx_path, torch.int32, at, n_seq)
-    pointers = _array(idx_path, torch.int64, at + n_seq * 4, n_seq)
-    docs = _array(idx_path, torch.int64, at + n_seq * 12, n_doc)
-    if n_doc and int(docs[-1]) != n_seq:
+    raise DataError(f"{what} ({need - size:,} bytes missing)", "the .bin is truncated; copy it again or " + _REBUILD)
+
+
+def _check_pointers(bin_path: str, ptrs: torch.Tensor, ends: torch.Tensor, size: int) -> None:
+    """Every sequence lies inside the file, and no two overlap (so together they tile it exactly)."""
+    if (ptrs < 0).any() or int(ends.max()) > size:
         raise DataError(
-            f"{idx_path}: last document index {int(docs[-1])} != sequence count {n_seq}",
-            "the index is corrupt; rebuild the dataset",
+            f"{bin_path}: the index points past the end of the file ({size:,} bytes)",
+            "the .bin is truncated or belongs to another index; " + _REBUILD,
         )
-    return MegatronIndex(dtype=dtype, sequence_lengths=lengths, sequence_pointers=pointers, document_indices=docs)
+    order = torch.argsort(ptrs)
+    if (ptrs[order][1:] < ends[order][:-1]).any():
+        raise DataError(f"{bin_path}: the index's sequences overlap in the .bin", "the index is corrupt; " + _REBUILD)
 
 
-def _array(idx_path: str, dtype: torch.dtype, offset: int, count: int) -> torch.Tensor:
-    """`count` values at byte `offset`, copied into aligned memory (the arrays start at odd offsets: 34 ...)."""
-    if count == 0:  # an index may hold no documents; mmap views cannot be empty
-        return torch.empty(0, dtype=dtype)
-    return map_file(idx_path, dtype, offset=offset, count=count).clone()
+def load_megatron(path: str, dtype: str | None = None) -> TokenStream:
+    """Read a Megatron `.bin`/`.idx` pair as one stream of all sequences in index order.
 
-
-def load_megatron(path: str) -> TokenStream:
-    """Read a Megatron `.bin`/`.idx` pair as one stream of all sequences in index order."""
+    Args:
+        path: the prefix (or `<prefix>.bin` / `<prefix>.idx`).
+        dtype: `data.dtype`; when set it must equal the index's dtype (the index decides how to read the .bin).
+    """
     bin_path, idx_path = prefix_paths(path)
     index = read_index(idx_path)
+    if dtype is not None and data_dtype(dtype) != index.dtype:
+        raise DataError(
+            f"{idx_path}: the index says {dtype_name(index.dtype)} tokens but data.dtype={dtype}",
+            f"set data.dtype: {dtype_name(index.dtype)} (or null: the index decides), or rebuild the dataset "
+            f"as {dtype}",
+        )
     if not os.path.isfile(bin_path):
         raise DataError(f"{bin_path}: no such file (its index {idx_path} exists)", "copy the .bin next to the .idx")
     lengths = index.sequence_lengths.to(torch.int64)
     total = int(lengths.sum()) if lengths.numel() else 0
     notes = {"sequences": lengths.numel(), "documents": index.num_documents}
     if (lengths < 0).any():
-        raise DataError(f"{idx_path}: negative sequence lengths", "the index is corrupt; rebuild the dataset")
+        raise DataError(f"{idx_path}: negative sequence lengths", "the index is corrupt; " + _REBUILD)
     if total == 0:
         raise DataError(f"{idx_path}: the dataset has no tokens", "point data.path at a non-empty dataset")
-    itemsize = torch.empty((), dtype=index.dtype).element_size()
-    size = os.path.getsize(bin_path)
+    check_bin_size(bin_path, idx_path, index, total)
+    width = itemsize(index.dtype)
     ptrs = index.sequence_pointers
-    ends = ptrs + lengths * itemsize
-    if (ptrs < 0).any() or int(ends.max()) > size:
-        raise DataError(
-            f"{bin_path}: the index points past the end of the file ({size} bytes)",
-            "the .bin is truncated or belongs to another index; rebuild the dataset",
-        )
+    ends = ptrs + lengths * width
+    _check_pointers(bin_path, ptrs, ends, total * width)
     first = int(ptrs[0])
-    expected = first + torch.cumsum(lengths * itemsize, 0) - lengths * itemsize
-    if first % itemsize == 0 and torch.equal(ptrs, expected):
+    expected = first + torch.cumsum(lengths * width, 0) - lengths * width
+    if first % width == 0 and torch.equal(ptrs, expected):
         tokens = map_file(bin_path, index.dtype, offset=first, count=total)
     else:
         whole = map_file(bin_path, torch.uint8)
         parts = [whole[int(p) : int(e)] for p, e in zip(ptrs.tolist(), ends.tolist())]
         tokens = torch.cat(parts).view(index.dtype)
+    check_plausible(tokens, where=bin_path, dtype_from=f"the dtype {os.path.basename(idx_path)} names",
+                    fix="the index's dtype code is wrong (the .bin holds {wider}); " + _REBUILD)
     return TokenStream(source="megatron", tokens=tokens, path=bin_path, notes=notes)
