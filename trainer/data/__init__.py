@@ -9,8 +9,11 @@
     evals = Sampler(held_out, ...).eval_batches(cfg.train.eval_iters)
 
 Sources (`data.source`): synthetic, corpus (the default: the Python stdlib's source as bytes), tokens
-(flat uint16/uint32 .bin), megatron (.bin/.idx), text (.txt / .jsonl; bytes or a local tokenizer.json).
-Each module under `sources/` documents its format.
+(flat .bin; `data.dtype` or header/suffix, default uint16), megatron (.bin/.idx), text (.txt / .jsonl;
+bytes or a local tokenizer.json). Each module under `sources/` documents its format. File sizes must be
+exactly what the index, header or dtype accounts for, and `dtype_check.py` refuses bytes that look like a
+wider dtype read too narrow. `data.eval_path` names a separate validation file used instead of the
+held-out fraction.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ import torch
 
 from moectl.core.errors import ConfigError, DataError
 
+from .dtype_check import narrower_fits
 from .storage import Fingerprint, dtype_name, fingerprint, max_token, min_token
 
 
@@ -117,10 +118,26 @@ def check_vocab(stream: TokenStream, vocab_size: int) -> None:
     if top >= vocab_size:
         raise DataError(
             f"{stream.where}: token id {top} does not fit model.vocab_size={vocab_size}",
-            f"set model.vocab_size to at least {top + 1} (or use data made with a smaller tokenizer)",
+            _vocab_fix(stream, top, vocab_size),
         )
     if not unsigned and min_token(stream.tokens) < 0:
         raise DataError(f"{stream.where}: negative token ids in the data", "rebuild the token file")
+
+
+def _vocab_fix(stream: TokenStream, top: int, vocab_size: int) -> str:
+    """What to do about an out-of-vocabulary id: raising the vocabulary is wrong when the dtype is."""
+    grow = f"set model.vocab_size to at least {top + 1} if the tokenizer has that many ids"
+    origin = stream.notes.get("dtype_from")
+    if origin in ("default", "data.dtype"):
+        narrower = narrower_fits(stream.tokens, vocab_size)
+        if narrower is not None:
+            return (
+                f"read as {narrower} these bytes fit the vocabulary: set data.dtype: {narrower} if the file holds "
+                f"{narrower} tokens; else {grow}"
+            )
+    if origin == "default":
+        return f"uint16 was assumed (no data.dtype, no suffix): set data.dtype to the file's dtype, or {grow}"
+    return f"{grow} (or use data made with a smaller tokenizer)"
 
 
 def split_stream(stream: TokenStream, *, eval_fraction: float, seq_length: int) -> tuple[TokenStream, TokenStream]:
