@@ -178,7 +178,17 @@ class DataConfig:
     )
     path: Optional[str] = doc(None, "File or prefix for tokens, megatron and text sources.")
     tokenizer: Optional[str] = doc(None, "A local tokenizer.json for the text source; null = bytes.")
-    eval_fraction: float = doc(0.05, "Share of the data held out for evaluation.")
+    dtype: Optional[Literal["uint8", "uint16", "int32", "uint32"]] = doc(
+        None,
+        "Token dtype of a flat tokens file (nanoGPT writes uint16, llm.c v7 uint32); null = from the llm.c "
+        "header, a .u16/.u32 file suffix, else uint16. For megatron, a check against the index's dtype.",
+    )
+    eval_fraction: float = doc(0.05, "Share of the data held out for evaluation (unused with data.eval_path).")
+    eval_path: Optional[str] = doc(
+        None,
+        "A separate validation file of the same source (nanoGPT's val.bin, a second Megatron prefix), "
+        "evaluated instead of a held-out fraction; data.path then trains whole.",
+    )
 
 
 @dataclass(kw_only=True)
