@@ -38,7 +38,7 @@ STATE_SUFFIX = {"master": ".main_param", "exp_avg": ".exp_avg", "exp_avg_sq": ".
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 # The model keys a checkpoint must agree on to load into a model at all (shapes follow from these).
 ARCH_KEYS = {
-    "model": ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+    "model": ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels", "ffn_hidden_size",
               "vocab_size", "moe_layer_freq", "tie_embeddings", "qk_layernorm"),
     "moe": ("num_experts", "ffn_hidden_size", "activation", "add_bias"),
 }  # fmt: skip

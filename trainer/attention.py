@@ -3,7 +3,9 @@
 `linear_qkv.weight` follows Megatron-Core's layout: rows grouped per query group, each group holding
 its `heads // groups` query heads, then its key head, then its value head. Checkpoint converters rely
 on this order (HF stores q, k, v separately).
-Shapes: B batch, S sequence, D hidden, N query heads, G query groups (kv heads), C head dim.
+Shapes: B batch, S sequence, D hidden, N query heads, G query groups (kv heads), C head dim. C is
+`model.kv_channels` and need not be D / N (Qwen3-30B-A3B: D 2048, N 32, C 128), so `linear_qkv` is
+[(N + 2G) * C, D] and `linear_proj` [D, N * C].
 Both projections are `trainer.linear.Linear`: nn.Linear without a recipe, the recipe's GEMMs with one.
 """
 
@@ -35,7 +37,10 @@ def apply_rope(x_BNSC: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
 
 
 class SelfAttention(nn.Module):
-    """GQA self-attention with Megatron-style `linear_qkv` / `linear_proj` parameters."""
+    """GQA self-attention with Megatron-style `linear_qkv` / `linear_proj` parameters.
+
+    `head_dim` is C (None: hidden_size // num_heads).
+    """
 
     def __init__(
         self,
@@ -43,6 +48,7 @@ class SelfAttention(nn.Module):
         num_heads: int,
         num_groups: int,
         *,
+        head_dim: int | None = None,
         qk_layernorm: bool = False,
         norm_epsilon: float = 1e-5,
         dtype: torch.dtype = torch.float32,
@@ -51,7 +57,7 @@ class SelfAttention(nn.Module):
     ) -> None:
         super().__init__()
         self.num_heads, self.num_groups = num_heads, num_groups
-        self.head_dim = hidden_size // num_heads
+        self.head_dim = head_dim or hidden_size // num_heads
         qkv_rows = (num_heads + 2 * num_groups) * self.head_dim
         lin = dict(bias=False, dtype=dtype, recipe=recipe, gradient_accumulation_fusion=gradient_accumulation_fusion)
         self.linear_qkv = Linear(hidden_size, qkv_rows, **lin)  # type: ignore[arg-type]

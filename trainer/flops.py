@@ -2,8 +2,9 @@
 
 MFU counts only useful model FLOPs: matmuls of the active parameters (each token runs top-k of the E
 experts, so inactive experts count zero) plus attention scores. Per token, forward + backward:
-6 * (active matmul params, output head included, embedding lookup excluded) + 12 * L * S * D for
-QK^T and AV (PaLM appendix B convention, no causal discount, as Megatron reports it).
+6 * (active matmul params, output head included, embedding lookup excluded) + 12 * L * S * N * C for
+QK^T and AV (PaLM appendix B convention, no causal discount, as Megatron reports it; N * C heads x head dim
+is D unless model.kv_channels says otherwise).
 """
 
 from __future__ import annotations
@@ -39,4 +40,5 @@ def peak_tflops(device: torch.device, precision: str = "bf16") -> float | None:
 def flops_per_token(mcfg: ModelConfig, moe_cfg: MoEConfig) -> float:
     """Training FLOPs (forward + backward) per token of the active parameters."""
     matmul = count_params(mcfg, moe_cfg).active_matmul(mcfg.vocab_size, mcfg.hidden_size)
-    return 6.0 * matmul + 12.0 * mcfg.num_layers * mcfg.seq_length * mcfg.hidden_size
+    # scores and the weighted sum: 2 GEMMs of S x (heads * head_dim) per token and layer, forward + backward
+    return 6.0 * matmul + 12.0 * mcfg.num_layers * mcfg.seq_length * mcfg.num_attention_heads * mcfg.head_dim

@@ -75,6 +75,7 @@ class DecoderLayer(nn.Module):
             mcfg.hidden_size,
             mcfg.num_attention_heads,
             mcfg.kv_heads,
+            head_dim=mcfg.head_dim,
             qk_layernorm=mcfg.qk_layernorm,
             norm_epsilon=mcfg.norm_epsilon,
             dtype=dtype,
@@ -169,7 +170,7 @@ class GPTMoE(nn.Module):
         )
         self._init_dense(gen, std, out_std)
         self.register_buffer(
-            "rope", rope_cache(mcfg.seq_length, mcfg.hidden_size // mcfg.num_attention_heads, mcfg.rotary_base),
+            "rope", rope_cache(mcfg.seq_length, mcfg.head_dim, mcfg.rotary_base),
             persistent=False,
         )
 

@@ -52,7 +52,7 @@ class ModelParams:
 def count_params(model: ModelConfig, moe: MoEConfig) -> ModelParams:
     """Every parameter of the model `model` and `moe` describe."""
     d, heads = model.hidden_size, model.num_attention_heads
-    head_dim = d // heads
+    head_dim = model.head_dim  # model.kv_channels, or d / heads
     attention = (heads + 2 * model.kv_heads) * head_dim * d + heads * head_dim * d
     moe_layers = sum(1 for i in range(model.num_layers) if model.is_moe_layer(i))
     dense_layers = model.num_layers - moe_layers

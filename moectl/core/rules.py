@@ -997,15 +997,21 @@ def global_batch_divisible(c: Context) -> Iterator[_Hit]:
 
 
 @rule(
-    "MOE031", "parallel", "error", ["model.hidden_size", "model.num_attention_heads"], "hidden_size divisible by heads"
+    "MOE031",
+    "parallel",
+    "error",
+    ["model.hidden_size", "model.num_attention_heads", "model.kv_channels"],
+    "hidden_size divisible by heads (without kv_channels)",
 )
 def hidden_divisible_by_heads(c: Context) -> Iterator[_Hit]:
-    """Attention splits the hidden size into equal heads: head_dim = hidden_size / heads."""
+    """Without `model.kv_channels`, attention splits the hidden size into equal heads: head_dim =
+    hidden_size / heads. With it, the head dim is its own size (Qwen3-30B-A3B: 2048 hidden, 32 heads of
+    128) and the hidden size need not divide."""
     m = c.cfg.model
-    if m.hidden_size > 0 and m.num_attention_heads > 0 and m.hidden_size % m.num_attention_heads:
+    if m.kv_channels is None and m.hidden_size > 0 and m.num_attention_heads > 0 and m.hidden_size % m.num_attention_heads:
         yield _Hit(
             f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads={m.num_attention_heads}",
-            "make model.num_attention_heads a divisor of model.hidden_size",
+            "make model.num_attention_heads a divisor of model.hidden_size, or set model.kv_channels (the head dim)",
         )
 
 
@@ -1027,11 +1033,21 @@ def heads_divisible_by_query_groups(c: Context) -> Iterator[_Hit]:
         )
 
 
-@rule("MOE033", "parallel", "error", ["model.hidden_size", "model.num_attention_heads"], "head_dim is even (RoPE)")
+@rule(
+    "MOE033",
+    "parallel",
+    "error",
+    ["model.hidden_size", "model.num_attention_heads", "model.kv_channels"],
+    "head_dim is even (RoPE)",
+)
 def head_dim_even_for_rope(c: Context) -> Iterator[_Hit]:
     """Rotary embeddings rotate pairs of channels (i, i + head_dim/2); an odd head_dim leaves one out."""
     m = c.cfg.model
-    if m.hidden_size > 0 and m.num_attention_heads > 0 and m.hidden_size % m.num_attention_heads == 0:
+    if m.kv_channels is not None:
+        if m.kv_channels > 0 and m.kv_channels % 2:
+            yield _Hit(f"model.kv_channels={m.kv_channels} (the head dim) is odd", "set an even model.kv_channels "
+                       "(64 or 128 is usual)")
+    elif m.hidden_size > 0 and m.num_attention_heads > 0 and m.hidden_size % m.num_attention_heads == 0:
         hd = m.hidden_size // m.num_attention_heads
         if hd % 2:
             yield _Hit(
@@ -1211,6 +1227,7 @@ _COUNTS = (
 )
 _OPTIONAL_COUNTS = (  # null = off; checked only when set
     "model.num_query_groups",
+    "model.kv_channels",
     "moe.glu_interleave_size",
     "parallel.bucket_size",
     "train.eval_interval",

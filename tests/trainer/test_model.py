@@ -90,3 +90,27 @@ def test_gqa_and_mha_variants_run(groups):
     mcfg, ecfg = small(num_query_groups=groups, qk_layernorm=True)
     out = GPTMoE(mcfg, ecfg)(torch.randint(0, 64, (1, 8)))
     assert torch.isfinite(out).all()
+
+
+def test_kv_channels_sets_the_head_dim_apart_from_hidden_over_heads():
+    # Qwen3-30B-A3B's shape in miniature: hidden 32, 4 heads of 16 (not 32 / 4 = 8), 2 kv groups.
+    mcfg, ecfg = small(kv_channels=16, qk_layernorm=True)
+    model = GPTMoE(mcfg, ecfg)
+    sd = model.state_dict()
+    assert sd["decoder.layers.0.self_attention.linear_qkv.weight"].shape == ((4 + 2 * 2) * 16, 32)
+    assert sd["decoder.layers.0.self_attention.linear_proj.weight"].shape == (32, 4 * 16)
+    assert sd["decoder.layers.0.self_attention.q_layernorm.weight"].shape == (16,)
+    assert model.rope.shape == (16, 8, 2)
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    assert model(tokens).shape == (2, 16, 64)
+    # the summary's counter and the FLOPs follow the head dim, as the built model does
+    from moectl.core.config.schema import Config
+    from moectl.core.summary import param_counts
+    from trainer.flops import flops_per_token
+
+    counts = param_counts(Config(model=mcfg, moe=ecfg), 1)
+    assert counts.total == sum(p.numel() for p in model.parameters()) == count_params(model, ecfg)[0]
+    plain = small()[0]
+    attn_extra = 2 * ((4 + 2 * 2) * 8 * 32 + 32 * 4 * 8)  # the head dim doubles both attention matrices
+    scores_extra = 12 * 2 * 16 * 4 * 8
+    assert flops_per_token(mcfg, ecfg) - flops_per_token(plain, ecfg) == 6 * attn_extra + scores_extra

@@ -29,6 +29,11 @@ class ModelConfig:
     hidden_size: int = doc(64, "Model width (D).")
     num_attention_heads: int = doc(4, "Query heads.")
     num_query_groups: Optional[int] = doc(None, "Key/value heads for grouped-query attention; null = num_attention_heads.")
+    kv_channels: Optional[int] = doc(
+        None,
+        "Attention head dim (C), Megatron's kv_channels / HF's head_dim; null = hidden_size / num_attention_heads. "
+        "Qwen3-30B-A3B has 128 with hidden_size 2048 and 32 heads.",
+    )
     ffn_hidden_size: int = doc(128, "Hidden size of the dense SwiGLU MLP on non-MoE layers.")
     vocab_size: int = doc(256, "Vocabulary size; 256 for the byte-level tokenizer.")
     seq_length: int = doc(128, "Tokens per sequence.")
@@ -45,6 +50,11 @@ class ModelConfig:
     def kv_heads(self) -> int:
         """Key/value heads, resolving `num_query_groups: null`."""
         return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        """Attention head dim (C), resolving `kv_channels: null` to hidden_size // num_attention_heads."""
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether decoder layer `layer` (0-based) has an MoE FFN."""

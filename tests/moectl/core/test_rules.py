@@ -252,8 +252,10 @@ CASES = [
     ),
     Case("MOE030", ["train.global_batch_size=18"], ["train.global_batch_size=20"], name="one-rank"),
     Case("MOE031", ["model.hidden_size=66"], ["model.hidden_size=72"]),
+    Case("MOE031", ["model.hidden_size=66"], ["model.hidden_size=66", "model.kv_channels=16"], name="kv-channels"),
     Case("MOE032", ["model.num_query_groups=3"], ["model.num_query_groups=4"]),
     Case("MOE033", ["model.hidden_size=68"], ["model.hidden_size=72"]),
+    Case("MOE033", ["model.kv_channels=15"], ["model.kv_channels=16"], name="kv-channels"),
     # CUDA graphs
     Case("MOE034", ["train.cuda_graph=true"], ["train.cuda_graph=true", *DROP_AND_PAD], name="dropless"),
     Case(
@@ -352,6 +354,7 @@ CASES = [
     Case("MOE041", ["train.eval_iters=0"], ["train.eval_iters=0", "train.eval_interval=null"], name="eval_iters"),
     Case("MOE041", ["optimizer.lr_warmup_iters=-1"], ["optimizer.lr_warmup_iters=0"], name="warmup"),
     Case("MOE041", ["parallel.bucket_size=0"], ["parallel.bucket_size=1"], name="bucket"),
+    Case("MOE041", ["model.kv_channels=0"], ["model.kv_channels=2"], name="kv_channels"),
     Case(
         "MOE041",
         ["optimizer.optimizer=muon", "optimizer.muon_ns_steps=0"],
