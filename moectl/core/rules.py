@@ -13,7 +13,9 @@ MOE016-017, MoE MOE018-027, parallel layout MOE028-033, CUDA graphs MOE034-035, 
 MOE036-037, hardware and environment MOE038-040, model, data and training basics MOE041-047, and
 later additions: MOE048 (precision: which recipes and optimizers low-precision param gather supports),
 MOE049 (precision: fp8_fast_accum_backward needs an fp8 recipe with native GEMMs), MOE050 (CUDA graphs:
-`train.cuda_graph` is validated but not yet captured; the run is eager and says so).
+`train.cuda_graph` is validated but not yet captured; the run is eager and says so), MOE051 and MOE052
+(data: `data.dtype` / `data.eval_path` only where the source reads them; an eval_path that is the
+training file).
 
 Environment rules (Transformer Engine, device) probe lazily and cheaply: TE is looked up through
 `importlib.util.find_spec` and package metadata, never imported; torch is imported only when a GPU
@@ -1344,11 +1346,20 @@ def tokenizer_only_for_text(c: Context) -> Iterator[_Hit]:
         )
 
 
-@rule("MOE047", "data", "error", ["data.eval_fraction", "train.eval_interval"], "eval_fraction fits the eval settings")
+@rule(
+    "MOE047",
+    "data",
+    "error",
+    ["data.eval_fraction", "train.eval_interval", "data.eval_path"],
+    "eval_fraction fits the eval settings",
+)
 def eval_fraction_fits(c: Context) -> Iterator[_Hit]:
     """eval_fraction is the share of the data held out for evaluation: it must be < 1 (something is left
-    to train on), and > 0 when evaluation is on (eval_interval set), or there is nothing to evaluate."""
+    to train on), and > 0 when evaluation is on (eval_interval set), or there is nothing to evaluate. With
+    data.eval_path set, evaluation reads that file instead and the fraction is not used."""
     f, every = c.cfg.data.eval_fraction, c.cfg.train.eval_interval
+    if c.cfg.data.eval_path:
+        return
     if every is not None and not 0 < f < 1:
         yield _Hit(
             f"data.eval_fraction={fmt(f)} must be in (0, 1) with train.eval_interval={every}",
@@ -1441,4 +1452,43 @@ def cuda_graph_not_captured_yet(c: Context) -> Iterator[_Hit]:
             "train.cuda_graph=true: CUDA-graph capture is not implemented in this build; every micro-batch "
             "runs eagerly (same results, no launch-overhead saving)",
             "set train.cuda_graph=false to silence this, or keep it: the run is the same either way",
+        )
+
+
+@rule(
+    "MOE051",
+    "data",
+    "error",
+    ["data.dtype", "data.eval_path", "data.source"],
+    "data.dtype and data.eval_path only where the source reads them",
+)
+def data_keys_fit_the_source(c: Context) -> Iterator[_Hit]:
+    """`data.dtype` is how the tokens and megatron sources read their files (megatron: a check against the
+    index); corpus, synthetic and text decide their own dtype. `data.eval_path` is a second file for the
+    file sources; corpus and synthetic read none. Set elsewhere, either would be silently ignored, and a run
+    the user believes evaluates on val.bin would not, so the data loader refuses them and so does this rule."""
+    d = c.cfg.data
+    if d.dtype is not None and d.source not in ("tokens", "megatron"):
+        yield _Hit(
+            f"data.dtype={d.dtype} has no effect with data.source={d.source} (it decides its own dtype)",
+            "remove data.dtype, or use data.source tokens or megatron",
+            keys=("data.dtype", "data.source"),
+        )
+    if d.eval_path and d.source not in ("tokens", "megatron", "text"):
+        yield _Hit(
+            f"data.eval_path={d.eval_path} is not read by data.source={d.source} (it reads no files)",
+            "remove data.eval_path, or use a tokens, megatron or text source",
+            keys=("data.eval_path", "data.source"),
+        )
+
+
+@rule("MOE052", "data", "warning", ["data.eval_path", "data.path"], "eval_path is not the training file")
+def eval_path_is_not_training_data(c: Context) -> Iterator[_Hit]:
+    """With data.eval_path set, data.path trains whole: an eval_path naming the same file evaluates on
+    training data, and eval loss then says nothing about generalisation."""
+    d = c.cfg.data
+    if d.eval_path and d.path and Path(d.eval_path).expanduser() == Path(d.path).expanduser():
+        yield _Hit(
+            f"data.eval_path={d.eval_path} is data.path: evaluation would measure the training data",
+            "point data.eval_path at a held-out file (nanoGPT's val.bin), or unset it to hold out data.eval_fraction",
         )

@@ -421,6 +421,25 @@ CASES = [
         name="emulated",
     ),
     Case("MOE050", ["train.cuda_graph=true", *DROP_AND_PAD], [*DROP_AND_PAD], severity="warning"),
+    Case(
+        "MOE047",
+        ["data.eval_fraction=0"],
+        ["data.eval_fraction=0", "data.source=tokens", "data.path=t.bin", "data.eval_path=v.bin"],
+        name="eval-path",
+    ),
+    Case("MOE051", ["data.dtype=uint32"], ["data.dtype=uint32", "data.source=tokens", "data.path=t.bin"], name="dtype"),
+    Case(
+        "MOE051",
+        ["data.eval_path=v.bin", "data.source=synthetic"],
+        ["data.eval_path=v.bin", "data.source=text", "data.path=t.txt"],
+        name="eval-path",
+    ),
+    Case(
+        "MOE052",
+        ["data.source=tokens", "data.path=t.bin", "data.eval_path=./t.bin"],
+        ["data.source=tokens", "data.path=t.bin", "data.eval_path=v.bin"],
+        severity="warning",
+    ),
 ]
 
 # Rules whose boundary needs files or probes; each has its own tests below.
