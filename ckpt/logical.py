@@ -42,6 +42,8 @@ ARCH_KEYS = {
               "vocab_size", "moe_layer_freq", "tie_embeddings", "qk_layernorm"),
     "moe": ("num_experts", "ffn_hidden_size", "activation", "add_bias"),
 }  # fmt: skip
+# Meta a checkpoint passes on to the checkpoints a run from it saves (see ckpt.manifest.META_OPTIONAL).
+CARRIED_META = ("hf",)
 _MEMBER_RE = re.compile(r"^(?P<stem>.+\.experts\.linear_fc[12]\.(?:weight|bias))(?P<index>\d+)$")
 
 
@@ -58,6 +60,11 @@ def recipe_meta(cfg: Config) -> dict[str, Any]:
     return {"bf16": mp.bf16, "fp8": mp.fp8, "fp8_recipe": mp.fp8_recipe if mp.fp8 else None,
             "fp4": mp.fp4, "fp4_recipe": mp.fp4_recipe if mp.fp4 else None,
             "fp8_param_gather": mp.fp8_param_gather, "fp4_param_gather": mp.fp4_param_gather}  # fmt: skip
+
+
+def probe_meta(loss: float) -> dict[str, Any]:
+    """The manifest's `probe`: the LM loss of the fixed probe batch (exactly, as hex too)."""
+    return {"loss": loss, "loss_hex": float(loss).hex(), "batch": "eval window 0, dp=1"}
 
 
 # --- expert parallelism: local names <-> global (logical) names -------------------------------------
@@ -189,8 +196,9 @@ def restore_rng(meta: dict[str, Any]) -> None:
 
 
 def training_meta(cfg: Config, step: int, tensors: dict[str, torch.Tensor], world: int, probe_loss: float,
-                  optimizer_step: int) -> dict[str, Any]:
-    """The manifest's `meta` of a training checkpoint after `step` steps (docs/checkpoint.md)."""
+                  optimizer_step: int, carried: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """The manifest's `meta` of a training checkpoint after `step` steps (docs/checkpoint.md), with the `carried`
+    meta of the checkpoint the run loaded (`CARRIED_META`)."""
     layout, _ = expert_layouts(cfg)
     return {
         "consumed_samples": step * cfg.train.global_batch_size,
@@ -201,8 +209,9 @@ def training_meta(cfg: Config, step: int, tensors: dict[str, torch.Tensor], worl
         "world": {"dp": world, "ep": cfg.parallel.expert_model_parallel_size, "owners": _owners(tensors)},
         "sampler": {"seed": cfg.train.seed, "step": step, "global_batch_size": cfg.train.global_batch_size},
         "rng": rng_state(),
-        "probe": {"loss": probe_loss, "loss_hex": float(probe_loss).hex(), "batch": "eval window 0, dp=1"},
+        "probe": probe_meta(probe_loss),
         "train_state": {"step": step, "optimizer_step": optimizer_step},
+        **(carried or {}),
     }  # fmt: skip
 
 
@@ -215,6 +224,16 @@ def _owners(tensors: dict[str, torch.Tensor]) -> dict[str, list[str]]:
 
 
 # --- loading -----------------------------------------------------------------------------------------
+def is_model_only(ck: Checkpoint) -> bool:
+    """Whether the checkpoint holds model weights and no optimizer state at all (masters, moments)."""
+    return all(base_name(n) == n for n in ck.tensor_names())
+
+
+def carried_meta(meta: dict[str, Any]) -> dict[str, Any]:
+    """The part of a checkpoint's meta that the checkpoints of a run from it keep (`CARRIED_META`)."""
+    return {k: meta[k] for k in CARRIED_META if k in meta}
+
+
 def check_architecture(saved: dict[str, Any], cfg: Config) -> None:
     """Refuse a checkpoint whose model cannot have these shapes, naming every differing key."""
     diffs = []

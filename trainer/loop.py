@@ -94,6 +94,8 @@ class Trainer:
             global_batch_size=cfg.train.micro_batch_size,
         ).eval_batches(1)[0]
         self.start_step = 0
+        self.carried_meta: dict[str, Any] = {}  # meta the loaded checkpoint passes on to this run's saves
+        self.weights_only = False  # loaded a checkpoint's model weights without its optimizer state
         self.last_record: dict[str, Any] | None = None  # the latest step's metrics record
         self._refuse_to_overwrite_checkpoints()
         if cfg.checkpoint.load:
@@ -102,6 +104,8 @@ class Trainer:
             )
             self.start_step = restored.step
             self.resumed_from = restored.path
+            self.carried_meta = restored.carried
+            self.weights_only = not restored.optimizer_state
         self.run_dir = Path(cfg.run_dir)
         self.tokens_per_step = tc.global_batch_size * cfg.model.seq_length
         self.flops_per_step = flops_per_token(cfg.model, cfg.moe) * self.tokens_per_step
@@ -188,7 +192,7 @@ class Trainer:
     def save(self, step: int) -> Path:
         """Commit a checkpoint of the state after `step` steps (collective: every rank calls it)."""
         return save_training_checkpoint(self.run_dir / "checkpoints", step, self.cfg, self.engine, self.rt.pstate,
-                                        self.probe_loss())
+                                        self.probe_loss(), carried=self.carried_meta)
 
     # --- the run ----------------------------------------------------------------------------
     def _banner(self) -> list[str]:
@@ -230,6 +234,8 @@ class Trainer:
         )
         if start:
             observer.log(f"  resumed from {self.resumed_from} at step {start}")
+        if self.weights_only:
+            observer.log(f"  loaded model weights only from {self.resumed_from}: fresh optimizer state")
         save_every = cfg.checkpoint.save_interval
         try:
             with _StopFlag() as stop, observer.running(tc.train_iters, start):

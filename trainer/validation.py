@@ -13,6 +13,12 @@ Three stages, each reported per tensor:
    checkpoint's own, else within `PROBE_RTOL`. The probe is what catches a master edited together with
    its sha256: each tensor would still match the (edited) file, but the model no longer computes the
    loss that was recorded when the checkpoint was written.
+
+A model-only checkpoint (no optimizer tensors: `import-hf` writes those), or any checkpoint validated with
+`checkpoint.no_load_optim=true`, restores as training from it would: fp32 masters from the model weights,
+fresh moments. Stage 3 then proves every restored master is the checkpoint's weight as fp32 and every param
+its cast (`weight` rows), reports that there were no masters (or moments) to compare, and checks the probe
+as above (`import-hf` records one).
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ckpt.integrity import verify_checkpoint
-from ckpt.logical import STATE_SUFFIX, expert_layouts, localize, read_logical, recipe_meta
+from ckpt.logical import STATE_SUFFIX, expert_layouts, is_model_only, localize, read_logical, recipe_meta
 from ckpt.reader import Checkpoint, open_checkpoint
 from moectl.core.config import config_from_dict
 from moectl.core.config.schema import Config
@@ -47,7 +53,7 @@ PROBE_RTOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 class Check:
     """One row of the report."""
 
-    stage: str  # integrity | restore | master | moment | param | probe
+    stage: str  # integrity | restore | master | moment | param | weight | probe
     name: str  # tensor or file, or '-' for the whole checkpoint
     ok: bool
     detail: str = ""
@@ -92,7 +98,9 @@ def validate_checkpoint(path: str | Path, config_for: Optional[ConfigFor] = None
     try:
         cfg = (config_for or config_from_dict)(copy.deepcopy(ck.meta["config"]))
         cfg.checkpoint.load = str(ck.path)
-        cfg.checkpoint.no_load_optim = False
+        # weights only: what the checkpoint holds (import-hf), or what the user asked for
+        weights_only = is_model_only(ck) or cfg.checkpoint.no_load_optim
+        cfg.checkpoint.no_load_optim = weights_only
         cfg.checkpoint.load_main_params_from_ckpt = False
         cfg.run_dir = str(ck.path.parent / ".validate")  # never written: validate does not call run()
         trainer = Trainer(cfg, SilentObserver())
@@ -100,7 +108,10 @@ def validate_checkpoint(path: str | Path, config_for: Optional[ConfigFor] = None
         report.add(Check("restore", "-", False, e.one_line()))
         return report
     report.add(Check("restore", "-", True, f"into {expert_layouts(cfg)[0]} model, world size {trainer.rt.world_size}"))
-    _prove_tensors(report, ck, cfg, trainer)
+    if weights_only:
+        _prove_weights(report, ck, cfg, trainer)
+    else:
+        _prove_tensors(report, ck, cfg, trainer)
     _prove_probe(report, ck, cfg, trainer)
     return report
 
@@ -140,10 +151,41 @@ def _prove_tensors(report: ValidationReport, ck: Checkpoint, cfg: Config, traine
         report.add(Check("param", name, ok, "" if ok else f"param != master cast to {p.dtype}"))
 
 
+def _prove_weights(report: ValidationReport, ck: Checkpoint, cfg: Config, trainer: Trainer) -> None:
+    """Weights-only restore: every master is the checkpoint's weight as fp32, every param the master's cast."""
+    why = ("none in the checkpoint: model weights only (import-hf, or saved without optimizer state)"
+           if is_model_only(ck) else "not loaded: checkpoint.no_load_optim=true")  # fmt: skip
+    report.add(Check("master", "-", True, f"{why}; nothing to compare, masters rebuilt from the weights"))
+    local_names = {n for n, _ in trainer.model.named_parameters()}
+    pstate = trainer.rt.pstate
+    expected = localize(read_logical(ck, cfg, wanted=local_names), pstate.ep if pstate is not None else None,
+                        cfg.moe.num_experts, local_names)
+    state = trainer.engine.logical_state()
+    params = dict(trainer.model.named_parameters())
+    for name in sorted(state):
+        want, master = expected.get(name), state[name]["master"].cpu()
+        if want is None:
+            report.add(Check("weight", name, False, "missing from the checkpoint"))
+            continue
+        if not torch.equal(master, want.float()):
+            diff = (master - want.float()).abs().max().item()
+            report.add(Check("weight", name, False, f"restored master != checkpoint weight (max |diff| {diff:.3e})"))
+            continue
+        storage = quantized_storage_of(params[name])
+        if storage is not None:  # fp8/fp4 param gather: the live weight is the recipe's quantization of it
+            ok = storage.matches_master(params[name], state[name]["master"])
+            report.add(Check("weight", name, ok, "" if ok else f"param != {storage.recipe.name} quantization"))
+            continue
+        p = params[name].detach().cpu()
+        ok = torch.equal(p, want.float().to(p.dtype))
+        report.add(Check("weight", name, ok, "" if ok else f"param != checkpoint weight cast to {p.dtype}"))
+
+
 def _prove_probe(report: ValidationReport, ck: Checkpoint, cfg: Config, trainer: Trainer) -> None:
     recorded = ck.meta.get("probe", {})
     if "loss" not in recorded:
-        report.add(Check("probe", "-", False, "the checkpoint records no probe loss"))
+        hint = " (imported with --no-probe)" if "hf" in ck.meta else ""
+        report.add(Check("probe", "-", False, f"the checkpoint records no probe loss{hint}"))
         return
     want = float.fromhex(recorded["loss_hex"]) if "loss_hex" in recorded else float(recorded["loss"])
     got = trainer.probe_loss()

@@ -102,3 +102,12 @@ def test_master_edited_with_its_hashes_updated_is_caught_by_the_probe(ckpt_dir, 
     report = validate_checkpoint(d)
     failed = {c.stage for c in report.failures()}
     assert failed == {"probe"}, report.failures()
+
+
+def test_no_load_optim_is_honoured_and_the_weights_are_checked(ckpt_dir):
+    report = validate_checkpoint(ckpt_dir, overridden(["checkpoint.no_load_optim=true"]))
+    assert report.ok, report.failures()
+    assert stages(report) == {"integrity", "restore", "master", "weight", "probe"}
+    master = [c for c in report.checks if c.stage == "master"]
+    assert len(master) == 1 and "not loaded: checkpoint.no_load_optim=true" in master[0].detail
+    assert "bitwise" in [c for c in report.checks if c.stage == "probe"][0].detail

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
-from ckpt.logical import STATE_SUFFIX, check_architecture, localize, read_logical, restore_rng
+from ckpt.logical import (
+    STATE_SUFFIX, carried_meta, check_architecture, is_model_only, localize, read_logical, restore_rng,
+)  # fmt: skip
 from ckpt.reader import open_checkpoint
 from moectl.core.config.schema import Config
 from moectl.core.errors import CheckpointError
@@ -25,6 +27,7 @@ class Restored:
     consumed_samples: int
     path: Path
     optimizer_state: bool  # moments and step count came from the checkpoint
+    carried: dict[str, Any] = field(default_factory=dict)  # meta every later save keeps (`hf`: an import's origin)
 
 
 def load_training_checkpoint(path: str | Path, cfg: Config, model: nn.Module, engine: Engine,
@@ -34,6 +37,8 @@ def load_training_checkpoint(path: str | Path, cfg: Config, model: nn.Module, en
     - default: masters and moments from the checkpoint; params rebuilt from the masters;
     - `no_load_optim` + `load_main_params_from_ckpt`: masters from the checkpoint, fresh moments;
     - `no_load_optim` alone: masters from the checkpoint's model weights (what Megatron does), fresh moments.
+    A model-only checkpoint (no optimizer tensors at all: `import-hf` writes those) loads as with
+    `no_load_optim`, since there is nothing else to load; asking for its masters is still an error.
     """
     ck = open_checkpoint(path, verify=True)
     check_architecture(ck.meta.get("config", {}), cfg)
@@ -41,7 +46,7 @@ def load_training_checkpoint(path: str | Path, cfg: Config, model: nn.Module, en
     logical = read_logical(ck, cfg, wanted=local_names)
     tensors = localize(logical, pstate.ep if pstate is not None else None, cfg.moe.num_experts, local_names)
     ccfg = cfg.checkpoint
-    load_optim = not ccfg.no_load_optim
+    load_optim = not ccfg.no_load_optim and not is_model_only(ck)
     masters_from_ckpt = load_optim or ccfg.load_main_params_from_ckpt
     params: dict[str, dict[str, torch.Tensor]] = {}
     missing = []
@@ -75,4 +80,17 @@ def load_training_checkpoint(path: str | Path, cfg: Config, model: nn.Module, en
     engine.load_logical_state(params, step=step)
     restore_rng(ck.meta)
     return Restored(step=ck.step, consumed_samples=int(ck.meta.get("consumed_samples", 0)), path=ck.path,
-                    optimizer_state=load_optim)
+                    optimizer_state=load_optim, carried=carried_meta(ck.meta))
+
+
+def load_model_weights(weights: dict[str, torch.Tensor], cfg: Config, model: nn.Module, engine: Engine,
+                       pstate: Optional[ParallelState]) -> None:
+    """Set a built model to `weights` (logical model tensors in `cfg`'s expert layout and interleave) exactly as
+    loading a model-only checkpoint of them would: fp32 masters from the weights, fresh optimizer state."""
+    local_names = {n for n, _ in model.named_parameters()}
+    tensors = localize(weights, pstate.ep if pstate is not None else None, cfg.moe.num_experts, local_names)
+    missing = sorted(local_names - set(tensors))
+    if missing:
+        raise CheckpointError(f"the weights lack {len(missing)} tensor(s) this model needs: {', '.join(missing[:5])}",
+                              "give every model tensor")  # fmt: skip
+    engine.load_logical_state({n: {"master": tensors[n].float()} for n in sorted(local_names)}, step=None)

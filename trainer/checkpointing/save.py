@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from ckpt.logical import flatten_state, globalize, rank_files, training_meta
 from ckpt.save import save_checkpoint
@@ -13,14 +13,14 @@ from trainer.engine.protocol import Engine
 
 
 def save_training_checkpoint(root: Path, step: int, cfg: Config, engine: Engine, pstate: Optional[ParallelState],
-                             probe_loss: float) -> Path:
+                             probe_loss: float, carried: Optional[dict[str, Any]] = None) -> Path:
     """Save the state after `step` steps under `root`, collectively (every rank calls this); returns the
-    committed step folder."""
+    committed step folder. `carried`: meta the loaded checkpoint passed on (`Restored.carried`)."""
     local = flatten_state(engine.logical_state())
     tensors = globalize(local, pstate.ep if pstate is not None else None, cfg.moe.num_experts)
     world = pstate.world_size if pstate is not None else 1
     rank = pstate.rank if pstate is not None else 0
-    meta = training_meta(cfg, step, tensors, world, probe_loss, optimizer_step=engine.step_count)
+    meta = training_meta(cfg, step, tensors, world, probe_loss, optimizer_step=engine.step_count, carried=carried)
     group = pstate.dp.pg if pstate is not None and world > 1 else None
     return save_checkpoint(root, step, rank_files(tensors, rank, world), meta, group=group,
                            keep_last=cfg.checkpoint.keep_last)
