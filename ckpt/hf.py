@@ -1,7 +1,13 @@
 """Hugging Face export and import: Mixtral and Qwen3-MoE, per-expert keys, strict both ways.
 
-    export_hf(ckpt, dst, format)      moectl checkpoint -> dst/{config.json, model*.safetensors[, index]}
-    import_hf(src, dst, config=...)   HF folder -> a committed moectl checkpoint (step 0, model weights only)
+    export_hf(ckpt, dst, format)      moectl checkpoint -> dst/{config.json, generation_config.json,
+                                      model*.safetensors[, index]}
+    import_hf(src, dst, base=...)     HF folder -> a committed moectl checkpoint (step 0, model weights only)
+                                      and dst/config.yaml, the moectl config to train it with
+
+config.json <-> moectl config (which fields moectl owns, what an import records so export writes it back)
+is `ckpt/hf_config.py`; this module maps the tensors. The attention head dim is `model.kv_channels`
+(HF's `head_dim`), which need not be hidden / heads.
 
 Key mapping (moectl `decoder.layers.L.` <-> HF `model.layers.L.`; M = `block_sparse_moe` for Mixtral, `mlp`
 for Qwen3-MoE; gate/up/down = `w1/w3/w2` for Mixtral, `gate_proj/up_proj/down_proj` for Qwen3-MoE):
@@ -54,41 +60,18 @@ from ckpt.inspect import tensor_role
 from ckpt.reader import open_checkpoint
 from ckpt.save import save_checkpoint
 from ckpt.st_header import TORCH_NAME
-from ckpt.logical import recipe_meta
-from moectl.core.config import Config, config_from_dict, config_to_dict
-from moectl.core.errors import CheckpointError, ConfigError
+from ckpt.hf_config import (
+    FAMILIES, FORMATS, Family, family, family_of, generation_config, hf_config, moectl_fields, origin_meta,
+    unexportable,
+)  # fmt: skip
+from ckpt.logical import probe_meta, recipe_meta
+from moectl.core.config import Config, config_from_dict, config_to_dict, dump_config
+from moectl.core.errors import CheckpointError, ConfigError, MoectlError
+
+__all__ = ["FAMILIES", "FORMATS", "Family", "export_hf", "family", "import_hf"]
 
 DEFAULT_SHARD_BYTES = 4 << 30
 Unit = Union[str, int]  # "embed", a layer index, or "final": the pieces both directions stream through
-
-
-@dataclass(frozen=True)
-class Family:
-    """One HF architecture: its names and the few ways its keys differ."""
-
-    format: str  # the CLI's --format
-    model_type: str
-    architecture: str
-    moe_prefixes: tuple[str, ...]  # accepted on import; the first is written on export
-    expert_names: tuple[str, str, str]  # gate, up, down
-    qk_norm: bool
-    default_theta: float  # rope_theta when config.json names none (transformers' default for the class)
-
-
-FAMILIES = {
-    "mixtral": Family("mixtral", "mixtral", "MixtralForCausalLM", ("block_sparse_moe", "mlp"),
-                      ("w1", "w3", "w2"), False, 1e6),
-    "qwen3-moe": Family("qwen3-moe", "qwen3_moe", "Qwen3MoeForCausalLM", ("mlp",),
-                        ("gate_proj", "up_proj", "down_proj"), True, 1e4),  # fmt: skip
-}
-FORMATS = tuple(FAMILIES)
-
-
-def family(format: str) -> Family:
-    """The family of `--format`; CheckpointError naming the supported ones otherwise."""
-    if format not in FAMILIES:
-        raise CheckpointError(f"unknown HF format {format!r}", f"use one of: {', '.join(FORMATS)}")
-    return FAMILIES[format]
 
 
 @dataclass(frozen=True)
@@ -112,7 +95,7 @@ class Dims:
     def of(cls, cfg: Config) -> Dims:
         m, e = cfg.model, cfg.moe
         return cls(m.num_layers, m.hidden_size, m.num_attention_heads, m.kv_heads,
-                   m.hidden_size // m.num_attention_heads, m.vocab_size, e.num_experts, e.ffn_hidden_size,
+                   m.head_dim, m.vocab_size, e.num_experts, e.ffn_hidden_size,
                    m.ffn_hidden_size, tuple(m.is_moe_layer(i) for i in range(m.num_layers)), m.tie_embeddings,
                    m.qk_layernorm)  # fmt: skip
 
@@ -178,143 +161,6 @@ def _cat(parts: Sequence[torch.Tensor], names: Sequence[str], dim: int = 0, stac
             raise CheckpointError(f"tensor {n!r} is {t.dtype}, but {names[0]!r} is {parts[0].dtype}",
                                   "tensors joined into one moectl tensor must share a dtype")  # fmt: skip
     return torch.stack(list(parts), dim) if stack else torch.cat(list(parts), dim)
-
-
-# ---------------------------------------------------------------- architecture checks
-
-
-def unexportable(cfg: Config, fam: Family) -> list[str]:
-    """Every setting of `cfg` that `fam` cannot express exactly (empty: exportable)."""
-    m, e = cfg.model, cfg.moe
-    name = fam.architecture.removesuffix("ForCausalLM")
-    out = []
-    if e.router_score_function != "softmax":
-        out.append(f"moe.router_score_function={e.router_score_function} ({name} routes with softmax)")
-    if e.activation != "swiglu":
-        out.append(f"moe.activation={e.activation} ({name} experts compute silu(gate) * up)")
-    if e.add_bias:
-        out.append(f"moe.add_bias=true ({name} experts have no biases)")
-    if e.capacity_factor is not None:
-        out.append(f"moe.capacity_factor={e.capacity_factor} ({name} is dropless)")
-    if fam.format == "mixtral" and not e.router_norm_topk_prob:
-        out.append("moe.router_norm_topk_prob=false (Mixtral always renormalises the top-k probabilities)")
-    dense = [i for i in range(m.num_layers) if not m.is_moe_layer(i)]
-    if fam.format == "mixtral" and dense:
-        out.append(f"model.moe_layer_freq={m.moe_layer_freq} makes layers {dense} dense (every Mixtral layer is MoE)")
-    if m.qk_layernorm != fam.qk_norm:
-        has = "always has" if fam.qk_norm else "has no"
-        out.append(f"model.qk_layernorm={str(m.qk_layernorm).lower()} ({name} {has} q_norm/k_norm)")
-    return out
-
-
-def hf_config(cfg: Config, fam: Family, dtype: torch.dtype) -> dict[str, Any]:
-    """config.json for `cfg` (fields of MixtralConfig / Qwen3MoeConfig; rope in the v4 and v5 spellings)."""
-    m, e = cfg.model, cfg.moe
-    out: dict[str, Any] = {
-        "architectures": [fam.architecture], "model_type": fam.model_type, "dtype": str(dtype).removeprefix("torch."),
-        "vocab_size": m.vocab_size, "hidden_size": m.hidden_size, "num_hidden_layers": m.num_layers,
-        "num_attention_heads": m.num_attention_heads, "num_key_value_heads": m.kv_heads,
-        "head_dim": m.hidden_size // m.num_attention_heads, "hidden_act": "silu",
-        "max_position_embeddings": m.seq_length, "rms_norm_eps": m.norm_epsilon,
-        "rope_theta": m.rotary_base, "rope_parameters": {"rope_type": "default", "rope_theta": m.rotary_base},
-        "tie_word_embeddings": m.tie_embeddings, "initializer_range": m.init_method_std,
-        "num_experts_per_tok": e.router_topk, "output_router_logits": False,
-        # training-time only; moectl's aux loss is normalised per routing, HF's per token and over layers
-        "router_aux_loss_coef": e.aux_loss_coeff,
-        "attention_dropout": 0.0, "sliding_window": None, "use_cache": True,
-        "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
-    }  # fmt: skip
-    if fam.format == "mixtral":
-        out.update(intermediate_size=e.ffn_hidden_size, num_local_experts=e.num_experts, router_jitter_noise=0.0)
-    else:
-        out.update(intermediate_size=m.ffn_hidden_size, moe_intermediate_size=e.ffn_hidden_size,
-                   num_experts=e.num_experts, norm_topk_prob=e.router_norm_topk_prob, decoder_sparse_step=1,
-                   mlp_only_layers=[i for i in range(m.num_layers) if not m.is_moe_layer(i)],
-                   use_sliding_window=False, attention_bias=False)  # fmt: skip
-    return dict(sorted(out.items()))
-
-
-def moectl_fields(hf: dict[str, Any], fam: Family) -> dict[str, Any]:
-    """`{"section.key": value}` of the moectl config an HF config.json fixes; refuses what moectl cannot express."""
-    refuse: list[str] = []
-
-    def need(key: str, ok: Callable[[Any], bool], why: str, default: Any = None) -> Any:
-        v = hf.get(key, default)
-        if not ok(v):
-            refuse.append(f"{key}={json.dumps(v)} ({why})")
-        return v
-
-    def num(key: str, default: Any = None) -> Any:
-        def ok(v: Any) -> bool:
-            return isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
-
-        return need(key, ok, "must be a positive number", default)
-
-    L, D, N = num("num_hidden_layers"), num("hidden_size"), num("num_attention_heads")
-    G = num("num_key_value_heads", N)
-    E = num("num_local_experts" if fam.format == "mixtral" else "num_experts", hf.get("num_local_experts"))
-    K, V = num("num_experts_per_tok"), num("vocab_size")
-    F = num("intermediate_size" if fam.format == "mixtral" else "moe_intermediate_size")
-    eps = num("rms_norm_eps")
-    need("hidden_act", lambda v: v == "silu", "moectl experts are swiglu: silu(gate) * up", "silu")
-    need("attention_dropout", lambda v: not v, "moectl has no attention dropout", 0.0)
-    need("quantization_config", lambda v: v is None, "quantized checkpoints are not imported; dequantize first")
-    if all(isinstance(x, int) for x in (D, N, G, E, K)):
-        C = D // N if D % N == 0 else None
-        if C is None:
-            refuse.append(f"hidden_size={D} is not a multiple of num_attention_heads={N}")
-        need("head_dim", lambda v: v is None or v == C, f"moectl's head dim is hidden_size / num_attention_heads = {C}")
-        if N % G:
-            refuse.append(f"num_key_value_heads={G} does not divide num_attention_heads={N}")
-        if K > E:
-            refuse.append(f"num_experts_per_tok={K} exceeds the {E} experts")
-    theta = _rope_theta(hf, fam, refuse)
-    if fam.format == "mixtral":
-        need("sliding_window", lambda v: v is None, "moectl attends over the whole sequence")
-        need("router_jitter_noise", lambda v: not v, "moectl's router has no jitter", 0.0)
-        moe_layers: Any = 1
-        norm_topk = True
-    else:
-        need("use_sliding_window", lambda v: not v, "moectl attends over the whole sequence", False)
-        need("attention_bias", lambda v: not v, "moectl's attention has no biases", False)
-        step = need("decoder_sparse_step", lambda v: isinstance(v, int) and v >= 1, "must be a positive int", 1)
-        only = need("mlp_only_layers", lambda v: isinstance(v, list), "must be a list of layer indices", []) or []
-        # Qwen3MoeDecoderLayer: MoE unless listed in mlp_only_layers, and only every decoder_sparse_step-th layer
-        valid = isinstance(L, int) and isinstance(step, int)
-        flags = [int(i not in only and (i + 1) % step == 0) for i in range(L)] if valid else []
-        moe_layers = 1 if all(flags) else flags
-        norm_topk = need("norm_topk_prob", lambda v: isinstance(v, bool), "must be true or false", False)
-    if refuse:
-        raise CheckpointError(
-            f"cannot import this {fam.model_type} model exactly: " + "; ".join(refuse),
-            "moectl imports only what it computes exactly the same way; adapt the model first",
-        )
-    fields: dict[str, Any] = {
-        "model.num_layers": L, "model.hidden_size": D, "model.num_attention_heads": N, "model.num_query_groups": G,
-        "model.vocab_size": V, "model.moe_layer_freq": moe_layers,
-        "model.tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
-        "model.rotary_base": float(theta), "model.qk_layernorm": fam.qk_norm, "model.norm_epsilon": float(eps),
-        "moe.num_experts": E, "moe.router_topk": K, "moe.ffn_hidden_size": F, "moe.router_score_function": "softmax",
-        "moe.router_norm_topk_prob": norm_topk, "moe.activation": "swiglu", "moe.add_bias": False,
-    }  # fmt: skip
-    if moe_layers != 1:
-        fields["model.ffn_hidden_size"] = hf.get("intermediate_size")
-    return fields
-
-
-def _rope_theta(hf: dict[str, Any], fam: Family, refuse: list[str]) -> float:
-    rp = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    if not isinstance(rp, dict):
-        refuse.append(f"rope_parameters={json.dumps(rp)} (expected an object)")
-        return fam.default_theta
-    extra = sorted(set(rp) - {"rope_type", "type", "rope_theta"})
-    kind = rp.get("rope_type", rp.get("type", "default"))
-    if kind != "default" or extra:
-        got = json.dumps(rp, sort_keys=True)
-        refuse.append(f"rope_parameters={got} (moectl has plain RoPE only: rope_type default, rope_theta)")
-    if hf.get("partial_rotary_factor", 1.0) != 1.0:
-        refuse.append(f"partial_rotary_factor={hf['partial_rotary_factor']} (moectl rotates the whole head)")
-    return float(rp.get("rope_theta", hf.get("rope_theta", fam.default_theta)))
 
 
 # ---------------------------------------------------------------- the mapping, one unit at a time
@@ -481,7 +327,10 @@ def export_hf(
                 writer.add(_to_hf(src, d, fam, interleave, u))
             writer.close()
             dtype = index["embedding.word_embeddings.weight"][0]
-            (tmp / "config.json").write_text(json.dumps(hf_config(cfg, fam, dtype), indent=2) + "\n")
+            written = hf_config(cfg, fam, dtype, ck.meta.get("hf"))
+            (tmp / "config.json").write_text(json.dumps(written, indent=2) + "\n")
+            generation = generation_config(written, ck.meta.get("hf"))
+            (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
             os.rename(tmp, dst)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -535,23 +384,29 @@ def import_hf(
     *,
     base: dict[str, Any] | None = None,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    probe: Optional[Callable[[Config, dict[str, torch.Tensor]], float]] = None,
 ) -> Path:
     """Import the HF Mixtral / Qwen3-MoE folder `src` as a committed moectl checkpoint under `dst` (new).
 
-    The architecture comes from `src/config.json`; training settings, the expert layout
-    (`moe.single_grouped_weight`) and `moe.glu_interleave_size` from `base` (the user's config as plain
-    data, `--set` overrides applied), which may not contradict the architecture. Writes step 0 with model weights only, in their HF dtype
-    (no optimizer state: train from it with `checkpoint.no_load_optim=true`, which takes the fp32 masters
-    from these weights; no probe loss is recorded). Returns the step folder.
+    The architecture comes from `src/config.json` (no moectl config needed); training settings, the expert
+    layout (`moe.single_grouped_weight`) and `moe.glu_interleave_size` from `base` (the user's config as
+    plain data, `--set` overrides applied), which may not contradict the architecture. Writes step 0 with
+    model weights only, in their HF dtype (no optimizer state: training from it takes the fp32 masters from
+    these weights and starts fresh moments), records config.json and generation_config.json in the manifest (`meta["hf"]`, so export
+    writes them back), and writes `dst/config.yaml`: the resolved moectl config, with `checkpoint.load` at
+    `dst`, to train or validate with. `probe(cfg, tensors)`, when given (the CLI passes the engine's), is the
+    probe loss of a model holding these weights; it is recorded for `ckpt validate`. Returns the step folder.
     """
     src = Path(src).expanduser()
     hf = _read_json(src / "config.json")
-    fam = next((f for f in FAMILIES.values() if f.model_type == hf.get("model_type")), None)
-    if fam is None:
-        raise CheckpointError(f"{src / 'config.json'}: model_type {hf.get('model_type')!r} is not supported",
-                              f"import-hf reads {', '.join(f.model_type for f in FAMILIES.values())}")  # fmt: skip
-    cfg = _import_config(base, moectl_fields(hf, fam))
+    fam = family_of(hf, str(src / "config.json"))
+    fixed, suggested = moectl_fields(hf, fam)
     root = _new_path(Path(dst))
+    if isinstance(fixed["model.vocab_size"], int) and fixed["model.vocab_size"] < 256:
+        suggested["data.source"] = "synthetic"  # the default corpus feeds bytes (ids to 255): it would not fit
+    cfg = _import_config(base, fixed, {**suggested, **_run_keys(root)})
+    gen_file = src / "generation_config.json"
+    generation = _read_json(gen_file) if gen_file.is_file() else None
     d = Dims.of(cfg)
     index, read = _hf_index(src)
     dry = _Source(str(src), index, read, dry=True)
@@ -563,19 +418,45 @@ def import_hf(
         return {n: t for u in units for n, t in _from_hf(real, d, fam, cfg, u).items()}
 
     plan = _plan_shards(sizes, max_shard_bytes)
-    resolved = config_to_dict(cfg)
     meta = {
-        "consumed_samples": 0, "config": resolved,
+        "consumed_samples": 0, "config": config_to_dict(cfg),
         "expert_layout": SINGLE_GROUPED if cfg.moe.single_grouped_weight else PER_EXPERT,
         "glu_interleave_size": cfg.moe.glu_interleave_size, "recipe": recipe_meta(cfg),
-        "world": {"dp": 1, "ep": 1, "owners": {}}, "sampler": {}, "rng": {}, "probe": {},
+        "world": {"dp": 1, "ep": 1, "owners": {}}, "sampler": {}, "rng": {},
+        "probe": _probe(probe, cfg, lambda: build(d.units())),
+        "hf": origin_meta(fam, hf, generation),
     }  # fmt: skip
     try:
-        return save_checkpoint(root, 0, FilesOnDemand(plan, build), meta)  # type: ignore[arg-type]
+        step = save_checkpoint(root, 0, FilesOnDemand(plan, build), meta)  # type: ignore[arg-type]
     except BaseException:
         if root.is_dir() and not any(root.iterdir()):
             root.rmdir()
         raise
+    (root / "config.yaml").write_text(dump_config(cfg))
+    return step
+
+
+def _probe(probe: Optional[Callable[[Config, dict[str, torch.Tensor]], float]], cfg: Config,
+           weights: Callable[[], dict[str, torch.Tensor]]) -> dict[str, Any]:
+    """The manifest's probe for the imported weights, or {} without a probe function."""
+    if probe is None:
+        return {}
+    try:
+        return probe_meta(probe(cfg, weights()))
+    except MoectlError as e:  # e.g. the run's data cannot be read here
+        raise CheckpointError(f"the probe loss for ckpt validate needs a model on the run's data: {e.message}",
+                              f"{e.fix or 'fix the config'}; or import with --no-probe") from None  # fmt: skip
+
+
+def _run_keys(root: Path) -> dict[str, Any]:
+    """Where a run from the import trains and what it loads (unless the user's config says otherwise).
+
+    `runs/x/checkpoints` is a run's own checkpoints folder, so the run is `runs/x`; any other folder gets
+    a sibling `<name>-run`. Absolute paths, so the written config works from any directory.
+    """
+    where = root.resolve()
+    run = where.parent if where.name == "checkpoints" else where.parent / f"{where.name}-run"
+    return {"run_dir": str(run), "checkpoint.load": str(where)}
 
 
 def _plan_shards(sizes: dict[Unit, int], max_bytes: int) -> dict[str, list[Unit]]:
@@ -593,22 +474,29 @@ def _plan_shards(sizes: dict[Unit, int], max_bytes: int) -> dict[str, list[Unit]
     return plan
 
 
-def _import_config(base: dict[str, Any] | None, fields: dict[str, Any]) -> Config:
-    """The user's config with the HF architecture fields; a contradiction is an error naming the key."""
+def _import_config(base: dict[str, Any] | None, fixed: dict[str, Any], suggested: dict[str, Any]) -> Config:
+    """The user's config with the HF architecture fields (`fixed`) and defaults (`suggested`, used where the
+    user set nothing); a contradiction of a fixed field is an error naming every key."""
     raw = copy.deepcopy(base or {})
     clash = []
-    for dotted, value in fields.items():
-        section, key = dotted.split(".")
-        sec = raw.get(section) or {}
+    for dotted, value in {**suggested, **fixed}.items():
+        section, key = dotted.split(".") if "." in dotted else ("", dotted)
+        sec = (raw.get(section) or {}) if section else raw
         if not isinstance(sec, dict):
             continue  # config_from_dict names it
+        if key in sec and dotted not in fixed:
+            continue  # the user's choice wins over a suggestion
         if key in sec and sec[key] != value:
             clash.append(f"{dotted}={sec[key]!r} (the HF model has {value!r})")
-        raw[section] = {**sec, key: value}
+        if section:
+            raw[section] = {**sec, key: value}
+        else:
+            raw[key] = value
     if clash:
         raise CheckpointError(
             "the config contradicts the HF model: " + "; ".join(clash),
-            "drop those keys from --config/--set: import-hf takes the architecture from config.json",
+            "drop those keys from --config/--set (import-hf takes the architecture from config.json and "
+            "needs no --config)",
         )
     return config_from_dict(raw)
 

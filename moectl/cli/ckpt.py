@@ -172,11 +172,15 @@ def export_hf_command(
     ckpt_app,
     name="import-hf",
     help="Import a Hugging Face Mixtral or Qwen3-MoE folder (per-expert or transformers-v5 fused experts) as a"
-    " moectl checkpoint at step 0 (model weights only). The architecture comes from SRC/config.json; --config"
-    " and --set give the rest (expert layout, interleave, training settings) and may not contradict it."
+    " moectl checkpoint at step 0 (model weights only), and write DST/config.yaml, the moectl config to train or"
+    " validate it with. The architecture comes from SRC/config.json (no moectl config needed); --config and"
+    " --set give the rest (data, expert layout, interleave, training settings) and may not contradict it. The"
+    " probe loss `ckpt validate` checks is computed on a model built in this process (--no-probe skips it)."
     + examples(
-        "moectl ckpt import-hf ~/models/Mixtral-tiny runs/mixtral/checkpoints",
-        "moectl ckpt import-hf ~/models/qwen3-moe runs/qwen/checkpoints --config configs/tiny.yaml",
+        "moectl ckpt import-hf ~/models/Qwen3-30B-A3B runs/qwen/checkpoints",
+        "moectl train runs/qwen/checkpoints/config.yaml --set train.train_iters=100",
+        "moectl ckpt import-hf ~/models/mixtral runs/mixtral/checkpoints --set data.source=megatron"
+        " --set data.path=/data/wiki_text_document",
         "moectl ckpt import-hf ~/models/qwen3-moe /tmp/ck --set moe.single_grouped_weight=false"
         " --set moe.glu_interleave_size=32",
     ),
@@ -188,13 +192,23 @@ def import_hf_command(
         Optional[Path], typer.Option("--config", "-c", help="YAML config for everything config.json does not fix.")
     ] = None,
     set_: SetOpt = None,
+    no_probe: Annotated[
+        bool, typer.Option("--no-probe", help="Record no probe loss (no model is built; validate then fails "
+                                               "its probe check).")
+    ] = False,
 ) -> None:
     from ckpt.hf import import_hf
     from moectl.core.config.load import apply_overrides, read_yaml
 
+    probe = None
+    if not no_probe:
+        from trainer.checkpointing.probe import probe_loss_of_weights as probe
+
     base = apply_overrides(read_yaml(config) if config is not None else {}, set_ or [])
-    out = import_hf(src, dst, base=base)
-    Console().print(f"[green]imported[/] {src} -> {out}", highlight=False)
+    out = import_hf(src, dst, base=base, probe=probe)
+    console = Console()
+    console.print(f"[green]imported[/] {src} -> {out}", highlight=False)
+    console.print(f"config: {out.parent / 'config.yaml'} (moectl train / ckpt validate --config)", highlight=False)
 
 
 @command(

@@ -152,11 +152,11 @@ def qwen_folder(tmp_path: Path) -> Path:
 
 
 def test_import_refuses_architectures_moectl_cannot_express(qwen_folder: Path, tmp_path: Path) -> None:
-    bad = _edit_config(qwen_folder, tmp_path / "bad", hidden_act="gelu", head_dim=16, use_sliding_window=True,
+    bad = _edit_config(qwen_folder, tmp_path / "bad", hidden_act="gelu", head_dim=7, use_sliding_window=True,
                        rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}, attention_bias=True)  # fmt: skip
     with pytest.raises(CheckpointError) as e:
         import_hf(bad, tmp_path / "out")
-    for what in ('hidden_act="gelu"', "head_dim=16", "use_sliding_window=true", '"rope_type": "yarn"', "attention_bias=true"):
+    for what in ('hidden_act="gelu"', "head_dim=7 (must be a positive even int", "use_sliding_window=true", '"rope_type": "yarn"', "attention_bias=true"):
         assert what in e.value.message, what
     other = _edit_config(qwen_folder, tmp_path / "llama", model_type="llama")
     with pytest.raises(CheckpointError, match="model_type 'llama' is not supported"):

@@ -94,8 +94,13 @@ def test_export_and_import_hf(ckpt: tuple[Path, dict], tmp_path: Path) -> None:
     assert r.exit_code == 1 and "model.num_layers=3 (the HF model has 2)" in r.output
     r = invoke("import-hf", tmp_path / "hf", tmp_path / "back", "--set", "train.seed=3")
     assert r.exit_code == 0, r.output
+    assert f"config: {tmp_path / 'back' / 'config.yaml'}" in r.output.replace("\n", "")
     model = {n: t for n, t in tensors.items() if tensor_role(n) == "model"}
     assert_same_tensors(read_all(tmp_path / "back"), model)
+    # a model-only checkpoint validates: weights, digests and the probe the import recorded
+    r = invoke("validate", tmp_path / "back")
+    assert r.exit_code == 0, r.output
+    assert "model weights only" in r.output and "valid" in r.output and "weight" in r.output
 
 
 @pytest.mark.parametrize("cmd", ["convert", "inspect", "export-hf", "import-hf"])
