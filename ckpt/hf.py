@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import json
 import os
-import copy
 from collections import Counter
 import secrets
 import shutil
@@ -61,7 +60,7 @@ from ckpt.reader import open_checkpoint
 from ckpt.save import save_checkpoint
 from ckpt.st_header import TORCH_NAME
 from ckpt.hf_config import (
-    FAMILIES, FORMATS, Family, family, family_of, generation_config, hf_config, moectl_fields, origin_meta,
+    FAMILIES, FORMATS, Family, family, family_of, generation_config, hf_config, moectl_config, origin_meta,
     unexportable,
 )  # fmt: skip
 from ckpt.logical import probe_meta, recipe_meta
@@ -400,11 +399,8 @@ def import_hf(
     src = Path(src).expanduser()
     hf = _read_json(src / "config.json")
     fam = family_of(hf, str(src / "config.json"))
-    fixed, suggested = moectl_fields(hf, fam)
     root = _new_path(Path(dst))
-    if isinstance(fixed["model.vocab_size"], int) and fixed["model.vocab_size"] < 256:
-        suggested["data.source"] = "synthetic"  # the default corpus feeds bytes (ids to 255): it would not fit
-    cfg = _import_config(base, fixed, {**suggested, **_run_keys(root)})
+    cfg = moectl_config(hf, fam, base, _run_keys(root))
     gen_file = src / "generation_config.json"
     generation = _read_json(gen_file) if gen_file.is_file() else None
     d = Dims.of(cfg)
@@ -472,33 +468,6 @@ def _plan_shards(sizes: dict[Unit, int], max_bytes: int) -> dict[str, list[Unit]
         used += n
     plan[f"model-{len(plan):05d}.safetensors"] = current
     return plan
-
-
-def _import_config(base: dict[str, Any] | None, fixed: dict[str, Any], suggested: dict[str, Any]) -> Config:
-    """The user's config with the HF architecture fields (`fixed`) and defaults (`suggested`, used where the
-    user set nothing); a contradiction of a fixed field is an error naming every key."""
-    raw = copy.deepcopy(base or {})
-    clash = []
-    for dotted, value in {**suggested, **fixed}.items():
-        section, key = dotted.split(".") if "." in dotted else ("", dotted)
-        sec = (raw.get(section) or {}) if section else raw
-        if not isinstance(sec, dict):
-            continue  # config_from_dict names it
-        if key in sec and dotted not in fixed:
-            continue  # the user's choice wins over a suggestion
-        if key in sec and sec[key] != value:
-            clash.append(f"{dotted}={sec[key]!r} (the HF model has {value!r})")
-        if section:
-            raw[section] = {**sec, key: value}
-        else:
-            raw[key] = value
-    if clash:
-        raise CheckpointError(
-            "the config contradicts the HF model: " + "; ".join(clash),
-            "drop those keys from --config/--set (import-hf takes the architecture from config.json and "
-            "needs no --config)",
-        )
-    return config_from_dict(raw)
 
 
 def _hf_index(src: Path) -> tuple[dict[str, tuple[torch.dtype, list[int]]], Callable[[str], torch.Tensor]]:

@@ -1,5 +1,6 @@
 """HF `config.json` <-> moectl config: the two families, what each can express, and what export keeps.
 
+    moectl_config(hf, fam, base)       config.json (+ the user's config) -> the moectl config of the import
     moectl_fields(hf, fam)             config.json -> the moectl keys it fixes, and the defaults it suggests
     hf_config(cfg, fam, dtype, origin) moectl config -> config.json (keeping what the import read)
     generation_config(config)          generation_config.json beside it
@@ -17,13 +18,14 @@ architecture re-derived; a model trained from scratch gets moectl's values and n
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
 
-from moectl.core.config import Config
+from moectl.core.config import Config, config_from_dict
 from moectl.core.errors import CheckpointError
 
 
@@ -253,6 +255,38 @@ def moectl_fields(hf: dict[str, Any], fam: Family) -> tuple[dict[str, Any], dict
     if isinstance(init, (int, float)) and not isinstance(init, bool) and init > 0:
         suggested["model.init_method_std"] = float(init)
     return fixed, suggested
+
+
+def moectl_config(hf: dict[str, Any], fam: Family, base: Optional[dict[str, Any]] = None,
+                  defaults: Optional[dict[str, Any]] = None) -> Config:
+    """The moectl config of an import: the user's `base` (plain data, `--set` applied) with the fields
+    config.json fixes (a contradiction is an error naming every key) and, where the user set nothing, the
+    ones it suggests and `defaults` (`{"section.key" or top-level key: value}`)."""
+    fixed, suggested = moectl_fields(hf, fam)
+    if isinstance(fixed["model.vocab_size"], int) and fixed["model.vocab_size"] < 256:
+        suggested["data.source"] = "synthetic"  # the default corpus feeds bytes (ids to 255): it would not fit
+    raw = copy.deepcopy(base or {})
+    clash = []
+    for dotted, value in {**suggested, **(defaults or {}), **fixed}.items():
+        section, key = dotted.split(".") if "." in dotted else ("", dotted)
+        sec = (raw.get(section) or {}) if section else raw
+        if not isinstance(sec, dict):
+            continue  # config_from_dict names it
+        if key in sec and dotted not in fixed:
+            continue  # the user's choice wins over a suggestion
+        if key in sec and sec[key] != value:
+            clash.append(f"{dotted}={sec[key]!r} (the HF model has {value!r})")
+        if section:
+            raw[section] = {**sec, key: value}
+        else:
+            raw[key] = value
+    if clash:
+        raise CheckpointError(
+            "the config contradicts the HF model: " + "; ".join(clash),
+            "drop those keys from --config/--set (import-hf takes the architecture from config.json and "
+            "needs no --config)",
+        )
+    return config_from_dict(raw)
 
 
 def _rope_theta(hf: dict[str, Any], fam: Family, refuse: list[str]) -> float:

@@ -107,3 +107,51 @@ def test_an_import_without_probe_fails_only_the_probe_saying_why(tmp_path: Path)
     assert [(c.stage, c.detail) for c in report.failures()] == [
         ("probe", "the checkpoint records no probe loss (imported with --no-probe)")
     ]
+
+
+# The config.json files of Qwen/Qwen3-30B-A3B and mistralai/Mixtral-8x7B-v0.1 as published on the Hugging
+# Face hub (copied by hand: tests download nothing). Their model cards give the sizes checked below.
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128,
+    "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 6144,
+    "max_position_embeddings": 40960, "max_window_layers": 48, "mlp_only_layers": [], "model_type": "qwen3_moe",
+    "moe_intermediate_size": 768, "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": 128,
+    "num_experts_per_tok": 8, "num_hidden_layers": 48, "num_key_value_heads": 4, "output_router_logits": False,
+    "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001,
+    "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "transformers_version": "4.51.0", "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
+}  # fmt: skip
+MIXTRAL_8X7B = {
+    "architectures": ["MixtralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1, "eos_token_id": 2,
+    "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336,
+    "max_position_embeddings": 32768, "model_type": "mixtral", "num_attention_heads": 32, "num_experts_per_tok": 2,
+    "num_hidden_layers": 32, "num_key_value_heads": 8, "num_local_experts": 8, "output_router_logits": False,
+    "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.02, "sliding_window": None,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.36.0.dev0",
+    "use_cache": True, "vocab_size": 32000,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "published,fmt,head_dim,total,active",
+    [(QWEN3_30B_A3B, "qwen3-moe", 128, 30.5e9, 3.3e9), (MIXTRAL_8X7B, "mixtral", 128, 46.7e9, 12.9e9)],
+)
+def test_published_configs_map_exactly_both_ways(published: dict, fmt: str, head_dim: int, total: float,
+                                                 active: float) -> None:
+    from ckpt.hf_config import FAMILIES, hf_config, moectl_config, origin_meta
+    from moectl.core.summary import param_counts
+
+    fam = FAMILIES[fmt]
+    cfg = moectl_config(published, fam)
+    assert cfg.model.head_dim == head_dim
+    assert cfg.model.kv_channels == (128 if fmt == "qwen3-moe" else None)  # 2048 / 32 = 64 would be wrong
+    counts = param_counts(cfg, 1)
+    assert counts.total == pytest.approx(total, rel=0.005) and counts.active == pytest.approx(active, rel=0.02)
+    back = hf_config(cfg, fam, torch.bfloat16, origin_meta(fam, published, None))
+    assert {k: back[k] for k in published} == published
+    # transformers reads it as the same architecture
+    hf_cfg = getattr(transformers, fam.architecture.replace("ForCausalLM", "Config"))(**back)
+    assert (hf_cfg.hidden_size, hf_cfg.num_attention_heads) == (published["hidden_size"], 32)
+    if fmt == "qwen3-moe":
+        assert hf_cfg.head_dim == 128
