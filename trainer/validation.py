@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import math
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -37,6 +38,7 @@ from ckpt.reader import Checkpoint, open_checkpoint
 from moectl.core.config import config_from_dict
 from moectl.core.config.schema import Config
 from moectl.core.errors import MoectlError
+from trainer.checkpointing.resume import load_model_weights
 from trainer.distributed.quantized_storage import quantized_storage_of
 from trainer.loop import Trainer
 from trainer.observer import SilentObserver
@@ -204,3 +206,21 @@ def _prove_probe(report: ValidationReport, ck: Checkpoint, cfg: Config, trainer:
         ok = math.isfinite(got) and abs(got - want) <= rtol * abs(want)
         detail = f"recomputed {got!r}, recorded {want!r} (within {rtol:g} relative: other layout or world size)"
     report.add(Check("probe", "-", ok, detail))
+
+
+def probe_loss_of_weights(cfg: Config, weights: dict[str, torch.Tensor]) -> float:
+    """The probe loss `ckpt validate` will recompute for a checkpoint of these weights (logical tensors in
+    `cfg`'s layout): `import-hf` writes checkpoints without a training run, so it records this number.
+
+    Built from `cfg` and loaded exactly as a model-only checkpoint loads (`load_model_weights`), so
+    validate's recomputation is bitwise the same. Builds a whole trainer (model, optimizer, data) on this
+    process: it needs the memory a one-process `ckpt validate` of the checkpoint needs.
+    """
+    cfg = copy.deepcopy(cfg)
+    cfg.checkpoint.load = None
+    cfg.checkpoint.save_interval = None
+    with tempfile.TemporaryDirectory(prefix="moectl-probe-") as run_dir:
+        cfg.run_dir = run_dir  # never written: the trainer is not run
+        trainer = Trainer(cfg, SilentObserver())
+        load_model_weights(weights, cfg, trainer.model, trainer.engine, trainer.rt.pstate)
+        return trainer.probe_loss()

@@ -202,7 +202,7 @@ def import_hf_command(
 
     probe = None
     if not no_probe:
-        from trainer.checkpointing.probe import probe_loss_of_weights as probe
+        from trainer.validation import probe_loss_of_weights as probe
 
     base = apply_overrides(read_yaml(config) if config is not None else {}, set_ or [])
     out = import_hf(src, dst, base=base, probe=probe)

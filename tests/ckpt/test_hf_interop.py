@@ -19,8 +19,8 @@ import torch
 from ckpt import open_checkpoint, resolve_load_path
 from ckpt.hf import export_hf, import_hf
 from moectl.core.config.load import apply_overrides, load_config
-from trainer.checkpointing.probe import probe_loss_of_weights
-from trainer.checkpointing.validate import validate_checkpoint
+from trainer.validation import probe_loss_of_weights
+from trainer.validation import validate_checkpoint
 from trainer.loop import Trainer
 from trainer.observer import SilentObserver
 
