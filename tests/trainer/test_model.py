@@ -109,7 +109,7 @@ def test_kv_channels_sets_the_head_dim_apart_from_hidden_over_heads():
     from trainer.flops import flops_per_token
 
     counts = param_counts(Config(model=mcfg, moe=ecfg), 1)
-    assert counts.total == sum(p.numel() for p in model.parameters()) == count_params(model, ecfg)[0]
+    assert counts.total == sum(p.numel() for p in model.parameters()) == count_params(mcfg, ecfg).total
     plain = small()[0]
     attn_extra = 2 * ((4 + 2 * 2) * 8 * 32 + 32 * 4 * 8)  # the head dim doubles both attention matrices
     scores_extra = 12 * 2 * 16 * 4 * 8
