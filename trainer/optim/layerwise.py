@@ -2,14 +2,15 @@
 
 Muon needs a param's whole gradient (Newton-Schulz orthogonalises the full matrix), so the ZeRO-1 split
 of `DistributedOptimizer` (shards that cut through params) does not fit. Instead the tag's buffers are
-laid out by `layerwise_layout.plan_layerwise_buffer`: every bucket shard holds whole params, LPT-balanced
-by Newton-Schulz cost, and shard r belongs to rank r of the bucket's group (dp for dense params,
-expert-dp for expert params, so expert owners are chosen within expert-dp). With that layout the
-unchanged bucket machinery does the distribution:
+laid out by `layerwise_layout.plan_layerwise_buffer`: every bucket shard holds whole matrices (whole
+params, or whole expert slices of a grouped `[E, out, in]` weight spread over the group), balanced by
+Newton-Schulz FLOPs, and shard r belongs to rank r of the bucket's group (dp for dense params, expert-dp
+for expert params, so expert owners are chosen within expert-dp). With that layout the unchanged bucket
+machinery does the distribution:
 
 - grads: the bucket reduce-scatter leaves each owner the full reduced grads of its matrices;
 - update: each rank runs `muon.muon_update_` on the fp32 masters (+ momentum) of the matrices it owns,
-  one call per param (a grouped `[E, out, in]` expert weight is one batched Newton-Schulz);
+  one call per param or run of expert slices (one batched Newton-Schulz over its slices);
 - params: each owned group is staged (masters -> this rank's shard of the param buffer, through the
   buffer's `ParamStorage`, so low-precision storage can quantize there) and all-gathered now, or lazily
   by the next forward's pre-hooks with `overlap_param_gather`. Only this tag's bucket groups are
@@ -47,17 +48,34 @@ STATE_KEYS = ("master", "momentum_buffer")
 
 @dataclass(frozen=True)
 class _Matrix:
-    """One owned param: elements [lo, hi) of its shard (shard-local)."""
+    """One owned run of whole matrices: elements [lo, hi) of its shard (shard-local) hold the param's flat
+    [param_lo, param_hi) (the whole param, or whole expert slices of a spread `[E, out, in]` weight)."""
 
     name: str
     param: torch.nn.Parameter
     lo: int
     hi: int
+    param_lo: int
+    param_hi: int
+
+    @property
+    def shape(self) -> torch.Size:
+        """The param's shape, or `[k, out, in]` for k of its expert slices."""
+        if self.param_hi - self.param_lo == self.param.numel():
+            return self.param.shape
+        m, n = self.param.shape[-2:]
+        return torch.Size(((self.param_hi - self.param_lo) // (m * n), m, n))
+
+    @property
+    def slices(self) -> tuple[int, int]:
+        """The param's matrices [first, end) in this run (counting `[out, in]` slices over leading dims)."""
+        per = self.param.shape[-2] * self.param.shape[-1]
+        return self.param_lo // per, self.param_hi // per
 
 
 @dataclass
 class _Shard(ShardBase):
-    """The range [lo, hi) of one bucket this rank steps, its fp32 state, and the whole params in it."""
+    """The range [lo, hi) of one bucket this rank steps, its fp32 state, and the whole matrices in it."""
 
     momentum_buffer: torch.Tensor
     matrices: list[_Matrix] = field(default_factory=list)
@@ -65,7 +83,15 @@ class _Shard(ShardBase):
     def segments(self) -> Iterator[Segment]:
         """The whole matrices in [lo, hi)."""
         for m in self.matrices:
-            yield Segment(m.name, m.param, m.lo, m.hi, 0, m.param.numel())
+            yield Segment(m.name, m.param, m.lo, m.hi, m.param_lo, m.param_hi)
+
+
+def _whole_matrices(param: torch.nn.Parameter, param_lo: int, param_hi: int) -> bool:
+    """Whether flat [param_lo, param_hi) of `param` is the whole param or whole `[out, in]` slices of it."""
+    if param_lo == 0 and param_hi == param.numel():
+        return True
+    per = param.shape[-2] * param.shape[-1]
+    return param.dim() >= 3 and param_lo % per == 0 and param_hi % per == 0
 
 
 class LayerWiseMuon(ShardedOptimizerBase):
@@ -89,39 +115,44 @@ class LayerWiseMuon(ShardedOptimizerBase):
         names = bucket.buffer.names
         for pc in bucket.pieces(lo, hi):
             name = names[pc.param]
-            if pc.param_lo != 0 or pc.param_hi != pc.param.numel():
-                raise ValueError(
-                    f"{name} is split across the shards of {bucket.buffer.key.describe()}: Muon needs whole "
-                    "matrices; build the DistributedModel with layouts={tag: plan_layerwise_buffer}"
-                )
             if pc.param.dim() < 2:
                 raise ValueError(f"{name} of shape {tuple(pc.param.shape)} is not a matrix; route it to AdamW")
-            shard.matrices.append(_Matrix(name, pc.param, pc.bucket_lo - lo, pc.bucket_hi - lo))
+            if not _whole_matrices(pc.param, pc.param_lo, pc.param_hi):
+                raise ValueError(
+                    f"{name} is split across the shards of {bucket.buffer.key.describe()} through a matrix: Muon "
+                    "needs whole matrices; build the DistributedModel with layouts={tag: plan_layerwise_buffer}"
+                )
+            shard.matrices.append(_Matrix(name, pc.param, pc.bucket_lo - lo, pc.bucket_hi - lo, pc.param_lo,
+                                          pc.param_hi))
         return shard
 
     # ---------------------------------------------------------------- ownership
-    def ownership(self) -> dict[str, int | None]:
-        """The owning rank (index in the param's dp or expert-dp group) of every param; None: every rank."""
-        out: dict[str, int | None] = {}
+    def ownership(self) -> dict[str, tuple[int, ...] | None]:
+        """The owning ranks (indices in the param's dp or expert-dp group) of every param: one rank for a
+        whole param, several for a spread grouped weight (each owns a run of its expert slices); None: every
+        rank steps the whole param (plain DDP)."""
+        out: dict[str, tuple[int, ...] | None] = {}
         for buf in self.buffers:
             for bucket in buf.buckets:
                 for p in bucket.params:
-                    start = bucket.param_ranges[p][0]
-                    out[buf.names[p]] = start // bucket.shard_size if self.sharded else None
+                    start, end = bucket.param_ranges[p]
+                    out[buf.names[p]] = (tuple(range(start // bucket.shard_size, (end - 1) // bucket.shard_size + 1))
+                                         if self.sharded else None)
         return out
 
-    def owned_names(self) -> list[str]:
-        """Names of the matrices this rank steps, in buffer order."""
-        return [m.name for s in self.shards for m in s.matrices]
+    def owned(self) -> list[tuple[str, int, int]]:
+        """(name, first, end) of the matrices this rank steps, in buffer order: `[out, in]` slices
+        [first, end) of the param (all of them for a 2-D param: (0, 1))."""
+        return [(m.name, *m.slices) for s in self.shards for m in s.matrices]
 
     # ---------------------------------------------------------------- the step
     def _update(self, lr: float, coef: float) -> None:
-        """`muon_update_` on the fp32 master (+ momentum) of every owned matrix, one call per param."""
+        """`muon_update_` on the fp32 master (+ momentum) of every owned matrix run, one call each."""
         hp = dict(lr=lr, momentum=self.cfg.muon_momentum, nesterov=self.cfg.muon_nesterov,
                   ns_steps=self.cfg.muon_ns_steps, weight_decay=self.cfg.weight_decay,
                   compute_dtype=self.compute_dtype)
         for s in self.shards:
             for m in s.matrices:
-                shape = m.param.shape
+                shape = m.shape
                 grad = clipped(s.bucket.grad_data[s.lo + m.lo:s.lo + m.hi].view(shape), coef)
                 muon_update_(s.master[m.lo:m.hi].view(shape), grad, s.momentum_buffer[m.lo:m.hi].view(shape), **hp)

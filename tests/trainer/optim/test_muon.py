@@ -28,7 +28,7 @@ from trainer.distributed import DistributedModel  # noqa: E402
 from trainer.parallel import ParallelState  # noqa: E402
 from trainer.optim.chained import ChainedOptimizer, build_muon_optimizer  # noqa: E402
 from trainer.optim.distributed_optimizer import decays  # noqa: E402
-from trainer.optim.layerwise_layout import lpt_assign, plan_layerwise_buffer  # noqa: E402
+from trainer.optim.layerwise_layout import lpt_assign, plan_layerwise_buffer, shard_loads, spreads  # noqa: E402
 from trainer.optim.muon import muon_lr_scale, muon_update_, newton_schulz, ns_cost  # noqa: E402
 from trainer.optim.muon_routing import is_muon_param, muon_model_options, muon_tag  # noqa: E402
 from trainer.optim.step_result import NonFiniteGradError  # noqa: E402
@@ -173,7 +173,7 @@ def test_ns_cost_and_lpt_are_canonical() -> None:
         lpt_assign([1, 1], ["x", "x"], 2)
 
 
-def test_layerwise_plan_keeps_params_whole_and_equal_shards() -> None:
+def test_layerwise_plan_keeps_matrices_whole_and_equal_shards() -> None:
     gen = torch.Generator().manual_seed(6)
     shapes = [(64, 32), (32, 32), (4, 16, 32), (96, 32), (32, 96), (8, 32), (3, 40, 24), (50, 10)]
 
@@ -183,6 +183,8 @@ def test_layerwise_plan_keeps_params_whole_and_equal_shards() -> None:
 
     params, names = make()
     for group in (1, 2, 3):
+        spread = [i for i, s in enumerate(shapes) if spreads(s, group)]
+        assert spread == ([2] if group == 2 else [])  # [4, 16, 32] splits over 2; [3, 40, 24]'s 960 is not aligned
         for bucket_size in (10**6, 3000):
             plan = plan_layerwise_buffer(params, names, bucket_size, group)
             assert plan.buckets[0].start == 0 and plan.buckets[-1].end == plan.total
@@ -197,7 +199,10 @@ def test_layerwise_plan_keeps_params_whole_and_equal_shards() -> None:
                 for i in b.param_indices:
                     s, e = plan.param_ranges[i]
                     assert e - s == params[i].numel() and s % 64 == 0
-                    assert (s - b.start) // shard == (e - 1 - b.start) // shard  # whole param in one shard
+                    if i in spread:  # a bucket alone, every shard a run of whole [16, 32] expert slices
+                        assert b.param_indices == (i,) and (s, e) == (b.start, b.end) and shard % (16 * 32) == 0
+                    else:
+                        assert (s - b.start) // shard == (e - 1 - b.start) // shard  # whole param in one shard
                 seen += list(b.param_indices)
             assert sorted(seen) == list(range(len(params)))
             assert all(sorted(b.param_indices) == list(range(min(b.param_indices), max(b.param_indices) + 1))
@@ -205,8 +210,31 @@ def test_layerwise_plan_keeps_params_whole_and_equal_shards() -> None:
             ranges = [plan.param_ranges[i] for i in range(len(params))]
             for a, b in zip(sorted(ranges), sorted(ranges)[1:]):
                 assert a[1] <= b[0]
+            loads = shard_loads(plan, params)
+            assert sum(loads) == sum(ns_cost(s) for s in shapes)  # every matrix's cost counted once
             other, other_names = make()  # new objects, same names and shapes: the same plan
             assert plan_layerwise_buffer(other, other_names, bucket_size, group) == plan
+
+
+def test_layerwise_plan_balances_over_the_buffer_not_per_bucket() -> None:
+    """Bucket after bucket the LPT starts from the loads so far, and a grouped weight is spread by slices."""
+    shapes = {"a": (64, 32), "b": (64, 32), "c": (64, 32), "d": (64, 32)}  # 2048 elements each: a bucket each
+    params = [nn.Parameter(torch.zeros(s)) for s in shapes.values()]
+    names = dict(zip(params, shapes))
+    plan = plan_layerwise_buffer(params, names, bucket_size=2048, shard_group_size=2)
+    assert len(plan.buckets) == 4
+    assert shard_loads(plan, params) == [2 * ns_cost((64, 32))] * 2  # per bucket, all four went to rank 0
+    loads = [3, 0]
+    assert lpt_assign([5, 1], ["x", "y"], 2, loads=loads) == [1, 0] and loads == [4, 5]  # empty bins: [0, 1]
+    with pytest.raises(ValueError, match="starting loads"):
+        lpt_assign([1], ["x"], 2, loads=[0])
+
+    grouped = nn.Parameter(torch.zeros(8, 64, 32))
+    mixed = [grouped, *params[:1]]
+    plan = plan_layerwise_buffer(mixed, {grouped: "experts", params[0]: "a"}, bucket_size=10**6, shard_group_size=4)
+    assert [b.param_indices for b in plan.buckets] == [(0,), (1,)]  # the spread weight is a bucket alone
+    assert plan.shard_size(plan.buckets[0]) == 2 * 64 * 32  # two whole expert slices per rank
+    assert shard_loads(plan, mixed) == [2 * ns_cost((64, 32)) + ns_cost((64, 32)), *[2 * ns_cost((64, 32))] * 3]
 
 
 def test_routing_on_the_real_model() -> None:

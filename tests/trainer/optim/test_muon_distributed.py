@@ -6,7 +6,8 @@ one-rank runtime) is the reference. Checked on each rank:
 - overlapped grad reduce + param gather equals it bitwise; plain DDP (every rank steps every matrix)
   and ep=2 (expert owners within expert-dp) equal it within tolerance;
 - params are hash-identical across replicas after every run;
-- ownership is identical on every rank, every Muon matrix has exactly one owner, both ranks own some;
+- ownership is identical on every rank, every Muon matrix has exactly one owner, both ranks own some, and
+  the grouped `[E, out, in]` expert weights are spread (each rank steps E/2 of their expert slices);
 - a checkpoint save + resume in a fresh Trainer is bitwise (6 straight == 3 + save + 3: losses,
   params, masters, moments, momentum buffers);
 - a sharded Muon buffer in the default layout (params straddling shards) is refused;
@@ -79,7 +80,7 @@ def _train(overrides: list[str], run_dir: Path, runtime: Runtime | None = None) 
         "params": {n: p.detach().float().cpu().clone() for n, p in trainer.model.named_parameters()},
         "hash_mismatches": trainer.engine.dmodel.check_param_hashes(),  # type: ignore[attr-defined]
         "ownership": muon.ownership(),
-        "owned": muon.owned_names(),
+        "owned": muon.owned(),
         "first_expert": getattr(trainer.model.moe_layers()[0].dispatcher, "first_expert", 0),
         "trainer": trainer,
     }
@@ -237,12 +238,21 @@ def test_layerwise_muon_dp2_equals_dp1_and_resumes_bitwise(tmp_path: Path) -> No
         for name, mx in r["mxfp8"].items():  # "on" really gathers Muon's matrices as staged mxfp8
             want = {"losses": True, "evals": True, "masters": True, "hashes": [], "quantized": name != "off"}
             assert mx == want, (name, where)
-    # Ownership: the same map on both ranks; each matrix stepped by exactly one rank, both ranks busy.
+    # Ownership: the same map on both ranks; every matrix (expert slices of a spread grouped weight count
+    # one by one) stepped by exactly one rank, both ranks busy, and the grouped expert weights spread.
     (own0, owned0, ep_own0), (own1, owned1, ep_own1) = results[0]["everyone"]
     assert own0 == own1 and ep_own0 == ep_own1
-    assert set(own0.values()) == {0, 1}
-    assert sorted(owned0 + owned1) == sorted(own0) and not set(owned0) & set(owned1)
-    assert [n for n, r in own0.items() if r == 1] == owned1
+    assert {r for ranks in own0.values() for r in ranks} == {0, 1}
+    spread = {f"decoder.layers.{i}.mlp.experts.linear_fc{j}.weight" for i in range(2) for j in (1, 2)}
+    assert {n for n, ranks in own0.items() if len(ranks) == 2} == spread  # [4, out, in]: 2 slices per rank
+    steppers: dict[str, list[tuple[int, int]]] = {}
+    for first, end, name in sorted((a, b, n) for n, a, b in owned0 + owned1):
+        steppers.setdefault(name, []).append((first, end))
+    for name, runs in steppers.items():  # the runs of slices tile the param: no gap, no overlap
+        assert runs[0][0] == 0 and all(a[1] == b[0] for a, b in zip(runs, runs[1:])), (name, runs)
+        assert runs[-1][1] == (4 if name in spread else 1) and len(runs) == len(own0[name]), (name, runs)
+    assert set(steppers) == set(own0)
+    assert [n for n, ranks in own0.items() if 1 in ranks] == [n for n, _, _ in owned1]
     # ep=2: expert matrices are owned within expert-dp (one rank: its own), dense ones over dp.
-    assert all(r == 0 for n, r in ep_own0.items() if ".experts." in n)
-    assert {r for n, r in ep_own0.items() if ".experts." not in n} == {0, 1}
+    assert all(ranks == (0,) for n, ranks in ep_own0.items() if ".experts." in n)
+    assert {r for n, ranks in ep_own0.items() if ".experts." not in n for r in ranks} == {0, 1}
