@@ -9,8 +9,9 @@ for expert params, so expert owners are chosen within expert-dp). With that layo
 machinery does the distribution:
 
 - grads: the bucket reduce-scatter leaves each owner the full reduced grads of its matrices;
-- update: each rank runs `muon.muon_update_` on the fp32 masters (+ momentum) of the matrices it owns,
-  one call per param or run of expert slices (one batched Newton-Schulz over its slices);
+- update: each rank runs `muon_batch.muon_step_` over the fp32 masters (+ momentum) of all the matrices
+  it owns: one batched Newton-Schulz per group of same-shaped matrices, in `optimizer.muon_compute_dtype`
+  (`muon.resolve_compute_dtype`: bf16 on sm80+ GPUs, fp32 on CPU);
 - params: each owned group is staged (masters -> this rank's shard of the param buffer, through the
   buffer's `ParamStorage`, so low-precision storage can quantize there) and all-gathered now, or lazily
   by the next forward's pre-hooks with `overlap_param_gather`. Only this tag's bucket groups are
@@ -21,7 +22,7 @@ With `use_distributed_optimizer: false` the buckets are all-reduced and every ra
 (plain DDP; no gather moves data), with the same code.
 
 Other invariants, shared with `DistributedOptimizer` (`sharded_base.ShardedOptimizerBase`): the master of
-an fp32 matrix is its range of the param buffer (`muon_update_` works in place, so the update lands in the
+an fp32 matrix is its range of the param buffer (the update works in place, so the update lands in the
 param and nothing is written back); other masters are built from `ParamStorage.init_source` and the init
 sources are released on every rank; the grad norm counts each rank's own shard (so every element once
 over the world) and a non-finite norm is agreed on by all ranks (`step(joint_norm=...)` takes the verdict
@@ -39,7 +40,8 @@ import torch
 from moectl.core.config.schema import OptimizerConfig
 from trainer.distributed.bucket import Bucket
 from trainer.distributed.ddp import DistributedModel
-from trainer.optim.muon import muon_update_
+from trainer.optim.muon import resolve_compute_dtype
+from trainer.optim.muon_batch import MuonMatrix, muon_step_
 from trainer.optim.muon_routing import MUON_TAG
 from trainer.optim.sharded_base import Segment, ShardBase, ShardedOptimizerBase, clipped
 
@@ -99,9 +101,10 @@ class LayerWiseMuon(ShardedOptimizerBase):
 
     def __init__(self, dmodel: DistributedModel, cfg: OptimizerConfig, *, tag: str = MUON_TAG,
                  on_nonfinite: Literal["stop", "skip"] = "stop",
-                 compute_dtype: torch.dtype = torch.float32, alias_masters: bool = True) -> None:
+                 compute_dtype: torch.dtype | None = None, alias_masters: bool = True) -> None:
+        """`compute_dtype`: of Newton-Schulz; None resolves `cfg.muon_compute_dtype` on the params' device."""
         super().__init__(dmodel, cfg, tag=tag, on_nonfinite=on_nonfinite, alias_masters=alias_masters)
-        self.compute_dtype = compute_dtype
+        self.compute_dtype = compute_dtype or resolve_compute_dtype(cfg.muon_compute_dtype, self.device)
         for buf in self.buffers:  # per-tensor FP8 scales are agreed from shards: not wired for Muon (MOE010)
             if getattr(buf.storage, "needs_scales", False):
                 raise ValueError(f"{buf.key.describe()}: Muon supports no storage with per-tensor scales; use mxfp8 "
@@ -147,12 +150,14 @@ class LayerWiseMuon(ShardedOptimizerBase):
 
     # ---------------------------------------------------------------- the step
     def _update(self, lr: float, coef: float) -> None:
-        """`muon_update_` on the fp32 master (+ momentum) of every owned matrix run, one call each."""
-        hp = dict(lr=lr, momentum=self.cfg.muon_momentum, nesterov=self.cfg.muon_nesterov,
-                  ns_steps=self.cfg.muon_ns_steps, weight_decay=self.cfg.weight_decay,
-                  compute_dtype=self.compute_dtype)
+        """One batched Muon step (`muon_batch.muon_step_`) over every owned matrix's fp32 master + momentum."""
+        matrices = []
         for s in self.shards:
             for m in s.matrices:
                 shape = m.shape
                 grad = clipped(s.bucket.grad_data[s.lo + m.lo:s.lo + m.hi].view(shape), coef)
-                muon_update_(s.master[m.lo:m.hi].view(shape), grad, s.momentum_buffer[m.lo:m.hi].view(shape), **hp)
+                matrices.append(MuonMatrix(s.master[m.lo:m.hi].view(shape), grad,
+                                           s.momentum_buffer[m.lo:m.hi].view(shape)))
+        muon_step_(matrices, lr=lr, momentum=self.cfg.muon_momentum, nesterov=self.cfg.muon_nesterov,
+                   ns_steps=self.cfg.muon_ns_steps, weight_decay=self.cfg.weight_decay,
+                   compute_dtype=self.compute_dtype)

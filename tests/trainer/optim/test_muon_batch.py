@@ -1,0 +1,180 @@
+"""Newton-Schulz in bf16 against the fp32 iteration, and the batched Muon step against one param at a time.
+
+bf16 tolerance, and why. bf16 keeps 8 significant bits: a rounding errs by at most u = 2^-9 ~ 0.002
+relative. The fused bf16 chain rounds X, A = X X^T and B once per step (fp32 accumulation inside the
+GEMMs), 15 roundings over 5 steps, of quantities whose entries in the singular bases are O(1); the
+iteration's slope (up to a = 3.4 for small singular values) amplifies early errors. So:
+- random matrices: ||O16 - O32||_F / ||O32||_F <= 0.025 (~13u; measured <= 0.015 over 6 seeds, CPU);
+- ill-conditioned ones (singular values log-spaced over 3 and 6 decades), in G's singular bases
+  (`U^T O V`, where the fp32 result is diagonal): on the directions bf16 resolves, those with a singular
+  value >= 2^-6 of the top one (the input's rounding, u of the top value, is <= 1/8 of theirs), the same
+  0.025 relative (measured <= 0.010 over 10 seeds); over all directions every entry of `U^T (O16 - O32) V`
+  within 0.1 (measured <= 0.052). Directions below bf16's resolution hold rounding noise in the bf16
+  input, which the iteration amplifies as it amplifies any small singular value: a relative bound there
+  would test the noise, the absolute one tests that it stays noise-sized (no blow-up, no rotation of the
+  resolved directions into them).
+A wrong coefficient, a lost transpose or a normalisation in the wrong place errs by O(1). (The unfused
+bf16 form, 5 roundings per step, measured 0.027 on random matrices: over the tolerance, as it should be.)
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from moectl.core.config.schema import OptimizerConfig
+from trainer.optim.muon import muon_update_, newton_schulz, resolve_compute_dtype
+from trainer.optim.muon_batch import MuonMatrix, batches, muon_step_
+
+RANDOM_TOL = 0.025
+RESOLVED = 2.0**-6  # singular values bf16 resolves, relative to the top one
+NOISE_ENTRY_TOL = 0.1
+CUDA = [pytest.param("cuda", marks=pytest.mark.gpu)]
+pytestmark = pytest.mark.usefixtures("one_thread")  # small GEMMs: thread start-up would dominate
+
+
+def conditioned(m: int, n: int, decades: float, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """(`U diag(S) V^T`, U, V, S) with singular values S log-spaced from 7 down to 7 * 10^-decades."""
+    k = min(m, n)
+    U, _ = torch.linalg.qr(torch.randn(m, k, generator=gen))
+    V, _ = torch.linalg.qr(torch.randn(n, k, generator=gen))
+    S = torch.logspace(0, -decades, k) * 7.0
+    return U @ torch.diag(S) @ V.T, U, V, S
+
+
+@pytest.mark.parametrize("device", ["cpu", *CUDA])
+def test_bf16_tracks_fp32_on_random_matrices(device: str) -> None:
+    gen = torch.Generator().manual_seed(0)
+    for shape in [(128, 256), (256, 128), (4, 128, 128), (3, 64, 192)]:
+        G = torch.randn(shape, generator=gen).to(device)
+        o32, o16 = newton_schulz(G, 5), newton_schulz(G, 5, torch.bfloat16)
+        assert o16.dtype == torch.bfloat16 and o16.shape == G.shape
+        err = (o16.float() - o32).norm(dim=(-2, -1)) / o32.norm(dim=(-2, -1))
+        assert float(err.max()) <= RANDOM_TOL, (shape, err)
+
+
+@pytest.mark.parametrize("device", ["cpu", *CUDA])
+@pytest.mark.parametrize("decades", [3, 6])
+def test_bf16_tracks_fp32_on_ill_conditioned_matrices(device: str, decades: int) -> None:
+    gen = torch.Generator().manual_seed(1)
+    for m, n in [(128, 256), (256, 128), (128, 128)]:
+        G, U, V, S = conditioned(m, n, decades, gen)
+        o32 = newton_schulz(G.to(device), 5).cpu()
+        o16 = newton_schulz(G.to(device), 5, torch.bfloat16).float().cpu()
+        diff, core = U.T @ (o16 - o32) @ V, U.T @ o32 @ V
+        r = int((S >= RESOLVED * S[0]).sum())
+        resolved = float(diff[:r, :r].norm() / core[:r, :r].norm())
+        assert resolved <= RANDOM_TOL, (m, n, r, resolved)
+        assert float(diff.abs().max()) <= NOISE_ENTRY_TOL, (m, n, float(diff.abs().max()))
+
+
+def _matrices(gen: torch.Generator, shapes: list[tuple[int, ...]]) -> list[MuonMatrix]:
+    return [MuonMatrix(torch.randn(s, generator=gen), torch.randn(s, generator=gen), torch.randn(s, generator=gen))
+            for s in shapes]
+
+
+def _clone(mats: list[MuonMatrix]) -> list[MuonMatrix]:
+    return [MuonMatrix(m.master.clone(), m.grad.clone(), m.momentum.clone()) for m in mats]
+
+
+# Same-shaped 2-D params (like every layer's QKV or router), a grouped weight sharing their trailing shape,
+# a lone 2-D param, tall and wide, and a Gram side of 8 (above MKL's small-GEMM sizes, see muon_batch).
+SHAPES = [(48, 32), (8, 64), (48, 32), (3, 48, 32), (8, 64), (32, 80), (2, 48, 32), (8, 64)]
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("cap", [1 << 28, 4000], ids=["one-batch-per-shape", "capped-batches"])
+def test_batched_step_is_bitwise_one_param_at_a_time(nesterov: bool, cap: int) -> None:
+    gen = torch.Generator().manual_seed(2)
+    mats = _matrices(gen, SHAPES)
+    ref = _clone(mats)
+    grads = [m.grad.clone() for m in mats]
+    hp = dict(lr=0.02, momentum=0.9, nesterov=nesterov, ns_steps=5, weight_decay=0.1)
+    for _ in range(3):
+        muon_step_(mats, compute_dtype=torch.float32, max_batch_elements=cap, **hp)  # type: ignore[arg-type]
+        for r in ref:
+            muon_update_(r.master, r.grad, r.momentum, **hp)  # type: ignore[arg-type]
+    for m, r, g in zip(mats, ref, grads):
+        assert torch.equal(m.master, r.master) and torch.equal(m.momentum, r.momentum), m.master.shape
+        assert torch.equal(m.grad, g)  # grads are inputs only
+
+
+def test_batches_group_by_trailing_shape_and_respect_the_cap() -> None:
+    mats = _matrices(torch.Generator().manual_seed(3), SHAPES)
+    shapes = [[tuple(m.master.shape) for m in run] for run in batches(mats)]
+    assert shapes == [[(48, 32), (48, 32), (3, 48, 32), (2, 48, 32)], [(8, 64), (8, 64), (8, 64)], [(32, 80)]]
+    capped = [[tuple(m.master.shape) for m in run] for run in batches(mats, max_elements=3 * 48 * 32)]
+    assert capped == [[(48, 32), (48, 32)], [(3, 48, 32)], [(2, 48, 32)], [(8, 64), (8, 64), (8, 64)], [(32, 80)]]
+    assert [[m.slices for m in run] for run in batches(mats)][0] == [1, 1, 3, 2]
+
+
+def test_bf16_step_tracks_the_fp32_step() -> None:
+    """The same step with the iteration in bf16: the momentum is fp32 either way (bitwise equal), the update
+    is the fp32 one within the random-matrix tolerance."""
+    gen = torch.Generator().manual_seed(4)
+    mats = _matrices(gen, [(64, 128), (3, 128, 64), (64, 128)])
+    ref = _clone(mats)
+    start = [m.master.clone() for m in mats]
+    hp = dict(lr=0.01, momentum=0.95, nesterov=True, ns_steps=5, weight_decay=0.0)
+    muon_step_(mats, compute_dtype=torch.bfloat16, **hp)  # type: ignore[arg-type]
+    muon_step_(ref, compute_dtype=torch.float32, **hp)  # type: ignore[arg-type]
+    for m, r, p0 in zip(mats, ref, start):
+        assert m.master.dtype == torch.float32 and torch.equal(m.momentum, r.momentum)
+        d16, d32 = m.master - p0, r.master - p0
+        assert float((d16 - d32).norm() / d32.norm()) <= RANDOM_TOL
+
+
+def test_compute_dtype_resolution() -> None:
+    cpu = torch.device("cpu")
+    assert resolve_compute_dtype("auto", cpu) == torch.float32
+    assert resolve_compute_dtype("bfloat16", cpu) == torch.bfloat16
+    assert resolve_compute_dtype("float32", cpu) == torch.float32
+    with pytest.raises(ValueError, match="muon_compute_dtype"):
+        resolve_compute_dtype("float16", cpu)
+    assert OptimizerConfig().muon_compute_dtype == "auto"
+
+
+@pytest.mark.gpu
+def test_auto_is_bf16_on_an_sm80_gpu() -> None:
+    dev = torch.device("cuda")
+    want = torch.bfloat16 if torch.cuda.get_device_capability(dev) >= (8, 0) else torch.float32
+    assert resolve_compute_dtype("auto", dev) == want
+
+
+@pytest.mark.gpu
+def test_batched_step_on_cuda_equals_one_param_at_a_time_to_rounding() -> None:
+    """CUDA may pick another GEMM kernel for a batch than for one matrix: equal to fp32 rounding, and
+    bitwise where the batch is one matrix."""
+    gen = torch.Generator().manual_seed(5)
+    mats = [MuonMatrix(m.master.cuda(), m.grad.cuda(), m.momentum.cuda()) for m in _matrices(gen, SHAPES)]
+    ref = _clone(mats)
+    hp = dict(lr=0.02, momentum=0.9, nesterov=True, ns_steps=5, weight_decay=0.1)
+    muon_step_(mats, compute_dtype=torch.float32, **hp)  # type: ignore[arg-type]
+    for r in ref:
+        muon_update_(r.master, r.grad, r.momentum, **hp)  # type: ignore[arg-type]
+    for m, r in zip(mats, ref):
+        torch.testing.assert_close(m.master, r.master, rtol=1e-5, atol=1e-6)
+        assert torch.equal(m.momentum, r.momentum)
+    lone = mats[5]  # (32, 80): the only matrix of its shape, so its batch is the 2-D matrix itself
+    assert torch.equal(lone.master, ref[5].master)
+
+
+def test_layerwise_muon_takes_the_configured_dtype() -> None:
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from test_muon import chained_toy, train_step
+
+    results = {}
+    for name in ("float32", "bfloat16"):
+        cfg = OptimizerConfig(lr=0.02, weight_decay=0.1, muon_compute_dtype=name)  # type: ignore[arg-type]
+        model, dm, opt = chained_toy(cfg)
+        assert opt.members[0].compute_dtype == getattr(torch, name)
+        for step in range(2):
+            train_step(dm, opt, step, cfg.lr)
+        results[name] = model.experts.weight.detach().clone()
+    a, b = results["float32"], results["bfloat16"]
+    assert not torch.equal(a, b) and math.isclose(float((a - b).norm() / a.norm()), 0.0, abs_tol=0.02)

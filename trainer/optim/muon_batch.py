@@ -1,0 +1,97 @@
+"""Muon over many matrices at once: one Newton-Schulz GEMM chain per group of same-shaped matrices.
+
+A rank of a layer-wise Muon run owns dozens of matrices, many of one shape (every layer's QKV, every
+layer's experts). Orthogonalising them one param at a time launches ~15 kernels per matrix per step,
+and small matrices leave a GPU idle; `muon_step_` stacks every owned matrix of one trailing shape
+`[m, n]` (2-D params as one slice, grouped `[E, m, n]` weights or runs of their expert slices as E) into
+one `[B, m, n]` batch in the compute dtype and runs one batched iteration on it (`muon.orthogonalize_`).
+
+What stays per matrix: the momentum EMA and the Nesterov blend (elementwise; the blend is written
+straight into the matrix's slot of the batch, so the only copy is the cast the compute dtype needs), the
+weight decay and the update with the matrix's own Moonlight scale. Every op is the one `muon.muon_update_`
+runs on that matrix alone, and the batched fp32 GEMMs give each slice the same bits whatever else is in
+the batch (CPU, tested), so a grouped `[E, out, in]` weight and E per-expert weights stay bitwise alike.
+Against the 2-D GEMMs `muon_update_` runs on a lone `[m, n]` param, batched ones are bitwise equal on
+CPU except for tiny Gram matrices (min(m, n) <= 5 measured, MKL's small-GEMM path: rounding-level), so
+a run that is a single 2-D matrix keeps the 2-D GEMMs and only stacked 2-D matrices (e.g. every layer's
+router) take the batched ones. On CUDA a batched GEMM may use another kernel than a 2-D one: equal to
+rounding, not bitwise.
+
+A batch holds at most `MAX_BATCH_ELEMENTS` elements (a larger single matrix goes alone): the iteration
+keeps about four batch-sized tensors alive (X, the Gram matrices A and B, the next X), and batching gains
+nothing once one GEMM fills the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import torch
+
+from trainer.optim.muon import muon_lr_scale, orthogonalize_
+
+#: elements per Newton-Schulz batch (2^28: 512 MiB per batch-sized tensor in bf16)
+MAX_BATCH_ELEMENTS = 1 << 28
+
+
+@dataclass(frozen=True)
+class MuonMatrix:
+    """One unit of Muon work: an fp32 master, its (clipped, fp32) grad and momentum, all of one shape:
+    `[m, n]`, or `[k, m, n]` for k expert slices."""
+
+    master: torch.Tensor
+    grad: torch.Tensor
+    momentum: torch.Tensor
+
+    @property
+    def slices(self) -> int:
+        """How many `[m, n]` matrices this is."""
+        return self.master.numel() // (self.master.size(-2) * self.master.size(-1))
+
+
+def batches(matrices: Sequence[MuonMatrix], max_elements: int = MAX_BATCH_ELEMENTS) -> Iterator[list[MuonMatrix]]:
+    """Matrices grouped by trailing shape (groups in order of first appearance, members in the order given),
+    each group cut into consecutive runs of at most `max_elements` elements (a larger matrix alone)."""
+    groups: dict[tuple[int, int], list[MuonMatrix]] = {}
+    for m in matrices:
+        groups.setdefault((m.master.size(-2), m.master.size(-1)), []).append(m)
+    for members in groups.values():
+        run: list[MuonMatrix] = []
+        held = 0
+        for m in members:
+            if run and held + m.master.numel() > max_elements:
+                yield run
+                run, held = [], 0
+            run.append(m)
+            held += m.master.numel()
+        yield run
+
+
+@torch.no_grad()
+def muon_step_(matrices: Sequence[MuonMatrix], *, lr: float, momentum: float, nesterov: bool, ns_steps: int,
+               weight_decay: float, compute_dtype: torch.dtype,
+               max_batch_elements: int = MAX_BATCH_ELEMENTS) -> None:
+    """One Muon step in place on every matrix's master and momentum (grads are not modified)."""
+    for run in batches(matrices, max_batch_elements):
+        m, n = run[0].master.shape[-2:]
+        # A lone 2-D matrix stays 2-D: exactly `muon_update_`'s GEMMs (see the module docstring).
+        batch = (m, n) if len(run) == 1 and run[0].master.dim() == 2 else (sum(mat.slices for mat in run), m, n)
+        X = torch.empty(batch, dtype=compute_dtype, device=run[0].master.device)
+        at = 0
+        for mat in run:
+            slot = X if X.dim() == 2 else X[at:at + mat.slices].view(mat.master.shape)
+            at += mat.slices
+            mat.momentum.lerp_(mat.grad, 1 - momentum)
+            if nesterov:
+                torch.lerp(mat.grad, mat.momentum, momentum, out=slot)  # computed in fp32, one cast on store
+            else:
+                slot.copy_(mat.momentum)
+        O = orthogonalize_(X, ns_steps)
+        at = 0
+        for mat in run:
+            ortho = O if O.dim() == 2 else O[at:at + mat.slices].reshape(mat.master.shape)  # a view, maybe transposed
+            at += mat.slices
+            if weight_decay != 0:
+                mat.master.mul_(1 - lr * weight_decay)
+            mat.master.add_(ortho, alpha=-lr * muon_lr_scale(mat.master.shape))
