@@ -15,7 +15,8 @@ later additions: MOE048 (precision: which recipes and optimizers low-precision p
 MOE049 (precision: fp8_fast_accum_backward needs an fp8 recipe with native GEMMs), MOE050 (CUDA graphs:
 `train.cuda_graph` is validated but not yet captured; the run is eager and says so), MOE051 and MOE052
 (data: `data.dtype` / `data.eval_path` only where the source reads them; an eval_path that is the
-training file).
+training file), MOE053 (optimizer: `muon_compute_dtype` is read only by Muon), MOE054 (hardware: bf16
+Newton-Schulz needs sm80+).
 
 Environment rules (Transformer Engine, device) probe lazily and cheaply: TE is looked up through
 `importlib.util.find_spec` and package metadata, never imported; torch is imported only when a GPU
@@ -1491,4 +1492,48 @@ def eval_path_is_not_training_data(c: Context) -> Iterator[_Hit]:
         yield _Hit(
             f"data.eval_path={d.eval_path} is data.path: evaluation would measure the training data",
             "point data.eval_path at a held-out file (nanoGPT's val.bin), or unset it to hold out data.eval_fraction",
+        )
+
+
+@rule(
+    "MOE053",
+    "optimizer",
+    "warning",
+    ["optimizer.muon_compute_dtype", "optimizer.optimizer"],
+    "optimizer.muon_compute_dtype is read only by Muon",
+)
+def muon_compute_dtype_only_for_muon(c: Context) -> Iterator[_Hit]:
+    """Only Muon runs a Newton-Schulz iteration; AdamW and SGD never read its dtype, so a dtype chosen for
+    them is silently ignored, which usually means the optimizer is not the one intended."""
+    o = c.cfg.optimizer
+    if o.muon_compute_dtype != "auto" and o.optimizer != "muon":
+        yield _Hit(
+            f"optimizer.muon_compute_dtype={o.muon_compute_dtype} is ignored by optimizer.optimizer={o.optimizer}",
+            "set optimizer.optimizer=muon, or optimizer.muon_compute_dtype=auto",
+        )
+
+
+@rule(
+    "MOE054",
+    "hardware",
+    "warning",
+    ["optimizer.muon_compute_dtype", "optimizer.optimizer", "device"],
+    "bf16 Newton-Schulz needs sm80+",
+)
+def muon_bf16_needs_sm80(c: Context) -> Iterator[_Hit]:
+    """Muon's bf16 Newton-Schulz is there to run its GEMMs on bf16 tensor cores, which arrived with
+    Ampere (sm80); older GPUs run bf16 GEMMs slowly or not at all (as MOE039 says for bf16 compute).
+    `auto` picks fp32 there by itself; an explicit bfloat16 is taken as asked, hence the warning."""
+    o, dev = c.cfg.optimizer, c.device
+    if (
+        o.optimizer == "muon"
+        and o.muon_compute_dtype == "bfloat16"
+        and dev is not None
+        and dev.kind == "cuda"
+        and dev.capability
+        and dev.capability < (8, 0)
+    ):
+        yield _Hit(
+            f"optimizer.muon_compute_dtype=bfloat16 on {dev.describe()}: no bf16 tensor cores before sm80",
+            "set optimizer.muon_compute_dtype=auto (fp32 there), or run on sm80+",
         )

@@ -440,6 +440,29 @@ CASES = [
         ["data.source=tokens", "data.path=t.bin", "data.eval_path=v.bin"],
         severity="warning",
     ),
+    Case(
+        "MOE053",
+        ["optimizer.muon_compute_dtype=float32"],
+        ["optimizer.muon_compute_dtype=float32", "optimizer.optimizer=muon"],
+        severity="warning",
+    ),
+    Case(
+        "MOE054",
+        ["optimizer.optimizer=muon", "optimizer.muon_compute_dtype=bfloat16"],
+        ["optimizer.optimizer=muon", "optimizer.muon_compute_dtype=bfloat16"],
+        cap=(7, 5),
+        pass_cap=(8, 0),
+        severity="warning",
+    ),
+    Case(
+        "MOE054",
+        ["optimizer.optimizer=muon", "optimizer.muon_compute_dtype=bfloat16"],
+        ["optimizer.optimizer=muon", "optimizer.muon_compute_dtype=auto"],
+        cap=(7, 5),
+        pass_cap=(7, 5),
+        severity="warning",
+        name="auto-picks-fp32",
+    ),
 ]
 
 # Rules whose boundary needs files or probes; each has its own tests below.
