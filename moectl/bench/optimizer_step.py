@@ -11,6 +11,8 @@ Both step the same parameter set (`param_mix.MixShape`, 803.5M parameters by def
     moectl bf16     the same with bf16 params (mixed precision: fp32 grads and separate fp32 masters,
                     written back into the bf16 params after the update)
 
+and Muon's step on the same params (`optimizer_step_muon`: Muon + AdamW, bf16 params, Newton-Schulz in bf16
+and in fp32, against torch fused AdamW's time; a FLOP rate instead of a byte floor),
 plus the parts timed alone: the grad norm (`local_grad_sq` + the all-reduce into the device verdict, no
 host read: the step reads it while the update runs), the update (the step's own gated
 `torch._fused_adamw_` calls on the same shard lists), and the bf16 step's write-back (staging every bucket
@@ -43,6 +45,7 @@ from typing import Any, Callable
 
 import torch
 
+from moectl.bench.optimizer_step_muon import build_muon, muon_rows, ns_flops_per_step
 from moectl.bench.param_mix import MixShape, build_params, copy_bandwidth_gbps, device_meta
 from moectl.bench.timing import interleaved_ms
 
@@ -229,8 +232,9 @@ def run(cfg: OptBenchConfig, log: Callable[[str], None] = lambda s: None) -> Opt
         raise AssertionError("the fp32 params' masters are not the param buffer: the fp32 row would write back")
     fns["moectl_fp32"]()  # one step first: the update part runs at step count >= 1
     parts = _parts(opt32, opt16, cfg.lr)
+    muon, muon_fns = build_muon(cfg.shape, device, cfg.lr, _fill_grads)
     log("timing (interleaved rounds) ...")
-    samples = interleaved_ms({**fns, **parts}, device, cfg.warmup, cfg.rounds, cfg.per_round)
+    samples = interleaved_ms({**fns, **parts, **muon_fns}, device, cfg.warmup, cfg.rounds, cfg.per_round)
     ms = {k: statistics.median(v) for k, v in samples.items()}
     t_torch = ms["torch_fused"]
     rows = []
@@ -271,9 +275,12 @@ def run(cfg: OptBenchConfig, log: Callable[[str], None] = lambda s: None) -> Opt
                      "its host read and the launch overhead")
     else:
         notes.append("the update part is timed for the fused step only (the CPU default runs the unfused AdamW)")
+    mrows, mnotes = muon_rows(ms, t_torch, ns_flops_per_step(muon))
+    rows += mrows
+    notes += mnotes
     result = OptBenchResult(meta, copy, rows, notes)
     if cfg.quant_recipes:
-        del fns, parts, opt32
+        del fns, parts, opt32, muon, muon_fns
         if device.type == "cuda":
             torch.cuda.empty_cache()
         result.quant_rows, qnotes = run_quantize(cfg, device, copy, log)

@@ -222,7 +222,8 @@ def grouped_mlp(
 _OPTIMIZER_STEP_HELP = (
     "Optimizer step time on one GPU: moectl's DistributedOptimizer (fp32 masters, buffers; fp32 and bf16 params) "
     "against torch.optim.AdamW(fused=True) on the same ~805M parameters, with the bandwidth floor (bytes touched "
-    "/ measured copy bandwidth) beside each, and the parts of moectl's step; then the post-step quantize of one "
+    "/ measured copy bandwidth) beside each, and the parts of moectl's step; Muon's step on the same params "
+    "(Newton-Schulz in bf16 and in fp32, with its FLOP rate); then the post-step quantize of one "
     "grouped [E=128, out, in] expert weight (fp8 param gather) in one call against a per-expert loop."
     + examples(
         "moectl bench optimizer-step --json runs/opt.json",
@@ -241,10 +242,13 @@ def render_optimizer_step(result: Any, console: Console) -> None:
     )  # fmt: skip
     for col in ("optimizer", "ms", "B/param", "GB/s", "floor ms", "% of floor", "vs torch fused"):
         table.add_column(col, justify="left" if col == "optimizer" else "right")
+    def cell(value: Any, spec: str, suffix: str = "") -> str:  # Muon's rows have no byte floor: "-"
+        return "-" if value is None else f"{value:{spec}}{suffix}"
+
     for r in result.rows:
-        vs = "-" if r["throughput_vs_torch"] is None else f"{r['throughput_vs_torch']:.2f}x"
-        table.add_row(r["name"], f"{r['ms']:.3f}", str(r["bytes_per_param"]), f"{r['gbps']:.0f}",
-                      f"{r['floor_ms']:.3f}", f"{r['pct_floor']:.0f}%", vs)
+        table.add_row(r["name"], f"{r['ms']:.3f}", cell(r["bytes_per_param"], "d"), cell(r["gbps"], ".0f"),
+                      cell(r["floor_ms"], ".3f"), cell(r["pct_floor"], ".0f", "%"),
+                      cell(r["throughput_vs_torch"], ".2f", "x"))
     console.print(table)
     if getattr(result, "quant_rows", None):
         E, o, i = meta["quant_shape"]

@@ -41,6 +41,12 @@ def test_optimizer_step_quick_writes_consistent_json(tmp_path):
         assert r["floor_ms"] == pytest.approx(b * n / (data["copy_gbps"] * 1e9) * 1e3)
         assert r["throughput_vs_torch"] == pytest.approx(torch_ms / r["ms"])
     assert any("0.8x" in note for note in data["notes"])
+    for key in ("muon_ns_bf16", "muon_ns_fp32"):  # Muon's step on the same params, against torch fused AdamW
+        r = rows[key]
+        assert r["ms"] > 0 and r["bytes_per_param"] is None and r["ns_tflops_per_s"] > 0
+        assert r["throughput_vs_torch"] == pytest.approx(torch_ms / r["ms"])
+    assert rows["muon update"]["ms"] > 0 and "Muon" in result.output
+    assert any(note.startswith("Muon step:") for note in data["notes"])
 
 
 def test_optimizer_step_rows_describe_the_step_without_write_back_or_host_sync():

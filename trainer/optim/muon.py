@@ -123,6 +123,17 @@ def ns_cost(shape: torch.Size | tuple[int, ...]) -> int:
     return math.prod(lead) * max(m, n) * min(m, n) ** 2
 
 
+def ns_flops(shape: torch.Size | tuple[int, ...], steps: int) -> int:
+    """FLOPs (2 per multiply-add) of `steps` Newton-Schulz steps on every trailing matrix of `shape`.
+
+    Per step on the wide orientation (m = min side, n = max side): `X X^T` 2 m^2 n, `A A` 2 m^3, `B X`
+    2 m^2 n. The elementwise parts are O(m n) and left out.
+    """
+    *lead, rows, cols = shape
+    m, n = min(rows, cols), max(rows, cols)
+    return math.prod(lead) * steps * (4 * m * m * n + 2 * m**3)
+
+
 def muon_lr_scale(shape: torch.Size | tuple[int, ...]) -> float:
     """Moonlight's update scale `0.2 * sqrt(max(out, in))` of the trailing `[out, in]` matrix."""
     out_features, in_features = shape[-2], shape[-1]
