@@ -422,11 +422,17 @@ def test_trainer_resume_with_muon_is_bitwise(tmp_path: Path) -> None:
         assert torch.equal(p, q), n
 
 
-def test_muon_trains_the_tiny_config_with_a_falling_loss(tmp_path: Path) -> None:
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_muon_trains_the_tiny_config_with_a_falling_loss(tmp_path: Path, device: str) -> None:
+    """Newton-Schulz in fp32 on the CPU, in bf16 on a GPU (`muon_compute_dtype: auto`)."""
     cfg = load_config(Path(__file__).resolve().parents[3] / "configs" / "tiny.yaml",
                       ["optimizer.optimizer=muon", "train.train_iters=20", "train.eval_interval=null",
-                       "train.global_batch_size=8", f"run_dir={tmp_path}", "logging.jsonl=false"])
-    losses = Trainer(cfg, SilentObserver()).run().losses
+                       "train.global_batch_size=8", f"run_dir={tmp_path}", "logging.jsonl=false",
+                       f"train.device={device}"])
+    t = Trainer(cfg, SilentObserver())
+    bf16 = device == "cuda" and torch.cuda.get_device_capability() >= (8, 0)
+    assert t.engine.optimizer.members[0].compute_dtype == (torch.bfloat16 if bf16 else torch.float32)
+    losses = t.run().losses
     assert all(math.isfinite(x) for x in losses)
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     assert last < first - 0.5, (first, last)

@@ -18,7 +18,8 @@ one-rank runtime) is the reference. Checked on each rank:
   Megatron #4987);
 - Muon with MXFP8 param gather on the reuse buffer (every rank quantizes the gathered bf16 masters), bf16
   params, through the Trainer: ON == OFF bitwise (losses, eval losses, masters), with overlapped reduce
-  and deferred gather too, replicas' quantized bytes agree (Megatron #4987's acceptance test).
+  and deferred gather too, replicas' quantized bytes agree (Megatron #4987's acceptance test); the same
+  on 2 GPUs over NCCL (GPU test), where Newton-Schulz runs in bf16.
 """
 
 from __future__ import annotations
@@ -158,16 +159,16 @@ def _toy_staged(pstate: ParallelState, overlap: bool) -> dict[str, Any]:
 
 
 MXFP8 = ["model.hidden_size=64", "moe.ffn_hidden_size=64", "mixed_precision.bf16=true", "mixed_precision.fp8=e4m3",
-         "mixed_precision.fp8_recipe=mxfp8", "train.device=cpu", "train.train_iters=4", "train.eval_interval=2",
+         "mixed_precision.fp8_recipe=mxfp8", "train.train_iters=4", "train.eval_interval=2",
          "train.eval_iters=1", "optimizer.lr=1e-2"]
 GATHER = ["mixed_precision.fp8_param_gather=true", "mixed_precision.reuse_grad_buf_for_mxfp8_param_ag=true"]
 OVERLAP = ["parallel.overlap_grad_reduce=true", "parallel.overlap_param_gather=true"]
 
 
-def _mxfp8_gather(root: Path) -> dict[str, Any]:
+def _mxfp8_gather(root: Path, device: str = "cpu") -> dict[str, Any]:
     out = {}
     for name, extra in {"off": [], "on": GATHER, "on_overlap": [*GATHER, *OVERLAP]}.items():
-        t = _trainer([*MXFP8, *extra], root / f"mxfp8-{name}")
+        t = _trainer([*MXFP8, *extra, f"train.device={device}"], root / f"mxfp8-{name}")
         result = t.run()
         t.engine.sync_params_for_eval()
         state = t.engine.optimizer.gather_logical_state()["params"]
@@ -256,3 +257,21 @@ def test_layerwise_muon_dp2_equals_dp1_and_resumes_bitwise(tmp_path: Path) -> No
     # ep=2: expert matrices are owned within expert-dp (one rank: its own), dense ones over dp.
     assert all(ranks == (0,) for n, ranks in ep_own0.items() if ".experts." in n)
     assert {r for n, ranks in ep_own0.items() if ".experts." not in n for r in ranks} == {0, 1}
+
+
+def mxfp8_gpu_body(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """`_mxfp8_gather` on this rank's GPU over NCCL (Newton-Schulz in bf16 there: `auto`)."""
+    dist.destroy_process_group()  # run_distributed joined gloo; move to NCCL on this rank's GPU
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{root}/nccl-rdzv", rank=rank, world_size=world_size)
+    return _mxfp8_gather(Path(root), device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_muon_mxfp8_param_gather_on_equals_off_on_two_gpus(tmp_path: Path) -> None:
+    results = run_distributed(mxfp8_gpu_body, world_size=2, timeout=300, root=str(tmp_path))
+    for rank, r in enumerate(results):
+        for name, mx in r.items():
+            want = {"losses": True, "evals": True, "masters": True, "hashes": [], "quantized": name != "off"}
+            assert mx == want, (rank, name, mx)
