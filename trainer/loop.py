@@ -143,10 +143,13 @@ class Trainer:
             "grad_norm": result.grad_norm,
             "lr": lr,
             "skipped": result.skipped or not math.isfinite(lm),
-            "expert_balance": expert_balance(
-                [m.tokens_per_expert.tolist() for m in model.moe_layers() if m.tokens_per_expert is not None]
-            ),
+            "expert_balance": expert_balance(self._tokens_per_expert()),
         }
+
+    def _tokens_per_expert(self) -> list[list[int]]:
+        """Every MoE layer's routings per expert of the last micro-batch, read with one device sync."""
+        counts = [m.tokens_per_expert for m in self.model.moe_layers() if m.tokens_per_expert is not None]
+        return torch.stack(counts).tolist() if counts else []
 
     def _mean_over_dp(self, value: torch.Tensor) -> float:
         if self.dp > 1:
