@@ -5,7 +5,7 @@ its `heads // groups` query heads, then its key head, then its value head. Check
 on this order (HF stores q, k, v separately).
 Shapes: B batch, S sequence, D hidden, N query heads, G query groups (kv heads), C head dim. C is
 `model.kv_channels` and need not be D / N (Qwen3-30B-A3B: D 2048, N 32, C 128), so `linear_qkv` is
-[(N + 2G) * C, D] and `linear_proj` [D, N * C].
+[(N + 2G) * C, D] (R = (N + 2G) * C qkv rows) and `linear_proj` [D, N * C].
 Both projections are `trainer.linear.Linear`: nn.Linear without a recipe, the recipe's GEMMs with one.
 """
 
@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer.linear import Linear
-from trainer.norm import RMSNorm
+from trainer.norm import RMSNorm, rms_norm
 from trainer.precision import Recipe
 
 
@@ -66,16 +66,27 @@ class SelfAttention(nn.Module):
         self.k_layernorm = RMSNorm(self.head_dim, norm_epsilon, dtype=dtype) if qk_layernorm else None
 
     def forward(self, x_BSD: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x_BSD.shape
+        return self.linear_proj(self.attend(self.linear_qkv(x_BSD), rope))
+
+    def attend(self, qkv_BSR: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        """Everything between the two projections: split heads, QK norm, RoPE, attention, merge heads.
+
+        No submodule is called here (QK norm goes through `rms_norm` on the norms' weights), so
+        `trainer.compile.compile_regions` can compile this method without tracing module hooks (the
+        distributed wrapper's param-gather pre-hooks fire on `SelfAttention` itself, which covers the
+        QK norms' weights).
+        """
+        b, s, _ = qkv_BSR.shape
         per_group = self.num_heads // self.num_groups
-        qkv = self.linear_qkv(x_BSD).view(b, s, self.num_groups, per_group + 2, self.head_dim)
+        qkv = qkv_BSR.view(b, s, self.num_groups, per_group + 2, self.head_dim)
         q_BSNC = qkv[:, :, :, :per_group].reshape(b, s, self.num_heads, self.head_dim)
         k_BSGC, v_BSGC = qkv[:, :, :, per_group], qkv[:, :, :, per_group + 1]
-        if self.q_layernorm is not None:
-            q_BSNC, k_BSGC = self.q_layernorm(q_BSNC), self.k_layernorm(k_BSGC)
+        if self.q_layernorm is not None and self.k_layernorm is not None:
+            q_BSNC = rms_norm(q_BSNC, self.q_layernorm.weight, self.q_layernorm.eps)
+            k_BSGC = rms_norm(k_BSGC, self.k_layernorm.weight, self.k_layernorm.eps)
         q, k, v = (t.transpose(1, 2) for t in (q_BSNC, k_BSGC, v_BSGC))  # [B, heads, S, C]
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         out_BNSC = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, enable_gqa=self.num_groups != self.num_heads
         )
-        return self.linear_proj(out_BNSC.transpose(1, 2).reshape(b, s, -1))
+        return out_BNSC.transpose(1, 2).reshape(b, s, -1)

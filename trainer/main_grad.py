@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from trainer.regions import GRAD_ACCUMULATE, region
+
 READY_HOOK = "moectl_grad_ready_hook"
 
 
@@ -30,7 +32,8 @@ def accumulate_wgrad(param: torch.nn.Parameter, grad: torch.Tensor, fuse: bool) 
             "gradient_accumulation_fusion needs param.main_grad; wrap the model with trainer.distributed "
             "or call trainer.main_grad.attach_main_grads(model) first"
         )
-    main_grad.add_(grad)  # bf16 -> fp32 inside the add: a separate .to() would be one more full pass
+    with region(GRAD_ACCUMULATE):
+        main_grad.add_(grad)  # bf16 -> fp32 inside the add: a separate .to() would be one more full pass
     grad_ready(param)
     return None
 

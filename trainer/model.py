@@ -27,11 +27,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from moectl.core.config.schema import ModelConfig, MoEConfig
+from trainer import regions
 from trainer.attention import SelfAttention, rope_cache
 from trainer.linear import Linear
 from trainer.moe import MoELayer
 from trainer.norm import RMSNorm
 from trainer.precision import Recipe
+from trainer.regions import region
 
 
 class DenseMLP(nn.Module):
@@ -52,8 +54,9 @@ class DenseMLP(nn.Module):
         self.linear_fc2 = Linear(ffn_hidden_size, hidden_size, **lin)  # type: ignore[arg-type]
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
-        gate, up = self.linear_fc1(x_BSD).chunk(2, dim=-1)
-        return self.linear_fc2(F.silu(gate) * up)
+        with region(regions.DENSE_MLP):
+            gate, up = self.linear_fc1(x_BSD).chunk(2, dim=-1)
+            return self.linear_fc2(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -86,8 +89,13 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp
 
     def forward(self, x_BSD: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        x_BSD = x_BSD + self.self_attention(self.input_layernorm(x_BSD), rope)
-        return x_BSD + self.mlp(self.pre_mlp_layernorm(x_BSD))
+        with region(regions.NORM):
+            h_BSD = self.input_layernorm(x_BSD)
+        with region(regions.ATTENTION):
+            x_BSD = x_BSD + self.self_attention(h_BSD, rope)
+        with region(regions.NORM):
+            h_BSD = self.pre_mlp_layernorm(x_BSD)
+        return x_BSD + self.mlp(h_BSD)  # the MLP names its own region (the MoE layer: one per part)
 
 
 class Decoder(nn.Module):
@@ -196,17 +204,20 @@ class GPTMoE(nn.Module):
         return [layer.mlp for layer in self.decoder.layers if isinstance(layer.mlp, MoELayer)]
 
     def forward(self, tokens_BS: torch.Tensor) -> torch.Tensor:
-        x_BSD = self.embedding(tokens_BS)
+        with region(regions.EMBEDDING):
+            x_BSD = self.embedding(tokens_BS)
         for layer in self.decoder.layers:
             x_BSD = layer(x_BSD, self.rope)
-        x_BSD = self.decoder.final_layernorm(x_BSD)
-        if self.output_layer is not None:
-            return self.output_layer(x_BSD)  # a module call, so param-gather pre-hooks see the head
-        return F.linear(x_BSD, self.embedding.word_embeddings.weight)
+        with region(regions.HEAD):
+            x_BSD = self.decoder.final_layernorm(x_BSD)
+            if self.output_layer is not None:
+                return self.output_layer(x_BSD)  # a module call, so param-gather pre-hooks see the head
+            return F.linear(x_BSD, self.embedding.word_embeddings.weight)
 
     def loss(self, tokens_BS: torch.Tensor, targets_BS: torch.Tensor) -> LossParts:
         """Mean next-token cross-entropy (in fp32) plus the routers' auxiliary losses."""
         logits_BSV = self(tokens_BS)
-        lm_loss = F.cross_entropy(logits_BSV.float().flatten(0, 1), targets_BS.flatten())
-        aux = sum((m.aux_loss for m in self.moe_layers()), torch.zeros((), device=lm_loss.device))
+        with region(regions.LOSS):
+            lm_loss = F.cross_entropy(logits_BSV.float().flatten(0, 1), targets_BS.flatten())
+            aux = sum((m.aux_loss for m in self.moe_layers()), torch.zeros((), device=lm_loss.device))
         return LossParts(total=lm_loss + aux, lm_loss=lm_loss, aux_loss=aux)

@@ -6,6 +6,17 @@ import torch
 from torch import nn
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """y = x / rms(x) * weight over the last dimension, in fp32, returned in x's dtype.
+
+    A function as well as a module, so code that must not call the module (a compiled region, where the
+    module's hooks would be traced) computes the same bits.
+    """
+    x32 = x.float()
+    y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * weight.float()).to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     """y = x / rms(x) * weight, over the last dimension."""
 
@@ -15,6 +26,4 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.float()).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)

@@ -21,7 +21,9 @@ from trainer.parallel.groups import Group
 from trainer.moe.expert_parallel import build_dispatcher, expert_shard
 from trainer.moe.experts import GroupedMLP
 from trainer.moe.router import TopKRouter
+from trainer import regions
 from trainer.precision import Recipe
+from trainer.regions import region
 
 
 @dataclass
@@ -87,10 +89,14 @@ class MoELayer(nn.Module):
         """Route every token to its top-k experts and return the prob-weighted sum of their outputs."""
         B, S, D = x_BSD.shape
         x_TD = x_BSD.reshape(B * S, D)
-        routed = self.router(x_TD)
-        x_PD, rows_per_expert_E, probs_P, plan = self.dispatcher.dispatch(x_TD, routed)
-        y_PD = self.experts(x_PD, rows_per_expert_E, probs_P)
-        y_TD = self.dispatcher.combine(y_PD, plan)
+        with region(regions.ROUTER):
+            routed = self.router(x_TD)
+        with region(regions.DISPATCH):
+            x_PD, rows_per_expert_E, probs_P, plan = self.dispatcher.dispatch(x_TD, routed)
+        with region(regions.EXPERTS):
+            y_PD = self.experts(x_PD, rows_per_expert_E, probs_P)
+        with region(regions.COMBINE):
+            y_TD = self.dispatcher.combine(y_PD, plan)
         self.stats = MoEStats(routed.aux_loss, routed.z_loss, routed.tokens_per_expert_E.detach(), plan.num_dropped)
         return y_TD.view(B, S, D)
 
