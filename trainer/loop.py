@@ -23,12 +23,14 @@ from moectl.core.params import count_params
 from moectl.core.errors import MoectlError
 from trainer.build import build_data_for, build_engine, build_model
 from trainer.checkpointing import load_training_checkpoint, save_training_checkpoint
+from trainer.compile import compile_backend, compile_regions, wants_compile
 from trainer.data import Sampler
 from trainer.flops import flops_per_token, peak_tflops
 from trainer.metrics import MetricsWriter, expert_balance
 from trainer.observer import PrintObserver, RunObserver, SilentObserver
 from trainer.optim.lr_schedule import lr_at
 from trainer.precision import describe
+from trainer.regions import OPTIMIZER, region
 from trainer.runtime import Runtime, setup_runtime
 
 
@@ -85,6 +87,11 @@ class Trainer:
         self.n_micro = tc.global_batch_size // (tc.micro_batch_size * self.dp)
         self.model = build_model(cfg, self.rt.device, self.rt.pstate)
         self.engine = build_engine(cfg, self.model, self.rt)
+        # Regional compile after the engine's wrap: its hooks stay on the modules, outside the graphs.
+        self.compiled_regions = (
+            compile_regions(self.model, deterministic=tc.deterministic) if wants_compile(tc.compile, self.rt.device)
+            else []
+        )  # fmt: skip
         self.train_data, eval_sampler = build_data_for(cfg, self.rt)
         # The same held-out batches at every evaluation, so eval losses are comparable across steps.
         self.eval_batches = eval_sampler.eval_batches(cfg.train.eval_iters) if cfg.train.eval_interval else []
@@ -112,7 +119,10 @@ class Trainer:
         self.peak = peak_tflops(self.rt.device, "fp8" if cfg.mixed_precision.fp8 else "bf16")
 
     # --- one step ---------------------------------------------------------------------------
-    def _train_step(self, step: int) -> dict[str, Any]:
+    def train_step(self, step: int) -> dict[str, Any]:
+        """Run optimizer step `step` (0-based): its micro-batches, backward and update; returns its record
+        (`step, loss, aux_loss, grad_norm, lr, skipped, expert_balance`). Host-synchronising only through the
+        record's numbers; `run` times it and adds `tokens_per_s` and `mfu`."""
         model, engine = self.model, self.engine
         model.train()
         engine.zero_grad()
@@ -135,7 +145,8 @@ class Trainer:
         lr = lr_at(step, self.cfg.optimizer, self.cfg.train.train_iters)
         # A non-finite grad norm is agreed on by all ranks inside the engine: it skips the update
         # everywhere, or (on_nonfinite: stop) raises NonFiniteGradError everywhere.
-        result = engine.step(lr)
+        with region(OPTIMIZER):
+            result = engine.step(lr)
         return {
             "step": step + 1,
             "loss": lm,
@@ -208,9 +219,14 @@ class Trainer:
             f"({active / 1e6:.2f}M active/token) on {self.rt.device} x{self.rt.world_size}",
             f"  data: {self.train_data.stream.describe()} | batch {cfg.train.global_batch_size} x {cfg.model.seq_length} "
             f"tokens ({self.n_micro} micro-batches of {cfg.train.micro_batch_size}/rank) | run_dir {self.run_dir}",
-            # Say which GEMMs run native and which are emulated: a run never pretends.
-            "  " + describe(self.model.recipe, self.rt.device),  # begins "precision: ..."
         ]
+        if self.compiled_regions:
+            lines.append(
+                f"  compile: regional, {len(self.compiled_regions)} regions (norms, attention core, routers) "
+                f"through {compile_backend()}; the first step compiles them"
+            )
+        # Say which GEMMs run native and which are emulated: a run never pretends.
+        lines.append("  " + describe(self.model.recipe, self.rt.device))  # begins "precision: ..."
         mp = cfg.mixed_precision
         if mp.fp8_param_gather or mp.fp4_param_gather:
             staged = "bf16 staged on the grad buffer" if mp.reuse_grad_buf_for_mxfp8_param_ag or mp.fp4 else "bytes"
@@ -244,7 +260,7 @@ class Trainer:
             with _StopFlag() as stop, observer.running(tc.train_iters, start):
                 for step in range(start, tc.train_iters):
                     t0 = time.perf_counter()
-                    record = self._train_step(step)
+                    record = self.train_step(step)
                     if self.rt.device.type == "cuda":
                         torch.cuda.synchronize()
                     dt = time.perf_counter() - t0

@@ -16,7 +16,8 @@ MOE049 (precision: fp8_fast_accum_backward needs an fp8 recipe with native GEMMs
 `train.cuda_graph` is validated but not yet captured; the run is eager and says so), MOE051 and MOE052
 (data: `data.dtype` / `data.eval_path` only where the source reads them; an eval_path that is the
 training file), MOE053 (optimizer: `muon_compute_dtype` is read only by Muon), MOE054 (hardware: bf16
-Newton-Schulz needs sm80+).
+Newton-Schulz needs sm80+), MOE055 (compile: `train.compile=regional` on the CPU needs the C++
+compiler inductor builds with).
 
 Environment rules (Transformer Engine, device) probe lazily and cheaply: TE is looked up through
 `importlib.util.find_spec` and package metadata, never imported; torch is imported only when a GPU
@@ -71,6 +72,7 @@ import importlib.util
 import inspect
 import os
 import re
+import shutil
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
@@ -145,9 +147,12 @@ class Environment:
     hardware rules silent. Tests pass both explicitly to be independent of the machine.
     """
 
-    def __init__(self, te: Optional[TEInstall] = _PROBE, device: Optional[Device] = _PROBE) -> None:
+    def __init__(
+        self, te: Optional[TEInstall] = _PROBE, device: Optional[Device] = _PROBE, cxx: Optional[str] = _PROBE
+    ) -> None:
         self._te = te
         self._device = device
+        self._cxx = cxx
 
     @functools.cached_property
     def te(self) -> Optional[TEInstall]:
@@ -158,6 +163,11 @@ class Environment:
     def device(self) -> Optional[Device]:
         """The visible GPU, or None."""
         return probe_device() if self._device is _PROBE else self._device
+
+    @functools.cached_property
+    def cxx(self) -> Optional[str]:
+        """The C++ compiler torch.compile's inductor would build CPU kernels with, or None."""
+        return probe_cxx() if self._cxx is _PROBE else self._cxx
 
 
 def probe_te() -> Optional[TEInstall]:
@@ -205,6 +215,11 @@ def probe_device() -> Optional[Device]:
         return None
     m = re.match(r"\s*(\d+)\.(\d+)\s*,\s*(.+)", out.splitlines()[0] if out.strip() else "")
     return Device("cuda", (int(m.group(1)), int(m.group(2))), f"nvidia-smi: {m.group(3).strip()}") if m else None
+
+
+def probe_cxx() -> Optional[str]:
+    """The path of `$CXX` (else `g++`), the compiler inductor looks for on Linux; None when absent."""
+    return shutil.which(os.environ.get("CXX") or "g++")
 
 
 def parse_version(text: Optional[str]) -> Optional[tuple[int, int]]:
@@ -1536,4 +1551,20 @@ def muon_bf16_needs_sm80(c: Context) -> Iterator[_Hit]:
         yield _Hit(
             f"optimizer.muon_compute_dtype=bfloat16 on {dev.describe()}: no bf16 tensor cores before sm80",
             "set optimizer.muon_compute_dtype=auto (fp32 there), or run on sm80+",
+        )
+
+
+# ------------------------------------------------------------------------------------------------ compile
+
+
+@rule("MOE055", "compile", "error", ["train.compile", "device"], "regional compile on the CPU needs a C++ compiler")
+def cpu_compile_needs_cxx(c: Context) -> Iterator[_Hit]:
+    """`train.compile=regional` compiles the norms, attention core and routers with torch.compile's inductor,
+    which on the CPU generates C++ and builds it with `$CXX` (else `g++`). Without that compiler the first
+    step would fail inside inductor; `auto` compiles only on CUDA (Triton, no C++), so it never needs one."""
+    if c.cfg.train.compile == "regional" and c.device is not None and c.device.kind == "cpu" and not c.env.cxx:
+        yield _Hit(
+            f"train.compile=regional on {c.device.describe()}, and no C++ compiler ({os.environ.get('CXX') or 'g++'}) "
+            "is on PATH for inductor",
+            "install g++ (or set CXX), or set train.compile=auto (regional on CUDA, none on the CPU) or none",
         )

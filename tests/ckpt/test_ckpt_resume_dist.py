@@ -42,7 +42,7 @@ def _straight_and_first_half(rank: int, world: int, root: str) -> tuple[list[flo
     lr = straight.last_record["lr"]
     half = trainer(f"run_dir={root}/b")  # the same 20-step schedule, stopped after step 10
     for step in range(HALF):
-        half._train_step(step)
+        half.train_step(step)
     half.save(HALF)
     return full, final_state(straight), lr
 
@@ -91,7 +91,7 @@ def _ep2_save_and_resume(rank: int, world: int, root: str, layout: bool) -> tupl
     full = trainer(f"run_dir={root}/ep_a", *ep).run().losses
     half = trainer(f"run_dir={root}/ep_b", *ep)
     for step in range(HALF):
-        half._train_step(step)
+        half.train_step(step)
     half.save(HALF)
     resumed = trainer(f"run_dir={root}/ep_b", *ep, f"checkpoint.load={root}/ep_b/checkpoints").run().losses
     return full, resumed

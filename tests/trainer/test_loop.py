@@ -88,10 +88,10 @@ def test_nonfinite_loss_stops_with_a_clear_message(tmp_path):
 def test_nonfinite_step_is_skipped_without_touching_params(tmp_path):
     t = make(tmp_path, "train.train_iters=3", "train.on_nonfinite=skip", "train.eval_interval=null")
     _poison(t, at_step=3)
-    t._train_step(0)
-    t._train_step(1)
+    t.train_step(0)
+    t.train_step(1)
     before = {n: p.detach().clone() for n, p in t.model.named_parameters()}
-    record = t._train_step(2)
+    record = t.train_step(2)
     assert record["skipped"] and math.isnan(record["loss"])
     for n, p in t.model.named_parameters():
         assert torch.equal(p, before[n]), n

@@ -180,6 +180,13 @@ class TrainConfig:
         "Capture the forward/backward of each micro-batch in a CUDA graph. Validated (MOE034, MOE035) but not "
         "captured yet in this build: the run is eager, and MOE050 warns.",
     )
+    compile: Literal["none", "regional", "auto"] = doc(
+        "none",
+        "torch.compile of each decoder layer's two RMSNorms, attention core (head split, QK norm, RoPE, "
+        "scaled dot-product attention) and MoE router; the projections, dispatch and experts stay eager. none, "
+        "regional, or auto (regional on CUDA, none on CPU). The first step compiles (a minute on a GPU). With "
+        "train.deterministic, inductor runs in its deterministic mode.",
+    )
     log_interval: int = doc(1, "Write a metrics record every N steps.")
     on_nonfinite: Literal["stop", "skip"] = doc("stop", "On a non-finite loss or grad norm: stop the run, or skip the step.")
     device: Literal["auto", "cpu", "cuda"] = doc("auto", "auto = cuda when available, else cpu.")

@@ -463,6 +463,22 @@ CASES = [
         severity="warning",
         name="auto-picks-fp32",
     ),
+    # compile: regional on the CPU without a C++ compiler; auto never compiles there, so it passes
+    Case(
+        "MOE055",
+        ["train.compile=regional", "train.device=cpu"],
+        ["train.compile=auto", "train.device=cpu"],
+        env=Environment(te=None, device=None, cxx=None),
+        name="no-cxx",
+    ),
+    Case(
+        "MOE055",
+        ["train.compile=regional", "train.device=cpu"],
+        ["train.compile=regional", "train.device=cpu"],
+        env=Environment(te=None, device=None, cxx=None),
+        pass_env=Environment(te=None, device=None, cxx="/usr/bin/g++"),
+        name="with-cxx",
+    ),
 ]
 
 # Rules whose boundary needs files or probes; each has its own tests below.
