@@ -28,6 +28,7 @@ from dist_helpers import run_distributed
 from pg_harness import Knobs, build, differences, quantized_params, train, with_
 from trainer.distributed import ParamSyncState
 from trainer.parallel.groups import build_parallel_state
+from trainer.distributed.quantized_storage import quantized_storage_of
 from trainer.distributed.weight_sites import is_placeholder
 
 DELAYED_LOSS_RTOL = 2e-3  # delayed scaling, 2 micro-batches, 3 steps (measured 3e-4 on CPU)
@@ -52,7 +53,7 @@ def _masters_equal_init(recipe: str, pstate: Any) -> list[str]:
     names = {p: n for n, p in model.named_parameters()}
     problems += [f"{names[p]} keeps a high-precision copy" for p in qparams if not is_placeholder(p.data)]
     problems += [f"{names[p]} != its master's quantization" for p in qparams
-                 if not p.low_precision_storage.matches_master(p, masters[names[p]]["master"])]  # fmt: skip
+                 if not quantized_storage_of(p).matches_master(p, masters[names[p]]["master"])]  # fmt: skip
     return problems
 
 
@@ -75,7 +76,7 @@ def _forced_sync_in_flight(pstate: Any) -> dict[str, Any]:
         masters = engine.optimizer.gather_logical_state()["params"]
         names = {p: n for n, p in engine.dmodel.module.named_parameters()}
         seen["stale"] = [names[p] for p in quantized_params(engine.dmodel.module)
-                         if not p.low_precision_storage.matches_master(p, masters[names[p]]["master"])]  # fmt: skip
+                         if not quantized_storage_of(p).matches_master(p, masters[names[p]]["master"])]  # fmt: skip
 
     forced = train(k, pstate, after_step=interrupt)
     seen["vs_hook_path"] = differences(forced, train(k, pstate))

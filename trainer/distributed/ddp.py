@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import weakref
 from collections import OrderedDict
 from typing import Any, Callable, Iterator, Mapping
 
@@ -143,9 +144,14 @@ class DistributedModel:
             for i, g in enumerate(self.forward_order)
         }
 
+        # Params and modules hold their hooks back to this wrapper weakly. Objects that C++ also holds (a
+        # param in the autograd graph the last forward's aux losses keep; an expert module an autograd
+        # node's ctx keeps) are not traversed by Python's garbage collector, so param or module -> hook ->
+        # wrapper -> model was a cycle it never freed: a second Trainer in one process (a bench column, a
+        # test) kept the first one's model, grads and optimizer state.
         for p in self.names:
-            setattr(p, READY_HOOK, self._on_grad_ready)
-            p.register_post_accumulate_grad_hook(self._fold_grad)
+            setattr(p, READY_HOOK, _WeakMethod(self, "_on_grad_ready"))
+            p.register_post_accumulate_grad_hook(_WeakMethod(self, "_fold_grad"))
 
         # Lazy param gather: a module's pre-hook completes the groups of every param in its subtree, so
         # params held by a container that is never called (an expert layer's [E, out, in] weights read by
@@ -159,7 +165,7 @@ class DistributedModel:
                 groups = {self._group_of[p] for p in params if p in self._group_of}
                 if groups:
                     self._module_groups[m] = sorted(groups, key=order.__getitem__)
-                    m.register_forward_pre_hook(self._forward_pre_hook)
+                    m.register_forward_pre_hook(_WeakMethod(self, "_forward_pre_hook"))  # weak: see above
 
     # ---------------------------------------------------------------- plumbing
     @staticmethod
@@ -388,3 +394,16 @@ class DistributedModel:
             elif len({digests.get(name, "") for _, digests in everyone}) > 1:
                 bad.append(name)
         return sorted(bad)
+
+
+class _WeakMethod:
+    """`obj.<name>(*args)` through a weak reference to `obj` (a no-op once `obj` is gone)."""
+
+    def __init__(self, obj: Any, name: str) -> None:
+        self.ref = weakref.ref(obj)
+        self.name = name
+
+    def __call__(self, *args: Any) -> Any:
+        obj = self.ref()
+        return None if obj is None else getattr(obj, self.name)(*args)
+

@@ -41,6 +41,7 @@ quantization of the master).
 
 from __future__ import annotations
 
+import weakref
 from abc import abstractmethod
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Optional, Sequence
@@ -67,7 +68,8 @@ STORAGE_ATTR = "low_precision_storage"
 
 def quantized_storage_of(param: torch.Tensor) -> Optional["QuantizedParamStorage"]:
     """The quantized storage holding `param`'s values, or None for a high-precision param."""
-    return getattr(param, STORAGE_ATTR, None)
+    ref = getattr(param, STORAGE_ATTR, None)
+    return None if ref is None else ref()
 
 
 def _qt_tensors(qt: QuantizedTensor) -> list[torch.Tensor]:
@@ -115,7 +117,9 @@ class QuantizedParamStorage(ParamStorage):
             raise ValueError(f"a {site.recipe.name} layer's weight in {self.recipe.name} storage")
         self.init_values[param] = param.detach().to("cpu", copy=True)
         param.data = placeholder(param)
-        setattr(param, STORAGE_ATTR, self)
+        # A weak reference: the param is also held from C++ (autograd), where the garbage collector does not
+        # look, so a strong one made param -> storage -> buffers -> model -> param a cycle never freed.
+        setattr(param, STORAGE_ATTR, weakref.ref(self))
 
     def init_source(self, param: nn.Parameter) -> torch.Tensor:
         try:
