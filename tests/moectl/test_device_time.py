@@ -1,0 +1,104 @@
+"""The device-time split of `bench train`: interval arithmetic on made-up kernels, and region attribution
+(forward ranges, backward through autograd sequence numbers) on a real CPU profile of a tiny model step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moectl.bench.device_time import Activity, activities, covered, split, union
+from moectl.core.config.load import load_config
+from trainer import regions
+from trainer.loop import Trainer
+from trainer.observer import SilentObserver
+
+NCCL = "ncclDevKernel_ReduceScatter_Sum_f32_RING_LL"
+GEMM = "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTN"
+ADD = "vectorized_elementwise_kernel<4, CUDAFunctor_add<float>>"
+
+
+def test_union_and_covered():
+    merged = union([(5, 7), (0, 2), (1, 3), (3, 4), (10, 12)])
+    assert merged == [(0, 4), (5, 7), (10, 12)]
+    starts = [s for s, _ in merged]
+    assert covered(2, 11, merged, starts) == 2 + 2 + 1
+    assert covered(7, 10, merged, starts) == 0
+    assert covered(-5, 100, merged, starts) == 4 + 2 + 2
+
+
+def test_split_two_streams_and_partly_hidden_communication():
+    """Two steps. Stream 7: a GEMM [0, 10) and an add [12, 14) per step; stream 9: a reduce-scatter [8, 16)
+    that overlaps the GEMM for 2 us and the add for 2 us, and is alone for 4 us."""
+    acts = []
+    for off in (0, 100):
+        acts += [
+            Activity(GEMM, off + 0, off + 10, 7, ("aten::mm",), "attention"),
+            Activity(ADD, off + 12, off + 14, 7, ("aten::add",), "attention"),
+            Activity(NCCL, off + 8, off + 16, 9, (), "optimizer.step"),
+        ]
+    s = split(acts, steps=2)
+    ms = 1e-3
+    assert s.category_ms["dense_gemm"] == pytest.approx(10 * ms)
+    assert s.category_ms["elementwise"] == pytest.approx(2 * ms)
+    assert s.category_ms["comm"] == pytest.approx(8 * ms)
+    assert s.comm_overlapped_ms == pytest.approx(4 * ms) and s.comm_exposed_ms == pytest.approx(4 * ms)
+    assert s.busy_ms == pytest.approx(16 * ms)  # [0, 16): no gap
+    assert s.concurrent_ms == pytest.approx((20 - 16) * ms)  # kernel time 20, busy 16
+    assert s.kernels_per_step == 3
+    assert s.top["dense_gemm"][0] == {"name": GEMM, "ms": pytest.approx(10 * ms), "calls": 1}
+    # the rows of the table add up to the step: categories - concurrent + idle
+    step_ms = 30 * ms
+    idle = step_ms - s.busy_ms
+    assert sum(s.category_ms.values()) - s.concurrent_ms + idle == pytest.approx(step_ms)
+
+
+@pytest.fixture(scope="module")
+def cpu_profile():
+    cfg = load_config("configs/tiny.yaml", [
+        "train.eval_interval=null", "model.num_layers=1", "train.global_batch_size=4", "model.seq_length=32",
+        "data.source=synthetic", "parallel.gradient_accumulation_fusion=true",  # the fused expert grads go through grad.accumulate
+    ])  # fmt: skip
+    t = Trainer(cfg, SilentObserver())
+    t.train_step(0)
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t.train_step(1)
+    return list(prof.events())
+
+
+def test_regions_cover_forward_and_backward(cpu_profile):
+    acts = activities(cpu_profile, regions.ALL, device="cpu")
+    by_region = {a.region for a in acts}
+    # every region of the model and the loop shows up (embedding: the lookup; model.head: the final norm and head)
+    assert set(regions.ALL) - {regions.DENSE_MLP} <= by_region, set(regions.ALL) - by_region
+    backward = [a for a in acts if any(op.startswith("autograd::engine::evaluate_function") for op in a.ops)]
+    assert backward
+    # backward work is attributed through its node's sequence number to the forward region that made it
+    sdpa_bwd = [a for a in backward if "scaled_dot_product" in a.name and "backward" in a.name]
+    assert sdpa_bwd and {a.region for a in sdpa_bwd} == {regions.ATTENTION}
+    expert_bwd = [a for a in backward if any("_ExpertMLPFunctionBackward" in op for op in a.ops)]
+    assert expert_bwd and {a.region for a in expert_bwd} <= {regions.EXPERTS, regions.GRAD_ACCUMULATE}
+    index_bwd = [a for a in backward if "index" in a.name]
+    assert index_bwd and {a.region for a in index_bwd} <= {regions.DISPATCH, regions.COMBINE}
+    accumulate = [a for a in backward if any(op.endswith("AccumulateGrad") for op in a.ops)]
+    assert accumulate and {a.region for a in accumulate} == {regions.GRAD_ACCUMULATE}
+    # backward work lands in regions (what does not: the loop's `loss / n_micro` and its reshapes); so does
+    # the rest, but for the loop's own work: the grad-buffer zeroing that opens the step (as the first op
+    # after the profiler starts it also absorbs the profiler's start-up), the loss bookkeeping, the data copy
+    assert sum(a.us for a in backward if a.region is None) < 0.03 * sum(a.us for a in backward)
+    work = [a for a in acts if a.name != "aten::zero_" or a.ops[1:]]
+    assert sum(a.us for a in work if a.region is None) < 0.1 * sum(a.us for a in work)
+    cats = split(acts, 1).category_ms
+    for key in ("dense_gemm", "grouped_gemm", "attention", "router", "dispatch", "loss", "optimizer", "grad_accum"):
+        assert cats[key] > 0, key
+
+
+def test_regions_are_free_without_a_profiler():
+    assert regions.region(regions.ATTENTION) is regions._NULL
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with regions.region("moe.experts"):
+            torch.ones(2).add_(1)
+    assert any(e.name == "moe.experts" and e.is_user_annotation for e in prof.events())
