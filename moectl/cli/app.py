@@ -5,6 +5,7 @@ from __future__ import annotations
 from moectl.cli.base import app
 from moectl.cli import validate  # noqa: F401
 from moectl.cli import bench  # noqa: F401
+from moectl.cli import bench_train  # noqa: F401
 from moectl.cli import train  # noqa: F401
 from moectl.cli import ckpt  # noqa: F401
 

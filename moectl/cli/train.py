@@ -19,7 +19,8 @@ NprocOpt = Annotated[
 ]
 
 
-def _refuse_on_rule_errors(cfg, world_size: int, console: Console) -> None:
+def refuse_on_rule_errors(cfg, world_size: int, console: Console) -> None:
+    """Print every rule violation of `cfg` at `world_size`; raise one ConfigError if any is an error."""
     from moectl.cli.validate import print_violations
     from moectl.core.rules import check
 
@@ -63,7 +64,7 @@ def train_command(
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else nproc_per_node
     rank0 = int(os.environ.get("RANK", "0")) == 0 if under_torchrun() else True
     console = Console(quiet=not rank0)
-    _refuse_on_rule_errors(cfg, world, console)
+    refuse_on_rule_errors(cfg, world, console)
     if nproc_per_node > 1 and not under_torchrun():
         raise typer.Exit(launch_local(nproc_per_node, reexec_args()))
 

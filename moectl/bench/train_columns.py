@@ -1,0 +1,49 @@
+"""The columns of `bench train`: the same config run three ways, side by side.
+
+    ours               the config as given (the trainer's default for it, `train.compile` included)
+    compiled-peer      each layer's norms, attention core and router under regional torch.compile
+                       (`train.compile=regional`, trainer/compile.py), experts as ours run them: what a user
+                       who wraps our model in torch.compile gets
+    torchtitan-recipe  the same regional compile with experts on `moe.backend=grouped`
+                       (torch._grouped_mm + eager activation): torchtitan's MoE recipe
+
+A column is nothing but `--set` overrides applied after the user's, so every column runs the real trainer
+and the bench needs no engine API of its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Column:
+    """One way of running the config."""
+
+    name: str
+    overrides: tuple[str, ...]
+    description: str
+
+
+COLUMNS: dict[str, Column] = {
+    c.name: c
+    for c in (
+        Column("ours", (), "the config as given"),
+        Column("compiled-peer", ("train.compile=regional",), "regional torch.compile, our experts"),
+        Column(
+            "torchtitan-recipe",
+            ("train.compile=regional", "moe.backend=grouped"),
+            "regional torch.compile, grouped experts",
+        ),
+    )
+}
+
+
+def pick(names: list[str] | None) -> list[Column]:
+    """The named columns in table order (all of them for None); unknown names raise ValueError."""
+    if not names:
+        return list(COLUMNS.values())
+    unknown = [n for n in names if n not in COLUMNS]
+    if unknown:
+        raise ValueError(f"unknown column(s) {unknown}; choose from {list(COLUMNS)}")
+    return [c for c in COLUMNS.values() if c.name in names]

@@ -1,0 +1,207 @@
+"""`moectl bench train CONFIG`: the real training step, ours against a compiled peer and torchtitan's recipe."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from moectl.cli.base import command
+from moectl.cli.bench import bench_app
+from moectl.cli.options import ConfigArg, JsonPathOpt, SetOpt, examples
+from moectl.core.errors import UsageError
+
+_HELP = (
+    "End-to-end training step: the real trainer (the code `moectl train` runs) for warm-up, timed and profiled "
+    "steps, side by side in one run: 'ours' (the config as given), 'compiled-peer' (each layer's norms, attention "
+    "and router under regional torch.compile, our experts) and 'torchtitan-recipe' (the same, experts on "
+    "moe.backend=grouped). Per column: tokens/s (total and per GPU), MFU on known GPUs, peak memory, step time, "
+    "and the step's device time by category (GEMMs, attention, quantize, elementwise, copies, router, dispatch, "
+    "loss, grad accumulation, optimizer, communication exposed/overlapped, idle) from a profiler pass."
+    + examples(
+        "moectl bench train configs/bench_reference.yaml --json runs/bench_train.json",
+        "moectl bench train configs/bench_reference.yaml --column ours --column compiled-peer --steps 20",
+        "moectl bench train configs/bench_reference.yaml --set mixed_precision.fp8=e4m3 --column ours",
+        "moectl bench train configs/bench_reference.yaml --nproc-per-node 4 --set train.global_batch_size=32",
+        "moectl bench train configs/tiny.yaml --quick",
+    )
+)
+
+
+def _fmt(value: Optional[float], spec: str, suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+def _ms_pct(ms: Optional[float], step_ms: Optional[float]) -> str:
+    if ms is None or not step_ms:
+        return "-"
+    return f"{ms:.1f} ({100 * ms / step_ms:.0f}%)"
+
+
+def _rows(result: Any) -> list[tuple[str, list[str]]]:
+    """(label, one cell per column) for the table, in display order."""
+    from moectl.bench.kernel_classes import CATEGORIES
+
+    rows = result.rows
+    ok = [r for r in rows if "error" not in r]
+
+    def line(label: str, cell: Any) -> tuple[str, list[str]]:
+        return label, [r["error"] if "error" in r else cell(r) for r in rows]
+
+    out = [
+        line("tokens/s", lambda r: f"{r['tokens_per_s']:,.0f}"),
+        line("tokens/s per GPU", lambda r: f"{r['tokens_per_s_per_gpu']:,.0f}"),
+        line("MFU", lambda r: _fmt(None if r["mfu"] is None else 100 * r["mfu"], ".1f", "%")),
+        line("ours / this (tokens/s)", lambda r: _fmt(r.get("ours_speedup"), ".2f", "x")),
+        line("step ms median (min-max)", lambda r: f"{r['step_ms']:.1f} ({r['step_ms_min']:.1f}-{r['step_ms_max']:.1f})"),
+        line("peak memory", lambda r: _fmt(r["peak_mem_gib"], ".1f", " GiB")),
+        line("warm-up s (compile)", lambda r: f"{r['warmup_s']:.1f}"),
+        line("experts / compiled regions", lambda r: f"{r['expert_backend']} / {r['compiled_regions']}"),
+        line("max |loss - first column|", lambda r: _fmt(r.get("loss_vs_first_column"), ".2e")),
+    ]
+    if not any(r.get("profile") for r in ok):
+        return out
+    out.append(("device time per step, ms (% of step)", ["" for _ in rows]))
+
+    def prof(key: str) -> Any:
+        return lambda r: _ms_pct(r["profile"].get(key), r["step_ms"]) if r.get("profile") else "-"
+
+    for key, label in CATEGORIES.items():
+        if key == "comm":
+            out.append(line("  communication, exposed", prof("comm_exposed_ms")))
+            out.append(line("  communication, overlapped", prof("comm_overlapped_ms")))
+            continue
+        out.append(line(f"  {label}", lambda r, k=key: _ms_pct(r["profile"]["category_ms"][k], r["step_ms"])
+                        if r.get("profile") else "-"))  # fmt: skip
+    out += [
+        line("  concurrent streams (counted twice above)", lambda r: _ms_pct(-r["profile"]["concurrent_ms"],
+             r["step_ms"]) if r.get("profile") else "-"),  # fmt: skip
+        line("  idle (no kernel running)", prof("idle_ms")),
+        line("  kernels per step", lambda r: f"{r['profile']['kernels_per_step']:,.0f}" if r.get("profile") else "-"),
+    ]
+    return out
+
+
+def render(result: Any, console: Console) -> None:
+    """The result as one Rich table: a column per bench column, a row per measure."""
+    meta = result.meta
+    model = meta.get("model", {})
+    versions = ", ".join(f"{k} {meta[k]}" for k in ("torch", "cuda", "nccl") if meta.get(k))
+    title = (
+        f"training step, {meta['config']}: {model.get('params', 0) / 1e6:,.1f}M params "
+        f"({model.get('active_params', 0) / 1e6:,.1f}M active), {model.get('tokens_per_step', 0):,} tokens per step, "
+        f"{meta['world_size']} x {meta['device_name']} ({versions})"
+    )
+    caption = (
+        f"{meta['steps']} timed steps after {meta['warmup']} warm-up; device time from a profile of "
+        f"{meta['profile_steps']} more; categories sum kernel time over all streams, 'concurrent streams' takes "
+        "back the time two ran at once (overlapped communication included), idle = median step - busy device "
+        "time: the rows add up to the step"
+        + "".join(f"\n{n}" for n in result.notes)
+    )
+    table = Table(title=title, caption=caption)
+    table.add_column("")
+    for r in result.rows:
+        table.add_column(r["column"], justify="right")
+    for label, cells in _rows(result):
+        table.add_row(label, *cells)
+    console.print(table)
+
+
+@command(bench_app, name="train", help=_HELP)
+def train(
+    config: ConfigArg,
+    set_: SetOpt = None,
+    nproc_per_node: Annotated[
+        int, typer.Option("--nproc-per-node", min=1, help="Processes (GPUs) on this machine; >1 launches torchrun.")
+    ] = 1,
+    steps: Annotated[Optional[int], typer.Option("--steps", min=1, help="Timed steps per column (default 10).")] = None,
+    warmup: Annotated[
+        Optional[int], typer.Option("--warmup", min=0, help="Untimed steps first (compiles happen here; default 3).")
+    ] = None,
+    profile_steps: Annotated[
+        Optional[int], typer.Option("--profile-steps", min=0, help="Profiled steps after the timed ones (default 2; "
+                                    "0 skips the device-time split).")
+    ] = None,
+    column: Annotated[
+        Optional[list[str]],
+        typer.Option("--column", help="Only these columns: ours, compiled-peer, torchtitan-recipe (repeatable)."),
+    ] = None,
+    json_path: JsonPathOpt = None,
+    quick: Annotated[
+        bool, typer.Option("--quick", help="The config's structure shrunk to a tiny CPU model, 2 steps: a CI smoke test.")
+    ] = False,
+) -> None:
+    from moectl.cli.launch import launch_local, reexec_args, under_torchrun
+
+    if nproc_per_node > 1 and not under_torchrun():
+        raise typer.Exit(launch_local(nproc_per_node, reexec_args()))
+
+    from moectl.bench import train_bench as tb
+    from moectl.bench.train_columns import pick
+    from moectl.cli.train import refuse_on_rule_errors
+
+    try:
+        columns = pick(column)
+    except ValueError as e:
+        raise UsageError(str(e), "see `moectl bench train --help`") from None
+    counts = tb.TrainBenchConfig.quick_steps() if quick else {}
+    counts.update({k: v for k, v in (("steps", steps), ("warmup", warmup), ("profile_steps", profile_steps))
+                   if v is not None})  # fmt: skip
+    bench = tb.TrainBenchConfig(config=config, sets=list(set_ or []), columns=columns, quick=quick, **counts)
+    world = int(os.environ.get("WORLD_SIZE", "1")) if under_torchrun() else 1
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    console = Console(quiet=not rank0)
+    configs = [tb.column_config(bench, c, world) for c in columns]
+    for cfg in configs:
+        refuse_on_rule_errors(cfg, world, console)
+    result = _run(bench, configs, world, console)
+    if rank0:
+        render(result, console)
+        if json_path is not None:
+            json_path.parent.mkdir(parents=True, exist_ok=True)
+            json_path.write_text(json.dumps(result.to_json(), indent=2) + "\n")
+            console.print(f"wrote {json_path}")
+
+
+def _run(bench: Any, configs: list[Any], world: int, console: Console) -> Any:
+    """Run the columns; under `--quick` on the CPU the compiled columns use the aot_eager backend."""
+    import torch
+
+    from moectl.bench import train_bench as tb
+    from trainer.compile import BACKEND_ENV
+    from trainer.parallel.groups import destroy_distributed
+    from trainer.runtime import pick_device
+
+    device = pick_device(configs[0].train.device, int(os.environ.get("LOCAL_RANK", "0")))
+    meta: dict[str, Any] = {
+        "config": str(bench.config), "sets": bench.sets, "columns": [c.name for c in bench.columns],
+        "steps": bench.steps, "warmup": bench.warmup, "profile_steps": bench.profile_steps, "quick": bench.quick,
+        "world_size": world, "device": device.type, "torch": torch.__version__,
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "cuda": torch.version.cuda if device.type == "cuda" else None,
+    }  # fmt: skip
+    notes = []
+    set_backend = bench.quick and device.type == "cpu" and not os.environ.get(BACKEND_ENV)
+    if set_backend:
+        os.environ[BACKEND_ENV] = "aot_eager"
+        notes.append("--quick on the CPU: compiled columns use torch.compile backend aot_eager (graph capture, no "
+                     "code generation); their times say nothing about compiled speed")  # fmt: skip
+    if device.type == "cpu":
+        notes.append("on the CPU the 'device' is the host: op times include the profiler's per-op overhead, so the "
+                     "split only shows that the attribution works")  # fmt: skip
+    meta["compile_backend"] = os.environ.get(BACKEND_ENV) or "inductor"
+    log = (lambda line: console.print(line, style="dim", highlight=False))
+    try:
+        result = tb.run(bench, configs, meta, log)
+    finally:
+        if set_backend:
+            del os.environ[BACKEND_ENV]
+        if world > 1:
+            destroy_distributed()
+    result.notes = notes + result.notes
+    return result

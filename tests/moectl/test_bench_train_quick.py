@@ -1,0 +1,109 @@
+"""`moectl bench train`: the quick CPU run through the CLI, how a column's config is made, error rows, and
+the aggregate vs per-GPU numbers of a two-rank run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from dist_helpers import run_distributed
+from moectl.bench import train_bench as tb
+from moectl.bench.kernel_classes import CATEGORIES
+from moectl.bench.train_columns import COLUMNS, pick
+from moectl.cli.app import app
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "configs" / "tiny.yaml"
+REFERENCE = REPO / "configs" / "bench_reference.yaml"
+
+
+def test_quick_run_writes_every_measure_for_each_column(tmp_path):
+    out = tmp_path / "train.json"
+    result = CliRunner().invoke(app, [
+        "bench", "train", str(TINY), "--quick", "--column", "ours", "--column", "torchtitan-recipe", "--set",
+        "moe.backend=loop", "--set", "data.source=synthetic", "--warmup", "0", "--steps", "2", "--json", str(out),
+    ])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "training step" in result.output and "aot_eager" in result.output
+    data = json.loads(out.read_text())
+    assert data["meta"]["world_size"] == 1 and data["meta"]["device"] == "cpu" and data["meta"]["quick"]
+    assert data["meta"]["model"]["params"] > data["meta"]["model"]["active_params"] > 0
+    ours, titan = data["rows"]
+    assert (ours["column"], titan["column"]) == ("ours", "torchtitan-recipe")
+    # the user's --set reaches every column, a column's own overrides win over it
+    assert (ours["expert_backend"], titan["expert_backend"]) == ("loop", "grouped")
+    assert ours["compiled_regions"] == 0 and titan["compiled_regions"] == 2 * 4  # 2 layers: norms, attention, router
+    for r in (ours, titan):
+        assert len(r["step_ms_all"]) == 2 and r["step_ms_min"] <= r["step_ms"] <= r["step_ms_max"]
+        assert r["tokens_per_s"] == pytest.approx(data["meta"]["model"]["tokens_per_step"] / (r["step_ms"] * 1e-3))
+        assert r["tokens_per_s_per_gpu"] == r["tokens_per_s"]
+        assert r["mfu"] is None and r["peak_mem_gib"] is None  # CPU: no peak to compare with, no CUDA allocator
+        prof = r["profile"]
+        assert set(prof["category_ms"]) == set(CATEGORIES) and prof["busy_ms"] > 0
+        assert prof["category_ms"]["grouped_gemm"] > 0 and prof["category_ms"]["attention"] > 0
+    assert ours["ours_speedup"] == 1.0 and titan["ours_speedup"] == pytest.approx(titan["tokens_per_s"] and
+                                                                                ours["tokens_per_s"] / titan["tokens_per_s"])
+    # the same seed and batches: the compiled grouped column trains the same losses (fp32, aot_eager)
+    assert titan["loss_vs_first_column"] < 1e-4
+
+
+def test_column_config_layers_and_bad_column():
+    bench = tb.TrainBenchConfig(config=REFERENCE, sets=["moe.router_topk=1"], steps=4, warmup=2, profile_steps=1,
+                                quick=True)  # fmt: skip
+    cfg = tb.column_config(bench, COLUMNS["torchtitan-recipe"], world_size=2)
+    # the quick shrink of the reference config: its structure, tiny and on the CPU
+    assert (cfg.model.num_layers, cfg.model.hidden_size, cfg.train.device) == (2, 64, "cpu")
+    assert cfg.model.num_attention_heads // cfg.model.kv_heads == 4  # 16 heads in 4 groups -> 4 per group
+    assert cfg.moe.num_experts == 8 and cfg.train.global_batch_size == 2 * 2 * 2  # 2 micro-batches per rank
+    assert cfg.moe.router_topk == 1  # the user's --set beats the shrink
+    assert (cfg.train.compile, cfg.moe.backend) == ("regional", "grouped")  # the column beats both
+    assert cfg.train.eval_interval is None and cfg.checkpoint.save_interval is None
+    full = tb.column_config(tb.TrainBenchConfig(config=REFERENCE), COLUMNS["ours"])
+    assert (full.model.num_layers, full.moe.num_experts, full.train.compile) == (8, 32, "none")
+    with pytest.raises(ValueError, match="unknown column"):
+        pick(["ours", "fastest"])
+    result = CliRunner().invoke(app, ["bench", "train", str(TINY), "--quick", "--column", "fastest"])
+    assert result.exit_code == 2 and "unknown column" in result.output and "Traceback" not in result.output
+
+
+def test_a_column_that_runs_out_of_memory_is_a_row_not_a_traceback(monkeypatch):
+    real = tb.measure_column
+
+    def measure(cfg, column, bench, log):
+        if column.name == "compiled-peer":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 14.00 GiB. GPU 0 has 13.2 GiB free")
+        return real(cfg, column, bench, log)
+
+    monkeypatch.setattr(tb, "measure_column", measure)
+    bench = tb.TrainBenchConfig(config=TINY, columns=pick(["ours", "compiled-peer"]), quick=True, steps=1, warmup=0,
+                                profile_steps=0)  # fmt: skip
+    configs = [tb.column_config(bench, c) for c in bench.columns]
+    result = tb.run(bench, configs, {})
+    ours, peer = result.rows
+    assert ours["tokens_per_s"] > 0 and "error" not in ours
+    assert peer["error"].startswith("out of memory: CUDA out of memory. Tried to allocate 14.00 GiB")
+    assert peer["ours_speedup"] is None and "tokens_per_s" not in peer
+    from moectl.cli.bench_train import _rows
+
+    cells = dict(_rows(result))
+    assert cells["tokens/s"][1] == peer["error"]
+
+
+def _two_ranks(rank: int, world_size: int) -> dict:
+    bench = tb.TrainBenchConfig(config=TINY, sets=["data.source=synthetic"], columns=pick(["ours"]), quick=True,
+                                steps=2, warmup=0, profile_steps=0)  # fmt: skip
+    result = tb.run(bench, [tb.column_config(bench, c, world_size) for c in bench.columns], {})
+    return result.rows[0]
+
+
+@pytest.mark.slow
+def test_two_ranks_report_the_job_and_per_gpu_rates():
+    rank0, rank1 = run_distributed(_two_ranks, world_size=2)
+    assert rank0["model"]["world_size"] == 2
+    assert rank0["model"]["tokens_per_step"] == 2 * 2 * 2 * 64  # 2 micro-batches of 2 sequences per rank
+    assert rank0["tokens_per_s_per_gpu"] == pytest.approx(rank0["tokens_per_s"] / 2)
+    assert rank0["losses"] == rank1["losses"]  # the loss is averaged over data-parallel ranks
