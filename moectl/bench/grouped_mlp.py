@@ -26,6 +26,12 @@ host queued ahead after a rest (`_queued_ms`), and in steady state under continu
 with the SM clock, board power and allocator retries meanwhile). The first two start from a rested device,
 which boosts; a 700 W Hopper board in training runs at the clock of the third. The weights of every
 default shape are hundreds of MB, far over the L2 (50-60 MB), so repeated calls do not run from cache.
+
+Out of memory is a result, not a crash (moectl/bench/oom.py): a shape whose inputs do not fit gives error
+rows, a path that does not fit (each path runs once before the timing) an `OOM` cell and `<path>_error`, a
+row whose timing runs out an error row; the run goes on. The fp8 paths' error check runs at a slice of the
+shape (`error_check_shape`: at most half, at most 8 of its experts), with outputs kept in the bench dtype
+and compared slab by slab, so it needs less memory than the path it checks.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ import torch.nn.functional as F
 
 from moectl.bench import grouped_mlp_fp8 as fp8
 from moectl.bench.backend_function import BackendFunction
+from moectl.bench.oom import OutOfMemory, free, oom_message
 from moectl.bench.timing import SUSTAINED_SECONDS, dense_ceiling_tflops, dense_matmul, interleaved_ms, queued_ms, sustained_ms
 
 PATHS = ("loop", "eager", "compile", "grouped", "fused")  # bf16 (fp32 in --quick on CPU)
@@ -259,12 +266,72 @@ def bench_shape(
     log: Callable[[str], None],
     profiles: Optional[dict[str, Any]] = None,
 ) -> list[dict[str, Any]]:
-    """The rows of one shape: (fwd, fwd+bwd) x (experts only, with permute)."""
+    """The rows of one shape: (fwd, fwd+bwd) x (experts only, with permute). A shape, a path or a row that
+    does not fit in memory is reported as such (`error`, `<path>_error`, and a note), never raised."""
+    device = torch.device(cfg.device)
+    topk = cfg.topk or (2 if shape.experts <= 8 else 8)
+    try:
+        inp = _inputs(shape, topk, device, cfg.dtype, cfg.seed)
+    except OutOfMemory as e:
+        error = oom_message(e)
+    else:
+        return _bench_inputs(shape, cfg, inp, topk, ceiling, dense, notes, log, profiles)
+    free(device)  # outside the except block: its traceback no longer holds the half-built inputs
+    log(f"{shape.label()}: inputs do not fit ({error})")
+    notes.append(f"{shape.label()}: {error}")
+    return [_error_row(shape, topk, permute, backward, error)
+            for permute in ((False, True) if cfg.permute else (False,)) for backward in (False, True)]
+
+
+def _base_row(shape: Shape, topk: int, permute: bool, backward: bool) -> dict[str, Any]:
+    return {"shape": shape.label(), **asdict(shape), "pass": "fwd+bwd" if backward else "fwd", "permute": permute,
+            "topk": topk, "gemm_tflop": shape.gemm_flops(backward) / 1e12, "error": None}  # fmt: skip
+
+
+def _error_row(shape: Shape, topk: int, permute: bool, backward: bool, error: str) -> dict[str, Any]:
+    """A row whose shape could not be measured: every number None, the reason in `error`."""
+    row = _base_row(shape, topk, permute, backward)
+    row.update(error=error, queued_host_behind=[], dense_row_tflops=None, fused_vs_eager=None, fused_vs_compile=None)
+    for path in ALL_PATHS:
+        for suffix in ("ms", "queued_ms", "sustained_ms", "sustained_mhz", "sustained_watts", "ms_min", "ms_max",
+                       "tflops", "pct_ceiling", "error", "rel_err", "mode", "vs_fused", "queued_vs_fused",
+                       "sustained_vs_fused"):  # fmt: skip
+            row[f"{path}_{suffix}"] = None
+        row[f"{path}_sustained_alloc_retries"] = 0
+    for base in ("sgmm_rowwise", "torchao_rowwise"):
+        row[f"fp8_rowwise_vs_{base}"] = None
+    return row
+
+
+def _probe(calls: dict[str, Callable[[], object]], device: torch.device) -> dict[str, str]:
+    """Run each path once; {path: out-of-memory message} for those that do not fit (dropped from the row)."""
+    failed: dict[str, str] = {}
+    for path, call in list(calls.items()):
+        try:
+            call()
+        except OutOfMemory as e:
+            failed[path] = oom_message(e)
+        if path in failed:
+            del calls[path]
+            free(device)
+    return failed
+
+
+def _bench_inputs(
+    shape: Shape,
+    cfg: BenchConfig,
+    inp: "_Inputs",
+    topk: int,
+    ceiling: float,
+    dense: Callable[[], object],
+    notes: list[str],
+    log: Callable[[str], None],
+    profiles: Optional[dict[str, Any]],
+) -> list[dict[str, Any]]:
+    """The rows of one shape whose inputs fit; a path (or the whole row) that runs out of memory says so."""
     from trainer.moe.expert_math import ExpertSpec
 
     device = torch.device(cfg.device)
-    topk = cfg.topk or (2 if shape.experts <= 8 else 8)
-    inp = _inputs(shape, topk, device, cfg.dtype, cfg.seed)
     spec = ExpertSpec("swiglu", shape.ffn, None)
     compiled = None
     if "compile" in cfg.paths and (device.type == "cuda" or cfg.compile_on_cpu):
@@ -276,30 +343,41 @@ def bench_shape(
             paths.append(path)
         else:
             notes.append(why)
-    errors = _fp8_errors(shape, inp, spec, [p for p in paths if p in FP8_PATHS], log)
+    fp8_paths = [p for p in paths if p in FP8_PATHS]
+    errors = _fp8_errors(shape, cfg, spec, fp8_paths, log)
     rows: list[dict[str, Any]] = []
     for permute in (False, True) if cfg.permute else (False,):
         n_out = inp.x_ND.shape[0] if permute else shape.rows
-        dy = torch.randn(n_out, shape.hidden, device=device, dtype=cfg.dtype)
+        try:
+            dy = torch.randn(n_out, shape.hidden, device=device, dtype=cfg.dtype)
+        except OutOfMemory as e:
+            error = oom_message(e)
+            rows += [_error_row(shape, topk, permute, backward, error) for backward in (False, True)]
+            continue
         for backward in (False, True):
             flops = shape.gemm_flops(backward)
-            row: dict[str, Any] = {
-                "shape": shape.label(), **asdict(shape), "pass": "fwd+bwd" if backward else "fwd",
-                "permute": permute, "topk": topk, "gemm_tflop": flops / 1e12,
-            }  # fmt: skip
-            calls = {}
+            calls: dict[str, Callable[[], object]] = {}
+            path_errors: dict[str, str] = {}
             for path in paths:
                 if path == "compile" and compiled is None:
                     continue
-                fn, weights = _expert_fn(path, inp, spec, compiled)
+                try:
+                    fn, weights = _expert_fn(path, inp, spec, compiled)
+                except OutOfMemory as e:  # e.g. the loop path's per-expert weight copies
+                    path_errors[path] = oom_message(e)
+                    continue
                 calls[path] = _step(fn, inp, weights, permute, backward, dy)
-            calls["dense"] = dense  # the ceiling again, in the same rounds: what the device gives right now
-            rounds = max(1, min(cfg.rounds, cfg.iters))
-            samples = interleaved_ms(calls, device, cfg.warmup, rounds, -(-cfg.iters // rounds))
-            paths_only = {k: v for k, v in calls.items() if k != "dense"}
-            queued, behind = queued_ms(paths_only, device, rounds, -(-cfg.iters // rounds))
+            path_errors.update(_probe(calls, device))
+            timed = _time_row(calls, dense, cfg, device)
+            if isinstance(timed, str):  # the row's timing itself ran out of memory
+                free(device)
+                rows.append(_error_row(shape, topk, permute, backward, timed))
+                log(f"{shape.label()} {rows[-1]['pass']}: {timed}")
+                continue
+            samples, queued, behind, sustained, states = timed
+            row = _base_row(shape, topk, permute, backward)
             row["queued_host_behind"] = sorted(behind)
-            sustained, states = sustained_ms(paths_only, device, cfg.sustained_rounds, cfg.sustained_seconds)
+            row["fp8_error_check_shape"] = error_check_shape(shape).label() if fp8_paths else None
             dense_ms = statistics.median(samples["dense"])
             row["dense_row_tflops"] = 2 * cfg.ceiling_size**3 / (dense_ms * 1e-3) / 1e12
             for path in ALL_PATHS:
@@ -317,6 +395,7 @@ def bench_shape(
                 row[f"{path}_ms_max"] = max(times) if times else None
                 row[f"{path}_tflops"] = tflops
                 row[f"{path}_pct_ceiling"] = None if tflops is None else 100.0 * tflops / ceiling
+                row[f"{path}_error"] = path_errors.get(path)
             for base in ("eager", "compile"):
                 ok = row["fused_ms"] is not None and row[f"{base}_ms"] is not None
                 row[f"fused_vs_{base}"] = row[f"{base}_ms"] / row["fused_ms"] if ok else None
@@ -335,7 +414,16 @@ def bench_shape(
                 for path in cfg.profile:
                     if path in calls and path not in profiles:
                         log(f"profiling {path} fwd+bwd at {shape.label()} ...")
-                        profiles[path] = {"shape": shape.label(), **fp8.kernel_profile(calls[path], device)}
+                        try:
+                            profiles[path] = {"shape": shape.label(), **fp8.kernel_profile(calls[path], device)}
+                        except OutOfMemory as e:
+                            notes.append(f"profile of {path} at {shape.label()}: {oom_message(e)}")
+    for row in rows:
+        if row.get("error"):
+            notes.append(f"{row['shape']} {row['pass']}{' +permute' if row['permute'] else ''}: {row['error']}")
+        for path in ALL_PATHS:
+            if row.get(f"{path}_error"):
+                notes.append(f"{row['shape']} {path}: {row[f'{path}_error']}")
     if "compile" in cfg.paths and compiled is None:
         notes.append("compile skipped on CPU (slow to build; a CUDA run measures it)")
     for path in paths:
@@ -351,25 +439,79 @@ def bench_shape(
     return rows
 
 
-def _fp8_errors(shape: Shape, inp: _Inputs, spec: Any, paths: list[str], log: Callable[[str], None]) -> dict[str, Any]:
+def _time_row(
+    calls: dict[str, Callable[[], object]], dense: Callable[[], object], cfg: BenchConfig, device: torch.device
+) -> Any:
+    """The three timing regimes of one row's paths, or the out-of-memory message if they ran out."""
+    calls = {**calls, "dense": dense}  # the ceiling again, in the same rounds: what the device gives right now
+    rounds = max(1, min(cfg.rounds, cfg.iters))
+    try:
+        samples = interleaved_ms(calls, device, cfg.warmup, rounds, -(-cfg.iters // rounds))
+        paths_only = {k: v for k, v in calls.items() if k != "dense"}
+        queued, behind = queued_ms(paths_only, device, rounds, -(-cfg.iters // rounds))
+        sustained, states = sustained_ms(paths_only, device, cfg.sustained_rounds, cfg.sustained_seconds)
+    except OutOfMemory as e:
+        return oom_message(e)
+    return samples, queued, behind, sustained, states
+
+
+ERROR_CHECK_EXPERTS = 8  # the fp8 error check's shape: at most this many experts, and at most half of them
+
+
+def error_check_shape(shape: Shape) -> Shape:
+    """The shape the fp8 error check runs at: the same D, F and rows per expert, at most half the experts
+    (at most 8). Every expert computes independently, so a slice checks the same function; holding the
+    reference's outputs while the fp8 path runs then costs less memory than the timed path at full size (at
+    (128,7168,2048,256) the full-size check asked 14 GiB more than an 80 GB H100 had)."""
+    experts = max(1, min(shape.experts // 2, ERROR_CHECK_EXPERTS))
+    rows = shape.tokens_per_expert if shape.experts > 1 else max(1, shape.tokens_per_expert // 2)
+    return Shape(experts, shape.hidden, shape.ffn, rows)
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor, chunk_rows: int = 4096) -> float:
+    """||got - ref|| / ||ref|| in fp32, a slab of `chunk_rows` along dim 0 at a time (no full fp32 copies)."""
+    diff2 = ref2 = 0.0
+    for g, r in zip(got.split(chunk_rows), ref.split(chunk_rows)):
+        r32 = r.float()
+        diff2 += float((g.float() - r32).square().sum())
+        ref2 += float(r32.square().sum())
+    return (diff2 / max(ref2, 1e-60)) ** 0.5
+
+
+def _fp8_errors(shape: Shape, cfg: BenchConfig, spec: Any, paths: list[str],
+                log: Callable[[str], None]) -> dict[str, Any]:  # fmt: skip
     """Relative errors ||a - ref|| / ||ref|| of y, dx and dw1 of each fp8 path against the eager path in the
-    bench dtype (same inputs, one fwd+bwd, no permute): proof that every column computes the same function."""
+    bench dtype (one fwd+bwd, no permute) at `error_check_shape(shape)`, outputs kept in the bench dtype and
+    compared slab by slab: proof that every column computes the same function. A check that does not fit
+    is reported as such (`{"error": ...}`), and the paths are still timed."""
     if not paths:
         return {}
+    small = error_check_shape(shape)
+    try:
+        return _fp8_errors_at(small, cfg, spec, paths, log)
+    except OutOfMemory as e:
+        message = oom_message(e)
+    free(torch.device(cfg.device))
+    log(f"{shape.label()}: fp8 error check at {small.label()}: {message}")
+    return {p: {"error": message} for p in paths}
+
+
+def _fp8_errors_at(shape: Shape, cfg: BenchConfig, spec: Any, paths: list[str],
+                   log: Callable[[str], None]) -> dict[str, Any]:  # fmt: skip
+    inp = _inputs(shape, 1, torch.device(cfg.device), cfg.dtype, cfg.seed + 1)  # no permute: top-k unused
     dy = torch.randn_like(inp.x_TD.detach())
 
     def run(fn: Callable[..., torch.Tensor], w1: torch.Tensor) -> list[torch.Tensor]:
         x = inp.x_TD.detach().clone().requires_grad_()
         y = fn(x, inp.probs_T.detach())
         dx, dw1 = torch.autograd.grad(y, [x, w1], dy)
-        return [y.detach().float(), dx.float(), dw1.float()]
+        return [y.detach(), dx, dw1]
 
     ref = run(lambda x, p: eager_expert_mlp(x, inp.w1_EHD, inp.w2_EDF, inp.offs_E, p), inp.w1_EHD)
     out: dict[str, Any] = {}
     for path in paths:
         fn, _ = fp8.expert_fn(path, inp, spec)
-        got = run(fn, inp.w1_EHD)
-        errs = [float((g - r).norm() / r.norm().clamp(min=1e-30)) for g, r in zip(got, ref)]
+        errs = [rel_err(g, r) for g, r in zip(run(fn, inp.w1_EHD), ref)]
         out[path] = dict(zip(("y", "dx", "dw1"), errs))
         log(f"{shape.label()} {path}: rel err vs eager y={errs[0]:.2e} dx={errs[1]:.2e} dw1={errs[2]:.2e}")
     return out

@@ -20,7 +20,6 @@ tokens/s is the whole job's, tokens/s per GPU divides it by the world size.
 
 from __future__ import annotations
 
-import gc
 import math
 import statistics
 import time
@@ -31,6 +30,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from moectl.bench.oom import OutOfMemory, free, oom_message
 from moectl.bench.train_columns import Column
 from moectl.bench.train_shrink import quick_overrides
 from moectl.core.config.load import load_config
@@ -179,15 +179,12 @@ def measure_column(cfg: Config, column: Column, bench: TrainBenchConfig, log: Lo
     return row
 
 
-def _free(device_type: str) -> None:
-    """Drop what a column left: its graphs, its tensors, the allocator's cached blocks."""
+def _free() -> None:
+    """Drop what a column left: its compiled graphs, its tensors, the allocator's cached blocks."""
     import torch._dynamo
 
     torch._dynamo.reset()
-    gc.collect()
-    if device_type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
+    free("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _error_row(column: Column, message: str) -> dict[str, Any]:
@@ -200,11 +197,11 @@ def run_column(cfg: Config, column: Column, bench: TrainBenchConfig, log: Log) -
     error: Optional[str] = None
     try:
         row = measure_column(cfg, column, bench, log)
-    except torch.OutOfMemoryError as e:
-        error = "out of memory: " + str(e).splitlines()[0][:200]
+    except OutOfMemory as e:
+        error = oom_message(e)
     except MoectlError as e:
         error = e.one_line()
-    _free("cuda" if torch.cuda.is_available() else "cpu")  # after the except block: the traceback is gone
+    _free()  # after the except block: its traceback (and the tensors its frames hold) is gone
     if error is not None:
         log(f"{column.name}: {error}")
         return _error_row(column, error)

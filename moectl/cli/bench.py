@@ -34,7 +34,10 @@ _GROUPED_MLP_HELP = (
 )
 
 
-def _cell(row: dict[str, Any], path: str) -> str:
+def _cell(row: dict[str, Any], path: str, ran: Optional[list[str]] = None) -> str:
+    """'TFLOP/s %-of-ceiling'; 'OOM' where the path or its whole row did not fit; '-' where it did not run."""
+    if row.get(f"{path}_error") or (row.get("error") and (ran is None or path in ran)):
+        return "OOM" if "out of memory" in (row.get(f"{path}_error") or row.get("error") or "") else "error"
     tflops = row[f"{path}_tflops"]
     if tflops is None:
         return "-"
@@ -67,9 +70,10 @@ def render(result: Any, console: Console) -> None:
     table.add_column("fused/\neager", justify="right")
     table.add_column("fused/\ncompile", justify="right")
     for row in result.rows:
+        dense = "-" if row["dense_row_tflops"] is None else f"{row['dense_row_tflops']:.3g}"
         table.add_row(
-            f"{row['experts']},{row['hidden']},{row['ffn']},{row['tokens_per_expert']}", row["pass"] + (" +perm" if row["permute"] else ""), *(_cell(row, p) for p in PATHS),
-            f"{row['dense_row_tflops']:.3g}", _ratio(row["fused_vs_eager"]), _ratio(row["fused_vs_compile"]),
+            f"{row['experts']},{row['hidden']},{row['ffn']},{row['tokens_per_expert']}", row["pass"] + (" +perm" if row["permute"] else ""), *(_cell(row, p, meta.get("paths")) for p in PATHS),
+            dense, _ratio(row["fused_vs_eager"]), _ratio(row["fused_vs_compile"]),
         )  # fmt: skip
     console.print(table)
     render_fp8(result, console)
@@ -77,6 +81,8 @@ def render(result: Any, console: Console) -> None:
 
 def _fp8_cell(row: dict[str, Any], path: str) -> str:
     """'ms (speed-up over bf16 fused)', marked when emulated."""
+    if row.get("error") or row.get(f"{path}_error"):
+        return _cell(row, path)
     ms = row.get(f"{path}_ms")
     if ms is None:
         return "-"
@@ -122,8 +128,9 @@ def render_fp8(result: Any, console: Console) -> None:
         + "TFLOP/s in the JSON. "
         f"fp8 modes: {', '.join(f'{p} {m}' for p, m in modes.items())}"
         + (f"; {meta['torchao']}" if meta.get("torchao") else "")
-        + "\nrel. error vs the eager path (y / dx / dw1): "
-        + "; ".join(f"{s.split()[0]} {p} {e['y']:.1e}/{e['dx']:.1e}/{e['dw1']:.1e}" for (s, p), e in errs.items())
+        + "\nrel. error vs the eager path (y / dx / dw1, at up to 8 of the shape's experts): "
+        + "; ".join(f"{s.split()[0]} {p} " + (f"{e['y']:.1e}/{e['dx']:.1e}/{e['dw1']:.1e}" if "y" in e else "OOM")
+                    for (s, p), e in errs.items())
     )
     table = Table(title=f"fp8 expert MLP on {meta['device_name']} (vs moectl fused {meta['dtype']})", caption=caption)
     table.add_column("E,h,f,m")
