@@ -128,9 +128,7 @@ class Trainer:
         engine.zero_grad()
         lm_sum = torch.zeros((), device=self.rt.device, dtype=torch.float64)
         aux_sum = torch.zeros((), device=self.rt.device, dtype=torch.float64)
-        for micro in range(self.n_micro):
-            tokens, targets = self.train_data.micro_batch(step, micro)
-            tokens, targets = tokens.to(self.rt.device), targets.to(self.rt.device)
+        for micro, (tokens, targets) in enumerate(self._step_batches(step)):
             with engine.micro_batch(is_last=micro == self.n_micro - 1):
                 parts = model.loss(tokens, targets)
                 (parts.total / self.n_micro).backward()
@@ -156,6 +154,20 @@ class Trainer:
             "skipped": result.skipped or not math.isfinite(lm),
             "expert_balance": expert_balance(self._tokens_per_expert()),
         }
+
+    def _step_batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's micro-batches of `step`, on the device, all copied at the start of the step.
+
+        On CUDA the copy comes from pinned memory without blocking the host: a copy from pageable memory
+        waits for the GPU to drain the stream, so loading each micro-batch just before its forward left the
+        GPU idle at every micro-batch boundary while the host launched the next forward's first kernels.
+        """
+        batches = [self.train_data.micro_batch(step, m) for m in range(self.n_micro)]
+        device = self.rt.device
+        if device.type != "cuda":
+            return [(t.to(device), y.to(device)) for t, y in batches]
+        both = torch.stack([torch.stack(b) for b in batches]).pin_memory().to(device, non_blocking=True)
+        return [(both[m, 0], both[m, 1]) for m in range(self.n_micro)]
 
     def _tokens_per_expert(self) -> list[list[int]]:
         """Every MoE layer's routings per expert of the last micro-batch, read with one device sync."""
