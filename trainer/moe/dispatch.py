@@ -46,6 +46,7 @@ class DispatchPlan:
     src_P: torch.Tensor  # routing index of each row of x_PD, N for padding rows
     row_N: torch.Tensor  # row of x_PD of each routing, P for dropped ones
     padded: bool  # x_PD has padding rows (alignment or pad-to-capacity)
+    dropped: bool  # routings may have been dropped (a capacity): row_N holds P for them
     num_rows: int  # P
     tokens_per_expert_E: torch.Tensor  # kept routings per expert, before padding (int64)
     rows_per_expert_E: torch.Tensor  # rows per expert in x_PD, padding included (int64)
@@ -138,12 +139,13 @@ class LocalDispatcher:
             # every dropped routing writes the trash slot P, which is sliced off: which one wins is moot
             src_P = torch.full((P + 1,), N, dtype=torch.int64, device=dev).index_put_((dest_R,), order_R)[:P]
         row_N = torch.empty_like(order_R).index_put_((order_R,), dest_R)  # order_R is a permutation
-        padded = self.pad_to_capacity or self.align > 1
-        x_PD = dispatch_rows(x_TD, src_P, row_N, K, padded)
-        probs_P = dispatch_rows(probs_N[:, None], src_P, row_N, 1, padded)[:, 0]  # routings are 'tokens' of K=1
+        padded, dropped = self.pad_to_capacity or self.align > 1, self.capacity_factor is not None
+        x_PD = dispatch_rows(x_TD, src_P, row_N, K, padded, dropped)
+        probs_P = dispatch_rows(probs_N[:, None], src_P, row_N, 1, padded, dropped)[:, 0]  # routings: tokens of K=1
 
         plan = DispatchPlan(
-            num_tokens=T, topk=K, order_R=order_R, src_P=src_P, row_N=row_N, padded=padded, num_rows=P,
+            num_tokens=T, topk=K, order_R=order_R, src_P=src_P, row_N=row_N, padded=padded, dropped=dropped,
+            num_rows=P,
             tokens_per_expert_E=counts_E, rows_per_expert_E=rows_E,
             num_dropped=router_out.tokens_per_expert_E.sum() - counts_E.sum(),
         )  # fmt: skip
@@ -151,4 +153,4 @@ class LocalDispatcher:
 
     def combine(self, y_PD: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
         """Sum each token's K expert outputs back into `[T, D]` (probs were applied in the expert MLP)."""
-        return combine_rows(y_PD, plan.src_P, plan.row_N, plan.topk, plan.padded)
+        return combine_rows(y_PD, plan.src_P, plan.row_N, plan.topk, plan.padded, plan.dropped)

@@ -9,6 +9,9 @@ order, so forward and backward are deterministic and move each row once.
 
     row_N  the row of x_PD each routing went to, or P for a dropped one (it reads a zero row)
     src_P  the routing each row of x_PD holds, or N for a padding row (it reads a zero row)
+
+The zero row is appended (a copy of the tensor it extends) only where a plan has padding rows (`padded`)
+or dropped routings (`dropped`); a dropless, unpadded plan gathers the tensors as they are.
 """
 
 from __future__ import annotations
@@ -32,9 +35,9 @@ class _Dispatch(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x_TD: torch.Tensor, src_P: torch.Tensor, row_N: torch.Tensor, topk: int,
-                padded: bool) -> torch.Tensor:
+                padded: bool, dropped: bool) -> torch.Tensor:
         ctx.save_for_backward(row_N)
-        ctx.topk, ctx.padded, ctx.num_tokens = topk, padded, x_TD.shape[0]
+        ctx.topk, ctx.dropped, ctx.num_tokens = topk, dropped, x_TD.shape[0]
         token_P = src_P // topk  # padding rows (src N) land on token T: the appended zero row
         return _gather(x_TD, token_P, padded)
 
@@ -42,8 +45,8 @@ class _Dispatch(torch.autograd.Function):
     def backward(ctx: Any, g_PD: torch.Tensor) -> tuple[Any, ...]:
         (row_N,) = ctx.saved_tensors
         T, K = ctx.num_tokens, ctx.topk
-        g_NKD = _gather(g_PD, row_N, zero_row=True).view(T, K, -1)  # dropped routings read the zero row
-        return g_NKD.sum(dim=1), None, None, None, None
+        g_NKD = _gather(g_PD, row_N, ctx.dropped).view(T, K, -1)  # dropped routings read the zero row
+        return g_NKD.sum(dim=1), None, None, None, None, None
 
 
 class _Combine(torch.autograd.Function):
@@ -51,25 +54,26 @@ class _Combine(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, y_PD: torch.Tensor, src_P: torch.Tensor, row_N: torch.Tensor, topk: int,
-                padded: bool) -> torch.Tensor:
+                padded: bool, dropped: bool) -> torch.Tensor:
         ctx.save_for_backward(src_P)
         ctx.topk, ctx.padded = topk, padded
         T = row_N.numel() // topk
-        return _gather(y_PD, row_N, zero_row=True).view(T, topk, -1).sum(dim=1)
+        return _gather(y_PD, row_N, dropped).view(T, topk, -1).sum(dim=1)
 
     @staticmethod
     def backward(ctx: Any, g_TD: torch.Tensor) -> tuple[Any, ...]:
         (src_P,) = ctx.saved_tensors
-        return _gather(g_TD, src_P // ctx.topk, ctx.padded), None, None, None, None
+        return _gather(g_TD, src_P // ctx.topk, ctx.padded), None, None, None, None, None
 
 
-def dispatch_rows(x_TD: torch.Tensor, src_P: torch.Tensor, row_N: torch.Tensor, topk: int,
-                  padded: bool) -> torch.Tensor:
-    """The expert input `[P, D]`: row p holds token `src_P[p] // K` (zeros where `padded` rows have src N)."""
-    return _Dispatch.apply(x_TD, src_P, row_N, topk, padded)
+def dispatch_rows(x_TD: torch.Tensor, src_P: torch.Tensor, row_N: torch.Tensor, topk: int, padded: bool,
+                  dropped: bool) -> torch.Tensor:
+    """The expert input `[P, D]`: row p holds token `src_P[p] // K` (zeros where `padded` rows have src N;
+    `dropped`: some routings have no row, row_N = P)."""
+    return _Dispatch.apply(x_TD, src_P, row_N, topk, padded, dropped)
 
 
-def combine_rows(y_PD: torch.Tensor, src_P: torch.Tensor, row_N: torch.Tensor, topk: int,
-                 padded: bool) -> torch.Tensor:
+def combine_rows(y_PD: torch.Tensor, src_P: torch.Tensor, row_N: torch.Tensor, topk: int, padded: bool,
+                 dropped: bool) -> torch.Tensor:
     """Each token's K expert output rows summed, in a fixed order: `[T, D]`."""
-    return _Combine.apply(y_PD, src_P, row_N, topk, padded)
+    return _Combine.apply(y_PD, src_P, row_N, topk, padded, dropped)
