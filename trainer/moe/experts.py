@@ -36,8 +36,8 @@ from torch import nn
 from moectl.core.config.schema import MoEConfig
 from moectl.core.errors import MoectlError
 from trainer.linear import state_for_call
-from trainer.main_grad import accumulate_wgrad
-from trainer.moe.backends import ExpertBackend, get_backend, supports_precision
+from trainer.main_grad import accumulate_wgrad, grad_ready
+from trainer.moe.backends import ExpertBackend, get_backend, supports_precision, supports_wgrad_into
 from trainer.moe.expert_math import ExpertSpec
 from trainer.moe.expert_precision import ExpertPrecision
 from trainer.precision import QuantizedTensor, Recipe
@@ -123,6 +123,14 @@ class GroupedLinearParams(nn.Module):
             return params[0].unsqueeze(0).expand(len(params), *params[0].shape)
         return self.as_grouped(params, self.grouped_weight)  # type: ignore[return-value]
 
+    def wgrad_targets(self, params: list[nn.Parameter]) -> Optional[list[torch.Tensor]]:
+        """The E fp32 `[out, in]` main_grad matrices the weight grads can be accumulated into (gradient-
+        accumulation fusion), or None where a param has no fp32 main_grad."""
+        grads = [getattr(p, "main_grad", None) for p in params]
+        if any(g is None or g.dtype != torch.float32 for g in grads):
+            return None
+        return list(grads[0].unbind(0)) if self.grouped_weight else grads  # type: ignore[arg-type]
+
     @staticmethod
     def route_grads(
         params: list[nn.Parameter], grad_E: Optional[torch.Tensor], grouped: bool, fuse: bool
@@ -164,7 +172,7 @@ class _ExpertMLPFunction(torch.autograd.Function):
         y_PD, ctx.backend_ctx = backend.forward(
             x_PD, w1_EHD, b1_EH, w2_EDF, b2_ED, tokens_per_expert_E, probs_P, module.spec, **extra
         )
-        ctx.backend, ctx.module, ctx.groups = backend, module, groups
+        ctx.backend, ctx.module, ctx.groups, ctx.precision = backend, module, groups, precision
         ctx.has_probs = probs_P is not None
         return y_PD
 
@@ -172,11 +180,19 @@ class _ExpertMLPFunction(torch.autograd.Function):
     def backward(ctx: Any, dy_PD: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:  # type: ignore[override]
         if ctx.backend_ctx is None:
             raise RuntimeError("GroupedMLP's backward ran twice on one forward (retain_graph is not supported)")
-        dx_PD, dw1_EHD, db1_EH, dw2_EDF, db2_ED, dprobs_P = ctx.backend.backward(ctx.backend_ctx, dy_PD)
-        ctx.backend_ctx = None  # free activations now, not when the graph dies
         fc1, fc2 = ctx.module.linear_fc1, ctx.module.linear_fc2
         fuse = ctx.module.gradient_accumulation_fusion
         w1, b1, w2, b2 = ctx.groups
+        into = None
+        if fuse and ctx.precision is None and supports_wgrad_into(ctx.backend):
+            t1, t2 = fc1.wgrad_targets(w1), fc2.wgrad_targets(w2)
+            into = (t1, t2) if t1 is not None and t2 is not None else None
+        extra = {} if into is None else {"wgrad_into": into}
+        dx_PD, dw1_EHD, db1_EH, dw2_EDF, db2_ED, dprobs_P = ctx.backend.backward(ctx.backend_ctx, dy_PD, **extra)
+        ctx.backend_ctx = None  # free activations now, not when the graph dies
+        if into is not None:  # the backend accumulated the weight grads: report them, as accumulate_wgrad does
+            for p in (*w2, *w1):
+                grad_ready(p)
         # Order matters only for grad_ready hooks (bucket completion): fc2 then fc1, the order backward runs.
         g_w2 = fc2.route_grads(w2, dw2_EDF, fc2.grouped_weight, fuse)
         g_b2 = fc2.route_grads(b2, db2_ED, fc2.grouped_bias, fuse)

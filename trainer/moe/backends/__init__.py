@@ -69,6 +69,15 @@ class ExpertBackend(Protocol):
     def backward(self, ctx: Any, dy_TD: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]: ...
 
 
+def supports_wgrad_into(backend: ExpertBackend) -> bool:
+    """Whether `backend.backward` can add weight grads into fp32 targets itself (the keyword `wgrad_into`:
+    gradient-accumulation fusion, so no bf16 grad is written and then added)."""
+    try:
+        return "wgrad_into" in inspect.signature(backend.backward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def supports_precision(backend: ExpertBackend) -> bool:
     """Whether `backend.forward` takes a low-precision recipe (the keyword `precision`)."""
     try:

@@ -47,6 +47,7 @@ import torch
 
 from moectl.core.errors import MoectlError
 from moectl.core.facts import ffn_width
+from trainer.kernels.grouped_wgrad import accumulate_grouped_wgrad_
 from trainer.moe import expert_math
 from trainer.moe.expert_math import bias_grads, expert_of_row
 from trainer.moe.expert_precision import qlinear_forward, quantize_output_grad
@@ -54,6 +55,7 @@ from trainer.precision.groups import TokenGroups
 from trainer.precision.quantize import triton_fast_path
 from trainer.precision.recipes import TensorwiseRecipe
 
+WgradTargets = tuple[list[torch.Tensor], list[torch.Tensor]]  # fc1's and fc2's per-expert fp32 grad targets
 Grads = tuple[
     torch.Tensor,
     torch.Tensor,
@@ -216,9 +218,16 @@ class FusedBackend:
         ctx = FusedCtx(x_TD, h_TH, w1, b1_EH, w2, b2_ED, probs_T, offs_E, counts_E, expert_T, activation, interleave)
         return y_TD, ctx
 
-    def backward(self, ctx: Any, dy_TD: torch.Tensor) -> Grads:
-        """(dx, dw1, db1, dw2, db2, dprobs); None for the inputs that were None."""
+    def backward(self, ctx: Any, dy_TD: torch.Tensor, wgrad_into: WgradTargets | None = None) -> Grads:
+        """(dx, dw1, db1, dw2, db2, dprobs); None for the inputs that were None.
+
+        `wgrad_into` (gradient-accumulation fusion, high precision): per-expert fp32 `[H, D]` and `[D, F]`
+        targets that the weight grads are added into as fp32 products (`trainer/kernels/grouped_wgrad.py`);
+        dw1 and dw2 then come back None.
+        """
         if isinstance(ctx, QuantizedFusedCtx):
+            if wgrad_into is not None:
+                raise ValueError("wgrad_into is for the high-precision path; a recipe's wgrad is fp32 already")
             return _backward_quantized(ctx, dy_TD, self.overlap_wgrad)
         x, h, w1, w2, probs = ctx.x_TD, ctx.h_TH, ctx.w1_EHD, ctx.w2_EDF, ctx.probs_T
         rows = x.shape[0]
@@ -234,11 +243,17 @@ class FusedBackend:
         # Weight grads come out contiguous in [E, out, in]: the transposed operand order (x^T dh)^T is up to
         # 5% faster for some shapes, but hands back a transposed grad that costs a full copy downstream.
         side = _side_stream(x.device) if self.overlap_wgrad and x.is_cuda else None
+        dw1_EHD = dw2_EDF = None
         with _on_side(side):
-            dw2_EDF = torch._grouped_mm(dy.t(), a_TF, ctx.offs_E)
-            dw1_EHD = torch._grouped_mm(dh_TH.t(), x, ctx.offs_E)
+            if wgrad_into is None:
+                dw2_EDF = torch._grouped_mm(dy.t(), a_TF, ctx.offs_E)
+                dw1_EHD = torch._grouped_mm(dh_TH.t(), x, ctx.offs_E)
+            else:
+                w1_into, w2_into = wgrad_into
+                accumulate_grouped_wgrad_(w2_into, dy, a_TF, ctx.tokens_per_expert_E, ctx.offs_E)
+                accumulate_grouped_wgrad_(w1_into, dh_TH, x, ctx.tokens_per_expert_E, ctx.offs_E)
         dx_TD = torch._grouped_mm(dh_TH, w1, ctx.offs_E)
-        _join(side, dw2_EDF, dw1_EHD)
+        _join(side, *(t for t in (dw2_EDF, dw1_EHD) if t is not None))
         db1_EH, db2_ED, dprobs_T = _bias_grads(
             ctx.b1_EH, ctx.b2_ED, probs, ctx.expert_T, ctx.tokens_per_expert_E, dy, dh_TH, dprobs_T
         )

@@ -1,0 +1,61 @@
+"""GPU probe: the fused expert-wgrad kernel (trainer/kernels/grouped_wgrad_triton.py) at the reference model's
+shapes, several tile configs, against today's grouped_mm + add_ into fp32 main_grad. One table; no assertion.
+
+Run: python3 scripts/probes/grouped_wgrad.py
+"""
+
+from __future__ import annotations
+
+import torch
+
+from trainer.kernels.grouped_wgrad_triton import grouped_wgrad_accumulate_
+
+CONFIGS = [(128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3),
+           (128, 128, 32, 4, 4), (64, 128, 64, 4, 4)]  # fmt: skip
+
+
+def timed(fn, iters: int = 10) -> float:
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def main() -> None:
+    dev, bf = torch.device("cuda"), torch.bfloat16
+    E, T = 32, 32768
+    counts = torch.distributions.Dirichlet(torch.ones(E) * 4).sample() * T
+    counts = counts.floor().long()
+    counts[-1] += T - counts.sum()
+    offs = torch.cumsum(counts, 0).to(dev)
+    offs32 = offs.to(torch.int32)
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}; E={E}, T={T}, rows/expert {counts.min()}..{counts.max()}")
+    for name, M, N in (("fc1 dW [2048, 2048]", 2048, 2048), ("fc2 dW [2048, 1024]", 2048, 1024)):
+        a = torch.randn(T, M, device=dev, dtype=bf)
+        b = torch.randn(T, N, device=dev, dtype=bf)
+        c_offs = torch.arange(E, device=dev, dtype=torch.int64) * (M * N)
+        flops = 2 * T * M * N
+        base = torch.zeros(E, M, N, device=dev)
+        ms = timed(lambda: base.add_(torch._grouped_mm(a.t(), b, offs=offs32)))
+        print(f"{name}: grouped_mm bf16 + add_   {ms:7.3f} ms  {flops / ms / 1e9:6.0f} TFLOP/s (GEMM+add)")
+        base.zero_()
+        base.add_(torch._grouped_mm(a.t(), b, offs=offs32))
+        for cfg in CONFIGS:
+            c = torch.zeros(E, M, N, device=dev)
+            try:
+                grouped_wgrad_accumulate_(c, c_offs, a, b, offs, M, N, config=cfg)
+                err = float((c - base).abs().max() / base.abs().max())
+                ms = timed(lambda: grouped_wgrad_accumulate_(c, c_offs, a, b, offs, M, N, config=cfg))
+                print(f"{name}: triton {cfg}  {ms:7.3f} ms  {flops / ms / 1e9:6.0f} TFLOP/s  rel err vs bf16 path {err:.1e}")
+            except Exception as e:  # noqa: BLE001 - a probe reports what failed
+                print(f"{name}: triton {cfg}  failed: {type(e).__name__}: {str(e)[:100]}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""Grouped weight-grad GEMM that accumulates into fp32 `main_grad` (Triton, CUDA): gradient-accumulation
+fusion for the experts.
+
+    c[e] += a[rows of e]^T @ b[rows of e]      a `[T, M]`, b `[T, N]` bf16; c[e] `[M, N]` fp32
+
+`torch._grouped_mm` cannot write fp32 from bf16 operands nor add into its output, so the unfused expert
+wgrad writes a bf16 `[E, M, N]` grad that is then added into the fp32 buffer: on the reference model that
+add was 30 ms of a 348 ms step (H100). Here each program owns one `[BLOCK_M, BLOCK_N]` tile of one expert,
+sums that expert's rows in fp32 registers, and adds the tile into `c` once: the products are never rounded
+to bf16, and the grad is read and written once, by the epilogue.
+
+`c` is any set of E fp32 `[M, N]` matrices inside one allocation (a grouped param's `[E, M, N]` main_grad,
+or the per-expert params' main_grads in the grad buffer): `c_offs_E` gives each one's element offset from
+`c`'s data pointer, so both expert layouts run the same kernel on the same values.
+The pure-torch definition (the CPU path and the tests' reference) is `grouped_wgrad.py`, which also picks
+between the two.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Chosen by scripts/probes/grouped_wgrad.py on an H100 at the reference shapes (docs/benchmarks.md).
+BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = 128, 128, 64, 8, 3
+
+
+@triton.jit
+def _wgrad_kernel(
+    a_ptr, b_ptr, c_ptr, offs_ptr, c_offs_ptr,
+    M, N, stride_at, stride_bt, stride_cm,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    e = tl.program_id(1)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    pid = tl.program_id(0)
+    pid_m, pid_n = pid // tiles_n, pid % tiles_n
+    start = tl.load(offs_ptr + e - 1, mask=e > 0, other=0).to(tl.int64)
+    end = tl.load(offs_ptr + e).to(tl.int64)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(start, end, BLOCK_K):
+        rows = k + rk
+        row_ok = rows < end
+        # a^T tile [BLOCK_M, BLOCK_K]: element (m, r) is a[r, m]; m is contiguous in memory
+        a = tl.load(a_ptr + rows[None, :] * stride_at + rm[:, None], mask=row_ok[None, :] & (rm[:, None] < M), other=0.0)
+        b = tl.load(b_ptr + rows[:, None] * stride_bt + rn[None, :], mask=row_ok[:, None] & (rn[None, :] < N), other=0.0)
+        acc = tl.dot(a, b, acc)
+    if end > start:  # an expert without rows leaves its grad untouched
+        c_base = c_ptr + tl.load(c_offs_ptr + e)
+        c_ptrs = c_base + rm[:, None] * stride_cm + rn[None, :]
+        mask = (rm[:, None] < M) & (rn[None, :] < N)
+        tl.store(c_ptrs, tl.load(c_ptrs, mask=mask) + acc, mask=mask)
+
+
+def grouped_wgrad_accumulate_(c: torch.Tensor, c_offs_E: torch.Tensor, a_TM: torch.Tensor, b_TN: torch.Tensor,
+                              offs_E: torch.Tensor, M: int, N: int,
+                              config: tuple[int, int, int, int, int] | None = None) -> None:
+    """c[e] += a[rows of e]^T b[rows of e] for every expert e, in fp32, in one launch (`config`: the tile
+    shape, warps and stages to use instead of the chosen ones; for the tuning probe).
+
+    `offs_E`: int32/int64 cumulative row ends per expert (on the device); `c_offs_E`: int64 element offset of
+    expert e's `[M, N]` fp32 matrix (row stride N) from `c.data_ptr()`. a and b contiguous, one dtype.
+    """
+    if a_TM.shape[1] != M or b_TN.shape[1] != N or a_TM.shape[0] != b_TN.shape[0]:
+        raise ValueError(f"operands {tuple(a_TM.shape)} and {tuple(b_TN.shape)} do not make [{M}, {N}] grads")
+    if c.dtype != torch.float32 or not (a_TM.is_contiguous() and b_TN.is_contiguous()):
+        raise ValueError("grouped wgrad accumulation takes contiguous operands and an fp32 target")
+    bm, bn, bk, warps, stages = config or (BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES)
+    grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn), offs_E.numel())
+    _wgrad_kernel[grid](
+        a_TM, b_TN, c, offs_E, c_offs_E, M, N, a_TM.stride(0), b_TN.stride(0), N,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
