@@ -2,7 +2,7 @@
 
 `regional` compiles, in every decoder layer, the two RMSNorms, the attention between its projections
 (`SelfAttention.attend`: head split, QK norm, RoPE, scaled dot-product attention) and the MoE router
-(fp32 scores, top-k, aux losses). This is torchtitan's per-block regional compile minus what moectl runs
+(fp32 scores, top-k, aux losses); and the model's cross-entropy (`GPTMoE.lm_loss`). This is torchtitan's per-block regional compile minus what moectl runs
 itself: the linear projections (plain GEMMs, or the precision recipe's quantized ones), the dispatcher and
 the expert MLP (the configured backend's kernels) stay eager.
 
@@ -74,5 +74,7 @@ def compile_regions(model: nn.Module, *, backend: str | None = None, determinist
         if isinstance(layer.mlp, MoELayer):
             _compile_method(layer.mlp.router, "forward", **kwargs)
             done.append(f"{prefix}.mlp.router.forward")
+    _compile_method(model, "lm_loss", **kwargs)
+    done.append("lm_loss")
     model._moectl_compiled_regions = done  # type: ignore[assignment]
     return done

@@ -218,6 +218,11 @@ class GPTMoE(nn.Module):
         """Mean next-token cross-entropy (in fp32) plus the routers' auxiliary losses."""
         logits_BSV = self(tokens_BS)
         with region(regions.LOSS):
-            lm_loss = F.cross_entropy(logits_BSV.float().flatten(0, 1), targets_BS.flatten())
+            lm_loss = self.lm_loss(logits_BSV, targets_BS)
             aux = sum((m.aux_loss for m in self.moe_layers()), torch.zeros((), device=lm_loss.device))
         return LossParts(total=lm_loss + aux, lm_loss=lm_loss, aux_loss=aux)
+
+    def lm_loss(self, logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy of the logits, in fp32 (a region `train.compile` compiles: fused, the fp32
+        upcast of the [B*S, V] logits never reaches memory)."""
+        return F.cross_entropy(logits_BSV.float().flatten(0, 1), targets_BS.flatten())

@@ -56,13 +56,13 @@ def test_regional_compile_trains_like_eager(tmp_path, monkeypatch):
     eager, eager_params, _ = _train(tmp_path / "eager", 3, "train.compile=none")
     counters.clear()
     compiled, compiled_params, t = _train(tmp_path / "compiled", 3, "train.compile=regional")
-    # 3 layers: 2 norms and the attention core each, a router in the two MoE layers
-    assert len(t.compiled_regions) == 3 * 3 + 2
+    # 3 layers: 2 norms and the attention core each, a router in the two MoE layers; the cross-entropy
+    assert len(t.compiled_regions) == 3 * 3 + 2 + 1 and "lm_loss" in t.compiled_regions
     assert "decoder.layers.0.mlp.router.forward" not in t.compiled_regions  # layer 0 is dense
     # One graph per region kind, shared by every layer: norm, attention core, router (2: bincount's
-    # data-dependent shape splits it). A per-layer guard would make 3 of each here, and past dynamo's
+    # data-dependent shape splits it), loss. A per-layer guard would make 3 of each here, and past dynamo's
     # recompile limit (8 layers) it would silently fall back to eager.
-    assert 3 <= counters["stats"]["unique_graphs"] <= 5, dict(counters["stats"])
+    assert 4 <= counters["stats"]["unique_graphs"] <= 6, dict(counters["stats"])
     assert not counters["recompiles"], dict(counters["recompiles"])
     # aot_eager runs the same aten ops as eager: fp32 losses agree to rounding
     torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=1e-5, atol=1e-6)
@@ -108,13 +108,19 @@ def test_deterministic_runs_put_inductor_in_its_deterministic_mode(tmp_path, mon
 @pytest.mark.gpu
 def test_inductor_regional_compile_trains_like_eager_on_gpu(tmp_path, monkeypatch):
     """Inductor's fused kernels round bf16 differently from eager: losses agree within bf16 tolerance over 8
-    steps, and the parameters within a few Adam updates (lr 1e-3: ~1e-3 per step at most)."""
+    steps. Parameters are compared by how far training moved them: a rounding difference can flip a near-tie
+    routing, after which an expert's Adam updates (about lr per element and step, whatever the grad's size)
+    differ outright, so per-element bounds mean little; over all params together the two runs' movements must
+    agree to within a fraction of their size (a region dropping or doubling a grad moves them apart by ~1)."""
     monkeypatch.delenv(BACKEND_ENV, raising=False)
     gpu = ["train.device=cuda", "mixed_precision.bf16=true", "model.hidden_size=256", "model.seq_length=256",
            "moe.ffn_hidden_size=128", "moe.num_experts=8", "optimizer.lr=1e-3"]  # fmt: skip
-    eager, eager_params, _ = _train(tmp_path / "eager", 8, *gpu, "train.compile=none")
+    eager, eager_params, te = _train(tmp_path / "eager", 8, *gpu, "train.compile=none")
     compiled, compiled_params, t = _train(tmp_path / "compiled", 8, *gpu, "train.compile=auto")
-    assert len(t.compiled_regions) == 11
+    assert len(t.compiled_regions) == 12
     torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=1e-2, atol=1e-2)
-    for name, value in eager_params.items():
-        torch.testing.assert_close(compiled_params[name], value, rtol=0, atol=8e-3, msg=name)
+    init = te.initial_state  # type: ignore[attr-defined]
+    moved = sum(float((eager_params[n].float() - init[n].float()).square().sum()) for n in init) ** 0.5
+    apart = sum(float((compiled_params[n].float() - eager_params[n].float()).square().sum()) for n in init) ** 0.5
+    print(f"eager moved params by {moved:.4e}; compiled and eager end {apart:.4e} apart ({apart / moved:.3f})")
+    assert apart <= 0.25 * moved
