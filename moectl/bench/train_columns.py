@@ -1,11 +1,13 @@
 """The columns of `bench train`: the same config run three ways, side by side.
 
-    ours               the config as given (the trainer's default for it, `train.compile` included)
+    ours               the config as given (the trainer's defaults for it: on CUDA regional compile and fused
+                       fp32 weight-grad accumulation included)
     compiled-peer      each layer's norms, attention core and router under regional torch.compile
-                       (`train.compile=regional`, trainer/compile.py), experts as ours run them: what a user
-                       who wraps our model in torch.compile gets
-    torchtitan-recipe  the same regional compile with experts on `moe.backend=grouped`
-                       (torch._grouped_mm + eager activation): torchtitan's MoE recipe
+                       (`train.compile=regional`, trainer/compile.py), experts as ours run them, weight grads
+                       through autograd (`parallel.gradient_accumulation_fusion=false`): what a user who wraps
+                       our model in torch.compile gets from a plain engine - the peer issue 14 measured
+    torchtitan-recipe  the same with experts on `moe.backend=grouped` (torch._grouped_mm + eager
+                       activation): torchtitan's MoE recipe
 
 A column is nothing but `--set` overrides applied after the user's, so every column runs the real trainer
 and the bench needs no engine API of its own.
@@ -29,11 +31,15 @@ COLUMNS: dict[str, Column] = {
     c.name: c
     for c in (
         Column("ours", (), "the config as given"),
-        Column("compiled-peer", ("train.compile=regional",), "regional torch.compile, our experts"),
+        Column(
+            "compiled-peer",
+            ("train.compile=regional", "parallel.gradient_accumulation_fusion=false"),
+            "regional torch.compile, our experts, autograd weight grads",
+        ),
         Column(
             "torchtitan-recipe",
-            ("train.compile=regional", "moe.backend=grouped"),
-            "regional torch.compile, grouped experts",
+            ("train.compile=regional", "parallel.gradient_accumulation_fusion=false", "moe.backend=grouped"),
+            "regional torch.compile, grouped experts, autograd weight grads",
         ),
     )
 }

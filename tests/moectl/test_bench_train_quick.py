@@ -36,7 +36,8 @@ def test_quick_run_writes_every_measure_for_each_column(tmp_path):
     assert (ours["column"], titan["column"]) == ("ours", "torchtitan-recipe")
     # the user's --set reaches every column, a column's own overrides win over it
     assert (ours["expert_backend"], titan["expert_backend"]) == ("loop", "grouped")
-    assert ours["compiled_regions"] == 0 and titan["compiled_regions"] == 2 * 4  # 2 layers: norms, attention, router
+    # 2 layers: norms, attention, router each; the cross-entropy once
+    assert ours["compiled_regions"] == 0 and titan["compiled_regions"] == 2 * 4 + 1
     for r in (ours, titan):
         assert len(r["step_ms_all"]) == 2 and r["step_ms_min"] <= r["step_ms"] <= r["step_ms_max"]
         assert r["tokens_per_s"] == pytest.approx(data["meta"]["model"]["tokens_per_step"] / (r["step_ms"] * 1e-3))
@@ -63,7 +64,7 @@ def test_column_config_layers_and_bad_column():
     assert (cfg.train.compile, cfg.moe.backend) == ("regional", "grouped")  # the column beats both
     assert cfg.train.eval_interval is None and cfg.checkpoint.save_interval is None
     full = tb.column_config(tb.TrainBenchConfig(config=REFERENCE), COLUMNS["ours"])
-    assert (full.model.num_layers, full.moe.num_experts, full.train.compile) == (8, 32, "none")
+    assert (full.model.num_layers, full.moe.num_experts, full.train.compile) == (8, 32, "auto")
     with pytest.raises(ValueError, match="unknown column"):
         pick(["ours", "fastest"])
     result = CliRunner().invoke(app, ["bench", "train", str(TINY), "--quick", "--column", "fastest"])

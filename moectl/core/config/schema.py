@@ -134,7 +134,12 @@ class ParallelConfig:
     overlap_grad_reduce: bool = doc(False, "Reduce grads bucket by bucket during backward.")
     overlap_param_gather: bool = doc(False, "All-gather params lazily in the next forward's pre-hooks.")
     bucket_size: Optional[int] = doc(None, "Elements per bucket; null = max(40M, 1M * dp).")
-    gradient_accumulation_fusion: bool = doc(False, "Accumulate weight grads straight into fp32 main_grad.")
+    gradient_accumulation_fusion: Optional[bool] = doc(
+        None,
+        "Accumulate weight grads in fp32 straight into main_grad inside the GEMMs (dense: cuBLAS with beta 1; "
+        "experts: a Triton grouped wgrad kernel): no bf16 grad written, read back and added. null = on where it "
+        "pays: CUDA, with the distributed engine (not optimizer.optimizer=sgd).",
+    )
     grad_reduce_in_fp32: bool = doc(True, "Keep and reduce grads in fp32.")
 
 
@@ -181,7 +186,7 @@ class TrainConfig:
         "captured yet in this build: the run is eager, and MOE050 warns.",
     )
     compile: Literal["none", "regional", "auto"] = doc(
-        "none",
+        "auto",
         "torch.compile of each decoder layer's two RMSNorms, attention core (head split, QK norm, RoPE, "
         "scaled dot-product attention) and MoE router; the projections, dispatch and experts stay eager. none, "
         "regional, or auto (regional on CUDA, none on CPU). The first step compiles (a minute on a GPU). With "
