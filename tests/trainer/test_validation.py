@@ -111,3 +111,42 @@ def test_no_load_optim_is_honoured_and_the_weights_are_checked(ckpt_dir):
     master = [c for c in report.checks if c.stage == "master"]
     assert len(master) == 1 and "not loaded: checkpoint.no_load_optim=true" in master[0].detail
     assert "bitwise" in [c for c in report.checks if c.stage == "probe"][0].detail
+
+
+def test_a_master_restored_one_ulp_off_fails_the_master_check(ckpt_dir, monkeypatch):
+    """The master check is bitwise: a restore that lands one master element one ulp away (a cast, a wrong
+    reduction order) must fail it, naming the tensor, whatever the param and probe checks say."""
+    import trainer.loop as loop
+
+    name = "decoder.layers.0.self_attention.linear_qkv.weight"
+    real = loop.load_training_checkpoint
+
+    def one_ulp_off(path, cfg, model, engine, pstate):
+        load = engine.load_logical_state
+
+        def nudged(params, step):
+            m = params[name]["master"].clone()
+            m.view(-1)[0] = torch.nextafter(m.view(-1)[0], torch.tensor(float("inf")))
+            params[name]["master"] = m
+            load(params, step)
+
+        engine.load_logical_state = nudged
+        return real(path, cfg, model, engine, pstate)
+
+    monkeypatch.setattr(loop, "load_training_checkpoint", one_ulp_off)
+    report = validate_checkpoint(ckpt_dir)
+    failed = {(c.stage, c.name) for c in report.failures()}
+    assert ("master", name + ".main_param") in failed, report.failures()
+    assert not report.ok
+
+
+def test_overrides_do_not_leak_into_the_checkpoints_own_config(tmp_path):
+    """Validating an interleave-8 checkpoint into an interleave-null model is another layout: the probe gets
+    the tolerance, and says so. (A shallow copy of the stored config let `--set` overwrite it, so the "same
+    config?" check compared the override with itself and demanded, or claimed, bitwise.)"""
+    Trainer(load_config(None, [*FAST, f"run_dir={tmp_path}", "moe.glu_interleave_size=8"]), SilentObserver()).run()
+    step = tmp_path / "checkpoints" / "step_00000003"
+    report = validate_checkpoint(step, overridden(["moe.glu_interleave_size=null"]))
+    assert report.ok, report.failures()
+    (probe,) = [c for c in report.checks if c.stage == "probe"]
+    assert "other layout" in probe.detail and "bitwise" not in probe.detail, probe.detail
