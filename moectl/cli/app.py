@@ -8,6 +8,7 @@ from moectl.cli import bench  # noqa: F401
 from moectl.cli import bench_train  # noqa: F401
 from moectl.cli import train  # noqa: F401
 from moectl.cli import ckpt  # noqa: F401
+from moectl.cli import parity  # noqa: F401
 
 __all__ = ["app", "main"]
 

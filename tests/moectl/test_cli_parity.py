@@ -1,0 +1,73 @@
+"""`moectl parity`: the two commands of issue 20's done-when, the JSON report, usage errors, two ranks."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from moectl.cli.app import app
+
+runner = CliRunner()
+REPO = Path(__file__).resolve().parents[2]
+QUICK = ["--set", "train.global_batch_size=4", "--set", "data.source=synthetic"]  # 1 micro-batch per step
+
+
+def test_single_grouped_weight_flag_is_bitwise_equal_over_five_steps():
+    res = runner.invoke(app, ["parity", "configs/tiny.yaml", "--flag", "moe.single_grouped_weight=true", "--steps", "5"])
+    assert res.exit_code == 0, res.output
+    assert "equal (bitwise) over 5 step(s)" in res.output
+    assert "the config already has moe.single_grouped_weight=true" in res.output  # the default: ON is OFF
+
+
+def test_the_other_expert_layout_is_bitwise_equal_and_the_json_says_so(tmp_path):
+    out = tmp_path / "parity.json"
+    res = runner.invoke(app, ["parity", "configs/tiny.yaml", *QUICK, "--set", "moe.single_grouped_weight=false",
+                              "--flag", "moe.single_grouped_weight=true", "--steps", "2", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "already has" not in res.output
+    report = json.loads(out.read_text())
+    assert report["equal"] and report["first_difference"] is None and report["mode"] == "bitwise"
+    assert [r["step"] for r in report["records"]] == [1, 2]
+    for r in report["records"]:
+        assert r["off"]["digests"] == r["on"]["digests"] and set(r["off"]["digests"]) == {"params", "masters", "optimizer"}
+        assert r["tensors_compared"] > 20 and r["differences"] == []
+
+
+def test_a_learning_rate_flag_reports_the_first_differing_step(tmp_path):
+    out = tmp_path / "parity.json"
+    res = runner.invoke(app, ["parity", "configs/tiny.yaml", *QUICK, "--flag", "optimizer.lr=1e-3", "--steps", "3",
+                              "--json", str(out)])
+    assert res.exit_code == 1, res.output
+    assert "different (bitwise): first at step 1: param" in res.output
+    report = json.loads(out.read_text())
+    first = report["first_difference"]
+    assert (report["equal"], first["step"], first["what"]) == (False, 1, "param")
+    one = report["records"][0]
+    assert one["off"]["loss"] == one["on"]["loss"]  # step 1's loss is computed before the first update
+    assert report["records"][1]["off"]["loss"] != report["records"][1]["on"]["loss"]
+
+
+def test_usage_errors_exit_2():
+    res = runner.invoke(app, ["parity", "configs/tiny.yaml", "--flag", "optimizer.lr", "--steps", "1"])
+    assert res.exit_code == 2 and "KEY=VALUE" in res.output
+    res = runner.invoke(app, ["parity", "configs/tiny.yaml", "--flag", "optimizer.lrr=1", "--steps", "1"])
+    assert res.exit_code == 2 and "optimizer.lrr" in res.output
+    res = runner.invoke(app, ["parity", "configs/tiny.yaml", "--flag", "moe.router_topk=9", "--steps", "1"])
+    assert res.exit_code == 2 and "not starting" in res.output
+    res = runner.invoke(app, ["parity", "configs/tiny.yaml", "--flag", "optimizer.lr=1e-3", "--steps", "151"])
+    assert res.exit_code == 2 and "train.train_iters=150" in res.output
+
+
+@pytest.mark.slow
+def test_two_ranks_exit_1_on_a_difference_without_a_failed_child(tmp_path):
+    """The ranks' verdict reaches the parent: exit 1, and torchrun reports no failed child."""
+    out = tmp_path / "parity.json"
+    args = [sys.executable, "-m", "moectl", "parity", "configs/tiny.yaml", *QUICK, "--set", "train.global_batch_size=8",
+            "--flag", "optimizer.lr=1e-3", "--steps", "2", "--nproc-per-node", "2", "--json", str(out)]
+    res = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "first at step 1" in res.stdout and "ChildFailedError" not in res.stderr
+    assert json.loads(out.read_text())["first_difference"]["step"] == 1
