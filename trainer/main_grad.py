@@ -38,6 +38,29 @@ def accumulate_wgrad(param: torch.nn.Parameter, grad: torch.Tensor, fuse: bool) 
     return None
 
 
+def accumulate_late_wgrad(param: torch.nn.Parameter, grad: torch.Tensor, fuse: bool) -> None:
+    """Accumulate a weight grad computed after the backward pass handed `param` None (delayed wgrad), and
+    fire its grad hooks, exactly as the grad would have been taken had it come back through autograd.
+
+    `fuse`: into `main_grad` and report (`accumulate_wgrad`). Otherwise what autograd does with a leaf's
+    grad: cast to the param's dtype, accumulate into `.grad` (in place when one exists), then run the
+    param's post-accumulate hooks, which fold it into `main_grad` and report it under `trainer.distributed`
+    (Megatron's delayed wgrad likewise triggers the params' grad-accumulation and reduce hooks itself).
+    """
+    if fuse:
+        accumulate_wgrad(param, grad, fuse=True)
+        return
+    grad = grad.to(param.dtype)
+    with torch.no_grad():
+        if param.grad is None:
+            param.grad = grad.clone(memory_format=torch.contiguous_format)  # never a view of another grad
+        else:
+            param.grad.add_(grad)
+    hooks = getattr(param, "_post_accumulate_grad_hooks", None) or {}
+    for hook in list(hooks.values()):
+        hook(param)
+
+
 _ADDMM_OUT_DTYPE: dict[torch.device, bool] = {}
 
 

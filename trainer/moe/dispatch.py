@@ -27,11 +27,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from moectl.core.errors import ConfigError
+from trainer.moe.delayed_wgrad import flush_point
 from trainer.moe.permute import combine_rows, dispatch_rows
 from trainer.moe.router import RouterOutput
 
@@ -88,12 +89,13 @@ class LocalDispatcher:
         self.pad_to_capacity = pad_to_capacity
 
     def dispatch(
-        self, x_TD: torch.Tensor, router_out: RouterOutput
+        self, x_TD: torch.Tensor, router_out: RouterOutput, flush: Optional[Callable[[], None]] = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, DispatchPlan]:
         """Group token rows by expert: `(x_PD, rows_per_expert_E, probs_P, plan)`.
 
         `rows_per_expert_E` (padding included) is what the expert MLP groups by; `probs_P` is 0 on padding.
-        Grads flow back to `x_TD` and to the router's probs.
+        Grads flow back to `x_TD` and to the router's probs. `flush` (delayed expert wgrad) runs in the
+        backward as soon as x_PD's grad is known: one device has no collective to hide it behind.
         """
         T, K = router_out.indices_TK.shape
         E, N = self.num_experts, T * K
@@ -140,7 +142,7 @@ class LocalDispatcher:
             src_P = torch.full((P + 1,), N, dtype=torch.int64, device=dev).index_put_((dest_R,), order_R)[:P]
         row_N = torch.empty_like(order_R).index_put_((order_R,), dest_R)  # order_R is a permutation
         padded, dropped = self.pad_to_capacity or self.align > 1, self.capacity_factor is not None
-        x_PD = dispatch_rows(x_TD, src_P, row_N, K, padded, dropped)
+        x_PD = flush_point(dispatch_rows(x_TD, src_P, row_N, K, padded, dropped), flush)
         probs_P = dispatch_rows(probs_N[:, None], src_P, row_N, 1, padded, dropped)[:, 0]  # routings: tokens of K=1
 
         plan = DispatchPlan(

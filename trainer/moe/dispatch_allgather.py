@@ -22,7 +22,7 @@ not supported here (use `token_dispatcher: alltoall`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
@@ -78,11 +78,13 @@ class AllGatherDispatcher:
         self.align = align
 
     def dispatch(
-        self, x_TD: torch.Tensor, router_out: RouterOutput
+        self, x_TD: torch.Tensor, router_out: RouterOutput, flush: Optional[Callable[[], None]] = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AllGatherPlan]:
-        """`(x_PD, rows_per_expert_E, probs_P, plan)` for this rank's local experts (tokens of every ep rank)."""
+        """`(x_PD, rows_per_expert_E, probs_P, plan)` for this rank's local experts (tokens of every ep rank).
+
+        `flush` (delayed expert wgrad) runs in the backward while the tokens' grads are reduce-scattered."""
         L, align = self.num_local_experts, self.align
-        x_AD = all_gather_rows(x_TD, self.group)
+        x_AD = all_gather_rows(x_TD, self.group, during_backward=flush)
         probs_AK = all_gather_rows(router_out.probs_TK, self.group)
         ids_AK = all_gather_rows_nograd(router_out.indices_TK, self.group)
         A, K = ids_AK.shape

@@ -30,7 +30,7 @@ Host syncs: one per dispatch (the split sizes), plus the source side's own when 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
@@ -121,9 +121,11 @@ class AllToAllDispatcher:
                                       pad_to_capacity=pad_to_capacity)
 
     def dispatch(
-        self, x_TD: torch.Tensor, router_out: RouterOutput
+        self, x_TD: torch.Tensor, router_out: RouterOutput, flush: Optional[Callable[[], None]] = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AllToAllPlan]:
-        """`(x_PD, rows_per_expert_E, probs_P, plan)` for this rank's local experts (rows from every ep rank)."""
+        """`(x_PD, rows_per_expert_E, probs_P, plan)` for this rank's local experts (rows from every ep rank).
+
+        `flush` (delayed expert wgrad) runs in the backward while the rows' grads are all-to-all'ed back."""
         ep, L = self.group.size, self.num_local_experts
         x_SD, sent_E, probs_S, source = self.source.dispatch(x_TD, router_out)
         counts_SL = all_to_all_counts(sent_E.to(torch.int64), self.group).view(ep, L)
@@ -132,7 +134,7 @@ class AllToAllDispatcher:
         send_splits, counts_host = host[:ep], host[ep:]
         recv_splits = [sum(counts_host[s * L:(s + 1) * L]) for s in range(ep)]
 
-        x_QD = all_to_all(x_SD, recv_splits, send_splits, self.group)
+        x_QD = all_to_all(x_SD, recv_splits, send_splits, self.group, during_backward=flush)
         probs_Q = all_to_all(probs_S, recv_splits, send_splits, self.group)
         dest_Q, P, tokens_L, rows_L = expert_major(counts_SL, counts_host, self.align)
         x_PD = x_QD.new_zeros(P, x_QD.shape[1]).index_put((dest_Q,), x_QD)

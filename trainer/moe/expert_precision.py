@@ -138,15 +138,32 @@ def quantize_output_grad(s: SavedLinear, dy_TO: torch.Tensor, amax: Optional[tor
     )  # fmt: skip
 
 
+def qlinear_dgrad(
+    s: SavedLinear, dy_TO: torch.Tensor, amax: Optional[torch.Tensor] = None
+) -> tuple[torch.Tensor, QuantizedTensor]:
+    """(dx `[T, in]` in x's dtype, the quantized output grad for `qlinear_wgrad`): the data half of
+    `qlinear_backward`. The grad is quantized here, so a stateful recipe records its amax at the same
+    point whether the weight grad follows at once or later (delayed wgrad)."""
+    gq = quantize_output_grad(s, dy_TO, amax)
+    if s.groups is None and dy_TO.shape[0] == 0:
+        return dy_TO.new_zeros(0, s.wq.shape[-1], dtype=s.x_dtype), gq
+    if s.groups is None:
+        return s.recipe.dgrad(gq, s.wq, s.x_dtype), gq
+    return s.recipe.grouped_dgrad(gq, s.wq, s.x_dtype), gq
+
+
+def qlinear_wgrad(s: SavedLinear, gq: QuantizedTensor) -> torch.Tensor:
+    """dW fp32 `[E, out, in]` or `[out, in]` from the output grad `qlinear_dgrad` quantized."""
+    if s.groups is None and gq.shape[0] == 0:
+        return torch.zeros(s.wq.shape, dtype=torch.float32, device=gq.device)
+    if s.groups is None:
+        return s.recipe.wgrad(gq, s.xq)
+    return s.recipe.grouped_wgrad(gq, s.xq)
+
+
 def qlinear_backward(
     s: SavedLinear, dy_TO: torch.Tensor, amax: Optional[torch.Tensor] = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx `[T, in]` in x's dtype, dW fp32 `[E, out, in]` or `[out, in]`) from the output grad."""
-    r = s.recipe
-    gq = quantize_output_grad(s, dy_TO, amax)
-    if s.groups is None and dy_TO.shape[0] == 0:
-        shape = s.wq.shape  # [out, in]
-        return dy_TO.new_zeros(0, shape[-1], dtype=s.x_dtype), dy_TO.new_zeros(shape, dtype=torch.float32)
-    if s.groups is None:
-        return r.dgrad(gq, s.wq, s.x_dtype), r.wgrad(gq, s.xq)
-    return r.grouped_dgrad(gq, s.wq, s.x_dtype), r.grouped_wgrad(gq, s.xq)
+    dx, gq = qlinear_dgrad(s, dy_TO, amax)
+    return dx, qlinear_wgrad(s, gq)

@@ -36,8 +36,15 @@ from torch import nn
 from moectl.core.config.schema import MoEConfig
 from moectl.core.errors import MoectlError
 from trainer.linear import state_for_call
-from trainer.main_grad import accumulate_wgrad, grad_ready
-from trainer.moe.backends import ExpertBackend, get_backend, supports_precision, supports_wgrad_into
+from trainer.main_grad import accumulate_late_wgrad, accumulate_wgrad, grad_ready
+from trainer.moe.backends import (
+    ExpertBackend,
+    get_backend,
+    supports_delayed_wgrad,
+    supports_precision,
+    supports_wgrad_into,
+)
+from trainer.moe.delayed_wgrad import DelayedWgrad
 from trainer.moe.expert_math import ExpertSpec
 from trainer.moe.expert_precision import ExpertPrecision
 from trainer.precision import QuantizedTensor, Recipe
@@ -132,6 +139,16 @@ class GroupedLinearParams(nn.Module):
         return list(grads[0].unbind(0)) if self.grouped_weight else grads  # type: ignore[arg-type]
 
     @staticmethod
+    def route_late_grads(params: list[nn.Parameter], grad_E: Optional[torch.Tensor], grouped: bool, fuse: bool) -> None:
+        """`route_grads` for grads computed after the backward returned None for the params (delayed
+        wgrad): accumulated, and the grad hooks fired, as autograd would have (`accumulate_late_wgrad`)."""
+        if not params or grad_E is None:
+            return
+        grads = [grad_E] if grouped else list(grad_E.unbind(0))
+        for p, g in zip(params, grads):
+            accumulate_late_wgrad(p, g, fuse)
+
+    @staticmethod
     def route_grads(
         params: list[nn.Parameter], grad_E: Optional[torch.Tensor], grouped: bool, fuse: bool
     ) -> list[Optional[torch.Tensor]]:
@@ -180,6 +197,8 @@ class _ExpertMLPFunction(torch.autograd.Function):
     def backward(ctx: Any, dy_PD: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:  # type: ignore[override]
         if ctx.backend_ctx is None:
             raise RuntimeError("GroupedMLP's backward ran twice on one forward (retain_graph is not supported)")
+        if ctx.module.delayed is not None:
+            return _ExpertMLPFunction._backward_delayed(ctx, dy_PD)
         fc1, fc2 = ctx.module.linear_fc1, ctx.module.linear_fc2
         fuse = ctx.module.gradient_accumulation_fusion
         w1, b1, w2, b2 = ctx.groups
@@ -201,6 +220,27 @@ class _ExpertMLPFunction(torch.autograd.Function):
         dprobs_P = dprobs_P if ctx.has_probs else None
         return (dx_PD, None, dprobs_P, None, None, None, None, *g_w1, *g_b1, *g_w2, *g_b2)
 
+    @staticmethod
+    def _backward_delayed(ctx: Any, dy_PD: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+        """Data grads now; the weight and bias grads deferred to the layer's flush point (delayed_wgrad.py)."""
+        dx_PD, dprobs_P, wgrad = ctx.backend.backward_dgrad(ctx.backend_ctx, dy_PD)
+        ctx.backend_ctx = None
+        module, (w1, b1, w2, b2) = ctx.module, ctx.groups
+        fc1, fc2 = module.linear_fc1, module.linear_fc2
+        fuse = module.gradient_accumulation_fusion
+
+        def deliver() -> None:
+            dw1_EHD, db1_EH, dw2_EDF, db2_ED = wgrad()
+            # fc2 then fc1, weight then bias: the order the undelayed backward routes them in
+            fc2.route_late_grads(w2, dw2_EDF, fc2.grouped_weight, fuse)
+            fc2.route_late_grads(b2, db2_ED, fc2.grouped_bias, fuse)
+            fc1.route_late_grads(w1, dw1_EHD, fc1.grouped_weight, fuse)
+            fc1.route_late_grads(b1, db1_EH, fc1.grouped_bias, fuse)
+
+        module.delayed.defer(deliver)
+        n_params = len(w1) + len(b1) + len(w2) + len(b2)
+        return (dx_PD, None, dprobs_P if ctx.has_probs else None, None, None, None, None, *([None] * n_params))
+
 
 class GroupedMLP(nn.Module):
     """The experts of one MoE layer: `y = probs * (fc2(act(fc1(x) + b1)) + b2)` per expert segment.
@@ -218,6 +258,8 @@ class GroupedMLP(nn.Module):
         gradient_accumulation_fusion: accumulate weight grads into `param.main_grad` (fp32), `.grad` unused.
         recipe: a low-precision recipe (`trainer.precision.get_recipe`) for fc1 and fc2, or None (the params'
             dtype). The rows of every expert must then be a multiple of `recipe.align_size` (MoELayer's align).
+        delay_wgrad: compute the weight and bias grads after the data grads, when `delayed.flush()` runs
+            (`cfg.delay_wgrad_compute`; MoELayer hands the flush to its dispatcher: delayed_wgrad.py).
     """
 
     def __init__(
@@ -233,6 +275,7 @@ class GroupedMLP(nn.Module):
         generator: Optional[torch.Generator] = None,
         gradient_accumulation_fusion: bool = False,
         recipe: Optional[Recipe] = None,
+        delay_wgrad: bool = False,
     ) -> None:
         super().__init__()
         E = num_local_experts if num_local_experts is not None else cfg.num_experts
@@ -258,6 +301,8 @@ class GroupedMLP(nn.Module):
         self._backends: dict[torch.device, ExpertBackend] = {}
         self.recipe = recipe
         self.recipe_states: dict[str, Any] = {}  # the recipe's scaling state (delayed: amax histories)
+        #: the deferred weight grads of this layer's backward (None: computed with the data grads)
+        self.delayed: Optional[DelayedWgrad] = DelayedWgrad() if delay_wgrad else None
 
     def backend(self, device: torch.device) -> ExpertBackend:
         """The configured backend for `device`, resolved once per device (`auto` may differ on CPU and CUDA)."""
@@ -267,6 +312,11 @@ class GroupedMLP(nn.Module):
                 raise MoectlError(
                     f"expert backend {backend.name!r} has no low-precision path for recipe {self.recipe.name}",
                     "set moe.backend to grouped, fused or loop, or turn fp8/fp4 off",
+                )
+            if self.delayed is not None and not supports_delayed_wgrad(backend):
+                raise MoectlError(
+                    f"expert backend {backend.name!r} cannot delay its weight grads (moe.delay_wgrad_compute=true)",
+                    "set moe.backend to grouped, fused or loop, or moe.delay_wgrad_compute=false",
                 )
             self._backends[device] = backend
         return self._backends[device]

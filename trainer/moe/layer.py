@@ -79,7 +79,7 @@ class MoELayer(nn.Module):
         self.experts = GroupedMLP(
             cfg, hidden_size, init_std=init_std, output_init_std=output_init_std, params_dtype=params_dtype,
             generator=generator, gradient_accumulation_fusion=gradient_accumulation_fusion, recipe=recipe,
-            **expert_shard(cfg, ep_group),
+            delay_wgrad=cfg.delay_wgrad_compute, **expert_shard(cfg, ep_group),
         )  # fmt: skip
         # router_padding_for_quantization pads the same way in dispatch (see router.py's docstring)
         self.dispatcher = build_dispatcher(cfg, align=align, ep_group=ep_group)
@@ -91,8 +91,10 @@ class MoELayer(nn.Module):
         x_TD = x_BSD.reshape(B * S, D)
         with region(regions.ROUTER):
             routed = self.router(x_TD)
+        # delayed wgrad: the dispatcher's backward runs the experts' weight grads while the data grads travel
+        flush = self.experts.delayed.flush if self.experts.delayed is not None else None
         with region(regions.DISPATCH):
-            x_PD, rows_per_expert_E, probs_P, plan = self.dispatcher.dispatch(x_TD, routed)
+            x_PD, rows_per_expert_E, probs_P, plan = self.dispatcher.dispatch(x_TD, routed, flush=flush)
         with region(regions.EXPERTS):
             y_PD = self.experts(x_PD, rows_per_expert_E, probs_P)
         with region(regions.COMBINE):

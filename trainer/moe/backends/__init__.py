@@ -7,6 +7,10 @@ The contract: every backend is an object with
     forward(x_TD, w1_EHD, b1_EH, w2_EDF, b2_ED, tokens_per_expert_E, probs_T, spec) -> (y_TD, ctx)
     backward(ctx, dy_TD) -> (dx_TD, dw1_EHD, db1_EH, dw2_EDF, db2_ED, dprobs_T)
 
+and, to delay the weight grads (`moe.delay_wgrad_compute`, `trainer/moe/delayed_wgrad.py`),
+
+    backward_dgrad(ctx, dy_TD) -> (dx_TD, dprobs_T, wgrad)      wgrad() -> (dw1_EHD, db1_EH, dw2_EDF, db2_ED)
+
 computing `y = probs[:, None] * (fc2(act(fc1(x) + b1)) + b2)` expert by expert over consecutive row
 segments (`tokens_per_expert_E[e]` rows for expert e, in expert order). Biases and probs may be None; their
 grads are then None. `ctx` is opaque to the caller. Backends never see parameters, layouts or main_grad:
@@ -49,6 +53,10 @@ if TYPE_CHECKING:
     from trainer.moe.expert_precision import ExpertPrecision  # noqa: F401
 
 
+#: What `backward_dgrad` hands back for later: computes `(dw1_EHD, db1_EH, dw2_EDF, db2_ED)` when called.
+WgradFn = Callable[[], tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, Optional[torch.Tensor]]]
+
+
 class ExpertBackend(Protocol):
     """The backend protocol (see the module docstring for the math and shapes)."""
 
@@ -67,6 +75,16 @@ class ExpertBackend(Protocol):
     ) -> tuple[torch.Tensor, Any]: ...
 
     def backward(self, ctx: Any, dy_TD: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]: ...
+
+    def backward_dgrad(self, ctx: Any, dy_TD: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor], WgradFn]:
+        """Optional (`moe.delay_wgrad_compute`): `(dx, dprobs, wgrad)`, the weight and bias grads deferred to
+        `wgrad()`, bitwise what `backward` returns."""
+        ...
+
+
+def supports_delayed_wgrad(backend: ExpertBackend) -> bool:
+    """Whether `backend` can hand its weight grads back for later (`backward_dgrad`)."""
+    return callable(getattr(backend, "backward_dgrad", None))
 
 
 def supports_wgrad_into(backend: ExpertBackend) -> bool:

@@ -259,6 +259,62 @@ class FusedBackend:
         )
         return dx_TD, dw1_EHD, db1_EH, dw2_EDF, db2_ED, dprobs_T
 
+    def backward_dgrad(self, ctx: Any, dy_TD: torch.Tensor) -> tuple[torch.Tensor, "torch.Tensor | None", Any]:
+        """(dx, dprobs, wgrad): `backward`'s kernels, the two weight-grad GEMMs and the bias grads deferred to
+        `wgrad()` (delayed wgrad: they then run on the current stream, when the caller calls it)."""
+        if isinstance(ctx, QuantizedFusedCtx):
+            return _backward_quantized_dgrad(ctx, dy_TD)
+        x, h, w1, w2, probs = ctx.x_TD, ctx.h_TH, ctx.w1_EHD, ctx.w2_EDF, ctx.probs_T
+        dy = dy_TD.to(x.dtype).contiguous()
+        if x.shape[0] == 0:
+            dx, dw1, db1, dw2, db2, dprobs = _empty_grads(ctx)
+            return dx, dprobs, lambda: (dw1, db1, dw2, db2)
+        kernels = _kernels(x.device)
+        da_TF = torch._grouped_mm(dy, w2, ctx.offs_E)
+        dh_TH, dprobs_T, a_TF = kernels.glu_backward(
+            h, probs, da_TF, ctx.activation, ctx.interleave, ctx.b1_EH, ctx.expert_T
+        )
+        dx_TD = torch._grouped_mm(dh_TH, w1, ctx.offs_E)
+        dprobs_T = _dprobs_with_b2(ctx.b2_ED, probs, ctx.expert_T, dy, dprobs_T)
+
+        def wgrad() -> tuple[torch.Tensor, "torch.Tensor | None", torch.Tensor, "torch.Tensor | None"]:
+            dw2_EDF = torch._grouped_mm(dy.t(), a_TF, ctx.offs_E)
+            dw1_EHD = torch._grouped_mm(dh_TH.t(), x, ctx.offs_E)
+            db1_EH, db2_ED = _bias_only(ctx.b1_EH, ctx.b2_ED, probs, ctx.tokens_per_expert_E, dy, dh_TH)
+            return dw1_EHD, db1_EH, dw2_EDF, db2_ED
+
+        return dx_TD, dprobs_T, wgrad
+
+
+def _bias_only(
+    b1_EH: torch.Tensor | None,
+    b2_ED: torch.Tensor | None,
+    probs_T: torch.Tensor | None,
+    tokens_per_expert_E: torch.Tensor,
+    dy_TD: torch.Tensor,
+    dh_TH: torch.Tensor,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(db1, db2): per-expert bias grads. y = ... + p * b2, so b2's grad sums p * dy (in fp32: the probs stay
+    unrounded)."""
+    dy_scaled = dy_TD if probs_T is None or b2_ED is None else dy_TD.float() * probs_T.float()[:, None]
+    return bias_grads(dh_TH, dy_scaled, tokens_per_expert_E, b1_EH, b2_ED)
+
+
+def _dprobs_with_b2(
+    b2_ED: torch.Tensor | None,
+    probs_T: torch.Tensor | None,
+    expert_T: torch.Tensor | None,
+    dy_TD: torch.Tensor,
+    dprobs_T: torch.Tensor | None,
+) -> torch.Tensor | None:
+    """dprobs with p * b2's share added: y also holds p * b2, so d/dp gains dy . b2[expert]."""
+    if b2_ED is not None:
+        assert expert_T is not None
+        if dprobs_T is not None and probs_T is not None:
+            b2_rows = b2_ED.float().index_select(0, expert_T.long())
+            dprobs_T = (dprobs_T.float() + (dy_TD.float() * b2_rows).sum(1)).to(probs_T.dtype)
+    return dprobs_T
+
 
 def _bias_grads(
     b1_EH: torch.Tensor | None,
@@ -270,16 +326,9 @@ def _bias_grads(
     dh_TH: torch.Tensor,
     dprobs_T: torch.Tensor | None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """(db1, db2, dprobs): per-expert bias grads, and p * b2's share of dprobs. y = ... + p * b2, so b2's grad
-    sums p * dy (in fp32: the probs stay unrounded)."""
-    dy_scaled = dy_TD if probs_T is None or b2_ED is None else dy_TD.float() * probs_T.float()[:, None]
-    db1_EH, db2_ED = bias_grads(dh_TH, dy_scaled, tokens_per_expert_E, b1_EH, b2_ED)
-    if b2_ED is not None:
-        assert expert_T is not None
-        if dprobs_T is not None and probs_T is not None:  # y also holds p * b2: d/dp = dy . b2[expert]
-            b2_rows = b2_ED.float().index_select(0, expert_T.long())
-            dprobs_T = (dprobs_T.float() + (dy_TD.float() * b2_rows).sum(1)).to(probs_T.dtype)
-    return db1_EH, db2_ED, dprobs_T
+    """(db1, db2, dprobs): per-expert bias grads, and p * b2's share of dprobs (the two halves above)."""
+    db1_EH, db2_ED = _bias_only(b1_EH, b2_ED, probs_T, tokens_per_expert_E, dy_TD, dh_TH)
+    return db1_EH, db2_ED, _dprobs_with_b2(b2_ED, probs_T, expert_T, dy_TD, dprobs_T)
 
 
 @dataclass
@@ -380,6 +429,38 @@ def _backward_quantized(ctx: QuantizedFusedCtx, dy_TD: torch.Tensor, overlap_wgr
         ctx.b1_EH, ctx.b2_ED, probs, ctx.expert_T, ctx.tokens_per_expert_E, dy, dh_TH, dprobs_T
     )
     return dx_TD, dw1_EHD, db1_EH, dw2_EDF, db2_ED, dprobs_T
+
+
+def _backward_quantized_dgrad(ctx: QuantizedFusedCtx, dy_TD: torch.Tensor) -> tuple[torch.Tensor, Any, Any]:
+    """`_backward_quantized` as (dx, dprobs, wgrad): both output grads quantized and both data grads now, the
+    weight-grad GEMMs on those quantized grads (and the bias grads) when `wgrad()` runs."""
+    if ctx.fc1 is None or ctx.fc2 is None:
+        raise RuntimeError("expert backward after a forward without grad")
+    h, probs, fc1, fc2 = ctx.h_TH, ctx.probs_T, ctx.fc1, ctx.fc2
+    if h.shape[0] == 0:
+        dx, dw1, db1, dw2, db2, dprobs = _backward_quantized(ctx, dy_TD)
+        return dx, dprobs, lambda: (dw1, db1, dw2, db2)
+    dy = dy_TD.to(h.dtype).contiguous()
+    kernels = _kernels(h.device)
+    amax_dy, amax_dh = _amax_slots(kernels, fc2, dy, fc2.groups)
+    g2 = quantize_output_grad(fc2, dy, _as_amax(amax_dy))
+    da_TF = fc2.recipe.grouped_dgrad(g2, fc2.wq, fc2.x_dtype)
+    extra = {} if kernels is _Reference else {"write_a": False}  # a's quantized copy was kept instead
+    dh_TH, dprobs_T, _ = kernels.glu_backward(
+        h, probs, da_TF, ctx.activation, ctx.interleave, ctx.b1_EH, ctx.expert_T, **_amax_kw(amax_dh, fc1.groups),
+        **extra,
+    )  # fmt: skip
+    g1 = quantize_output_grad(fc1, dh_TH, _as_amax(amax_dh))
+    dx_TD = fc1.recipe.grouped_dgrad(g1, fc1.wq, fc1.x_dtype)
+    dprobs_T = _dprobs_with_b2(ctx.b2_ED, probs, ctx.expert_T, dy, dprobs_T)
+
+    def wgrad() -> tuple[torch.Tensor, "torch.Tensor | None", torch.Tensor, "torch.Tensor | None"]:
+        dw2_EDF = fc2.recipe.grouped_wgrad(g2, fc2.xq)
+        dw1_EHD = fc1.recipe.grouped_wgrad(g1, fc1.xq)
+        db1_EH, db2_ED = _bias_only(ctx.b1_EH, ctx.b2_ED, probs, ctx.tokens_per_expert_E, dy, dh_TH)
+        return dw1_EHD, db1_EH, dw2_EDF, db2_ED
+
+    return dx_TD, dprobs_T, wgrad
 
 
 def _amax_slots(

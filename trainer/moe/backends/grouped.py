@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from moectl.core.errors import MoectlError
-from trainer.moe.backends import quantized
+from trainer.moe.backends import WgradFn, quantized
 from trainer.moe.expert_math import (
     ExpertSpec,
     activation,
@@ -95,19 +95,29 @@ class GroupedBackend:
         return y_TD, ctx
 
     def backward(self, ctx: Any, dy_TD: Tensor) -> tuple[OptTensor, ...]:
-        """See the module docstring."""
+        """See the module docstring: the data grads, then the weight grads."""
+        dx_TD, dprobs_T, wgrad = self.backward_dgrad(ctx, dy_TD)
+        dw1_EHD, db1_EH, dw2_EDF, db2_ED = wgrad()
+        return dx_TD, dw1_EHD, db1_EH, dw2_EDF, db2_ED, dprobs_T
+
+    def backward_dgrad(self, ctx: Any, dy_TD: Tensor) -> tuple[Tensor, OptTensor, WgradFn]:
+        """(dx, dprobs, wgrad): the data grads now, the weight and bias grads when `wgrad()` is called."""
         if not isinstance(ctx, _GroupedCtx):
-            return quantized.backward(ctx, dy_TD)
+            return quantized.backward_dgrad(ctx, dy_TD)
         # _grouped_mm rejects stride-0 (expanded) operands, which is what autograd hands us for y.sum().
         dy_TD = dy_TD.contiguous()
         spec, offs_E = ctx.spec, ctx.offs_E
         dz_TD, dprobs_T = unscale_grad(dy_TD, ctx.z_TD, ctx.probs_T)
         a_TF = activation(ctx.h_TH, spec)  # recomputed: cheaper to redo than to keep [T, F] alive
-        # wgrad contracts over the rows of each expert: the 2D x 2D form of _grouped_mm, groups along K
-        dw2_EDF = torch._grouped_mm(dz_TD.t(), a_TF, offs=offs_E)
         da_TF = torch._grouped_mm(dz_TD, ctx.w2_EDF, offs=offs_E)
         dh_TH = activation_backward(ctx.h_TH, da_TF, spec)
-        dw1_EHD = torch._grouped_mm(dh_TH.t(), ctx.x_TD, offs=offs_E)
         dx_TD = torch._grouped_mm(dh_TH, ctx.w1_EHD, offs=offs_E)
-        db1_EH, db2_ED = bias_grads(dh_TH, dz_TD, ctx.tokens_per_expert_E, ctx.b1_EH, ctx.b2_ED)
-        return dx_TD, dw1_EHD, db1_EH, dw2_EDF, db2_ED, dprobs_T
+
+        def wgrad() -> tuple[Tensor, OptTensor, Tensor, OptTensor]:
+            # wgrad contracts over the rows of each expert: the 2D x 2D form of _grouped_mm, groups along K
+            dw2_EDF = torch._grouped_mm(dz_TD.t(), a_TF, offs=offs_E)
+            dw1_EHD = torch._grouped_mm(dh_TH.t(), ctx.x_TD, offs=offs_E)
+            db1_EH, db2_ED = bias_grads(dh_TH, dz_TD, ctx.tokens_per_expert_E, ctx.b1_EH, ctx.b2_ED)
+            return dw1_EHD, db1_EH, dw2_EDF, db2_ED
+
+        return dx_TD, dprobs_T, wgrad

@@ -23,6 +23,7 @@ from typing import Optional
 
 import torch
 
+from trainer.moe.backends import WgradFn
 from trainer.moe.expert_math import (
     ExpertSpec,
     activation,
@@ -32,7 +33,7 @@ from trainer.moe.expert_math import (
     scale_by_probs,
     unscale_grad,
 )
-from trainer.moe.expert_precision import ExpertPrecision, SavedLinear, qlinear_backward, qlinear_forward
+from trainer.moe.expert_precision import ExpertPrecision, SavedLinear, qlinear_dgrad, qlinear_forward, qlinear_wgrad
 from trainer.precision.groups import TokenGroups
 
 Tensor = torch.Tensor
@@ -110,28 +111,51 @@ def forward(
 def backward(ctx: QuantizedCtx, dy_TD: Tensor) -> tuple[OptTensor, ...]:
     """(dx, dw1, db1, dw2, db2, dprobs); weight grads fp32 (bf16 from a native grouped wgrad), the rest in
     their inputs' dtypes."""
+    dx_TD, dprobs_T, wgrad = backward_dgrad(ctx, dy_TD)
+    dw1_EHD, db1_EH, dw2_EDF, db2_ED = wgrad()
+    return dx_TD, dw1_EHD, db1_EH, dw2_EDF, db2_ED, dprobs_T
+
+
+def backward_dgrad(ctx: QuantizedCtx, dy_TD: Tensor) -> tuple[Tensor, OptTensor, WgradFn]:
+    """(dx, dprobs, wgrad): fc2's and fc1's output grads are quantized and their data grads computed now;
+    `wgrad()` runs the weight-grad GEMMs on those quantized grads (and the bias grads) later."""
     if not ctx.fc1:
         raise RuntimeError("expert backward after a forward without grad (need_grad was off)")
     dz_TD, dprobs_T = unscale_grad(dy_TD.contiguous(), ctx.z_TD, ctx.probs_T)
     if ctx.grouped:
-        da_TF, dw2_EDF = qlinear_backward(ctx.fc2[0], dz_TD)
+        da_TF, g2 = qlinear_dgrad(ctx.fc2[0], dz_TD)
+        g2s = [g2]
     else:
-        da_TF, dw2_EDF = _per_expert(ctx.fc2, dz_TD, ctx.counts)
+        da_TF, g2s = _per_expert_dgrad(ctx.fc2, dz_TD, ctx.counts)
     dh_TH = activation_backward(ctx.h_TH, da_TF, ctx.spec)
     if ctx.grouped:
-        dx_TD, dw1_EHD = qlinear_backward(ctx.fc1[0], dh_TH)
+        dx_TD, g1 = qlinear_dgrad(ctx.fc1[0], dh_TH)
+        g1s = [g1]
     else:
-        dx_TD, dw1_EHD = _per_expert(ctx.fc1, dh_TH, ctx.counts)
-    db1_EH, db2_ED = bias_grads(dh_TH, dz_TD, ctx.tokens_per_expert_E, ctx.b1_EH, ctx.b2_ED)
-    return dx_TD, dw1_EHD, db1_EH, dw2_EDF, db2_ED, dprobs_T
+        dx_TD, g1s = _per_expert_dgrad(ctx.fc1, dh_TH, ctx.counts)
+
+    def wgrad() -> tuple[Tensor, OptTensor, Tensor, OptTensor]:
+        dw2_EDF = _wgrads(ctx.fc2, g2s, ctx.grouped)
+        dw1_EHD = _wgrads(ctx.fc1, g1s, ctx.grouped)
+        db1_EH, db2_ED = bias_grads(dh_TH, dz_TD, ctx.tokens_per_expert_E, ctx.b1_EH, ctx.b2_ED)
+        return dw1_EHD, db1_EH, dw2_EDF, db2_ED
+
+    return dx_TD, dprobs_T, wgrad
 
 
-def _per_expert(saved: list[SavedLinear], dy_TO: Tensor, counts: list[int]) -> tuple[Tensor, Tensor]:
-    """The loop's backward of one linear: expert by expert, then the grads stacked."""
-    dxs, dws, start = [], [], 0
+def _per_expert_dgrad(saved: list[SavedLinear], dy_TO: Tensor, counts: list[int]) -> tuple[Tensor, list]:
+    """The loop's data grads of one linear, expert by expert, with each expert's quantized output grad."""
+    dxs, gqs, start = [], [], 0
     for s, n in zip(saved, counts):
-        dx, dw = qlinear_backward(s, dy_TO[start : start + n])
+        dx, gq = qlinear_dgrad(s, dy_TO[start : start + n])
         dxs.append(dx)
-        dws.append(dw)
+        gqs.append(gq)
         start += n
-    return torch.cat(dxs), torch.stack(dws)
+    return torch.cat(dxs), gqs
+
+
+def _wgrads(saved: list[SavedLinear], gqs: list, grouped: bool) -> Tensor:
+    """The weight grad of one linear: one grouped GEMM, or expert by expert stacked."""
+    if grouped:
+        return qlinear_wgrad(saved[0], gqs[0])
+    return torch.stack([qlinear_wgrad(s, gq) for s, gq in zip(saved, gqs)])
