@@ -239,6 +239,8 @@ class Trainer:
             )
         # Say which GEMMs run native and which are emulated: a run never pretends.
         lines.append("  " + describe(self.model.recipe, self.rt.device))  # begins "precision: ..."
+        if cfg.train.cuda_graph:  # validated (MOE034, MOE035) but not captured: the run says so (MOE050)
+            lines.append("  cuda_graph: not captured in this build (MOE050): every micro-batch runs eagerly")
         mp = cfg.mixed_precision
         if mp.fp8_param_gather or mp.fp4_param_gather:
             staged = "bf16 staged on the grad buffer" if mp.reuse_grad_buf_for_mxfp8_param_ag or mp.fp4 else "bytes"

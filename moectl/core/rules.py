@@ -55,8 +55,9 @@ Megatron-LM argument checks with no moectl rule, and why (numbered as in the sur
   limitation; kept: router padding needs a low-precision recipe (MOE007). 18 ncclep/hybridep/flex
   dispatchers: not in moectl.
 - 19 CUDA-graph scopes: moectl has one switch (`train.cuda_graph`), so only "MoE needs drop-and-pad"
-  (MOE034) carries over. 21 `delay_wgrad_compute` needs EP-comm overlap and TE versions: TE internals;
-  kept as the warning that it has nothing to overlap without expert parallelism (MOE025).
+  (MOE034) carries over. 21 `delay_wgrad_compute` needs EP-comm overlap and TE versions: TE internals
+  (moectl overlaps the delayed expert wgrad with its own dispatcher's all-to-all, trainer/moe/
+  delayed_wgrad.py); kept as the warning that it has nothing to overlap without expert parallelism (MOE025).
 - 25 `bias_dropout_fusion`, `moe_apply_probs_on_input`, interleave-without-fused-kernel warning: no such
   options, and every moectl backend reads the interleaved layout.
 - 27 interleave + expert TP (no TP); TE < 2.17 + CUDA graphs + cached FP8 weights in module GroupedLinear

@@ -95,3 +95,11 @@ def test_nonfinite_step_is_skipped_without_touching_params(tmp_path):
     assert record["skipped"] and math.isnan(record["loss"])
     for n, p in t.model.named_parameters():
         assert torch.equal(p, before[n]), n
+
+
+def test_the_banner_says_cuda_graphs_are_not_captured(tmp_path):
+    """train.cuda_graph is validated but not captured (MOE050): a run started without the CLI's rule check
+    says so itself rather than ignoring the key."""
+    assert not any("cuda_graph" in line for line in make(tmp_path)._banner())
+    lines = make(tmp_path, "train.cuda_graph=true")._banner()
+    assert any("cuda_graph: not captured" in line and "eagerly" in line for line in lines)

@@ -89,14 +89,21 @@ class MoEConfig:
         "auto", "Expert MLP kernels: loop (reference), grouped (torch._grouped_mm), fused (Triton), te."
     )
     router_padding_for_quantization: bool = doc(
-        False, "Pad each expert's token count in the router (prob-0 routings) instead of in dispatch."
+        False,
+        "Pad each expert's token count to the recipe's alignment with prob-0 routings (Megatron pads in the "
+        "router; moectl's dispatcher pads every expert segment under a recipe, numerically the same). Needs an "
+        "fp8/fp4 recipe (MOE007).",
     )
     token_dispatcher: Literal["allgather", "alltoall"] = doc(
         "alltoall", "How tokens reach experts on other expert-parallel ranks."
     )
     capacity_factor: Optional[float] = doc(None, "Tokens per expert = factor * T*k/E, extra tokens dropped; null = dropless.")
     pad_expert_input_to_capacity: bool = doc(False, "Pad every expert's input to its capacity (static shapes).")
-    delay_wgrad_compute: bool = doc(False, "Compute expert weight grads after the data grads of the layer.")
+    delay_wgrad_compute: bool = doc(
+        False,
+        "Compute expert weight grads after the data grads of the layer, during the expert-parallel all-to-all "
+        "of the data grads (Megatron's overlap); bitwise the same grads.",
+    )
 
 
 @dataclass(kw_only=True)
