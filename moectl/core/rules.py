@@ -1391,21 +1391,24 @@ def eval_fraction_fits(c: Context) -> Iterator[_Hit]:
     "precision",
     "error",
     ["mixed_precision.fp8_param_gather", "mixed_precision.fp8_recipe", "optimizer.optimizer"],
-    "fp8 param gather supports tensorwise, delayed and mxfp8; param gather needs adam or muon",
+    "fp8 param gather supports tensorwise, delayed, blockwise and mxfp8; param gather needs adam or muon",
 )
 def param_gather_recipe_supported(c: Context) -> Iterator[_Hit]:
     """Low-precision param gather builds each rank's low-precision weight from gathered data alone.
     Per-tensor FP8 (tensorwise, delayed) gathers FP8 bytes quantized with one scale per tensor that the
-    ranks agree on through an amax all-reduce; mxfp8 (and nvfp4) gather bf16 and quantize locally. rowwise
-    and blockwise fit neither: a row's or a 128x128 tile's scale needs values spread over other ranks'
-    shards, and rowwise's columnwise copy must be re-quantized from the high-precision weight, which no rank
-    holds. SGD runs on the one-device engine, which has no buffers, shards or gather at all, so the flag
-    would be silently ignored."""
+    ranks agree on through an amax all-reduce; blockwise likewise with one scale per 128x128 block: each
+    rank takes the amax of the blocks its shard touches, one all-reduce (MAX) gives every block's amax,
+    as Megatron and TE gather Float8BlockScaling params (its square tiles make the columnwise copy an exact
+    transpose of the gathered bytes); mxfp8 (and nvfp4) gather bf16 and quantize locally. rowwise fits
+    none: its columnwise copy is re-quantized along the other dim from the high-precision weight, which no
+    rank holds. SGD runs on the one-device engine, which has no buffers, shards or gather at all, so the
+    flag would be silently ignored."""
     mp = c.cfg.mixed_precision
-    if mp.fp8 is not None and mp.fp8_param_gather and mp.fp8_recipe in ("rowwise", "blockwise"):
+    if mp.fp8 is not None and mp.fp8_param_gather and mp.fp8_recipe == "rowwise":
         yield _Hit(
             f"mixed_precision.fp8_param_gather=true is not supported with fp8_recipe={mp.fp8_recipe}",
-            "set mixed_precision.fp8_recipe to tensorwise, delayed or mxfp8, or mixed_precision.fp8_param_gather=false",
+            "set mixed_precision.fp8_recipe to tensorwise, delayed, blockwise or mxfp8, "
+            "or mixed_precision.fp8_param_gather=false",
             keys=("mixed_precision.fp8_param_gather", "mixed_precision.fp8_recipe"),
         )
     if (mp.fp8_param_gather or mp.fp4_param_gather) and c.cfg.optimizer.optimizer == "sgd":

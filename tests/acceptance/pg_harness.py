@@ -35,7 +35,7 @@ from trainer.model import GPTMoE
 from trainer.moe.experts import GroupedLinearParams
 from trainer.precision import QuantizedTensor, get_recipe
 
-RECIPES = ("bf16", "tensorwise", "delayed", "mxfp8", "nvfp4")
+RECIPES = ("bf16", "tensorwise", "delayed", "blockwise", "mxfp8", "nvfp4")
 _MEMBER = re.compile(r"^(?P<stem>.+\.(?:weight|bias))(?P<index>\d+)$")
 
 
@@ -63,6 +63,8 @@ def config(k: Knobs) -> Config:
     m.num_layers, m.hidden_size, m.num_attention_heads, m.num_query_groups = 2, 32, 2, 1
     m.ffn_hidden_size, m.seq_length, m.vocab_size, m.moe_layer_freq = 32, 16, 256, [1, 0]
     cfg.moe.num_experts, cfg.moe.router_topk, cfg.moe.ffn_hidden_size = 4, 2, 32
+    if k.recipe == "blockwise":  # 128x128 weight blocks: GEMM dims in multiples of 128 (rule MOE006)
+        m.hidden_size = m.ffn_hidden_size = cfg.moe.ffn_hidden_size = 128
     cfg.moe.single_grouped_weight, cfg.moe.backend = k.grouped, "grouped"
     mp = cfg.mixed_precision
     mp.bf16 = True

@@ -1,6 +1,6 @@
 """Param gather through the real `Trainer` (config -> build -> loop -> checkpoints), one process.
 
-- mxfp8 (reuse buffer) and fp8 tensorwise: the run trains with quantized weights (the model holds no
+- mxfp8 (reuse buffer), fp8 tensorwise and fp8 blockwise: the run trains with quantized weights (the model holds no
   high-precision copy) and reaches the same losses as without param gather (evals every step);
 - the checkpoint holds, under a quantized param's name, its master cast to the param dtype (never a
   placeholder, never quantized bytes), and fp32 masters for everything; `ckpt validate` passes, its param
@@ -33,6 +33,9 @@ FAST = [
 RECIPES = {
     "mxfp8": ["mixed_precision.fp8_recipe=mxfp8", "mixed_precision.reuse_grad_buf_for_mxfp8_param_ag=true"],
     "tensorwise": ["mixed_precision.fp8_recipe=tensorwise"],
+    # 128x128 weight blocks: GEMM dims in multiples of 128 (rule MOE006)
+    "blockwise": ["mixed_precision.fp8_recipe=blockwise", "model.hidden_size=128", "model.ffn_hidden_size=128",
+                  "moe.ffn_hidden_size=128"],
 }
 GATHER = ["mixed_precision.fp8_param_gather=true"]
 

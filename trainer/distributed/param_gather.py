@@ -1,12 +1,13 @@
 """Which storage each param gets under `mixed_precision.fp8_param_gather` / `fp4_param_gather`.
 
     fp8 tensorwise, delayed   PerTensorFP8Storage: FP8 bytes gathered, scales from a dp-wide amax
+    fp8 blockwise             BlockwiseFP8Storage: FP8 bytes gathered, 128x128 block scales from a dp-wide
+                              all-reduce of the block amaxes each shard touches (as Megatron and TE do)
     fp8 mxfp8                 StagedQuantizedStorage: bf16 staged (aliased on the grad buffer with
                               `reuse_grad_buf_for_mxfp8_param_ag`, else its own buffer), quantized locally
     fp4 nvfp4                 StagedQuantizedStorage, always aliased on the grad buffer
-    fp8 rowwise, blockwise    refused (rule MOE048): a row or a 128x128 tile's scale needs values that other
-                              ranks' shards hold, and rowwise's columnwise copy needs the high-precision
-                              weight; neither can be built from gathered bytes
+    fp8 rowwise               refused (rule MOE048): its columnwise copy is re-quantized along the other dim
+                              from the high-precision weight, which no rank holds after a gather of bytes
 
 Only weights the model runs through the recipe get quantized storage (`weight_sites.find_sites`); every
 other param (embedding, head, norms, routers, biases) stays high precision in its own buffers.
@@ -22,6 +23,7 @@ import torch
 from moectl.core.config.schema import MixedPrecisionConfig
 from moectl.core.errors import ConfigError
 from trainer.distributed.ddp import StorageSpec
+from trainer.distributed.blockwise_storage import BlockwiseFP8Storage
 from trainer.distributed.param_storage import HighPrecisionStorage, ParamStorage
 from trainer.distributed.quantized_storage import PerTensorFP8Storage, StagedQuantizedStorage
 from trainer.distributed.weight_sites import find_sites
@@ -45,14 +47,16 @@ def make_storage(recipe: Recipe, sites: dict, mp: MixedPrecisionConfig) -> Param
     """The quantized storage strategy for `recipe` (see the module docstring)."""
     if recipe.name in PER_TENSOR:
         return PerTensorFP8Storage(recipe, sites)
+    if recipe.name == "blockwise":
+        return BlockwiseFP8Storage(recipe, sites)
     if recipe.name == "mxfp8":
         return StagedQuantizedStorage(recipe, sites, aliased=mp.reuse_grad_buf_for_mxfp8_param_ag)
     if recipe.name == "nvfp4":
         return StagedQuantizedStorage(recipe, sites, aliased=True)
     raise ConfigError(
         "mixed_precision.fp8_recipe", recipe.name,
-        "low-precision param gather supports tensorwise, delayed, mxfp8 and nvfp4 (rule MOE048)",
-        fix="set mixed_precision.fp8_param_gather=false, or fp8_recipe to tensorwise, delayed or mxfp8",
+        "low-precision param gather supports tensorwise, delayed, blockwise, mxfp8 and nvfp4 (rule MOE048)",
+        fix="set mixed_precision.fp8_param_gather=false, or fp8_recipe to tensorwise, delayed, blockwise or mxfp8",
     )  # fmt: skip
 
 

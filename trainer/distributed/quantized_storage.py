@@ -174,7 +174,7 @@ class _ExpertRun:
     """Consecutive per-expert params of one module in one bucket, evenly spaced: published together.
 
     Param k of the run starts at bucket element `start + k * stride`, holds expert `experts[k]`, and its
-    one scale is slot `slot + k`.
+    scales are slots `slot + k * slots` onwards (per-tensor: one each; blockwise: its block grid).
     """
 
     site: WeightSite
@@ -182,6 +182,7 @@ class _ExpertRun:
     start: int
     stride: int
     slot: int
+    slots: int = 1
 
     @property
     def count(self) -> int:
@@ -197,10 +198,11 @@ class _RunBuilder:
     start: int
     stride: int  # 0 until the run has two params
     slot: int
+    slots: int = 1  # scale slots of each param of the run
 
     def extends(self, site: WeightSite, start: int, slot: int) -> bool:
         """Whether a param of `site` at bucket element `start`, scale slot `slot`, continues this run."""
-        if site.module is not self.site.module or slot != self.slot + len(self.experts):
+        if site.module is not self.site.module or slot != self.slot + len(self.experts) * self.slots:
             return False
         if len(self.experts) == 1:
             return start > self.start
@@ -214,7 +216,7 @@ class _RunBuilder:
     def build(self, device: torch.device) -> _ExpertRun:
         stride = self.stride or self.site.param.numel()
         return _ExpertRun(self.site, torch.tensor(self.experts, dtype=torch.int64, device=device), self.start,
-                          stride, self.slot)  # fmt: skip
+                          stride, self.slot, self.slots)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -237,12 +239,15 @@ class PerTensorFP8Storage(QuantizedParamStorage):
     """FP8 bytes in a uint8 buffer, per-tensor scales agreed over the ranks (see the module docstring)."""
 
     needs_scales = True
+    #: the weight scheme's kind this storage shards (a subclass for 128x128 blocks: blockwise_storage.py)
+    SCHEME_KIND = "tensor"
 
     def __init__(self, recipe: Recipe, sites: dict[nn.Parameter, WeightSite]) -> None:
         super().__init__(recipe, sites)
         self.scheme = recipe.weight_scheme()
-        if self.scheme.kind != "tensor":
-            raise ValueError(f"{recipe.name}: per-tensor FP8 param gather needs per-tensor weight scales")
+        if self.scheme.kind != self.SCHEME_KIND:
+            raise ValueError(f"{recipe.name}: {type(self).__name__} needs {self.SCHEME_KIND} weight scales, "
+                             f"not {self.scheme.describe()}")  # fmt: skip
         self.fmt = fp8_format(self.scheme.fmt)
         self.delayed = isinstance(recipe, DelayedRecipe)
         #: encode scale per param (fp32 `[slots]`) from the last prepare_stage
@@ -264,10 +269,22 @@ class PerTensorFP8Storage(QuantizedParamStorage):
     def buffer_dtype(self, param: nn.Parameter) -> torch.dtype:
         return torch.uint8
 
-    @staticmethod
-    def slots(param: nn.Parameter) -> int:
+    def slots(self, param: nn.Parameter) -> int:
         """Per-tensor scales of `param`: one per expert of a grouped `[E, out, in]` weight, else one."""
         return param.shape[0] if param.dim() == 3 else 1
+
+    def scale_shape(self, param: nn.Parameter) -> tuple[int, ...]:
+        """The shape of `param`'s decode scales in its QuantizedTensor (its `slots` of them)."""
+        return tuple(param.shape[:-2])
+
+    def piece_amax(self, param: nn.Parameter, x: torch.Tensor, first: int) -> torch.Tensor:
+        """fp32 `[slots]`: the amax of each slot over `x`, the run of `param` from element `first`."""
+        k = self.slots(param)
+        return shard_amax(x, first, param.numel() // k, k)
+
+    def quantize_piece(self, param: nn.Parameter, x: torch.Tensor, first: int, scale: torch.Tensor) -> torch.Tensor:
+        """The FP8 values of `x`, the run of `param` from element `first`, under the encode scales `scale`."""
+        return quantize_shard(x, first, param.numel() // self.slots(param), scale, self.scheme)
 
     def bind(self, param: nn.Parameter, view: torch.Tensor) -> None:
         self._take_init(param)  # the bytes arrive with the optimizer's first stage + gather
@@ -293,7 +310,7 @@ class PerTensorFP8Storage(QuantizedParamStorage):
                 for pc in bucket.pieces(lo, hi):
                     p, k = pc.param, self.slots(pc.param)
                     x = master[pc.bucket_lo - lo:pc.bucket_hi - lo].to(p.dtype)  # what the model quantizes
-                    part = shard_amax(x, pc.param_lo, p.numel() // k, k)
+                    part = self.piece_amax(p, x, pc.param_lo)
                     o = offsets[p]
                     torch.maximum(local[o:o + k], part, out=local[o:o + k])
             comm.all_reduce(local, group, op=torch.distributed.ReduceOp.MAX)  # the one all-reduce of the group
@@ -336,9 +353,9 @@ class PerTensorFP8Storage(QuantizedParamStorage):
         if missing:
             raise RuntimeError("per-tensor FP8 staging before prepare_stage agreed on the scales")
         for pc in bucket.pieces(lo, hi):
-            p, k = pc.param, self.slots(pc.param)
+            p = pc.param
             x = master[pc.bucket_lo - lo:pc.bucket_hi - lo].to(p.dtype)
-            q = quantize_shard(x, pc.param_lo, p.numel() // k, self.scales[p], self.scheme)
+            q = self.quantize_piece(p, x, pc.param_lo, self.scales[p])
             bucket.param_data[pc.bucket_lo:pc.bucket_hi].copy_(q.view(torch.uint8))
         # One snapshot of every param's scales, in the plan's slot order (one kernel, not one per param); the
         # alignment gaps hold 1 (a finite reciprocal, never read).
@@ -374,7 +391,7 @@ class PerTensorFP8Storage(QuantizedParamStorage):
             elif runs and runs[-1].extends(site, start, slot):
                 runs[-1].add(site, start)
             else:
-                runs.append(_RunBuilder(site, [site.expert], start, 0, slot))
+                runs.append(_RunBuilder(site, [site.expert], start, 0, slot, k))
             slot_of.setdefault(p, (slot, k))
             slot += k
         device = bucket.param_data.device
@@ -391,7 +408,7 @@ class PerTensorFP8Storage(QuantizedParamStorage):
         for w in plan.whole:
             p = w.param
             data = buf[w.start:w.end].view(self.fmt.dtype).view(p.shape)  # no copy: the gathered bytes
-            scale_inv = decode[w.slot:w.slot + w.slots].reshape(p.shape[:-2])
+            scale_inv = decode[w.slot:w.slot + w.slots].reshape(self.scale_shape(p))
             publish(self.site(p), QuantizedTensor(self.scheme, p.shape, p.dtype, rowwise=QuantizedData(data, scale_inv),
                                                   recipe=self.recipe.name))  # fmt: skip
         for run in plan.runs:
@@ -401,8 +418,9 @@ class PerTensorFP8Storage(QuantizedParamStorage):
             # the run's params as one [n, out, in] view of the gathered bytes (param k at start + k * stride)
             data = buf.as_strided((run.count, *shape), (run.stride, shape[-1], 1),
                                   buf.storage_offset() + run.start).view(self.fmt.dtype)  # fmt: skip
-            publish_experts(run.site, run.experts, data, decode[run.slot:run.slot + run.count], self.scheme,
-                            self.recipe.name)  # fmt: skip
+            scales = decode[run.slot:run.slot + run.count * run.slots]
+            publish_experts(run.site, run.experts, data, scales.reshape(run.count, *self.scale_shape(run.site.param)),
+                            self.scheme, self.recipe.name)  # fmt: skip
         self.live_scales[bucket] = encode
 
     def live_scale(self, param: nn.Parameter) -> torch.Tensor:

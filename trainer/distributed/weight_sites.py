@@ -97,23 +97,23 @@ def publish_experts(site: WeightSite, experts: torch.Tensor, data: torch.Tensor,
     """Install new rowwise values of the experts `experts` of `site`'s per-expert module, all at once.
 
     `experts`: int64 expert indices `[n]` (any order, on the data's device); `data`: their FP8 rowwise bytes
-    `[n, out, in]` (any strides: a view of the gathered buffer); `scale`: their decode scales `[n]`. The
-    module's `[E, out, in]` rowwise storage takes them with one `index_copy_` each (allocated zero at the
-    first publication; every expert is written before a forward reads it, since a module's pre-hook
-    completes the gathers of all its params). The module then holds a NEW rowwise-only QuantizedTensor over
+    `[n, out, in]` (any strides: a view of the gathered buffer); `scale`: their decode scales, `[n]` per
+    tensor or `[n, Mb, Kb]` per 128x128 block. The module's `[E, out, in]` rowwise storage takes them with one
+    `index_copy_` each (allocated zero at the first publication; every expert is written before a forward
+    reads it, since a module's pre-hook completes the gathers of all its params). The module then holds a NEW rowwise-only QuantizedTensor over
     that storage, so no columnwise copy of the previous values survives (see the module docstring).
     """
     if site.module is None or site.expert is None:
         raise ValueError("publish_experts is for the params of a per-expert layout's module")
     param = site.param
-    if tuple(data.shape[1:]) != tuple(param.shape) or not data.shape[0] == experts.numel() == scale.numel():
+    if tuple(data.shape[1:]) != tuple(param.shape) or not data.shape[0] == experts.numel() == scale.shape[0]:
         raise ValueError(f"{experts.numel()} experts of {tuple(param.shape)} from data {tuple(data.shape)} and "
                          f"scales {tuple(scale.shape)}")  # fmt: skip
     E = site.num_experts
     old = site.module.quantized_weight
     if old is None or old.rowwise is None or old.rowwise.data.dtype != data.dtype:
         rows = QuantizedData(torch.zeros((E, *param.shape), dtype=data.dtype, device=data.device),
-                             torch.zeros(E, dtype=scale.dtype, device=scale.device))  # fmt: skip
+                             torch.zeros((E, *scale.shape[1:]), dtype=scale.dtype, device=scale.device))  # fmt: skip
     else:
         rows = old.rowwise
     # uint8 views: the same bytes, and index_copy_ need not support float8 dtypes
