@@ -27,6 +27,17 @@ def build_model(cfg: Config, device: torch.device, pstate: ParallelState | None 
     if ep > 1 and (pstate is None or pstate.ep.size != ep):
         raise ValueError(f"expert_model_parallel_size={ep} needs this rank's ParallelState with an ep group of {ep}")
     recipe = build_recipe(cfg, device)
+    if cfg.moe.router_padding_for_quantization and recipe is None:
+        # Megatron pads each expert's routings in the router with prob-0 ones; every dispatcher here pads each
+        # expert's segment to the recipe's alignment with prob-0 rows (numerically the same, router.py). With
+        # no recipe there is nothing to pad to: refused (rule MOE007) rather than accepted and ignored.
+        from moectl.core.errors import ConfigError
+
+        raise ConfigError(
+            "moe.router_padding_for_quantization", True,
+            "pads expert segments to a low-precision recipe's alignment, and the run has no fp8/fp4 recipe (MOE007)",
+            "turn on mixed_precision.fp8 or fp4, or set moe.router_padding_for_quantization=false",
+        )  # fmt: skip
     model = GPTMoE(
         cfg.model,
         cfg.moe,

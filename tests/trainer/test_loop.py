@@ -103,3 +103,15 @@ def test_the_banner_says_cuda_graphs_are_not_captured(tmp_path):
     assert not any("cuda_graph" in line for line in make(tmp_path)._banner())
     lines = make(tmp_path, "train.cuda_graph=true")._banner()
     assert any("cuda_graph: not captured" in line and "eagerly" in line for line in lines)
+
+
+def test_router_padding_without_a_recipe_is_refused_not_ignored(tmp_path):
+    """`router_padding_for_quantization` is what the dispatcher does under a recipe (pad each expert to its
+    alignment); without one it would be accepted and ignored, so the build refuses it (as rule MOE007)."""
+    from moectl.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="moe.router_padding_for_quantization"):
+        make(tmp_path, "moe.router_padding_for_quantization=true")
+    t = make(tmp_path, "moe.router_padding_for_quantization=true", "mixed_precision.bf16=true",
+             "mixed_precision.fp8=e4m3", "moe.backend=grouped")  # fmt: skip
+    assert t.model.moe_layers()[0].dispatcher.align == t.model.recipe.align_size == 16

@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Optional, Union
 
 from moectl.core.config.schema import MoEConfig
-from moectl.core.errors import ConfigError
 from trainer.moe.dispatch import LocalDispatcher
 from trainer.moe.dispatch_allgather import AllGatherDispatcher
 from trainer.moe.dispatch_alltoall import AllToAllDispatcher, check_divisible
@@ -37,19 +36,7 @@ def expert_shard(cfg: MoEConfig, ep_group: Optional["Group"]) -> dict[str, int]:
 
 
 def build_dispatcher(cfg: MoEConfig, *, align: int, ep_group: Optional["Group"]) -> Dispatcher:
-    """The dispatcher of one MoE layer: local for ep <= 1, else `cfg.token_dispatcher` over `ep_group`.
-
-    `moe.router_padding_for_quantization` (Megatron pads each expert's routings in the router with prob-0
-    ones) is what every dispatcher here does under a recipe anyway: each expert's segment is padded to the
-    recipe's `align` with prob-0 rows, numerically the same (router.py). So the key needs a recipe to pad for
-    (rule MOE007), and is refused here too without one rather than accepted and ignored.
-    """
-    if cfg.router_padding_for_quantization and align <= 1:
-        raise ConfigError(
-            "moe.router_padding_for_quantization", True,
-            "pads expert segments to a low-precision recipe's alignment, and this layer runs no recipe (MOE007)",
-            "turn on mixed_precision.fp8 or fp4, or set moe.router_padding_for_quantization=false",
-        )  # fmt: skip
+    """The dispatcher of one MoE layer: local for ep <= 1, else `cfg.token_dispatcher` over `ep_group`."""
     common = dict(align=align, capacity_factor=cfg.capacity_factor, pad_to_capacity=cfg.pad_expert_input_to_capacity)
     if _ep(ep_group) == 1:
         return LocalDispatcher(cfg.num_experts, **common)  # type: ignore[arg-type]

@@ -140,14 +140,3 @@ def test_drop_equals_zeroing_the_dropped_probs(pad):
             assert not a[~kept].any()
             a, b = a[kept], b[kept]
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=lambda m: f"output {i}: {m}")
-
-
-def test_router_padding_needs_an_alignment_to_pad_to():
-    """`router_padding_for_quantization` is what the dispatcher does under a recipe (pad each expert to its
-    alignment); without one it would be accepted and ignored, so it is refused (as rule MOE007 does)."""
-    from trainer.moe.expert_parallel import build_dispatcher
-
-    cfg = MoEConfig(num_experts=4, router_padding_for_quantization=True)
-    with pytest.raises(ConfigError, match="moe.router_padding_for_quantization"):
-        build_dispatcher(cfg, align=1, ep_group=None)
-    assert build_dispatcher(cfg, align=16, ep_group=None).align == 16
