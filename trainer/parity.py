@@ -141,24 +141,30 @@ def compare_scalar(off: float, on: float, rtol: Optional[float]) -> Optional[str
 
 
 def compare_tensor(off: torch.Tensor, on: torch.Tensor, rtol: Optional[float]) -> Optional[str]:
-    """None when equal (bitwise, or max |on - off| <= rtol * max |off|), else what differs."""
+    """None when equal (bitwise, or max |on - off| <= rtol * max |off|), else what differs. Non-finite
+    entries must sit at the same places with the same values either way."""
     if off.shape != on.shape:
         return f"shape off {list(off.shape)}, on {list(on.shape)}"
-    if rtol is None and off.dtype != on.dtype:
-        return f"dtype off {off.dtype}, on {on.dtype}"
-    if rtol is None and bitwise_equal(off, on):
-        return None
+    if rtol is None:
+        if off.dtype != on.dtype:
+            return f"dtype off {off.dtype}, on {on.dtype}"
+        if bitwise_equal(off, on):
+            return None
     a, b = off.detach().double(), on.detach().double()
-    if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
-        same_nonfinite = torch.equal(torch.isnan(a), torch.isnan(b)) and torch.equal(
-            torch.where(torch.isnan(a), 0, a), torch.where(torch.isnan(b), 0, b))
-        return None if rtol is not None and same_nonfinite else "non-finite values differ"
+    fa, fb = torch.isfinite(a), torch.isfinite(b)
+    keep = dict(nan=0.0, posinf=math.inf, neginf=-math.inf)
+    if not torch.equal(fa, fb) or not torch.equal(a[~fa].nan_to_num(**keep), b[~fb].nan_to_num(**keep)):
+        return f"non-finite values differ ({int((~fa).sum())} off, {int((~fb).sum())} on)"
+    a, b = a[fa], b[fb]
     diff = (a - b).abs().max().item() if a.numel() else 0.0
     scale = a.abs().max().item() if a.numel() else 0.0
     if rtol is not None and diff <= rtol * scale:
         return None
     n = int((a != b).sum())
-    return f"max |diff| {diff:.3e} (relative to max |off| {diff / scale if scale else math.inf:.3e}), {n} of {a.numel()} elements"
+    if n == 0:
+        return "equal values in other bits (signed zeros or NaN payloads)"
+    rel = diff / scale if scale else math.inf
+    return f"max |diff| {diff:.3e} (relative to max |off| {rel:.3e}), {n} of {off.numel()} elements"
 
 
 def kind_of(name: str) -> str:

@@ -66,3 +66,11 @@ def test_state_differences_in_comparison_order():
     assert got == [("param", "c.weight"), ("param", "b.weight"), ("master", "b.weight.main_param"),
                    ("exp_avg", "a.weight.exp_avg")]
     assert kind_of("x.weight.momentum_buffer") == "momentum_buffer"
+
+
+def test_non_finite_entries_must_match():
+    a = torch.tensor([1.0, float("inf"), float("nan")])
+    assert compare_tensor(a, a.clone(), 1e-3) is None
+    assert compare_tensor(a, torch.tensor([1.0, float("-inf"), float("nan")]), 1e-3).startswith("non-finite")
+    assert compare_tensor(a, torch.tensor([1.0, 5.0, float("nan")]), 1.0).startswith("non-finite")
+    assert compare_tensor(torch.tensor([0.0]), torch.tensor([-0.0]), None).startswith("equal values in other bits")

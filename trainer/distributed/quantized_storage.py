@@ -22,6 +22,8 @@ layers read the quantized weight from their `quantized_weight` hook. Two strateg
                    and built once per step, not per micro-batch. Per-expert params of one module are
                    published together: one copy of their bytes and one of their scales into the module's
                    `[E, out, in]` weight (`weight_sites.publish_experts`), no per-expert loop
+`BlockwiseFP8Storage` (fp8 `blockwise`, blockwise_storage.py): the per-tensor strategy with each param's
+    128x128 block grid for its scale slots: block amaxes of the shards all-reduced (MAX), bytes gathered.
 `StagedQuantizedStorage` (mxfp8, nvfp4): 1-D block scales cannot be cut across shards, so (as Megatron's
     `reuse_grad_buf_for_mxfp8_param_ag`) ranks stage `master` cast to the param dtype in a staging buffer,
     aliased on the grad buffer (`aliased=True`) or its own memory, gather it, and every rank quantizes the
