@@ -33,18 +33,19 @@ RECIPES: dict[str, Any] = {"none": lambda: None, "tensorwise": TensorwiseRecipe,
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
-def layer(backend: str, recipe: Optional[Recipe], grouped: bool, fuse: bool, delay: bool) -> MoELayer:
+def layer(backend: str, recipe: Optional[Recipe], grouped: bool, fuse: bool, delay: bool,
+          device: str = "cpu", dtype: torch.dtype = torch.float32) -> MoELayer:  # fmt: skip
     cfg = MoEConfig(num_experts=E, ffn_hidden_size=F, add_bias=True, single_grouped_weight=grouped,
                     single_grouped_bias=grouped, backend=backend, delay_wgrad_compute=delay)  # fmt: skip
     align = recipe.align_size if recipe is not None else 1
     m = MoELayer(cfg, D, init_std=0.2, generator=torch.Generator().manual_seed(3), gradient_accumulation_fusion=fuse,
-                 align=align, recipe=recipe)  # fmt: skip
+                 align=align, recipe=recipe, params_dtype=dtype)  # fmt: skip
     g = torch.Generator().manual_seed(4)
     with torch.no_grad():  # non-zero biases, so their grads and p * b2's share of dprobs are exercised
         for p in m.experts.parameters():
             if p.dim() <= 2 and "bias" in [n for n, q in m.experts.named_parameters() if q is p][0]:
                 p.copy_(0.1 * torch.randn(p.shape, generator=g))
-    return m
+    return m.to(device)
 
 
 def run(m: MoELayer, micro: int = 2) -> tuple[dict[str, torch.Tensor], list[str]]:
@@ -56,8 +57,9 @@ def run(m: MoELayer, micro: int = 2) -> tuple[dict[str, torch.Tensor], list[str]
         setattr(p, READY_HOOK, lambda q: reports.append(names[q]))
     g = torch.Generator().manual_seed(5)
     out: dict[str, torch.Tensor] = {}
+    ref = next(m.experts.parameters())
     for i in range(micro):
-        x = torch.randn(2, 16, D, generator=g).requires_grad_(True)
+        x = torch.randn(2, 16, D, generator=g).to(ref.device, ref.dtype).requires_grad_(True)
         m(x).square().mean().backward()
         out[f"x.grad.{i}"] = x.grad
     out.update({n: p.main_grad.clone() for p, n in names.items()})
@@ -77,6 +79,21 @@ def test_delayed_equals_plain_bitwise(backend: str, recipe: str) -> None:
         assert sorted(reports) == sorted(plain_reports)  # every param reported, as often as without delay
         assert len(reports) == 2 * len(list(m.parameters()))  # once per backward (2 micro-batches)
         assert m.experts.delayed.flushes == 2 and m.experts.delayed.pending == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["none", "tensorwise", "mxfp8"])
+@pytest.mark.parametrize("backend", ["grouped", "fused"])
+def test_delayed_equals_plain_bitwise_on_gpu(backend: str, recipe: str) -> None:
+    """CUDA, bf16: the fused backend's Triton activation kernels and its side-stream weight grads (plain)
+    against the delayed split on the main stream; native fp8 grouped GEMMs under tensorwise."""
+    for grouped, fuse in ((True, False), (False, True)):
+        make = lambda delay: layer(backend, RECIPES[recipe](), grouped, fuse, delay, "cuda", torch.bfloat16)  # noqa: E731
+        plain, plain_reports = run(make(False))
+        delayed, reports = run(make(True))
+        bad = [n for n in plain if not torch.equal(plain[n], delayed[n])]
+        assert bad == [], (grouped, fuse, bad)
+        assert sorted(reports) == sorted(plain_reports)
 
 
 def test_weight_grads_arrive_at_the_flush_point_not_the_backstop(monkeypatch: pytest.MonkeyPatch) -> None:
