@@ -104,16 +104,25 @@ def activities(events: Iterable[Any], regions: Iterable[str], device: str = "cud
             names, region = _context(e, regions, fwd)
             out.append(Activity(e.name, e.time_range.start, e.time_range.end, e.thread, names, region))
         return out
-    by_id = {e.id: e for e in cpu if getattr(e, "linked_correlation_id", 0) == 0}
+    launches = _launches(cpu)
     annotations = {e.name for e in cpu if e.is_user_annotation}
     for e in events:
         if e.device_type != DeviceType.CUDA or e.name in annotations or e.name.startswith("ProfilerStep"):
             continue  # the GPU-side copies of record_function ranges are not work
-        op = by_id.get(getattr(e, "linked_correlation_id", 0))
+        launch = launches.get(getattr(e, "linked_correlation_id", None) or e.id)
+        op = launch.cpu_parent if launch is not None else None  # the aten op that made the runtime call
         names, region = _context(op, regions, fwd) if op is not None else ((), None)
         stream = int(getattr(e, "device_resource_id", 0) or 0)
         out.append(Activity(e.name, e.time_range.start, e.time_range.end, stream, names, region))
     return out
+
+
+def _launches(cpu: list[Any]) -> dict[int, Any]:
+    """CUDA runtime calls (cudaLaunchKernel, cuLaunchKernel, cudaMemcpyAsync, ...) by correlation id. A
+    device event carries the correlation id of the runtime call that queued it: as its own `id` (torch 2.11,
+    seen on an H100: kernel and launch share the id) or as `linked_correlation_id` (older torch). Only runtime
+    calls are keyed: aten ops number their ids separately and would collide."""
+    return {e.id: e for e in cpu if e.name.startswith(("cuda", "cu")) and not e.is_user_annotation}
 
 
 def union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:

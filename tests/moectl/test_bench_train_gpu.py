@@ -29,7 +29,8 @@ def test_reference_structure_on_gpu(tmp_path):
     rows = {r["column"]: r for r in data["rows"]}
     assert set(rows) == {"ours", "compiled-peer", "torchtitan-recipe"}
     assert rows["torchtitan-recipe"]["expert_backend"] == "grouped"
-    assert rows["ours"]["compiled_regions"] == 0 and rows["compiled-peer"]["compiled_regions"] == 2 * 4
+    # on CUDA the default compiles too: 2 layers' norms, attention and router, and the cross-entropy
+    assert rows["ours"]["compiled_regions"] == rows["compiled-peer"]["compiled_regions"] == 2 * 4 + 1
     for name, r in rows.items():
         assert "error" not in r, (name, r.get("error"))
         assert r["mfu"] is not None and 0 < r["mfu"] < 1, name  # H100/H200 have a known peak

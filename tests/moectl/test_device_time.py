@@ -102,3 +102,28 @@ def test_regions_are_free_without_a_profiler():
         with regions.region("moe.experts"):
             torch.ones(2).add_(1)
     assert any(e.name == "moe.experts" and e.is_user_annotation for e in prof.events())
+
+
+def test_kernels_find_their_launching_op_and_region_by_correlation_id():
+    """The structure torch 2.11 reports on an H100 (scripts/probes/profiler_events.py): a kernel shares its
+    `id` with the runtime call that queued it, whose parent is the aten op inside the region's range; aten
+    ops number their own ids, which may equal some kernel's, and must not be taken for launches."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    def ev(name, id, device, parent=None, user=False, start=0, end=1, seq=-1):
+        return SimpleNamespace(name=name, id=id, device_type=device, cpu_parent=parent, is_user_annotation=user,
+                               is_async=False, sequence_nr=seq, thread=1, device_resource_id=7,
+                               time_range=SimpleNamespace(start=start, end=end))
+
+    cpu, cuda = DeviceType.CPU, DeviceType.CUDA
+    reg = ev(regions.ATTENTION, 1, cpu, user=True, start=0, end=50)
+    mm = ev("aten::mm", 2, cpu, reg, start=1, end=10, seq=0)
+    launch = ev("cudaLaunchKernelExC", 1350, cpu, mm, start=2, end=3)
+    decoy = ev("aten::add", 1351, cpu, None, start=60, end=61)  # an aten op whose id equals a kernel's
+    kernel = ev(GEMM, 1350, cuda, start=100, end=200)
+    orphan = ev(ADD, 1351, cuda, start=300, end=310)  # its launch was not recorded
+    acts = {a.name: a for a in activities([reg, mm, launch, decoy, kernel, orphan], regions.ALL)}
+    assert acts[GEMM].region == regions.ATTENTION and acts[GEMM].ops[0] == "aten::mm"
+    assert acts[ADD].region is None and acts[ADD].ops == ()

@@ -13,6 +13,7 @@ GROUPED = ("void cutlass::device_kernel<at::cuda::detail::enable_3x_kernel_for_s
            "GemmUniversal<cutlass::gemm::GroupProblemShape<cute::tuple<int, int, int> >, ...> > >")  # fmt: skip
 
 CASES = [
+    ("_wgrad_kernel", (), "moe.experts", "grouped_gemm"),  # trainer/kernels/grouped_wgrad_triton.py
     # (kernel name, ops innermost first, region, category)
     ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTN", ("aten::mm", "aten::matmul", "aten::linear"), "attention",
      "dense_gemm"),
