@@ -202,10 +202,7 @@ class _ExpertMLPFunction(torch.autograd.Function):
         fc1, fc2 = ctx.module.linear_fc1, ctx.module.linear_fc2
         fuse = ctx.module.gradient_accumulation_fusion
         w1, b1, w2, b2 = ctx.groups
-        into = None
-        if fuse and ctx.precision is None and supports_wgrad_into(ctx.backend):
-            t1, t2 = fc1.wgrad_targets(w1), fc2.wgrad_targets(w2)
-            into = (t1, t2) if t1 is not None and t2 is not None else None
+        into = _ExpertMLPFunction._wgrad_into(ctx)
         extra = {} if into is None else {"wgrad_into": into}
         dx_PD, dw1_EHD, db1_EH, dw2_EDF, db2_ED, dprobs_P = ctx.backend.backward(ctx.backend_ctx, dy_PD, **extra)
         ctx.backend_ctx = None  # free activations now, not when the graph dies
@@ -221,9 +218,21 @@ class _ExpertMLPFunction(torch.autograd.Function):
         return (dx_PD, None, dprobs_P, None, None, None, None, *g_w1, *g_b1, *g_w2, *g_b2)
 
     @staticmethod
+    def _wgrad_into(ctx: Any) -> Optional[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+        """Where the backend accumulates the weight grads itself (gradient-accumulation fusion, a backend that
+        can, no recipe, fp32 main_grads), or None: the grads then come back and are routed."""
+        w1, _, w2, _ = ctx.groups
+        if not (ctx.module.gradient_accumulation_fusion and ctx.precision is None and supports_wgrad_into(ctx.backend)):
+            return None
+        t1, t2 = ctx.module.linear_fc1.wgrad_targets(w1), ctx.module.linear_fc2.wgrad_targets(w2)
+        return (t1, t2) if t1 is not None and t2 is not None else None
+
+    @staticmethod
     def _backward_delayed(ctx: Any, dy_PD: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
         """Data grads now; the weight and bias grads deferred to the layer's flush point (delayed_wgrad.py)."""
-        dx_PD, dprobs_P, wgrad = ctx.backend.backward_dgrad(ctx.backend_ctx, dy_PD)
+        into = _ExpertMLPFunction._wgrad_into(ctx)
+        extra = {} if into is None else {"wgrad_into": into}
+        dx_PD, dprobs_P, wgrad = ctx.backend.backward_dgrad(ctx.backend_ctx, dy_PD, **extra)
         ctx.backend_ctx = None
         module, (w1, b1, w2, b2) = ctx.module, ctx.groups
         fc1, fc2 = module.linear_fc1, module.linear_fc2
@@ -231,6 +240,9 @@ class _ExpertMLPFunction(torch.autograd.Function):
 
         def deliver() -> None:
             dw1_EHD, db1_EH, dw2_EDF, db2_ED = wgrad()
+            if into is not None:  # accumulated by the backend: report them, as accumulate_wgrad does
+                for p in (*w2, *w1):
+                    grad_ready(p)
             # fc2 then fc1, weight then bias: the order the undelayed backward routes them in
             fc2.route_late_grads(w2, dw2_EDF, fc2.grouped_weight, fuse)
             fc2.route_late_grads(b2, db2_ED, fc2.grouped_bias, fuse)

@@ -259,10 +259,14 @@ class FusedBackend:
         )
         return dx_TD, dw1_EHD, db1_EH, dw2_EDF, db2_ED, dprobs_T
 
-    def backward_dgrad(self, ctx: Any, dy_TD: torch.Tensor) -> tuple[torch.Tensor, "torch.Tensor | None", Any]:
+    def backward_dgrad(self, ctx: Any, dy_TD: torch.Tensor,
+                       wgrad_into: WgradTargets | None = None) -> tuple[torch.Tensor, "torch.Tensor | None", Any]:
         """(dx, dprobs, wgrad): `backward`'s kernels, the two weight-grad GEMMs and the bias grads deferred to
-        `wgrad()` (delayed wgrad: they then run on the current stream, when the caller calls it)."""
+        `wgrad()` (delayed wgrad: they then run on the current stream, when the caller calls it). With
+        `wgrad_into`, `wgrad()` accumulates the weight grads there (as `backward` does) and returns None for them."""
         if isinstance(ctx, QuantizedFusedCtx):
+            if wgrad_into is not None:
+                raise ValueError("wgrad_into is for the high-precision path; a recipe's wgrad is fp32 already")
             return _backward_quantized_dgrad(ctx, dy_TD)
         x, h, w1, w2, probs = ctx.x_TD, ctx.h_TH, ctx.w1_EHD, ctx.w2_EDF, ctx.probs_T
         dy = dy_TD.to(x.dtype).contiguous()
@@ -277,9 +281,14 @@ class FusedBackend:
         dx_TD = torch._grouped_mm(dh_TH, w1, ctx.offs_E)
         dprobs_T = _dprobs_with_b2(ctx.b2_ED, probs, ctx.expert_T, dy, dprobs_T)
 
-        def wgrad() -> tuple[torch.Tensor, "torch.Tensor | None", torch.Tensor, "torch.Tensor | None"]:
-            dw2_EDF = torch._grouped_mm(dy.t(), a_TF, ctx.offs_E)
-            dw1_EHD = torch._grouped_mm(dh_TH.t(), x, ctx.offs_E)
+        def wgrad() -> tuple["torch.Tensor | None", "torch.Tensor | None", "torch.Tensor | None", "torch.Tensor | None"]:
+            dw1_EHD = dw2_EDF = None
+            if wgrad_into is None:
+                dw2_EDF = torch._grouped_mm(dy.t(), a_TF, ctx.offs_E)
+                dw1_EHD = torch._grouped_mm(dh_TH.t(), x, ctx.offs_E)
+            else:
+                accumulate_grouped_wgrad_(wgrad_into[1], dy, a_TF, ctx.tokens_per_expert_E, ctx.offs_E)
+                accumulate_grouped_wgrad_(wgrad_into[0], dh_TH, x, ctx.tokens_per_expert_E, ctx.offs_E)
             db1_EH, db2_ED = _bias_only(ctx.b1_EH, ctx.b2_ED, probs, ctx.tokens_per_expert_E, dy, dh_TH)
             return dw1_EHD, db1_EH, dw2_EDF, db2_ED
 
