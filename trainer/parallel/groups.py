@@ -28,7 +28,7 @@ from moectl.core.errors import ConfigError
 if TYPE_CHECKING:
     from moectl.core.config.schema import ParallelConfig
 
-DEFAULT_TIMEOUT_S = 600.0
+DEFAULT_TIMEOUT_S = 600.0  # parallel.distributed_timeout_minutes' default, for callers without a config
 # Expert params must differ across ep ranks (each holds different experts), and agree across expert-dp
 # replicas. Megatron offsets its expert RNG the same way (seed + fixed offset + per-ep-rank stride).
 EXPERT_SEED_OFFSET = 1024
@@ -143,14 +143,22 @@ def build_parallel_state(ep: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> Paral
     return ParallelState(world, rank, local_rank, dp, ep_group, edp_group, backend, device)
 
 
-def init_distributed(parallel_cfg: "ParallelConfig", timeout_s: float = DEFAULT_TIMEOUT_S) -> ParallelState:
+def collective_timeout_s(parallel_cfg: "ParallelConfig") -> float:
+    """Seconds a collective waits for the other ranks (`parallel.distributed_timeout_minutes`)."""
+    return float(parallel_cfg.distributed_timeout_minutes) * 60.0
+
+
+def init_distributed(parallel_cfg: "ParallelConfig", timeout_s: float | None = None) -> ParallelState:
     """Join the job torchrun started and build the groups.
 
     Reads the torchrun variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT). World size 1
     (no variables, or WORLD_SIZE=1) returns the trivial state without touching torch.distributed.
-    NCCL on CUDA (after `torch.cuda.set_device(LOCAL_RANK)`), gloo on CPU. `timeout_s` bounds every
-    collective: a dead peer makes the others fail instead of hanging forever.
+    NCCL on CUDA (after `torch.cuda.set_device(LOCAL_RANK)`), gloo on CPU. The timeout (default:
+    `parallel.distributed_timeout_minutes`) bounds every collective: a hung or dead peer makes the others
+    fail, naming the step (trainer/parallel/failures.py), instead of waiting forever.
     """
+    if timeout_s is None:
+        timeout_s = collective_timeout_s(parallel_cfg)
     ep = parallel_cfg.expert_model_parallel_size
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if not dist.is_initialized():
@@ -169,9 +177,18 @@ def init_distributed(parallel_cfg: "ParallelConfig", timeout_s: float = DEFAULT_
 
 
 def destroy_distributed() -> None:
-    """Tear down the default process group, if any (end of a run or a test)."""
+    """Tear down the default process group, if any (end of a run or a test).
+
+    Every run must end with this: a gloo group left to the interpreter's exit is torn down by static
+    destructors in an arbitrary order, and a rank then aborted with "terminate called without an active
+    exception" after a successful run (exit code -6 in 6 of 26 two-rank runs, issue 18). After a failed
+    collective the backend may refuse; the process is ending anyway, so that is not an error here.
+    """
     if dist.is_initialized():
-        dist.destroy_process_group()
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - a broken group cannot be torn down more cleanly than this
+            pass
 
 
 def dense_seed(seed: int, pstate: ParallelState) -> int:

@@ -148,6 +148,11 @@ class ParallelConfig:
         "pays: CUDA, with the distributed engine (not optimizer.optimizer=sgd).",
     )
     grad_reduce_in_fp32: bool = doc(True, "Keep and reduce grads in fp32.")
+    distributed_timeout_minutes: float = doc(
+        10.0,
+        "How long a collective waits for the other ranks before the run fails naming the rank that timed out "
+        "(a hung or stopped rank); Megatron's name and default.",
+    )
 
 
 @dataclass(kw_only=True)
@@ -202,6 +207,11 @@ class TrainConfig:
     log_interval: int = doc(1, "Write a metrics record every N steps.")
     on_nonfinite: Literal["stop", "skip"] = doc("stop", "On a non-finite loss or grad norm: stop the run, or skip the step.")
     device: Literal["auto", "cpu", "cuda"] = doc("auto", "auto = cuda when available, else cpu.")
+    cpu_threads: Optional[int] = doc(
+        None,
+        "torch CPU threads per rank on a CPU run; null = OMP_NUM_THREADS if set, else 1 for models narrower "
+        "than hidden_size 1024 (faster and steadier on a shared machine), else the cores per local rank.",
+    )
 
 
 @dataclass(kw_only=True)
