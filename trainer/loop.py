@@ -3,13 +3,16 @@
 One step: zero grads -> for each micro-batch: forward, loss / n_micro, backward (the last one lets
 the engine launch grad reduction) -> engine.step(lr) -> metrics. A non-finite loss or grad norm stops
 the run with a clear message (`train.on_nonfinite: stop`) or skips the update (`skip`).
-SIGINT/SIGTERM end the run after the current step, with metrics flushed.
+SIGINT/SIGTERM end the run after the step in flight, agreed over all ranks (trainer/stop.py), with a
+checkpoint when `checkpoint.save_interval` is set and a warning when it is not. A collective that loses
+its peer or times out becomes a one-line error naming the rank and the step (trainer/parallel/failures.py).
+`train()` owns the process group it creates and always destroys it.
 """
 
 from __future__ import annotations
 
 import math
-import signal
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,9 +32,15 @@ from trainer.flops import flops_per_token, peak_tflops
 from trainer.metrics import MetricsWriter, expert_balance
 from trainer.observer import PrintObserver, RunObserver, SilentObserver
 from trainer.optim.lr_schedule import lr_at
+from trainer.parallel.failures import collective_failure, raise_if_any_rank_failed
+from trainer.parallel.groups import collective_timeout_s, destroy_distributed
 from trainer.precision import describe
 from trainer.regions import OPTIMIZER, region
+from trainer.run_dir import RunDirLock, prepare_run_dir
+from trainer.run_state import RunState
 from trainer.runtime import Runtime, setup_runtime
+from trainer.stop import StopSignals
+from trainer.threads import ThreadChoice, apply_cpu_threads, choose_cpu_threads
 
 
 class NonFiniteError(MoectlError):
@@ -40,39 +49,17 @@ class NonFiniteError(MoectlError):
 
 @dataclass
 class TrainResult:
-    """How a run ended."""
+    """How a run ended. `stopped_by`: the signal that ended it before `train.train_iters` (None when it
+    finished); `saved`: the checkpoint it committed last (None when it saved none)."""
 
     steps: int
     losses: list[float] = field(default_factory=list)
     eval_losses: list[tuple[int, float]] = field(default_factory=list)
     skipped_steps: int = 0
     stopped_by: str | None = None
+    stop_signum: int | None = None
+    saved: Path | None = None
     run_dir: Path | None = None
-
-
-class _StopFlag:
-    """SIGINT/SIGTERM set a flag; the loop ends after the step in flight (a second Ctrl-C aborts)."""
-
-    def __init__(self) -> None:
-        self.signal: str | None = None
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self) -> "_StopFlag":
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            try:
-                self._previous[sig] = signal.signal(sig, self._handle)
-            except ValueError:  # not the main thread (e.g. under a test runner): no handler
-                pass
-        return self
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        if self.signal is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.signal = signal.Signals(signum).name
-
-    def __exit__(self, *exc: Any) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
 
 
 class Trainer:
@@ -82,6 +69,11 @@ class Trainer:
         self.cfg = cfg
         self.rt = runtime or setup_runtime(cfg.train, cfg.parallel)
         self.observer: RunObserver = observer or PrintObserver()
+        self.threads: ThreadChoice | None = None
+        if self.rt.device.type == "cpu":
+            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            self.threads = choose_cpu_threads(cfg.train.cpu_threads, cfg.model.hidden_size, local_world)
+            apply_cpu_threads(self.threads)
         tc = cfg.train
         self.dp = self.rt.world_size
         self.n_micro = tc.global_batch_size // (tc.micro_batch_size * self.dp)
@@ -103,6 +95,7 @@ class Trainer:
         self.start_step = 0
         self.carried_meta: dict[str, Any] = {}  # meta the loaded checkpoint passes on to this run's saves
         self.weights_only = False  # loaded a checkpoint's model weights without its optimizer state
+        self.resumed_from: Path | None = None
         self.last_record: dict[str, Any] | None = None  # the latest step's metrics record
         self._refuse_to_overwrite_checkpoints()
         if cfg.checkpoint.load:
@@ -248,69 +241,168 @@ class Trainer:
                 f"  param gather: block weights stored {mp.fp4_recipe if mp.fp4 else mp.fp8_recipe}, all-gathered "
                 f"as {staged}; fp32 masters from the init values"
             )
+        host = []
+        if self.threads is not None:
+            host.append(f"cpu threads {self.threads.threads}/rank ({self.threads.why})")
+        if self.rt.world_size > 1:
+            host.append(f"collective timeout {cfg.parallel.distributed_timeout_minutes:g} min "
+                        "(parallel.distributed_timeout_minutes)")
+        if host:
+            lines.append("  host: " + " | ".join(host))
         return lines
 
-    def run(self) -> TrainResult:
-        """Train to `train.train_iters`; returns the per-step losses and how the run ended."""
+    def _open_run_dir(self, overwrite: bool) -> tuple[RunDirLock | None, MetricsWriter | None, list[str]]:
+        """Rank 0 prepares run_dir (trainer/run_dir.py), opens the metrics and writes config.yaml; every rank
+        then learns whether that worked, so none is left waiting in a collective for a rank that failed."""
+        lock, writer, lines, error = None, None, [], None
+        if self.rt.is_main:
+            cfg, start = self.cfg, self.start_step
+            try:
+                lock, lines = prepare_run_dir(self.run_dir, resuming=start > 0, overwrite=overwrite)
+                writer = MetricsWriter(self.run_dir, jsonl=cfg.logging.jsonl, tensorboard=cfg.logging.tensorboard,
+                                       resume_at=start)  # fmt: skip
+                if writer.dropped:
+                    lines.append(f"metrics.jsonl: dropped {writer.dropped} record(s) after step {start}, written "
+                                 "after the checkpoint by the run that stopped")  # fmt: skip
+                _write_config(self.run_dir / "config.yaml", dump_config(cfg))
+            except MoectlError as e:
+                error = e
+        try:
+            raise_if_any_rank_failed(error, self._world_group(), self.rt.world_size)
+        except BaseException:
+            if writer is not None:
+                writer.close()
+            if lock is not None:
+                lock.release()
+            raise
+        return lock, writer, lines
+
+    def _world_group(self) -> Any:
+        return self.rt.pstate.dp.pg if self.rt.world_size > 1 else None
+
+    def run(self, stop: StopSignals | None = None, overwrite: bool = False, state: RunState | None = None) -> TrainResult:
+        """Train to `train.train_iters`; returns the per-step losses and how the run ended.
+
+        `stop`: the signal recorder to honour (the CLI passes one it entered before building the model, so a
+        signal during start-up counts); default: one entered here. `overwrite`: a fresh run may replace
+        another run's metrics in run_dir. `state` is kept up to date for the caller's error report.
+        """
         cfg, tc, main = self.cfg, self.cfg.train, self.rt.is_main
+        state = state if state is not None else RunState()
+        state.run_dir, state.checkpoint = self.run_dir, self.resumed_from
         result = TrainResult(steps=self.start_step, run_dir=self.run_dir)
         observer = self.observer if main else SilentObserver()
-        if main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.yaml").write_text(dump_config(cfg))
-            observer.started(self._banner())
         start = self.start_step
-        writer = (
-            MetricsWriter(self.run_dir, jsonl=cfg.logging.jsonl, tensorboard=cfg.logging.tensorboard, resume=start > 0)
-            if main
-            else None
-        )
-        if start:
-            observer.log(f"  resumed from {self.resumed_from} at step {start}")
-        if self.weights_only:
-            observer.log(f"  loaded model weights only from {self.resumed_from}: fresh optimizer state")
-        save_every = cfg.checkpoint.save_interval
         try:
-            with _StopFlag() as stop, observer.running(tc.train_iters, start):
-                for step in range(start, tc.train_iters):
-                    t0 = time.perf_counter()
-                    record = self.train_step(step)
-                    if self.rt.device.type == "cuda":
-                        torch.cuda.synchronize()
-                    dt = time.perf_counter() - t0
-                    record["tokens_per_s"] = self.tokens_per_step / dt
-                    if self.peak is not None:
-                        record["mfu"] = self.flops_per_step / dt / (self.peak * 1e12 * self.rt.world_size)
-                    result.steps = step + 1
-                    result.losses.append(record["loss"])
-                    self.last_record = record
-                    result.skipped_steps += int(record["skipped"])
-                    if writer is not None and (step + 1) % tc.log_interval == 0:
-                        writer.write(record)
-                    observer.step(step + 1, record)
-                    if record["skipped"]:
-                        observer.log(f"step {step + 1}: non-finite loss or grad norm, update skipped")
-                    last = step + 1 == tc.train_iters
-                    if tc.eval_interval and ((step + 1) % tc.eval_interval == 0 or last):
-                        eval_loss = self.evaluate()
-                        result.eval_losses.append((step + 1, eval_loss))
-                        if writer is not None:
-                            writer.write({"step": step + 1, "eval_loss": eval_loss})
-                        observer.evaluated(step + 1, eval_loss)
-                    # Save on schedule, at the end, and when asked to stop (SIGTERM from a scheduler).
-                    if save_every and ((step + 1) % save_every == 0 or last or stop.signal is not None):
-                        path = self.save(step + 1)
-                        observer.log(f"saved {path}")
-                    if stop.signal is not None:
-                        result.stopped_by = stop.signal
-                        observer.log(f"{stop.signal}: stopped cleanly after step {step + 1}")
-                        break
+            lock, writer, notes = self._open_run_dir(overwrite)
+        except Exception as e:
+            failure = self._as_failure(e, None)
+            if failure is None:
+                raise
+            raise failure from e
+        try:
+            with stop if stop is not None else StopSignals() as signals:
+                observer.started(self._banner())
+                for line in notes:
+                    observer.log(line)
+                if start:
+                    observer.log(f"  resumed from {self.resumed_from} at step {start}")
+                if self.weights_only:
+                    observer.log(f"  loaded model weights only from {self.resumed_from}: fresh optimizer state")
+                with observer.running(tc.train_iters, start):
+                    self._loop(signals, observer, writer, result, state)
+        except Exception as e:
+            failure = self._as_failure(e, state.step)
+            if failure is None:
+                raise
+            raise failure from e
         finally:
             if writer is not None:
                 writer.close()
+            if lock is not None:
+                lock.release()
         return result
 
+    def _as_failure(self, e: Exception, step: int | None) -> MoectlError | None:
+        """A backend's lost-peer or timeout error as a one-line `CollectiveFailure`; None for anything else."""
+        return collective_failure(e, self.rt.rank, step, collective_timeout_s(self.cfg.parallel))
 
-def train(cfg: Config, observer: RunObserver | None = None) -> TrainResult:
-    """Run `cfg` on this process (rank and world from torchrun's environment when launched by it)."""
-    return Trainer(cfg, observer).run()
+    def _loop(self, stop: StopSignals, observer: RunObserver, writer: MetricsWriter | None, result: TrainResult,
+              state: RunState) -> None:
+        cfg, tc = self.cfg, self.cfg.train
+        save_every = cfg.checkpoint.save_interval
+        for step in range(self.start_step, tc.train_iters):
+            state.step = step + 1
+            t0 = time.perf_counter()
+            record = self.train_step(step)
+            if self.rt.device.type == "cuda":
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            record["tokens_per_s"] = self.tokens_per_step / dt
+            if self.peak is not None:
+                record["mfu"] = self.flops_per_step / dt / (self.peak * 1e12 * self.rt.world_size)
+            result.steps = step + 1
+            result.losses.append(record["loss"])
+            self.last_record = record
+            result.skipped_steps += int(record["skipped"])
+            if writer is not None and (step + 1) % tc.log_interval == 0:
+                writer.write(record)
+            observer.step(step + 1, record)
+            if record["skipped"]:
+                observer.log(f"step {step + 1}: non-finite loss or grad norm, update skipped")
+            last = step + 1 == tc.train_iters
+            # Every rank asks every step, so a signal that reached one rank stops all after the same step.
+            stopping = stop.agreed(self._world_group(), self.rt.world_size) and not last
+            if tc.eval_interval and ((step + 1) % tc.eval_interval == 0 or last):
+                eval_loss = self.evaluate()
+                result.eval_losses.append((step + 1, eval_loss))
+                if writer is not None:
+                    writer.write({"step": step + 1, "eval_loss": eval_loss})
+                observer.evaluated(step + 1, eval_loss)
+            # Save on schedule, at the end, and when asked to stop (SIGTERM from a scheduler).
+            saved_now = bool(save_every and ((step + 1) % save_every == 0 or last or stopping))
+            if saved_now:
+                path = self.save(step + 1)
+                result.saved = state.checkpoint = path
+                state.saved_by_this_run = True
+                observer.log(f"saved {path}")
+            if stopping:
+                result.stopped_by, result.stop_signum = stop.signal, stop.signum
+                if saved_now and result.saved is not None:
+                    observer.log(f"{stop.signal}: stopped cleanly after step {step + 1}; resume with "
+                                 f"--set checkpoint.load={result.saved.parent}")  # fmt: skip
+                else:
+                    observer.log(f"warning: {stop.signal}: stopped after step {step + 1} with nothing saved "
+                                 "(checkpoint.save_interval is not set): these steps cannot be resumed")  # fmt: skip
+                break
+
+
+def _write_config(path: Path, text: str) -> None:
+    try:
+        path.write_text(text, encoding="utf-8")
+    except OSError as e:
+        raise MoectlError(f"{path}: cannot write the resolved config ({e.strerror or e})",
+                          "make run_dir writable, or train into another --run-dir") from None  # fmt: skip
+
+
+def train(cfg: Config, observer: RunObserver | None = None, *, stop: StopSignals | None = None,
+          overwrite: bool = False, state: RunState | None = None) -> TrainResult:
+    """Run `cfg` on this process (rank and world from torchrun's environment when launched by it).
+
+    The process group this creates is destroyed when the run ends, however it ends: a gloo group left to
+    the interpreter's exit aborted a rank after a successful run (issue 18). `state` tells the caller where
+    a failed run was (trainer/run_state.py).
+    """
+    state = state if state is not None else RunState()
+    try:
+        try:
+            trainer = Trainer(cfg, observer)
+        except Exception as e:  # a peer lost while the groups, model or data were being set up
+            rank = int(os.environ.get("RANK", "0"))
+            failure = collective_failure(e, rank, None, collective_timeout_s(cfg.parallel))
+            if failure is not None:
+                raise failure from e
+            raise
+        return trainer.run(stop=stop, overwrite=overwrite, state=state)
+    finally:
+        destroy_distributed()

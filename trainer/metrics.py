@@ -8,18 +8,59 @@ Only rank 0 writes or prints.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 from moectl.core.errors import MoectlError
 
 
-class MetricsWriter:
-    """Appends train and eval records to `run_dir/metrics.jsonl` (and TensorBoard when enabled)."""
+def truncate_after(path: Path, step: int) -> int:
+    """Keep the records of `path` up to `step` (train and eval), drop the rest; returns how many were dropped.
 
-    def __init__(self, run_dir: Path, *, jsonl: bool = True, tensorboard: bool = False, resume: bool = False) -> None:
+    A resumed run continues from its checkpoint's step; records after it were written by the run that
+    stopped or crashed after that checkpoint, and appending to them would hold those steps twice. A line
+    that does not parse (a record torn by a crash) is dropped too. The file is replaced atomically.
+    """
+    kept, dropped = [], 0
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                rec = None
+            if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] <= step:
+                kept.append(line if line.endswith("\n") else line + "\n")
+            else:
+                dropped += 1
+    if dropped:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(kept), encoding="utf-8")
+        os.replace(tmp, path)
+    return dropped
+
+
+class MetricsWriter:
+    """Appends train and eval records to `run_dir/metrics.jsonl` (and TensorBoard when enabled).
+
+    `resume_at` > 0: the run resumes after that step; the file keeps its records up to it and is appended
+    to (`dropped` counts the later ones removed), and TensorBoard purges its later events.
+    """
+
+    def __init__(self, run_dir: Path, *, jsonl: bool = True, tensorboard: bool = False, resume_at: int = 0) -> None:
         self.path = run_dir / "metrics.jsonl"
-        self._file = open(self.path, "a" if resume else "w") if jsonl else None
+        self.dropped = 0
+        self._file = None
+        if jsonl:
+            try:
+                if resume_at and self.path.is_file():
+                    self.dropped = truncate_after(self.path, resume_at)
+                self._file = open(self.path, "a" if resume_at else "w", encoding="utf-8")
+            except OSError as e:
+                raise MoectlError(
+                    f"{self.path}: cannot write the run's metrics there ({e.strerror or e})",
+                    "make it a writable file (or move it away), or train into another --run-dir",
+                ) from None
         self._tb = None
         if tensorboard:
             try:
@@ -29,7 +70,8 @@ class MetricsWriter:
                     f"logging.tensorboard is on but TensorBoard is not importable ({e})",
                     "pip install 'moectl[tensorboard]' or set logging.tensorboard=false",
                 ) from None
-            self._tb = SummaryWriter(str(run_dir / "tb"))
+            # purge_step: events after the resumed step came from the run that stopped, as above
+            self._tb = SummaryWriter(str(run_dir / "tb"), purge_step=resume_at + 1 if resume_at else None)
 
     def write(self, record: dict[str, Any]) -> None:
         """Write one record; `step` is required."""

@@ -1,0 +1,57 @@
+"""Removing what interrupted saves and deletes left behind: `step_N.tmp-<nonce>` and `step_N.trash-<nonce>`.
+
+A save killed before its commit leaves a `.tmp-` folder, and retention killed half-way leaves a `.trash-`
+one (ckpt/save.py, ckpt/retention.py). Discovery ignores both, but nothing removed them: they stayed on
+disk forever, each as large as a checkpoint. A run removes them when it starts (rank 0, before any save
+of its own can be in flight, under the run_dir lock of trainer/run_dir.py).
+
+Only folders this product wrote are removed: the name must match exactly and every entry inside must be
+a file a save writes (`model-/optim-NNNNN.safetensors`, `manifest.json`). A folder holding anything else is left alone and reported, never deleted.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ckpt import names
+
+
+@dataclass
+class Cleanup:
+    """What `remove_interrupted_saves` did: removed folders, and folders left alone with the reason."""
+
+    removed: list[Path] = field(default_factory=list)
+    kept: list[tuple[Path, str]] = field(default_factory=list)
+
+
+def _ours(entry: Path) -> bool:
+    """Whether a save writes this entry: a shard file or the manifest, as a plain file."""
+    name = entry.name
+    return bool(names.SHARD_RE.match(name) or name == names.MANIFEST) and entry.is_file() and not entry.is_symlink()
+
+
+def remove_interrupted_saves(root: str | os.PathLike[str]) -> Cleanup:
+    """Delete the interrupted-save and half-deleted folders under `root` that hold only checkpoint files."""
+    root = Path(root)
+    done = Cleanup()
+    if not root.is_dir():
+        return done
+    for p in sorted(root.iterdir()):
+        if not (names.TMP_DIR_RE.match(p.name) or names.TRASH_DIR_RE.match(p.name)):
+            continue
+        if p.is_symlink() or not p.is_dir():
+            done.kept.append((p, "not a plain folder"))
+            continue
+        strangers = [e.name for e in p.iterdir() if not _ours(e)]
+        if strangers:
+            done.kept.append((p, f"holds {', '.join(sorted(strangers)[:3])}, which no save writes"))
+            continue
+        shutil.rmtree(p, ignore_errors=True)
+        if p.exists():
+            done.kept.append((p, "could not be removed"))
+        else:
+            done.removed.append(p)
+    return done

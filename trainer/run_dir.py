@@ -1,0 +1,140 @@
+"""run_dir hygiene: create it with a one-line error, hold it against a second run, never overwrite a run silently.
+
+Training again into a run_dir used to replace its `metrics.jsonl` and `config.yaml` without a word (the
+README's own examples reuse `runs/tiny`), and a `--run-dir` that could not be created, or a
+`metrics.jsonl` that was a folder, ended in a traceback (issue 18). Here, before the first step, on the
+rank that writes (rank 0):
+
+- the folder is created, or the run refuses with one line saying why (a file in the way, a parent that is
+  a file, no permission, a filesystem that takes no folders such as /proc);
+- a lock (`.moectl.lock`, flock) makes a second `moectl train` into the same run_dir refuse while the first
+  runs: the cleanup below, and the metrics file, must not be shared;
+- a fresh run (no `checkpoint.load`) refuses a run_dir whose `metrics.jsonl` holds records, unless told
+  to overwrite them (`--overwrite`); a resume keeps them (`MetricsWriter` cuts them back to the resumed
+  step);
+- interrupted-save folders under `checkpoints/` are removed (`ckpt.cleanup`: only the ones a save wrote).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+from pathlib import Path
+from typing import IO
+
+from ckpt.cleanup import remove_interrupted_saves
+from moectl.core.errors import MoectlError, UsageError
+
+METRICS = "metrics.jsonl"
+LOCK = ".moectl.lock"
+
+
+def create_run_dir(path: Path) -> None:
+    """`mkdir -p path`, as a one-line `UsageError` naming the reason when that is impossible."""
+    fix = "choose another --run-dir (or set run_dir in the config)"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise UsageError(f"run_dir {path} cannot be created: a file is in the way", f"remove that file, or {fix}") from None
+    except NotADirectoryError:
+        parent = next((p for p in path.parents if p.exists() and not p.is_dir()), path.parent)
+        raise UsageError(f"run_dir {path} cannot be created: {parent} is a file, not a folder", fix) from None
+    except PermissionError as e:
+        raise UsageError(f"run_dir {path} cannot be created: {e.strerror or 'permission denied'}", fix) from None
+    except OSError as e:
+        why = e.strerror or type(e).__name__
+        if e.errno == errno.ENOENT:  # /proc, /sys: the path exists as a name, but takes no new folders
+            why = "this filesystem does not allow creating it"
+        raise UsageError(f"run_dir {path} cannot be created: {why}", fix) from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise UsageError(f"run_dir {path} is not writable by this user", fix)
+
+
+class RunDirLock:
+    """An exclusive flock on `run_dir/.moectl.lock` for the run's lifetime (released by `release` or exit)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = run_dir / LOCK
+        self._file: IO[str] | None = None
+        try:
+            import fcntl
+        except ImportError:  # not POSIX: no lock, the other checks still apply
+            return
+        try:
+            f = open(self.path, "a+")
+        except OSError as e:
+            raise UsageError(f"run_dir {run_dir}: cannot open {LOCK} ({e.strerror or e})",
+                             "choose a writable --run-dir") from None  # fmt: skip
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            f.seek(0)
+            holder = f.read().strip() or "unknown"
+            f.close()
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise MoectlError(
+                    f"run_dir {run_dir} is in use by another moectl train (pid {holder})",
+                    "wait for it to finish, stop it, or train into another --run-dir",
+                ) from None
+            return  # a filesystem without flock (some network mounts): run without the lock
+        f.seek(0)
+        f.truncate()
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+        self._file = f
+
+    def release(self) -> None:
+        if self._file is not None:
+            self._file.close()  # closing the descriptor drops the flock
+            self._file = None
+
+
+def metric_records(path: Path) -> list[int]:
+    """The steps of the records in an existing metrics file (unreadable lines skipped)."""
+    steps = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(rec, dict) and isinstance(rec.get("step"), int):
+                steps.append(rec["step"])
+    return steps
+
+
+def check_metrics_file(run_dir: Path, *, resuming: bool, overwrite: bool) -> None:
+    """Refuse a `metrics.jsonl` that is not a file, or that holds another run's records in a fresh run."""
+    path = run_dir / METRICS
+    if not path.exists() and not path.is_symlink():
+        return
+    if not path.is_file():
+        kind = "a folder" if path.is_dir() else "not a regular file"
+        raise UsageError(f"{path} is {kind}, so the run cannot write its metrics there",
+                         f"move {path} away, or train into another --run-dir")  # fmt: skip
+    if resuming or overwrite or path.stat().st_size == 0:
+        return
+    steps = metric_records(path)
+    span = f"steps {min(steps)}-{max(steps)}" if steps else "unreadable records"
+    raise UsageError(
+        f"run_dir {run_dir} holds another run's {METRICS} ({len(steps)} records, {span}); a fresh run would "
+        "replace it",
+        f"resume that run with --set checkpoint.load={run_dir / 'checkpoints'}, train into another --run-dir, "
+        "or pass --overwrite to replace its metrics and config.yaml",
+    )
+
+
+def prepare_run_dir(run_dir: Path, *, resuming: bool, overwrite: bool) -> tuple[RunDirLock, list[str]]:
+    """Everything above, in order; returns the held lock and lines worth logging (removed folders)."""
+    create_run_dir(run_dir)
+    lock = RunDirLock(run_dir)
+    try:
+        check_metrics_file(run_dir, resuming=resuming, overwrite=overwrite)
+        cleanup = remove_interrupted_saves(run_dir / "checkpoints")
+    except BaseException:
+        lock.release()
+        raise
+    lines = [f"removed {p.name}: an interrupted save's leftovers" for p in cleanup.removed]
+    lines += [f"warning: left {p} alone: {why}" for p, why in cleanup.kept]
+    return lock, lines

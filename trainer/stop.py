@@ -1,0 +1,80 @@
+"""Stopping on a signal: SIGTERM/SIGINT set a flag, and the loop ends at a step boundary all ranks agree on.
+
+A scheduler (Slurm, Kubernetes, torchrun's agent) asks a job to stop with SIGTERM and kills it a grace
+period later; Ctrl-C sends SIGINT. Neither may interrupt a step or a save half-way, so the handler only
+records the signal; the loop checks it after each step, saves, and returns. The flag is agreed over all
+ranks (`agreed`): a signal that reached one rank stops every rank after the same step, or the others would
+wait for it in the next step's collectives until the timeout.
+
+A second SIGINT aborts at once (KeyboardInterrupt), unless it comes within `REPEAT_GRACE_S` of the
+first: a launcher forwards the terminal's Ctrl-C to its workers, so each worker sees one Ctrl-C twice.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from typing import Any
+
+import torch
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+REPEAT_GRACE_S = 2.0
+
+
+class StopSignals:
+    """Records SIGINT/SIGTERM while entered; `signal` is the name of the first one received, or None.
+
+    Entering again (nested, e.g. the CLI around the loop) keeps what was recorded: the loop honours a
+    signal that came while the model was being built.
+    """
+
+    def __init__(self) -> None:
+        self.signal: str | None = None
+        self._first_at = 0.0
+        self._previous: list[dict[int, Any]] = []
+
+    def __enter__(self) -> "StopSignals":
+        saved: dict[int, Any] = {}
+        for sig in STOP_SIGNALS:
+            try:
+                saved[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread (e.g. under a test runner): no handler
+                pass
+        self._previous.append(saved)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signal is not None:
+            if signum == signal.SIGINT and time.monotonic() - self._first_at > REPEAT_GRACE_S:
+                raise KeyboardInterrupt
+            return
+        self.signal = signal.Signals(signum).name
+        self._first_at = time.monotonic()
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self._previous.pop().items():
+            signal.signal(sig, handler)
+
+    @property
+    def signum(self) -> int | None:
+        """The received signal's number (for the 128 + N exit code), or None."""
+        return int(signal.Signals[self.signal]) if self.signal else None
+
+    def agreed(self, group: Any, world_size: int) -> bool:
+        """Whether any rank of the world has been asked to stop (collective when `world_size` > 1).
+
+        A rank that learns of the stop only through the others takes on the highest signal number any rank
+        received (SIGTERM over SIGINT), so every rank reports the same signal and exit code.
+        """
+        if world_size == 1:
+            return self.signal is not None
+        code = torch.tensor([self.signum or 0], dtype=torch.int64)
+        if torch.distributed.get_backend(group) == "nccl":
+            code = code.cuda()
+        torch.distributed.all_reduce(code, op=torch.distributed.ReduceOp.MAX, group=group)
+        got = int(code.item())
+        if got and self.signal is None:
+            self.signal = signal.Signals(got).name
+            self._first_at = time.monotonic()
+        return got != 0
