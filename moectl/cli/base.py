@@ -50,9 +50,9 @@ def _root(
     # A callback keeps `moectl` a command group even if only one command were registered.
 
 
-def report(e: MoectlError) -> None:
-    """Print a user error as one line on stderr."""
-    typer.secho(f"error: {e.one_line()}", err=True, fg="red")
+def report(e: MoectlError, prefix: str = "") -> None:
+    """Print a user error as one line on stderr (`prefix`: e.g. `rank 1: ` in a multi-rank run)."""
+    typer.secho(f"error: {prefix}{e.one_line()}", err=True, fg="red")
 
 
 def command(target: typer.Typer = app, name: str | None = None, **kwargs: Any) -> Callable[[F], F]:

@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from moectl.cli.base import app, command, new_app
+from moectl.cli.console import make_console
 from moectl.cli.options import JsonFlag, SetOpt, examples
 from moectl.core.errors import UsageError
 
@@ -79,7 +80,7 @@ def convert_command(
     from ckpt.convert import convert_checkpoint
 
     out = convert_checkpoint(src, dst, layout.value, glu_interleave_size=_interleave(glu_interleave_size))
-    Console().print(f"[green]converted[/] {src} -> {out} ({layout.value})", highlight=False)
+    make_console().print(f"[green]converted[/] {src} -> {out} ({layout.value})", highlight=False)
 
 
 @command(
@@ -104,7 +105,7 @@ def inspect_command(
     if json_:
         typer.echo(json.dumps(summary.to_json(), indent=2))
     else:
-        _print_summary(summary, Console())
+        _print_summary(summary, make_console())
     if summary.problems:
         raise typer.Exit(1)
 
@@ -165,7 +166,7 @@ def export_hf_command(
     from ckpt.hf import export_hf
 
     out = export_hf(ckpt, dst, format.value)
-    Console().print(f"[green]exported[/] {ckpt} -> {out} ({format.value})", highlight=False)
+    make_console().print(f"[green]exported[/] {ckpt} -> {out} ({format.value})", highlight=False)
 
 
 @command(
@@ -206,7 +207,7 @@ def import_hf_command(
 
     base = apply_overrides(read_yaml(config) if config is not None else {}, set_ or [])
     out = import_hf(src, dst, base=base, probe=probe)
-    console = Console()
+    console = make_console()
     console.print(f"[green]imported[/] {src} -> {out}", highlight=False)
     console.print(f"config: {out.parent / 'config.yaml'} (moectl train / ckpt validate --config)", highlight=False)
 
@@ -242,7 +243,7 @@ def validate_command(
     report = validate_checkpoint(path, overridden(overrides) if given is None else lambda saved: given)
     if int(os.environ.get("RANK", "0")) != 0:
         raise typer.Exit(0 if report.ok else 1)
-    console = Console()
+    console = make_console()
     table = Table(title=f"ckpt validate {report.path}", box=box.SIMPLE_HEAD)
     for col in ("stage", "tensor", "result", "detail"):
         table.add_column(col)

@@ -1,4 +1,4 @@
-"""`--nproc-per-node N`: start N local processes through torch's own elastic launcher.
+"""`--nproc-per-node N`: start N local processes through torch's own elastic launcher, and report on them.
 
 We do not hand-roll process management: `torch.distributed.run` (torchrun) gives rendezvous, per-rank
 environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT), log prefixes and "one rank died, stop
@@ -6,21 +6,58 @@ the others". Multi-node runs use torchrun directly:
 
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
         -m moectl train CONFIG
+
+What this launcher adds around torchrun (issue 18):
+- each worker reports how it ended (moectl/cli/outcome.py), and the run ends with one line naming the
+  rank, the step and the cause (moectl/cli/verdict.py) and the documented exit code, instead of the
+  agent's 25-50 line traceback and error table (both still shown with `MOECTL_DEBUG=1`);
+- SIGTERM/SIGINT to the launcher reach the workers through the agent, which then gives them torchrun's
+  shutdown timeout (`TORCH_ELASTIC_SHUTDOWN_TIMEOUT`, default 30 s, as Slurm's KillWait) to finish the
+  step and save before it kills them;
+- the workers' CPU threads are chosen by the trainer's rule (trainer/threads.py) and passed as
+  OMP_NUM_THREADS, unless the user set it.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
+import tempfile
+from pathlib import Path
+from typing import Optional
 
+from moectl.cli.outcome import OUTCOME_DIR_ENV, read_outcomes
+from moectl.cli.verdict import Exit, Verdict, verdict
 
 def under_torchrun() -> bool:
     """True inside a process that torchrun (or this launcher) started."""
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
 
+def _debug() -> bool:
+    return os.environ.get("MOECTL_DEBUG") == "1"
+
+
+def _quiet_torchrun() -> None:
+    """The agent logs every worker's exit and shutdown at WARNING/ERROR; our verdict line replaces that.
+
+    torch gives each of its modules' loggers its own level (torch/distributed/elastic/utils/logging.py),
+    so each one already created is silenced, not just a parent; the agent's modules are imported by now.
+    """
+    if _debug():
+        return
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("torch.distributed"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
 def launch_local(nproc_per_node: int, moectl_args: list[str]) -> int:
-    """Run `python -m moectl <moectl_args>` in `nproc_per_node` local processes; returns the exit code."""
+    """Run `python -m moectl <moectl_args>` in `nproc_per_node` local processes; returns 0, or 1 if any failed.
+
+    For commands whose workers do not report (the benches): torchrun's own output is left as it is.
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
     args = get_args_parser().parse_args(
@@ -28,12 +65,42 @@ def launch_local(nproc_per_node: int, moectl_args: list[str]) -> int:
     )
     try:
         run(args)
-    except Exception as e:  # ChildFailedError: torchrun already printed each failed rank's error
-        name = type(e).__name__
-        if name == "ChildFailedError":
-            return 1
-        raise
+    except ChildFailedError:  # torchrun already printed each failed rank's error
+        return 1
     return 0
+
+
+def launch_train(nproc_per_node: int, moectl_args: list[str], cpu_threads: Optional[int] = None) -> Verdict:
+    """Run `python -m moectl train ...` in `nproc_per_node` local processes; returns the run's verdict.
+
+    `cpu_threads`: OMP_NUM_THREADS for each worker (None: leave it to torchrun, e.g. on a GPU run).
+    """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    if cpu_threads is not None and "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = str(cpu_threads)  # also keeps torchrun from printing its own advice
+    _quiet_torchrun()
+    with tempfile.TemporaryDirectory(prefix="moectl-outcome-") as reports:
+        os.environ[OUTCOME_DIR_ENV] = reports
+        args = get_args_parser().parse_args(
+            ["--standalone", f"--nproc-per-node={nproc_per_node}", "--module", "moectl", *moectl_args]
+        )
+        exits: dict[int, Exit] = {}
+        launcher_signal = None
+        try:
+            run(args)
+        except ChildFailedError as e:
+            for rank, f in e.failures.items():
+                exits[int(rank)] = Exit(f.exitcode, f.signal_name() if f.exitcode < 0 else None)
+            if _debug():
+                print(e, file=sys.stderr)
+        except SignalException as e:
+            launcher_signal = e.sigval.name
+        finally:
+            del os.environ[OUTCOME_DIR_ENV]
+        return verdict(nproc_per_node, read_outcomes(Path(reports)), exits, launcher_signal)
 
 
 def reexec_args() -> list[str]:

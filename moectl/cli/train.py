@@ -1,25 +1,57 @@
-"""`moectl train CONFIG`: check the config against every rule, then train (or launch N processes)."""
+"""`moectl train CONFIG`: check the config against every rule, then train (or launch N processes).
+
+How a run ends is the exit code (moectl/cli/exit_codes.py): 0 finished, 1 failed, 2 bad usage or config,
+3 stopped by a signal after saving, 128+N stopped by signal N with nothing saved. A rank of a multi-rank
+run prints its error as one line (prefixed with its rank); under this CLI's own launcher it reports to
+the launcher instead (moectl/cli/outcome.py), which prints one line for the whole run.
+"""
 
 from __future__ import annotations
 
 import os
+import signal
+import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.console import Console
 
-from moectl.cli.base import app, command
+from moectl.cli import exit_codes
+from moectl.cli import outcome as O
+from moectl.cli.base import app, command, report
+from moectl.cli.console import make_console
 from moectl.cli.options import ConfigArg, RunDirOpt, SetOpt, examples
 from moectl.core.config.load import load_config
-from moectl.core.errors import ConfigError
+from moectl.core.config.schema import Config
+from moectl.core.errors import ConfigError, MoectlError
 
 NprocOpt = Annotated[
     int, typer.Option("--nproc-per-node", min=1, help="Processes (GPUs) on this machine; >1 launches through torchrun.")
 ]
+OverwriteOpt = Annotated[
+    bool,
+    typer.Option(
+        "--overwrite",
+        help="Train afresh into a run_dir that holds another run's metrics.jsonl, replacing it and config.yaml "
+        "(its checkpoints are never deleted; a run that saves still refuses to save over them).",
+    ),
+]
+
+HELP = (
+    "Train an MoE model from a YAML config.\n\n"
+    "Results go to run_dir (the config's run_dir, or --run-dir): config.yaml (the resolved config), "
+    "metrics.jsonl (one JSON record per train.log_interval steps, and per evaluation), and with "
+    "checkpoint.save_interval set, checkpoints/step_NNNNNNNN/ and checkpoints/latest (also saved on SIGTERM).\n\n"
+    "Resume a run: the same command with --set checkpoint.load=RUN_DIR/checkpoints (it continues from the "
+    "latest checkpoint to train.train_iters). A fresh run refuses a run_dir holding another run's metrics "
+    "unless --overwrite.\n\n"
+    "Exit codes: 0 finished, 1 failed, 2 bad usage or config, 3 stopped by SIGTERM/SIGINT after saving "
+    "(resume it), 128+N stopped by signal N with nothing saved."
+)
 
 
-def refuse_on_rule_errors(cfg, world_size: int, console: Console) -> None:
+def refuse_on_rule_errors(cfg: Config, world_size: int, console: Console) -> None:
     """Print every rule violation of `cfg` at `world_size`; raise one ConfigError if any is an error."""
     from moectl.cli.validate import print_violations
     from moectl.core.rules import check
@@ -37,13 +69,25 @@ def refuse_on_rule_errors(cfg, world_size: int, console: Console) -> None:
         )
 
 
+def _launcher_threads(cfg: Config, nproc: int) -> int | None:
+    """OMP_NUM_THREADS for the launcher's workers on a CPU run (trainer/threads.py's rule); None on GPUs."""
+    import torch
+
+    from trainer.threads import choose_cpu_threads
+
+    if cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available()):
+        return None
+    return choose_cpu_threads(cfg.train.cpu_threads, cfg.model.hidden_size, nproc).threads
+
+
 @command(
     app,
     name="train",
-    help="Train an MoE model from a YAML config."
+    help=HELP
     + examples(
         "moectl train configs/tiny.yaml",
         "moectl train configs/tiny.yaml --set train.train_iters=50 --set optimizer.lr=1e-3",
+        "moectl train configs/tiny.yaml --set checkpoint.save_interval=50 --set checkpoint.load=runs/tiny/checkpoints",
         "moectl train configs/tiny.yaml --nproc-per-node 2",
         "torchrun --nproc-per-node 8 -m moectl train configs/mixtral_8x7b_like.yaml",
     ),
@@ -53,27 +97,85 @@ def train_command(
     set_: SetOpt = None,
     nproc_per_node: NprocOpt = 1,
     run_dir: RunDirOpt = None,
+    overwrite: OverwriteOpt = False,
 ) -> None:
-    from moectl.cli.launch import launch_local, reexec_args, under_torchrun
+    from moectl.cli.launch import launch_train, reexec_args, under_torchrun
 
     overrides = list(set_ or [])
     if run_dir is not None:
         overrides.append(f"run_dir={run_dir}")
     cfg = load_config(config, overrides)
-    # Inside torchrun every rank checks the rules (so all refuse together); only rank 0 prints.
-    world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else nproc_per_node
-    rank0 = int(os.environ.get("RANK", "0")) == 0 if under_torchrun() else True
-    console = Console(quiet=not rank0)
-    refuse_on_rule_errors(cfg, world, console)
-    if nproc_per_node > 1 and not under_torchrun():
-        raise typer.Exit(launch_local(nproc_per_node, reexec_args()))
+    # Inside torchrun every rank checks the rules (so all refuse together); only rank 0 prints, and not even
+    # rank 0 when this CLI's launcher printed them already.
+    torchrun = under_torchrun()
+    world = int(os.environ["WORLD_SIZE"]) if torchrun else nproc_per_node
+    rank = int(os.environ.get("RANK", "0")) if torchrun else 0
+    console = make_console(quiet=rank != 0)
+    refuse_on_rule_errors(cfg, world, make_console(quiet=rank != 0 or O.outcome_dir() is not None))
+    if nproc_per_node > 1 and not torchrun:
+        result = launch_train(nproc_per_node, reexec_args(), _launcher_threads(cfg, nproc_per_node))
+        if result.line:
+            typer.secho(f"error: {result.line}", err=True, fg="red")
+        raise typer.Exit(result.code)
+    raise typer.Exit(_train_here(cfg, console, rank, world, overwrite))
 
-    from moectl.cli.progress import RichObserver
+
+def _train_here(cfg: Config, console: Console, rank: int, world: int, overwrite: bool) -> int:
+    """Train on this process and return its exit code, reporting to a launcher when one asked."""
+    from moectl.cli.progress import observer_for
     from trainer.loop import train
+    from trainer.parallel.failures import CollectiveFailure, PeerFailedError
+    from trainer.run_state import RunState
+    from trainer.stop import StopSignals
 
-    result = train(cfg, RichObserver(console))
-    if rank0:
+    state = RunState()
+    launched = O.outcome_dir() is not None
+
+    def report_to_launcher(kind: str, code: int, message: str = "", signal_name: str | None = None,
+                           timeout_s: float | None = None) -> None:
+        O.write_outcome(O.Outcome(rank=rank, kind=kind, exit_code=code, step=state.step, message=message,
+                                  checkpoint=str(state.checkpoint) if state.checkpoint else None,
+                                  signal=signal_name, timeout_s=timeout_s))  # fmt: skip
+
+    # Entered before the model is built: a SIGTERM during start-up stops the run at its first step boundary.
+    with StopSignals() as stop:
+        try:
+            result = train(cfg, observer_for(console, cfg.train.log_interval), stop=stop, overwrite=overwrite,
+                           state=state)  # fmt: skip
+        except MoectlError as e:
+            if isinstance(e, CollectiveFailure):
+                kind = O.TIMEOUT if e.kind == "timeout" else O.PEER_LOST
+            else:
+                kind = O.PEER_FAILED if isinstance(e, PeerFailedError) else O.ERROR
+            report_to_launcher(kind, e.exit_code, e.one_line(), timeout_s=getattr(e, "timeout_s", None))
+            if os.environ.get("MOECTL_DEBUG") == "1":
+                raise
+            if not launched:  # the launcher prints one line for the whole run
+                report(e, f"rank {rank}: " if world > 1 and not e.message.startswith("rank ") else "")
+            return e.exit_code
+        except KeyboardInterrupt:  # a second Ctrl-C: abort now, without saving
+            report_to_launcher(O.STOPPED, exit_codes.stopped_unsaved(signal.SIGINT), signal_name="SIGINT")
+            typer.secho("error: interrupted (second Ctrl-C): stopped without saving", err=True, fg="red")
+            return exit_codes.stopped_unsaved(signal.SIGINT)
+        except Exception as e:  # a bug: keep its traceback (moectl/core/errors.py), tell the launcher in one line
+            report_to_launcher(O.CRASH, exit_codes.FAILED, f"{type(e).__name__}: {' '.join(str(e).split())[:300]}")
+            raise
+        if result.stopped_by:
+            code = exit_codes.STOPPED_SAVED if result.saved else exit_codes.stopped_unsaved(result.stop_signum or 15)
+            report_to_launcher(O.STOPPED, code, signal_name=result.stopped_by)
+        else:
+            code = exit_codes.FINISHED
+            report_to_launcher(O.FINISHED, code)
+    if launched:
+        # Done: a SIGTERM the agent sends while this process exits (after another rank's exit code 3) must
+        # not turn a clean stop into a death by signal.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if rank == 0:
         how = f"stopped by {result.stopped_by}" if result.stopped_by else "done"
         last = f", final loss {result.losses[-1]:.4f}" if result.losses else ""
         ev = f", eval loss {result.eval_losses[-1][1]:.4f}" if result.eval_losses else ""
-        console.print(f"[green]{how}[/]: {result.steps} steps{last}{ev}; metrics in {Path(cfg.run_dir) / 'metrics.jsonl'}")
+        color = "green" if code in (exit_codes.FINISHED, exit_codes.STOPPED_SAVED) else "yellow"
+        console.print(f"[{color}]{how}[/]: {result.steps} steps{last}{ev}; metrics in "
+                      f"{Path(cfg.run_dir) / 'metrics.jsonl'}")  # fmt: skip
+    sys.stdout.flush()
+    return code

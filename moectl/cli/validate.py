@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from moectl.cli.base import app, command
+from moectl.cli.console import make_console
 from moectl.cli.options import JsonFlag, SetOpt, WorldSizeOpt, examples
 from moectl.core.config import Config
 from moectl.core.config.load import load_config
@@ -137,7 +138,7 @@ def validate_config(
     explain: ExplainOpt = None,
 ) -> None:
     """Validate CONFIG (after --set overrides) for --world-size ranks."""
-    console = Console()
+    console = make_console()
     if explain is not None:
         _explain(explain, json_, console)
         return

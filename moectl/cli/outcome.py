@@ -1,0 +1,76 @@
+"""Each rank's report to the launcher: how it ended, at which step, why, and what can be resumed.
+
+torchrun's agent knows only exit codes, and prints a 25-50 line traceback for any non-zero one (issue 18).
+The launcher (moectl/cli/launch.py) sets `MOECTL_OUTCOME_DIR` for its workers; each worker writes
+`rank<N>.json` there as it ends, and the launcher turns the reports, together with the codes and signals
+torchrun collected, into one line for the whole run. A rank that was killed writes nothing: its absence,
+and what the others saw (a lost peer, a timeout), is what names it.
+
+Written atomically (temp file + rename), so a reader never sees half a report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+OUTCOME_DIR_ENV = "MOECTL_OUTCOME_DIR"
+
+# kinds of an ended rank
+FINISHED = "finished"
+STOPPED = "stopped"  # by a signal
+ERROR = "error"  # its own MoectlError (bad config, data, checkpoint, non-finite loss)
+CRASH = "crash"  # an unexpected exception: a bug, with its traceback on stderr
+TIMEOUT = "timeout"  # a collective timed out waiting for another rank
+PEER_LOST = "peer-lost"  # a collective lost another rank (it exited or died)
+PEER_FAILED = "peer-failed"  # stopped because another rank failed a check first
+
+
+@dataclass
+class Outcome:
+    """One rank's report. `step`: the step in flight (or the last finished); `checkpoint`: the newest one the
+    run can resume from; `message`: the one-line error (empty when it finished or stopped)."""
+
+    rank: int
+    kind: str
+    exit_code: int
+    step: Optional[int] = None
+    message: str = ""
+    checkpoint: Optional[str] = None
+    signal: Optional[str] = None
+    timeout_s: Optional[float] = None
+
+
+def outcome_dir() -> Path | None:
+    """Where this worker reports, when a moectl launcher started it."""
+    d = os.environ.get(OUTCOME_DIR_ENV)
+    return Path(d) if d else None
+
+
+def write_outcome(outcome: Outcome) -> None:
+    """Write this rank's report, if a launcher asked for one (never raises: reporting must not fail a run)."""
+    d = outcome_dir()
+    if d is None:
+        return
+    path = d / f"rank{outcome.rank}.json"
+    tmp = d / f".rank{outcome.rank}.json.tmp"
+    try:
+        tmp.write_text(json.dumps(asdict(outcome)), encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def read_outcomes(d: Path) -> dict[int, Outcome]:
+    """Every rank's report in `d` (ranks that wrote none are absent)."""
+    out: dict[int, Outcome] = {}
+    for p in sorted(d.glob("rank*.json")):
+        try:
+            o = Outcome(**json.loads(p.read_text(encoding="utf-8")))
+        except (OSError, ValueError, TypeError):
+            continue
+        out[o.rank] = o
+    return out

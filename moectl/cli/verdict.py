@@ -1,0 +1,98 @@
+"""One line and one exit code for a multi-rank run, from each rank's report and what torchrun saw.
+
+The cause is named in this order:
+1. a rank that failed on its own (a `MoectlError`, or a crash): its own line, with its exit code;
+2. a rank that ended without a report (killed, aborted, or hung and then ended by the launcher): named
+   with its signal or exit code, and - when the others timed out waiting for it - as hung;
+3. otherwise the first report of a lost peer or a timeout.
+A run where every rank finished is 0; where every rank stopped on a signal, their common code (3 after a
+save, 128 + N without one: moectl/cli/exit_codes.py). A failed run's line ends with the checkpoint to
+resume from, or says that nothing was saved.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from moectl.cli import exit_codes
+from moectl.cli import outcome as O
+
+
+@dataclass(frozen=True)
+class Exit:
+    """How one rank's process ended, as torchrun reported it (only ranks that did not exit 0)."""
+
+    code: int
+    signal: Optional[str] = None  # e.g. "SIGKILL" when it died of a signal
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The run's exit code, and the one line to print (None when the ranks already said everything)."""
+
+    code: int
+    line: Optional[str]
+
+
+def _ranks(rs: list[int]) -> str:
+    return f"rank {rs[0]}" if len(rs) == 1 else "ranks " + ", ".join(map(str, rs))
+
+
+def _during(step: Optional[int]) -> str:
+    return f"during step {step}" if step is not None else "before the first step"
+
+
+def _resume_hint(outcomes: dict[int, O.Outcome]) -> str:
+    ckpt = next((o.checkpoint for _, o in sorted(outcomes.items()) if o.checkpoint), None)
+    if ckpt is None:
+        return "nothing was saved (set checkpoint.save_interval to make a run resumable)"
+    parent = ckpt.rsplit("/", 1)[0] if "/" in ckpt else ckpt
+    return f"resume from {ckpt} with --set checkpoint.load={parent}"
+
+
+def _how_it_ended(rank: int, exits: dict[int, Exit]) -> str:
+    e = exits.get(rank)
+    if e is None:
+        return "ended without a report"
+    if e.signal:
+        return f"was killed by {e.signal}"
+    return f"exited with code {e.code} without a report"
+
+
+def verdict(world_size: int, outcomes: dict[int, O.Outcome], exits: dict[int, Exit],
+            launcher_signal: Optional[str] = None) -> Verdict:
+    """The verdict on a run of `world_size` ranks (see the module docstring)."""
+    own = [r for r, o in sorted(outcomes.items()) if o.kind in (O.ERROR, O.CRASH)]
+    if own:
+        first = outcomes[own[0]]
+        same = [r for r in own if outcomes[r].message == first.message]
+        return Verdict(first.exit_code or exit_codes.FAILED,
+                       f"{_ranks(same)}, {_during(first.step).replace('during ', '')}: {first.message}")
+    missing = [r for r in range(world_size) if r not in outcomes]
+    steps = [o.step for o in outcomes.values() if o.step is not None]
+    step = max(steps) if steps else None
+    if missing:
+        timed_out = sorted(r for r, o in outcomes.items() if o.kind == O.TIMEOUT)
+        lost = sorted(r for r, o in outcomes.items() if o.kind == O.PEER_LOST)
+        m = missing[0]
+        how = _how_it_ended(m, exits)
+        if timed_out:
+            t = outcomes[timed_out[0]].timeout_s
+            waited = f" after {t:g} s" if t is not None else ""
+            cause = (f"rank {m} hung {_during(step)}: {_ranks(timed_out)} timed out{waited} waiting for it in a "
+                     f"collective, then it {how}")
+        elif launcher_signal and all(o.kind == O.STOPPED for o in outcomes.values()):
+            cause = f"rank {m} did not stop within the shutdown timeout after {launcher_signal} and {how}"
+        else:
+            seen = f" ({_ranks(lost)} lost it in a collective)" if lost else ""
+            cause = f"rank {m} {how} {_during(step)}{seen}"
+        others = f"; so did {_ranks(missing[1:])}" if len(missing) > 1 else ""
+        return Verdict(exit_codes.FAILED, f"{cause}{others}. fix: {_resume_hint(outcomes)}")
+    kinds = {o.kind for o in outcomes.values()}
+    if kinds <= {O.FINISHED}:
+        return Verdict(exit_codes.FINISHED, None)
+    if kinds <= {O.FINISHED, O.STOPPED}:
+        return Verdict(max(o.exit_code for o in outcomes.values()), None)
+    r, o = next((r, o) for r, o in sorted(outcomes.items()) if o.kind in (O.TIMEOUT, O.PEER_LOST, O.PEER_FAILED))
+    return Verdict(exit_codes.FAILED, f"{o.message.split('. fix:')[0]}. fix: {_resume_hint(outcomes)}")
