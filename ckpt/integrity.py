@@ -2,7 +2,8 @@
 
 Checks, without executing or unpickling anything:
 - the commit marker: a `.tmp-` folder or a missing manifest.json means the save never finished;
-- the manifest: JSON, format version, schema, step vs folder name (`ckpt.manifest.check`);
+- the manifest: JSON, format version, schema, step vs folder name (`ckpt.manifest.check`), and its own
+  digest over every field (`ckpt.seal`: an edited run state is refused like an edited tensor);
 - every listed file: present, size, safetensors header (`ckpt.st_header`), the tensors in it vs the
   manifest (names, dtype, shape), sha256 of the file; on a hash mismatch, each tensor's own sha256 so
   the changed tensor is named (Megatron's `integrity.json` can only name the file);
@@ -21,6 +22,7 @@ from ckpt import manifest, names
 from ckpt import problems as P
 from ckpt.discovery import is_step_dir, resolve_load_path
 from ckpt.problems import Problem
+from ckpt.seal import seal_problem
 from ckpt.st_header import TORCH_NAME, Header, read_header
 from moectl.core.errors import CheckpointError
 
@@ -55,6 +57,10 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> list[Problem]:
             found += _check_file(step_dir / fname, frec, by_file[fname])
         except OSError as e:
             found.append(Problem(P.UNREADABLE, fname, None, f"cannot be read: {e.strerror or e}"))
+    # Last, so that a problem naming a file or tensor comes first when an edit touched both.
+    edited = seal_problem(m)
+    if edited:
+        found.append(Problem(P.MANIFEST, names.MANIFEST, None, edited))
     return found
 
 

@@ -1,6 +1,6 @@
 """manifest.json: what a checkpoint holds, written last as its commit marker (docs/checkpoint.md).
 
-Plain JSON only. Layout (format version 1):
+Plain JSON only. Layout (format version 2):
 
     format, format_version, step, writer             # who wrote it: moectl/torch/safetensors versions
     consumed_samples, config, expert_layout,         # the caller's `meta`, checked by `check_meta`
@@ -8,6 +8,9 @@ Plain JSON only. Layout (format version 1):
     rng, probe[, train_state][, hf]
     files:   {name: {sha256, size, rank}}            # every data file; `rank` = the rank that wrote it
     tensors: {name: {file, dtype, shape, sha256}}    # every tensor; dtype as torch names it
+    manifest_sha256                                  # over all the fields above (ckpt/seal.py)
+
+Format 1 is the same without `manifest_sha256`; it is still read (ckpt/seal.py says how and why).
 
 The per-tensor sha256 is over the tensor's bytes in its file; the file's sha256 covers the header too.
 Both are checked by `ckpt.integrity`: the file hash proves the file, the tensor hashes name the tensor
@@ -25,10 +28,11 @@ from typing import Any
 from ckpt import names
 from ckpt import problems as P
 from ckpt.problems import Problem
+from ckpt.seal import DIGEST_KEY, SEALED_FROM_VERSION, seal
 from ckpt.st_header import TORCH_NAME
 
 FORMAT = "moectl-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 EXPERT_LAYOUTS = ("single-grouped", "per-expert")
 
 # The caller's part of the manifest. train_state (LR schedule, optimizer step counters, skip ranges...)
@@ -85,8 +89,8 @@ def check_meta(meta: Any) -> list[str]:
 
 
 def build(step: int, meta: dict[str, Any], files: dict[str, Any], tensors: dict[str, Any]) -> dict[str, Any]:
-    """The manifest dict for a save (`meta` already checked)."""
-    return {
+    """The manifest dict for a save (`meta` already checked), sealed with its digest."""
+    return seal({
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "step": step,
@@ -94,7 +98,7 @@ def build(step: int, meta: dict[str, Any], files: dict[str, Any], tensors: dict[
         **{k: meta[k] for k in META_REQUIRED + META_OPTIONAL if k in meta},
         "files": dict(sorted(files.items())),
         "tensors": dict(sorted(tensors.items())),
-    }
+    })  # fmt: skip
 
 
 def _writer() -> dict[str, str]:
@@ -156,8 +160,13 @@ def check(obj: Any, folder_step: int | None) -> list[str]:
         return [f"format_version {v!r} is not a positive int"]
     if v > FORMAT_VERSION:
         return [f"format_version {v} was written by a newer moectl (this one reads up to {FORMAT_VERSION})"]
-    errs = [f"missing key {k!r}" for k in _OWN_KEYS if k not in obj]
-    errs += [f"unknown key {k!r}" for k in obj if k not in _OWN_KEYS + META_REQUIRED + META_OPTIONAL]
+    own = _OWN_KEYS + ((DIGEST_KEY,) if v >= SEALED_FROM_VERSION else ())
+    errs = [f"missing key {k!r}" for k in own if k not in obj]
+    errs += [f"unknown key {k!r}" for k in obj if k not in own + META_REQUIRED + META_OPTIONAL]
+    if DIGEST_KEY in obj and v >= SEALED_FROM_VERSION and not (
+        isinstance(obj[DIGEST_KEY], str) and _SHA_RE.match(obj[DIGEST_KEY])
+    ):
+        errs.append(f"{DIGEST_KEY} is not 64 lowercase hex digits")
     step = obj.get("step")
     if not _uint(step):
         errs.append(f"step {step!r} is not a non-negative int")

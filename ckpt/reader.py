@@ -9,6 +9,7 @@ By default the whole checkpoint is verified first (`ckpt.integrity`) and any pro
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,8 @@ from ckpt import manifest
 from ckpt.discovery import resolve_load_path
 from ckpt.integrity import verify_checkpoint
 from ckpt.manifest import META_OPTIONAL, META_REQUIRED
+from ckpt.problems import MANIFEST, Problem
+from ckpt.seal import seal_problem, unsealed_note
 from ckpt.st_header import TORCH_NAME
 from moectl.core.errors import CheckpointError
 
@@ -126,18 +129,24 @@ def open_checkpoint(path: str | os.PathLike[str], verify: bool = True) -> Checkp
     """Open the checkpoint at `path`: a step folder, or a checkpoints folder (then the step `latest` names).
 
     With `verify` (the default) every file is hashed and checked first; any problem raises
-    CheckpointError naming the first one and counting the rest. Without it only the manifest is checked,
-    and each `read` still checks its tensor's dtype and shape (for tools that read a few tensors of a
-    large checkpoint whose integrity they verify otherwise).
+    CheckpointError naming the first one and counting the rest. Without it only the manifest is checked
+    (its schema and its digest: an edited run state never loads), and each `read` still checks its tensor's
+    dtype and shape (for tools that read a few tensors of a large checkpoint whose integrity they verify
+    otherwise). A format 1 manifest, which has no digest, loads with a warning (ckpt/seal.py).
     """
     step_dir = resolve_load_path(path)
     m, problems = manifest.load(step_dir)
     if verify:
         problems = verify_checkpoint(step_dir)
+    elif m is not None and seal_problem(m):
+        problems = [Problem(MANIFEST, "manifest.json", None, seal_problem(m) or "")]
     if problems or m is None:
         more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
         raise CheckpointError(
             f"refusing to load {step_dir}: {problems[0]}{more}",
             f"run `moectl ckpt validate {step_dir}` for the full list, and load another step",
         )
+    note = unsealed_note(m)
+    if note:
+        warnings.warn(f"{step_dir}: {note}", UserWarning, stacklevel=2)
     return Checkpoint(step_dir, m)

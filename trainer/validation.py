@@ -3,7 +3,9 @@
 It lives on the engine's side because it builds a live run (`Trainer`) to restore into.
 
 Three stages, each reported per tensor:
-1. integrity: sha256, sizes, safetensors headers, the complete tensor set (`verify_checkpoint`);
+1. integrity: sha256, sizes, safetensors headers, the complete tensor set, and the manifest's own digest
+   over every field, run state included (`verify_checkpoint`, ckpt/seal.py; a format 1 manifest, which
+   has none, passes with a warning in the row's detail);
 2. restore: build the model and optimizer from the checkpoint's own config, or a given one (other expert
    layout, interleave or world size), and load through the same path `train` resumes with;
 3. prove: every restored fp32 master equals the checkpoint's (normalised to this model's layout) bit for
@@ -26,6 +28,7 @@ from __future__ import annotations
 import copy
 import math
 import tempfile
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -35,6 +38,7 @@ import torch
 from ckpt.integrity import verify_checkpoint
 from ckpt.logical import STATE_SUFFIX, expert_layouts, is_model_only, localize, read_logical, recipe_meta
 from ckpt.reader import Checkpoint, open_checkpoint
+from ckpt.seal import unsealed_note
 from moectl.core.config import config_from_dict
 from moectl.core.config.schema import Config
 from moectl.core.errors import MoectlError
@@ -93,9 +97,12 @@ def validate_checkpoint(path: str | Path, config_for: Optional[ConfigFor] = None
         report.add(Check("integrity", p.tensor or p.file or "-", False, f"{p.kind}: {p.message}"))
     if problems:
         return report
-    report.add(Check("integrity", "-", True, "sha256, sizes, headers and tensor set"))
-
-    ck = open_checkpoint(path, verify=False)  # verified just above
+    with warnings.catch_warnings():  # the unsealed-manifest warning goes into the report's row instead
+        warnings.simplefilter("ignore")
+        ck = open_checkpoint(path, verify=False)  # verified just above
+    note = unsealed_note(ck.manifest)
+    detail = "sha256, sizes, headers, tensor set and the manifest digest (run state)"
+    report.add(Check("integrity", "-", True, f"sha256, sizes, headers and tensor set; warning: {note}" if note else detail))
     report.path = ck.path
     try:
         cfg = (config_for or config_from_dict)(copy.deepcopy(ck.meta["config"]))

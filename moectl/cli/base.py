@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from typing import Any, Callable, TypeVar
 
 import typer
@@ -29,6 +30,15 @@ def new_app(name: str, help: str) -> typer.Typer:
         rich_markup_mode="rich",
         context_settings={"help_option_names": ["-h", "--help"]},
     )
+
+
+def _one_line_warning(message: Any, category: type, filename: str, lineno: int, line: Any = None) -> str:
+    """A warning as the CLI shows it: `warning: <message>` (the default adds the file, line and source)."""
+    return f"warning: {' '.join(str(message).split())}\n"
+
+
+if os.environ.get("MOECTL_DEBUG") != "1":
+    warnings.formatwarning = _one_line_warning  # type: ignore[assignment]
 
 
 app = new_app("moectl", "Train mixture-of-experts transformers on one or many GPUs and manage their checkpoints.")

@@ -10,6 +10,7 @@ from trainer.observer import SilentObserver
 from safetensors.torch import load_file, save
 
 from moectl.core.config.load import overridden
+from ckpt.seal import seal
 from trainer.validation import validate_checkpoint
 from moectl.core.config.load import load_config
 from trainer.loop import Trainer
@@ -99,6 +100,10 @@ def test_master_edited_with_its_hashes_updated_is_caught_by_the_probe(ckpt_dir, 
             b, e = info["data_offsets"]
             manifest["tensors"][tname]["sha256"] = hashlib.sha256(data[8 + n + b : 8 + n + e]).hexdigest()
     (d / "manifest.json").write_text(json.dumps(manifest))
+    # The manifest's own digest (ckpt/seal.py) notices the edited hashes...
+    assert {c.stage for c in validate_checkpoint(d).failures()} == {"integrity"}
+    # ...so forge it as well: now only the probe can tell.
+    (d / "manifest.json").write_text(json.dumps(seal(manifest)))
     report = validate_checkpoint(d)
     failed = {c.stage for c in report.failures()}
     assert failed == {"probe"}, report.failures()
