@@ -2,6 +2,10 @@
 
 Values of `--set` are parsed as YAML scalars, so `--set moe.glu_interleave_size=null` and
 `--set optimizer.lr=3e-4` do what they say. The only module of the base that imports PyYAML.
+
+Two things PyYAML accepts are refused here, each in one line: a key given twice in one mapping (a second
+`moe:` section silently replaced the first, issue 18; the error names both lines), and a file that is not
+UTF-8 (it was a traceback; the error names the line and the byte).
 """
 
 from __future__ import annotations
@@ -18,8 +22,28 @@ from moectl.core.config.schema import Config
 from moectl.core.errors import UsageError
 
 
+class DuplicateKeyError(yaml.YAMLError):
+    """A mapping that names one key twice: `key`, and the 1-based lines of the first and the second."""
+
+    def __init__(self, key: str, first_line: int, second_line: int) -> None:
+        super().__init__(f"key {key!r} appears twice")
+        self.key, self.first_line, self.second_line = key, first_line, second_line
+
+
 class _Loader(yaml.SafeLoader):
-    """SafeLoader that reads `3e-4` as a float (YAML 1.2), as every user writing a learning rate expects."""
+    """SafeLoader that reads `3e-4` as a float (YAML 1.2), as every user writing a learning rate expects,
+    and refuses a key given twice in one mapping (PyYAML keeps the last one without a word)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[str, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(key_node, yaml.ScalarNode):
+                continue  # `<<: *base` overrides on purpose
+            line = key_node.start_mark.line + 1
+            if key_node.value in seen:
+                raise DuplicateKeyError(key_node.value, seen[key_node.value], line)
+            seen[key_node.value] = line
+        return super().construct_mapping(node, deep=deep)
 
 
 _Loader.add_implicit_resolver(
@@ -68,7 +92,13 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     if not p.is_file():
         raise UsageError(f"config file {str(p)!r} not found", "pass the path of a YAML config, e.g. configs/tiny.yaml")
     try:
-        data = yaml.load(p.read_text(), Loader=_Loader)
+        data = yaml.load(_read_utf8(p), Loader=_Loader)
+    except DuplicateKeyError as e:
+        raise UsageError(
+            f"{p}: key {e.key!r} appears twice (lines {e.first_line} and {e.second_line}); the second would "
+            "silently replace the first",
+            "merge the two into one",
+        ) from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -79,6 +109,20 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise UsageError(f"{p}: the top level must be a mapping of sections", "start with 'model:', 'moe:', ...")
     return data
+
+
+def _read_utf8(p: Path) -> str:
+    """The file's text, or a one-line UsageError naming the line and byte that are not UTF-8."""
+    raw = p.read_bytes()
+    try:
+        return raw.decode("utf-8-sig")  # a byte-order mark, as some editors write one, is not an error
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        column = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
+        raise UsageError(
+            f"{p}: not UTF-8 text: byte 0x{raw[e.start]:02x} at line {line}, column {column}",
+            "save the file as UTF-8",
+        ) from None
 
 
 def load_config(path: str | Path | None, overrides: Iterable[str] = ()) -> Config:

@@ -9,7 +9,7 @@ import yaml
 
 from moectl.core.config import Config, config_from_dict, dump_config
 from moectl.core.config.load import load_config
-from moectl.core.config.load import parse_override, read_yaml
+from moectl.core.config.load import _Loader, parse_override, read_yaml
 from moectl.core.errors import ConfigError, MoectlError, UsageError
 
 REPO = Path(__file__).resolve().parents[3]
@@ -178,3 +178,39 @@ def test_errors_are_moectl_errors() -> None:
     # the CLI turns exactly these into one line + exit code; anything else keeps its traceback
     with pytest.raises(MoectlError):
         load_config(None, ["moe.nope=1"])
+
+
+@pytest.mark.parametrize(
+    "text, key, lines",
+    [
+        ("moe:\n  num_experts: 8\ntrain:\n  seed: 1\nmoe:\n  router_topk: 1\n", "moe", (1, 5)),  # issue 18
+        ("moe:\n  num_experts: 8\n  router_topk: 1\n  num_experts: 2\n", "num_experts", (2, 4)),
+        ("run_dir: a\nrun_dir: b\n", "run_dir", (1, 2)),
+    ],
+)
+def test_a_key_given_twice_is_refused_naming_both_lines(tmp_path: Path, text: str, key: str, lines: tuple) -> None:
+    with pytest.raises(UsageError) as e:
+        load_config(write(tmp_path, text))
+    msg = e.value.one_line()
+    assert f"key {key!r} appears twice (lines {lines[0]} and {lines[1]})" in msg and "\n" not in msg
+    assert e.value.exit_code == 2
+
+
+def test_a_yaml_merge_is_not_a_duplicate(tmp_path: Path) -> None:
+    text = "model: &m\n  num_layers: 3\nmoe:\n  num_experts: 8\n"
+    assert load_config(write(tmp_path, text)).model.num_layers == 3
+    anchored = "x: &base {num_layers: 3}\n"  # an anchor merged into a section overrides on purpose
+    data = yaml.load(anchored + "model:\n  <<: *base\n  num_layers: 4\n", Loader=_Loader)
+    assert data["model"] == {"num_layers": 4}
+
+
+def test_a_config_that_is_not_utf8_is_one_line(tmp_path: Path) -> None:
+    p = tmp_path / "latin1.yaml"
+    p.write_bytes("model:\n  num_layers: 2  # café\n".encode("latin-1"))
+    with pytest.raises(UsageError) as e:
+        load_config(p)
+    assert e.value.one_line() == (
+        f"{p}: not UTF-8 text: byte 0xe9 at line 2, column 23. fix: save the file as UTF-8"
+    )
+    p.write_bytes(b"\xef\xbb\xbf" + "model:\n  num_layers: 3  # café\n".encode())  # a BOM is fine
+    assert load_config(p).model.num_layers == 3
