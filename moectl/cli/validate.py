@@ -23,6 +23,7 @@ from moectl.cli.options import JsonFlag, SetOpt, WorldSizeOpt, examples
 from moectl.core.config import Config
 from moectl.core.config.load import load_config
 from moectl.core.errors import UsageError
+from moectl.core.gpu_memory import parse_gpu_memory
 from moectl.core.rules import RULES, Context, Device, Environment, Violation, check, default_world_size, fmt, has_errors
 from moectl.core.summary import summarize, summary_lines
 
@@ -36,6 +37,15 @@ DeviceCapabilityOpt = Annotated[
         "--device-capability",
         metavar="MAJOR.MINOR|cpu",
         help="Check recipes against this device (9.0 = Hopper, 10.0 = Blackwell, cpu) instead of the visible GPU.",
+    ),
+]
+GpuMemoryOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--gpu-memory",
+        metavar="GIB|GPU",
+        help="Warn (rule MOE056) when the per-rank memory estimate does not fit one GPU of this many GiB, or of "
+        "this kind (H100, H200, A100, A100-40GB, B200, ...).",
     ),
 ]
 ExplainOpt = Annotated[
@@ -124,6 +134,7 @@ def _rule_json(rid: str) -> dict[str, Any]:
     + examples(
         "moectl validate-config configs/tiny.yaml",
         "moectl validate-config configs/mxfp8_param_gather.yaml --world-size 8 --device-capability 9.0",
+        "moectl validate-config configs/mixtral_8x7b_like.yaml --world-size 8 --gpu-memory H100",
         "moectl validate-config configs/tiny.yaml --set mixed_precision.fp8=e4m3 --set optimizer.lr=3e-4 --json",
         "moectl validate-config --explain MOE010",
         "moectl validate-config --explain all",
@@ -135,6 +146,7 @@ def validate_config(
     json_: JsonFlag = False,
     world_size: WorldSizeOpt = None,
     device_capability: DeviceCapabilityOpt = None,
+    gpu_memory: GpuMemoryOpt = None,
     explain: ExplainOpt = None,
 ) -> None:
     """Validate CONFIG (after --set overrides) for --world-size ranks."""
@@ -145,12 +157,16 @@ def validate_config(
     if config is None:
         raise UsageError("missing CONFIG", "pass a YAML config, e.g. moectl validate-config configs/tiny.yaml")
     cap = parse_device_capability(device_capability) if device_capability is not None else None
+    try:
+        gpu = parse_gpu_memory(gpu_memory) if gpu_memory is not None else None
+    except ValueError as e:
+        raise UsageError(str(e), "pass e.g. --gpu-memory 80 or --gpu-memory H100") from None
     cfg = load_config(config, list(set_ or []))
     world = world_size if world_size is not None else default_world_size(cfg)
     # One Environment for the rules and the summary line, so the machine is probed at most once.
     env = Environment(device=Device("cpu", None, "--device-capability cpu")) if cap == "cpu" else Environment()
     capability = cap if isinstance(cap, tuple) else None
-    violations = check(cfg, world, capability, env)
+    violations = check(cfg, world, capability, env, gpu)
     device = Context(cfg, world, capability, env).device
     try:
         summary = summarize(cfg, world)

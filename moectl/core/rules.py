@@ -17,7 +17,8 @@ MOE049 (precision: fp8_fast_accum_backward needs an fp8 recipe with native GEMMs
 (data: `data.dtype` / `data.eval_path` only where the source reads them; an eval_path that is the
 training file), MOE053 (optimizer: `muon_compute_dtype` is read only by Muon), MOE054 (hardware: bf16
 Newton-Schulz needs sm80+), MOE055 (compile: `train.compile=regional` on the CPU needs the C++
-compiler inductor builds with).
+compiler inductor builds with), MOE056 (hardware: the per-rank memory estimate fits the GPU memory given
+with `--gpu-memory`), MOE057 (parallel: `parallel.distributed_timeout_minutes` is positive).
 
 Environment rules (Transformer Engine, device) probe lazily and cheaply: TE is looked up through
 `importlib.util.find_spec` and package metadata, never imported; torch is imported only when a GPU
@@ -83,6 +84,8 @@ from typing import Any, Callable, Iterator, Literal, Mapping, Optional, Sequence
 from moectl.core import hardware
 from moectl.core.facts import GATED_ACTIVATIONS, RECIPE_ALIGN
 from moectl.core.config.schema import Config
+from moectl.core.gpu_memory import GpuMemory
+from moectl.core.summary import human_bytes, memory
 
 Severity = Literal["error", "warning"]
 
@@ -249,11 +252,13 @@ class Context:
         world_size: Optional[int] = None,
         device_capability: Optional[tuple[int, int]] = None,
         env: Optional[Environment] = None,
+        gpu_memory: Optional[GpuMemory] = None,
     ) -> None:
         self.cfg = cfg
         self.world_size = world_size if world_size is not None else default_world_size(cfg)
         self.env = env if env is not None else Environment()
         self._capability = device_capability
+        self.gpu_memory = gpu_memory  # given with --gpu-memory; None: the memory rule stays silent
 
     @property
     def dp(self) -> int:
@@ -305,6 +310,8 @@ class Context:
         if key == "transformer_engine":
             te = self.env.te
             return te.describe() if te else "not installed"
+        if key == "gpu_memory":
+            return self.gpu_memory.label if self.gpu_memory else None
         node: Any = self.cfg
         for part in key.split("."):
             node = getattr(node, part)
@@ -365,14 +372,15 @@ def check(
     world_size: Optional[int] = None,
     device_capability: Optional[tuple[int, int]] = None,
     env: Optional[Environment] = None,
+    gpu_memory: Optional[GpuMemory] = None,
 ) -> list[Violation]:
     """Run every rule on `cfg` and return every violation, in rule-id order.
 
     `world_size` defaults to the smallest that fits (expert_model_parallel_size). `device_capability`
     checks recipes against that GPU; without it the visible GPU is used, if any. `env` replaces the
-    probes of this machine (tests use it).
+    probes of this machine (tests use it). `gpu_memory`: check the memory estimate against it (MOE054).
     """
-    ctx = Context(cfg, world_size, device_capability, env)
+    ctx = Context(cfg, world_size, device_capability, env, gpu_memory)
     out: list[Violation] = []
     for r in RULES.values():
         for hit in r.fn(ctx):
@@ -1253,6 +1261,7 @@ _OPTIONAL_COUNTS = (  # null = off; checked only when set
     "optimizer.lr_decay_iters",
     "checkpoint.save_interval",
     "checkpoint.keep_last",
+    "train.cpu_threads",
 )
 _CONDITIONAL_COUNTS = ("train.eval_iters", "optimizer.muon_ns_steps", "optimizer.lr_warmup_iters")
 
@@ -1571,4 +1580,53 @@ def cpu_compile_needs_cxx(c: Context) -> Iterator[_Hit]:
             f"train.compile=regional on {c.device.describe()}, and no C++ compiler ({os.environ.get('CXX') or 'g++'}) "
             "is on PATH for inductor",
             "install g++ (or set CXX), or set train.compile=auto (regional on CUDA, none on the CPU) or none",
+        )
+
+
+@rule(
+    "MOE056",
+    "hardware",
+    "warning",
+    ["gpu_memory", "world_size"],
+    "the per-rank memory estimate fits the GPU memory given with --gpu-memory",
+)
+def memory_fits_gpu(c: Context) -> Iterator[_Hit]:
+    """`validate-config --gpu-memory 80` (GiB, or a name such as H100) compares the per-rank estimate
+    that the summary prints - weights, grads, fp32 masters and optimizer state, without activations - with
+    one GPU's memory. An estimate above it cannot run at all; activations, the CUDA context and
+    communication buffers come on top, so a fit with little to spare may still run out. A warning, not an
+    error: the estimate leaves things out and the remedy (more ranks, expert parallelism, bf16, the
+    distributed optimizer) is the user's choice. Silent without --gpu-memory."""
+    if c.gpu_memory is None:
+        return
+    try:
+        est = memory(c.cfg, c.world_size)
+    except (ValueError, ZeroDivisionError):  # sizes the other rules reject
+        return
+    if est.total > c.gpu_memory.bytes:
+        yield _Hit(
+            f"the estimate is {human_bytes(est.total)} per rank before activations (weights "
+            f"{human_bytes(est.weights)}, grads {human_bytes(est.grads)}, masters {human_bytes(est.masters)}, "
+            f"optimizer {human_bytes(est.optimizer)}) on {c.world_size} rank(s); one GPU has "
+            f"{human_bytes(c.gpu_memory.bytes)}",
+            "use more ranks (the distributed optimizer shards masters and state over them), a larger "
+            "parallel.expert_model_parallel_size, mixed_precision.bf16=true, or a smaller model",
+        )
+
+
+@rule(
+    "MOE057",
+    "parallel",
+    "error",
+    ["parallel.distributed_timeout_minutes"],
+    "parallel.distributed_timeout_minutes is positive",
+)
+def distributed_timeout_positive(c: Context) -> Iterator[_Hit]:
+    """The collective timeout is how long a rank waits for the others before the run fails naming it; a
+    zero or negative one would fail the first collective at once. Fractions are allowed (0.5 = 30 s)."""
+    t = c.cfg.parallel.distributed_timeout_minutes
+    if not t > 0:
+        yield _Hit(
+            f"parallel.distributed_timeout_minutes={fmt(t)} must be > 0",
+            "set it to the minutes a collective may wait (10 is the default, as in Megatron)",
         )

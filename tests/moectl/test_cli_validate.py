@@ -187,3 +187,15 @@ def test_set_is_repeatable_with_short_form(flag: str) -> None:
     r = invoke(TINY, flag, "moe.num_experts=8", flag, "moe.router_topk=9", "--json")
     assert [v["rule"] for v in as_json(r)["violations"]] == ["MOE018"]
     assert as_json(r)["violations"][0]["keys"] == {"moe.router_topk": 9, "moe.num_experts": 8}
+
+
+def test_gpu_memory_warns_when_the_estimate_does_not_fit() -> None:
+    mixtral = str(REPO / "configs" / "mixtral_8x7b_like.yaml")
+    r = invoke(mixtral, "--world-size", "8", "--gpu-memory", "H100", "--json")
+    assert r.exit_code == 0, r.output  # a warning: still valid
+    (hit,) = [v for v in as_json(r)["violations"] if v["rule"] == "MOE056"]
+    assert hit["severity"] == "warning" and "92.2 GiB per rank" in hit["message"]
+    assert invoke(mixtral, "--world-size", "8", "--gpu-memory", "141").exit_code == 0
+    assert "MOE056" not in invoke(mixtral, "--world-size", "8", "--gpu-memory", "H200").output
+    bad = invoke(mixtral, "--gpu-memory", "lots")
+    assert bad.exit_code == 2 and bad.output.count("\n") == 1 and "--gpu-memory 'lots'" in bad.output

@@ -355,6 +355,7 @@ CASES = [
     Case("MOE041", ["optimizer.lr_warmup_iters=-1"], ["optimizer.lr_warmup_iters=0"], name="warmup"),
     Case("MOE041", ["parallel.bucket_size=0"], ["parallel.bucket_size=1"], name="bucket"),
     Case("MOE041", ["model.kv_channels=0"], ["model.kv_channels=2"], name="kv_channels"),
+    Case("MOE041", ["train.cpu_threads=0"], ["train.cpu_threads=1"], name="cpu_threads"),
     Case(
         "MOE041",
         ["optimizer.optimizer=muon", "optimizer.muon_ns_steps=0"],
@@ -479,10 +480,11 @@ CASES = [
         pass_env=Environment(te=None, device=None, cxx="/usr/bin/g++"),
         name="with-cxx",
     ),
+    Case("MOE057", ["parallel.distributed_timeout_minutes=0"], ["parallel.distributed_timeout_minutes=0.01"]),
 ]
 
-# Rules whose boundary needs files or probes; each has its own tests below.
-TESTED_ELSEWHERE = {"MOE045"}
+# Rules whose boundary needs files, probes or arguments of their own; each has its own tests below.
+TESTED_ELSEWHERE = {"MOE045", "MOE056"}
 
 
 def hits(violations: list[Violation], rule: str) -> list[Violation]:
@@ -778,3 +780,36 @@ def test_blockwise_param_gather_is_a_clean_config() -> None:
     sets = [*FP8, "mixed_precision.fp8_recipe=blockwise", "mixed_precision.fp8_param_gather=true",
             "model.hidden_size=128", "moe.ffn_hidden_size=128", "model.ffn_hidden_size=128"]  # fmt: skip
     assert [v for v in run(sets, world=2) if v.severity == "error"] == []
+
+
+# MOE056: the memory estimate against --gpu-memory (a Mixtral-8x7B shape: 92.2 GiB per rank on 8 ranks).
+MIXTRAL = REPO / "configs" / "mixtral_8x7b_like.yaml"
+
+
+def test_memory_estimate_over_the_gpu_warns_and_under_it_does_not() -> None:
+    from moectl.core.gpu_memory import parse_gpu_memory
+
+    big = load_config(MIXTRAL)
+    found = hits(check(big, 8, env=NO_MACHINE, gpu_memory=parse_gpu_memory("H100")), "MOE056")
+    assert [v.severity for v in found] == ["warning"]
+    assert "92.2 GiB per rank" in found[0].message and "79.6 GiB" in found[0].message
+    assert found[0].keys == {"gpu_memory": "H100 (79.6 GiB)", "world_size": 8}
+    assert hits(check(big, 8, env=NO_MACHINE, gpu_memory=parse_gpu_memory("H200")), "MOE056") == []
+    assert hits(check(big, 8, env=NO_MACHINE, gpu_memory=parse_gpu_memory("92.3")), "MOE056") == []
+    assert hits(check(big, 8, env=NO_MACHINE, gpu_memory=parse_gpu_memory("92.1")), "MOE056") != []
+    assert hits(check(big, 8, env=NO_MACHINE), "MOE056") == []  # silent without --gpu-memory
+
+
+@pytest.mark.parametrize("text, gib", [("80", 80.0), ("79.5GiB", 79.5), ("h100", 81559 / 1024), ("A100-40GB", 40.0)])
+def test_gpu_memory_parses_numbers_and_names(text: str, gib: float) -> None:
+    from moectl.core.gpu_memory import GIB, parse_gpu_memory
+
+    assert parse_gpu_memory(text).bytes == pytest.approx(gib * GIB, rel=1e-9)
+
+
+@pytest.mark.parametrize("text", ["0", "-3", "80GB", "H1000", ""])
+def test_gpu_memory_refuses_the_rest(text: str) -> None:
+    from moectl.core.gpu_memory import parse_gpu_memory
+
+    with pytest.raises(ValueError, match="expected GiB per GPU"):
+        parse_gpu_memory(text)
