@@ -9,6 +9,7 @@ from moectl.cli import bench_train  # noqa: F401
 from moectl.cli import train  # noqa: F401
 from moectl.cli import ckpt  # noqa: F401
 from moectl.cli import parity  # noqa: F401
+from moectl.cli import config_cmd  # noqa: F401
 
 __all__ = ["app", "main"]
 

@@ -23,14 +23,15 @@ def _suggest(name: str, options: Iterable[str]) -> str:
     return f"did you mean '{close[0]}'?" if close else "valid keys: " + ", ".join(sorted(options))
 
 
-def _type_name(tp: Any) -> str:
+def type_name(tp: Any) -> str:
+    """A schema type as a user reads it: `int`, `'adam' | 'muon' | 'sgd'`, `int | null`, `list[int]`."""
     origin = typing.get_origin(tp)
     if origin is Literal:
         return " | ".join(repr(a) for a in typing.get_args(tp))
     if origin in (Union, types.UnionType):
-        return " | ".join(_type_name(a) for a in typing.get_args(tp))
+        return " | ".join(type_name(a) for a in typing.get_args(tp))
     if origin is list:
-        return f"list[{_type_name(typing.get_args(tp)[0])}]"
+        return f"list[{type_name(typing.get_args(tp)[0])}]"
     if tp is type(None):
         return "null"
     return getattr(tp, "__name__", str(tp))
@@ -69,7 +70,7 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
             return value
     else:  # pragma: no cover - a schema bug, not a user error
         raise TypeError(f"unsupported config type {tp!r} for {key}")
-    expected = _type_name(tp)
+    expected = type_name(tp)
     how = f"one of {expected}" if origin is Literal else f"a value of type {expected}"
     raise ConfigError(key, value, f"expected {expected}", f"set {key} to {how}")
 

@@ -1,0 +1,53 @@
+"""`moectl config keys`: every config key with its type, default and docstring (a table, or --json).
+
+There was no way from the CLI to list the keys (issue 18); the schema's docstrings were only in the source.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from typing import Annotated, Optional
+
+import typer
+from rich.table import Table
+
+from moectl.cli.base import app, command, new_app
+from moectl.cli.console import make_console
+from moectl.cli.options import JsonFlag, examples
+
+config_app = new_app("config", "Look up the config schema: every key, its type, default and meaning.")
+app.add_typer(config_app, name="config")
+
+
+def _yaml_value(v: object) -> str:
+    """A default as it is written in YAML (null, true, 3e-3, [1, 0])."""
+    return json.dumps(v) if not isinstance(v, str) else v
+
+
+@command(
+    config_app,
+    name="keys",
+    help="List every config key (dotted, as --set takes it) with its type, default and docstring."
+    + examples("moectl config keys", "moectl config keys optimizer", "moectl config keys --json"),
+)
+def keys_command(
+    section: Annotated[Optional[str], typer.Argument(help="Only keys starting with this (e.g. optimizer).")] = None,
+    json_: JsonFlag = False,
+) -> None:
+    from moectl.core.config.keys import config_keys
+    from moectl.core.errors import UsageError
+
+    keys = [k for k in config_keys() if section is None or k.key == section or k.key.startswith(section + ".")]
+    if not keys:
+        sections = sorted({k.key.split(".")[0] for k in config_keys()})
+        raise UsageError(f"no config key starts with {section!r}", f"use one of {', '.join(sections)}")
+    if json_:
+        typer.echo(json.dumps([asdict(k) for k in keys], indent=2))
+        return
+    table = Table(show_lines=False)
+    for name in ("key", "type", "default", "meaning"):
+        table.add_column(name, overflow="fold")
+    for k in keys:
+        table.add_row(k.key, k.type, _yaml_value(k.default), k.help)
+    make_console().print(table)
