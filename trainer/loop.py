@@ -389,9 +389,10 @@ def train(cfg: Config, observer: RunObserver | None = None, *, stop: StopSignals
           overwrite: bool = False, state: RunState | None = None) -> TrainResult:
     """Run `cfg` on this process (rank and world from torchrun's environment when launched by it).
 
-    The process group this creates is destroyed when the run ends, however it ends: a gloo group left to
-    the interpreter's exit aborted a rank after a successful run (issue 18). `state` tells the caller where
-    a failed run was (trainer/run_state.py).
+    The process groups this creates are destroyed when the run ends, however it ends. A process that
+    joined a gloo group should then end without the interpreter's finalization (the CLI does: see
+    moectl/cli/exit_codes.py for why). `state` tells the caller where a failed run was
+    (trainer/run_state.py).
     """
     state = state if state is not None else RunState()
     try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import traceback
 from pathlib import Path
 from typing import Annotated
 
@@ -117,11 +118,18 @@ def train_command(
         if result.line:
             typer.secho(f"error: {result.line}", err=True, fg="red")
         raise typer.Exit(result.code)
-    raise typer.Exit(_train_here(cfg, console, rank, world, overwrite))
+    code = _train_here(cfg, console, rank, world, overwrite)
+    if world > 1:
+        exit_codes.end_process(code)  # a rank that joined a gloo group: see exit_codes.py for why
+    raise typer.Exit(code)
 
 
 def _train_here(cfg: Config, console: Console, rank: int, world: int, overwrite: bool) -> int:
-    """Train on this process and return its exit code, reporting to a launcher when one asked."""
+    """Train on this process and return its exit code, reporting to a launcher when one asked.
+
+    Never raises: errors are printed here (one line; a bug's traceback as Python would print it), so a
+    multi-rank worker can end through `exit_codes.end_process` whatever happened.
+    """
     from moectl.cli.progress import observer_for
     from trainer.loop import train
     from trainer.parallel.failures import CollectiveFailure, PeerFailedError
@@ -149,8 +157,8 @@ def _train_here(cfg: Config, console: Console, rank: int, world: int, overwrite:
                 kind = O.PEER_FAILED if isinstance(e, PeerFailedError) else O.ERROR
             report_to_launcher(kind, e.exit_code, e.one_line(), timeout_s=getattr(e, "timeout_s", None))
             if os.environ.get("MOECTL_DEBUG") == "1":
-                raise
-            if not launched:  # the launcher prints one line for the whole run
+                traceback.print_exc()
+            elif not launched:  # the launcher prints one line for the whole run
                 report(e, f"rank {rank}: " if world > 1 and not e.message.startswith("rank ") else "")
             return e.exit_code
         except KeyboardInterrupt:  # a second Ctrl-C: abort now, without saving
@@ -159,7 +167,8 @@ def _train_here(cfg: Config, console: Console, rank: int, world: int, overwrite:
             return exit_codes.stopped_unsaved(signal.SIGINT)
         except Exception as e:  # a bug: keep its traceback (moectl/core/errors.py), tell the launcher in one line
             report_to_launcher(O.CRASH, exit_codes.FAILED, f"{type(e).__name__}: {' '.join(str(e).split())[:300]}")
-            raise
+            traceback.print_exc()
+            return exit_codes.FAILED
         if result.stopped_by:
             code = exit_codes.STOPPED_SAVED if result.saved else exit_codes.stopped_unsaved(result.stop_signum or 15)
             report_to_launcher(O.STOPPED, code, signal_name=result.stopped_by)

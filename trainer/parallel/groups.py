@@ -177,12 +177,14 @@ def init_distributed(parallel_cfg: "ParallelConfig", timeout_s: float | None = N
 
 
 def destroy_distributed() -> None:
-    """Tear down the default process group, if any (end of a run or a test).
+    """Tear down the process groups, if any (end of a run or a test).
 
-    Every run must end with this: a gloo group left to the interpreter's exit is torn down by static
-    destructors in an arbitrary order, and a rank then aborted with "terminate called without an active
-    exception" after a successful run (exit code -6 in 6 of 26 two-rank runs, issue 18). After a failed
-    collective the backend may refuse; the process is ending anyway, so that is not an error here.
+    This unregisters every group and shuts down what the backend can shut down (NCCL aborts its
+    communicators). It does not stop gloo's worker threads while Python still holds a reference to the
+    group (a `ParallelState`, a model's buckets): those go when the last reference does, possibly during
+    the interpreter's exit, which is why the CLI ends a multi-rank worker with `os._exit`
+    (moectl/cli/exit_codes.py, issue 18). After a failed collective the backend may refuse; the process
+    is ending anyway, so that is not an error here.
     """
     if dist.is_initialized():
         try:
