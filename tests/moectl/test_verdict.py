@@ -1,0 +1,61 @@
+"""The launcher's one line and exit code for a run (moectl/cli/verdict.py), from rank reports and exit codes."""
+
+from __future__ import annotations
+
+from moectl.cli import outcome as O
+from moectl.cli.verdict import Exit, verdict
+
+CKPT = "runs/x/checkpoints/step_00000010"
+
+
+def o(rank: int, kind: str, code: int, step: int | None = 14, message: str = "", **kw) -> O.Outcome:
+    return O.Outcome(rank=rank, kind=kind, exit_code=code, step=step, message=message, **kw)
+
+
+def test_all_finished_is_0_and_silent() -> None:
+    v = verdict(2, {0: o(0, O.FINISHED, 0), 1: o(1, O.FINISHED, 0)}, {})
+    assert (v.code, v.line) == (0, None)
+
+
+def test_all_stopped_takes_their_code_and_stays_silent() -> None:
+    stopped = {r: o(r, O.STOPPED, 3, signal="SIGTERM") for r in range(2)}
+    assert (verdict(2, stopped, {0: Exit(3)}).code, verdict(2, stopped, {}).line) == (3, None)
+    unsaved = {r: o(r, O.STOPPED, 143, signal="SIGTERM") for r in range(2)}
+    assert verdict(2, unsaved, {}, launcher_signal="SIGTERM").code == 143
+
+
+def test_a_killed_rank_is_named_with_its_signal_the_step_and_the_checkpoint() -> None:
+    lost = o(0, O.PEER_LOST, 1, message="rank 0 lost a peer during step 14: ...", checkpoint=CKPT)
+    v = verdict(2, {0: lost}, {1: Exit(-9, "SIGKILL"), 0: Exit(1)})
+    assert v.code == 1
+    assert v.line == ("rank 1 was killed by SIGKILL during step 14 (rank 0 lost it in a collective). "
+                      f"fix: resume from {CKPT} with --set checkpoint.load=runs/x/checkpoints")
+
+
+def test_a_hung_rank_is_named_as_hung() -> None:
+    timed_out = o(0, O.TIMEOUT, 1, message="rank 0 timed out ...", timeout_s=6.0)
+    v = verdict(2, {0: timed_out}, {0: Exit(1), 1: Exit(-9, "SIGKILL")})
+    assert v.line is not None and v.line.startswith(
+        "rank 1 hung during step 14: rank 0 timed out after 6 s waiting for it in a collective, then it was killed "
+        "by SIGKILL. fix: nothing was saved"
+    )
+
+
+def test_a_ranks_own_error_wins_over_the_others_lost_peers() -> None:
+    own = o(1, O.ERROR, 2, step=None, message="train.device='cuda' but no CUDA device is visible. fix: set it")
+    v = verdict(2, {0: o(0, O.PEER_FAILED, 1, step=None, message="stopping"), 1: own}, {})
+    assert (v.code, v.line) == (2, f"rank 1, before the first step: {own.message}")
+    same = o(0, O.ERROR, 1, message="non-finite loss at step 14. fix: lower lr")
+    v = verdict(2, {0: same, 1: o(1, O.ERROR, 1, message=same.message)}, {})
+    assert v.line == f"ranks 0, 1, step 14: {same.message}"
+
+
+def test_only_lost_peers_reports_the_first() -> None:
+    v = verdict(2, {r: o(r, O.TIMEOUT, 1, message=f"rank {r} timed out. fix: x") for r in range(2)}, {})
+    assert v.code == 1 and v.line == "rank 0 timed out. fix: nothing was saved (set checkpoint.save_interval to make a run resumable)"
+
+
+def test_a_rank_killed_after_the_shutdown_timeout_is_named() -> None:
+    v = verdict(2, {0: o(0, O.STOPPED, 3, checkpoint=CKPT)}, {1: Exit(-9, "SIGKILL")}, launcher_signal="SIGTERM")
+    assert v.code == 1 and v.line is not None
+    assert v.line.startswith("rank 1 did not stop within the shutdown timeout after SIGTERM and was killed by SIGKILL")

@@ -1,0 +1,160 @@
+"""run_dir hygiene through the real loop (trainer/run_dir.py): no silent overwrite, metrics cut back on resume,
+interrupted saves removed (only ours), one run per run_dir, and stops on a signal that save or warn."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+from pathlib import Path
+
+import pytest
+
+from ckpt import list_committed, verify_checkpoint
+from moectl.core.config.load import load_config
+from moectl.core.errors import MoectlError, UsageError
+from trainer.loop import Trainer
+from trainer.observer import SilentObserver
+from trainer.run_dir import RunDirLock
+from trainer.stop import StopSignals
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+FAST = [
+    "model.num_layers=1", "model.hidden_size=32", "model.num_attention_heads=2", "model.num_query_groups=1",
+    "model.seq_length=16", "moe.num_experts=4", "moe.ffn_hidden_size=16", "train.micro_batch_size=2",
+    "train.global_batch_size=4", "data.source=synthetic", "train.eval_interval=null", "optimizer.lr_warmup_iters=0",
+]
+
+
+def trainer(run_dir: Path, *extra: str) -> Trainer:
+    return Trainer(load_config(None, [*FAST, f"run_dir={run_dir}", *extra]), SilentObserver())
+
+
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_fresh_run_refuses_another_runs_metrics_unless_overwrite(tmp_path: Path) -> None:
+    trainer(tmp_path, "train.train_iters=2").run()
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    with pytest.raises(UsageError) as e:
+        trainer(tmp_path, "train.train_iters=3", "optimizer.lr=1e-4").run()
+    assert "holds another run's metrics.jsonl (2 records, steps 1-2)" in e.value.message
+    assert "--overwrite" in e.value.fix and "checkpoint.load=" in e.value.fix
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == before  # nothing touched
+    trainer(tmp_path, "train.train_iters=3", "optimizer.lr=1e-4").run(overwrite=True)
+    assert [r["step"] for r in records(tmp_path)] == [1, 2, 3]
+    assert "lr: 0.0001" in (tmp_path / "config.yaml").read_text()
+
+
+def test_a_resume_cuts_metrics_back_to_its_step_before_appending(tmp_path: Path) -> None:
+    # A run that saved at step 3 and died after step 5: metrics hold 1-5 (evals at 2, 4), the checkpoint is 3.
+    trainer(tmp_path, "train.train_iters=5", "checkpoint.save_interval=3", "train.eval_interval=2",
+            "train.eval_iters=1").run()  # fmt: skip
+    root = tmp_path / "checkpoints"
+    shutil.rmtree(root / "step_00000005")
+    (root / "latest").write_text("step_00000003\n")
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 6, "loss": 1.')  # and the crash tore its last record
+    t = trainer(tmp_path, "train.train_iters=6", "train.eval_interval=2", "train.eval_iters=1",
+                f"checkpoint.load={root}", "checkpoint.save_interval=3")  # fmt: skip
+    t.run()
+    recs = records(tmp_path)
+    assert [r["step"] for r in recs if "loss" in r] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in recs if "eval_loss" in r] == [2, 4, 6]
+
+
+def test_interrupted_saves_are_removed_at_start_and_only_ours(tmp_path: Path) -> None:
+    root = tmp_path / "checkpoints"
+    ours = root / "step_00000007.tmp-0123abcd"
+    ours.mkdir(parents=True)
+    (ours / "model-00000.safetensors").write_bytes(b"half a shard")
+    (ours / "manifest.json").write_text("{")
+    trash = root / "step_00000001.trash-00ff"
+    trash.mkdir()
+    (trash / "optim-00001.safetensors").write_bytes(b"x")
+    foreign = root / "step_00000008.tmp-feed"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")  # no save writes this: never deleted
+    lookalike = root / "step_00000009.tmp-zz"  # not a nonce moectl writes (hex only)
+    lookalike.mkdir()
+    logged: list[str] = []
+    observer = SilentObserver()
+    observer.log = logged.append  # type: ignore[method-assign]
+    Trainer(load_config(None, [*FAST, f"run_dir={tmp_path}", "train.train_iters=1"]), observer).run()
+    assert not ours.exists() and not trash.exists()
+    assert (foreign / "notes.txt").read_text() == "mine" and lookalike.is_dir()
+    assert any("removed step_00000007.tmp-0123abcd" in line for line in logged), logged
+    assert any(f"left {foreign} alone" in line and "notes.txt" in line for line in logged), logged
+
+
+def test_a_second_run_into_a_run_dir_in_use_is_refused(tmp_path: Path) -> None:
+    tmp_path.mkdir(exist_ok=True)
+    held = RunDirLock(tmp_path)
+    try:
+        with pytest.raises(MoectlError, match=rf"run_dir {tmp_path} is in use by another moectl train \(pid {os.getpid()}\)"):
+            trainer(tmp_path, "train.train_iters=1").run()
+    finally:
+        held.release()
+    trainer(tmp_path, "train.train_iters=1").run()  # released: the next run goes ahead
+
+
+@pytest.mark.parametrize("make", ["file", "parent_file", "metrics_folder"])
+def test_a_run_dir_that_cannot_be_used_is_one_line(tmp_path: Path, make: str) -> None:
+    target = tmp_path / "run"
+    if make == "file":
+        target.write_text("in the way")
+        words = "a file is in the way"
+    elif make == "parent_file":
+        (tmp_path / "f").write_text("x")
+        target = tmp_path / "f" / "run"
+        words = f"{tmp_path / 'f'} is a file, not a folder"
+    else:
+        (target / "metrics.jsonl").mkdir(parents=True)
+        words = "metrics.jsonl is a folder"
+    with pytest.raises(UsageError) as e:
+        trainer(target, "train.train_iters=1").run()
+    assert words in e.value.one_line() and "\n" not in e.value.one_line()
+
+
+def _signal_at(t: Trainer, step: int, sig: int) -> None:
+    real = t._train_step
+
+    def step_then_signal(s: int) -> dict:
+        out = real(s)
+        if s + 1 == step:
+            os.kill(os.getpid(), sig)
+        return out
+
+    t._train_step = step_then_signal  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("save", [True, False])
+def test_sigterm_stops_after_the_step_and_saves_or_warns(tmp_path: Path, save: bool) -> None:
+    extra = ["checkpoint.save_interval=100"] if save else []
+    t = trainer(tmp_path, "train.train_iters=10", *extra)
+    logged: list[str] = []
+    t.observer.log = logged.append  # type: ignore[method-assign]
+    _signal_at(t, 3, signal.SIGTERM)
+    with StopSignals() as stop:
+        result = t.run(stop=stop)
+    assert result.steps == 3 and result.stopped_by == "SIGTERM" and result.stop_signum == signal.SIGTERM
+    assert [r["step"] for r in records(tmp_path)] == [1, 2, 3]
+    if save:
+        assert result.saved == tmp_path / "checkpoints" / "step_00000003"
+        assert [p.name for p in list_committed(tmp_path / "checkpoints")] == ["step_00000003"]
+        assert verify_checkpoint(result.saved) == []
+        assert any("stopped cleanly after step 3" in line for line in logged)
+    else:
+        assert result.saved is None and not (tmp_path / "checkpoints").exists()
+        assert any(line.startswith("warning: SIGTERM: stopped after step 3 with nothing saved") for line in logged)
+
+
+def test_a_signal_during_the_last_step_lets_the_run_finish(tmp_path: Path) -> None:
+    t = trainer(tmp_path, "train.train_iters=2")
+    _signal_at(t, 2, signal.SIGTERM)
+    with StopSignals() as stop:
+        result = t.run(stop=stop)
+    assert result.steps == 2 and result.stopped_by is None

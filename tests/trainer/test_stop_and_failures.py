@@ -1,0 +1,95 @@
+"""Signals, lost peers and timeouts as the loop sees them (trainer/stop.py, trainer/parallel/failures.py), and
+the CPU thread rule (trainer/threads.py)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dist_helpers import run_distributed
+from trainer.parallel.failures import CollectiveFailure, collective_failure
+from trainer.stop import REPEAT_GRACE_S, StopSignals
+from trainer.threads import WIDE_HIDDEN, choose_cpu_threads
+
+GLOO_LOST = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+             "[127.0.0.1]:9947. This is typically caused by a remote worker crashing.")  # fmt: skip
+GLOO_TIMEOUT = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out "
+                "waiting 6000ms for recv operation to complete")  # fmt: skip
+
+
+def test_backend_texts_become_one_line_failures_naming_rank_and_step() -> None:
+    lost = collective_failure(RuntimeError(GLOO_LOST), rank=0, step=14, timeout_s=600)
+    assert isinstance(lost, CollectiveFailure) and lost.kind == "peer-lost"
+    assert lost.message.startswith("rank 0 lost a peer during step 14: another rank exited or crashed (Connection")
+    assert "pair.cc" not in lost.message
+    late = collective_failure(RuntimeError(GLOO_TIMEOUT), rank=1, step=None, timeout_s=6)
+    assert isinstance(late, CollectiveFailure) and late.kind == "timeout"
+    assert late.one_line().startswith("rank 1 timed out after 6 s waiting in a collective while starting the run")
+    assert "distributed_timeout_minutes" in late.one_line()
+    # Anything else is not ours to rename: a bug keeps its own exception and traceback.
+    assert collective_failure(ValueError("Timed out"), rank=0, step=1, timeout_s=6) is None
+    assert collective_failure(RuntimeError("shape mismatch"), rank=0, step=1, timeout_s=6) is None
+
+
+def test_a_repeated_sigint_within_the_grace_is_the_launcher_forwarding_it() -> None:
+    with StopSignals() as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)  # the agent forwards the terminal's Ctrl-C: not an abort
+        assert stop.signal == "SIGINT"
+        stop._first_at -= REPEAT_GRACE_S + 1  # a deliberate second Ctrl-C, later
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.1)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+
+
+def test_the_thread_rule() -> None:
+    assert choose_cpu_threads(3, 64, 2, env={"OMP_NUM_THREADS": "5"}).threads == 3  # the key wins
+    assert choose_cpu_threads(None, 64, 2, env={"OMP_NUM_THREADS": "5"}).threads == 5
+    narrow = choose_cpu_threads(None, 64, 1, env={})
+    assert narrow.threads == 1 and "auto" in narrow.why
+    wide = choose_cpu_threads(None, WIDE_HIDDEN, 1, env={})
+    assert wide.threads == max(1, len(os.sched_getaffinity(0)))
+    assert choose_cpu_threads(None, WIDE_HIDDEN, 64, env={}).threads == 1  # never below one per rank
+
+
+FAST = [
+    "model.num_layers=1", "model.hidden_size=32", "model.num_attention_heads=2", "model.num_query_groups=1",
+    "model.seq_length=16", "moe.num_experts=4", "moe.ffn_hidden_size=16", "train.micro_batch_size=2",
+    "train.global_batch_size=8", "data.source=synthetic", "train.eval_interval=null", "optimizer.lr_warmup_iters=0",
+]
+
+
+def _one_rank_signalled(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    from moectl.core.config.load import load_config
+    from trainer.loop import Trainer
+    from trainer.observer import SilentObserver
+    from trainer.runtime import setup_runtime
+
+    cfg = load_config(None, [*FAST, f"run_dir={root}", "train.train_iters=8", "checkpoint.save_interval=100"])
+    t = Trainer(cfg, SilentObserver(), runtime=setup_runtime(cfg.train, cfg.parallel))
+    real = t._train_step
+
+    def step(s: int) -> dict:
+        out = real(s)
+        if rank == 1 and s + 1 == 3:  # only rank 1 is told to stop, during step 3
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+
+    t._train_step = step  # type: ignore[method-assign]
+    with StopSignals() as stop:
+        r = t.run(stop=stop)
+    return {"steps": r.steps, "stopped_by": r.stopped_by, "saved": str(r.saved)}
+
+
+@pytest.mark.slow
+def test_a_signal_on_one_rank_stops_every_rank_after_the_same_step(tmp_path: Path) -> None:
+    results = run_distributed(_one_rank_signalled, world_size=2, timeout=120, root=str(tmp_path))
+    assert results[0] == results[1] == {
+        "steps": 3, "stopped_by": "SIGTERM", "saved": str(tmp_path / "checkpoints" / "step_00000003"),
+    }
