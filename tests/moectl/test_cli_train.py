@@ -30,3 +30,50 @@ def test_train_bad_key_is_one_line_exit_2(tmp_path):
     assert res.exit_code == 2
     assert "did you mean 'train_iters'" in res.output
     assert "Traceback" not in res.output
+
+
+def _one_error_line(res) -> str:
+    errors = [line for line in res.output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in res.output, res.output
+    return errors[0]
+
+
+def test_run_dir_problems_are_one_line_and_exit_2(tmp_path):
+    """Issue 18: each of these was a traceback."""
+    (tmp_path / "afile").write_text("in the way")
+    (tmp_path / "m" / "metrics.jsonl").mkdir(parents=True)
+    cases = {
+        str(tmp_path / "afile"): "a file is in the way",
+        str(tmp_path / "afile" / "run"): "is a file, not a folder",
+        "/proc/moectl-test/run": "this filesystem does not allow creating it",
+        str(tmp_path / "m"): "metrics.jsonl is a folder",
+    }
+    for run_dir, words in cases.items():
+        res = runner.invoke(app, ["train", "configs/tiny.yaml", *SMALL, "--run-dir", run_dir])
+        assert res.exit_code == 2, (run_dir, res.output)
+        assert words in _one_error_line(res), res.output
+
+
+def test_bad_config_files_are_one_line_and_exit_2(tmp_path):
+    latin1 = tmp_path / "latin1.yaml"
+    latin1.write_bytes("model:\n  num_layers: 1  # café\n".encode("latin-1"))
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("moe:\n  num_experts: 4\ntrain:\n  seed: 1\nmoe:\n  router_topk: 1\n")
+    for path, words in ((latin1, "not UTF-8 text: byte 0xe9 at line 2"), (twice, "key 'moe' appears twice (lines 1 and 5)")):
+        res = runner.invoke(app, ["train", str(path), "--run-dir", str(tmp_path / "r")])
+        assert res.exit_code == 2 and words in _one_error_line(res), res.output
+    assert not (tmp_path / "r").exists()
+
+
+def test_training_again_into_a_used_run_dir_is_refused_unless_overwrite(tmp_path):
+    assert runner.invoke(app, ["train", "configs/tiny.yaml", *SMALL, "--run-dir", str(tmp_path)]).exit_code == 0
+    before = (tmp_path / "metrics.jsonl").read_bytes()
+    res = runner.invoke(app, ["train", "configs/tiny.yaml", *SMALL, "--run-dir", str(tmp_path),
+                              "--set", "optimizer.lr=2e-3"])
+    assert res.exit_code == 2
+    assert "holds another run's metrics.jsonl" in _one_error_line(res)
+    assert (tmp_path / "metrics.jsonl").read_bytes() == before
+    res = runner.invoke(app, ["train", "configs/tiny.yaml", *SMALL, "--run-dir", str(tmp_path),
+                              "--set", "optimizer.lr=2e-3", "--overwrite"])
+    assert res.exit_code == 0, res.output
+    assert (tmp_path / "metrics.jsonl").read_bytes() != before
