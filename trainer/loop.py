@@ -71,8 +71,7 @@ class Trainer:
         self.observer: RunObserver = observer or PrintObserver()
         self.threads: ThreadChoice | None = None
         if self.rt.device.type == "cpu":
-            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-            self.threads = choose_cpu_threads(cfg.train.cpu_threads, cfg.model.hidden_size, local_world)
+            self.threads = choose_cpu_threads(cfg.train.cpu_threads)
             apply_cpu_threads(self.threads)
         tc = cfg.train
         self.dp = self.rt.world_size

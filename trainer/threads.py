@@ -1,16 +1,20 @@
-"""How many CPU threads a rank's torch ops use, chosen so a small model runs fast and steadily on a shared CPU.
+"""How many CPU threads a rank's torch ops use: one, unless told otherwise, so a CPU run is fast and steady
+on a shared machine.
 
-torch's default is one thread per physical core, per process. That is wrong twice for a CPU run of a
-small model: `--nproc-per-node N` starts N processes that each take every core, and the GEMMs of a
-narrow model (hidden size 64: ~0.1 ms each) are shorter than the cost of waking and joining a second
-thread. On a machine other jobs share, that join waits for a core the scheduler gave to someone else:
-the README command took 144-343 s there with step times from 0.06 s to 7 s, and 13 s with one thread
-(issue 18; the measurement behind `WIDE_HIDDEN` is in docs/design.md).
+torch's default is one thread per physical core, per process. On a small machine that other jobs share,
+that is the wrong choice twice: `--nproc-per-node N` starts N processes that each take every core, and a
+thread pool's join waits for a core the scheduler gave to someone else. The README command took
+144-343 s there, step times swinging from 0.06 s to 7 s, and 13 s with one thread (issue 18).
 
-The choice, in order: `train.cpu_threads` when set; `OMP_NUM_THREADS` when set (by the user, or by the
-launcher, which applies this same rule for its workers); else one thread for a model narrower than
-`WIDE_HIDDEN`, and otherwise the cores this process may run on divided by the ranks on this machine.
-GPU runs are left alone (their CPU side is launch work, and torchrun already sets one thread per rank).
+Measured on the 2-core shared machine of issue 18 (load 2.5-3 from other jobs), a step-like pair of GEMMs
+(512 tokens x hidden H -> 3H -> H) took, with 2 threads against 1: 4.5x as long at H=64, 1.8x at 256,
+1.6x at 512, 1.4x at 1024, 1.13x at 2048 (medians of 7 alternating rounds). No width gained, so the default
+is one thread per rank: moectl's CPU runs are small models, demos and tests. A dedicated many-core machine
+training something wider should say so: `train.cpu_threads`, or `OMP_NUM_THREADS`.
+
+The choice, in order: `train.cpu_threads`; `OMP_NUM_THREADS` (the user's, or the launcher's, which passes
+this same rule to its workers); else 1. GPU runs are left alone (their CPU side is kernel launches, and
+torchrun already gives each rank one thread).
 """
 
 from __future__ import annotations
@@ -21,9 +25,6 @@ from typing import Mapping
 
 import torch
 
-# From this hidden size up, a rank's GEMMs are long enough to gain from more threads (docs/design.md).
-WIDE_HIDDEN = 1024
-
 
 @dataclass(frozen=True)
 class ThreadChoice:
@@ -33,27 +34,14 @@ class ThreadChoice:
     why: str
 
 
-def usable_cores() -> int:
-    """The cores this process may be scheduled on (its affinity mask; a container's cpuset shows here)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):  # not Linux
-        return max(1, os.cpu_count() or 1)
-
-
-def choose_cpu_threads(
-    requested: int | None, hidden_size: int, local_world_size: int, env: Mapping[str, str] = os.environ
-) -> ThreadChoice:
-    """The threads one rank should use for a model of `hidden_size` with `local_world_size` ranks per machine."""
+def choose_cpu_threads(requested: int | None, env: Mapping[str, str] = os.environ) -> ThreadChoice:
+    """The threads one rank uses on a CPU run (see the module docstring)."""
     if requested is not None:
         return ThreadChoice(requested, "train.cpu_threads")
     omp = env.get("OMP_NUM_THREADS", "").strip()
     if omp.isdigit() and int(omp) > 0:
         return ThreadChoice(int(omp), "OMP_NUM_THREADS")
-    if hidden_size < WIDE_HIDDEN:
-        return ThreadChoice(1, f"auto: hidden_size {hidden_size} < {WIDE_HIDDEN}, one thread is fastest")
-    per_rank = max(1, usable_cores() // max(1, local_world_size))
-    return ThreadChoice(per_rank, f"auto: {usable_cores()} cores / {local_world_size} rank(s) on this machine")
+    return ThreadChoice(1, "default; train.cpu_threads sets more")
 
 
 def apply_cpu_threads(choice: ThreadChoice) -> None:

@@ -70,7 +70,7 @@ def refuse_on_rule_errors(cfg: Config, world_size: int, console: Console) -> Non
         )
 
 
-def _launcher_threads(cfg: Config, nproc: int) -> int | None:
+def _launcher_threads(cfg: Config) -> int | None:
     """OMP_NUM_THREADS for the launcher's workers on a CPU run (trainer/threads.py's rule); None on GPUs."""
     import torch
 
@@ -78,7 +78,7 @@ def _launcher_threads(cfg: Config, nproc: int) -> int | None:
 
     if cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available()):
         return None
-    return choose_cpu_threads(cfg.train.cpu_threads, cfg.model.hidden_size, nproc).threads
+    return choose_cpu_threads(cfg.train.cpu_threads).threads
 
 
 @command(
@@ -114,7 +114,7 @@ def train_command(
     console = make_console(quiet=rank != 0)
     refuse_on_rule_errors(cfg, world, make_console(quiet=rank != 0 or O.outcome_dir() is not None))
     if nproc_per_node > 1 and not torchrun:
-        result = launch_train(nproc_per_node, reexec_args(), _launcher_threads(cfg, nproc_per_node))
+        result = launch_train(nproc_per_node, reexec_args(), _launcher_threads(cfg))
         if result.line:
             typer.secho(f"error: {result.line}", err=True, fg="red")
         raise typer.Exit(result.code)

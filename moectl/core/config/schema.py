@@ -209,8 +209,8 @@ class TrainConfig:
     device: Literal["auto", "cpu", "cuda"] = doc("auto", "auto = cuda when available, else cpu.")
     cpu_threads: Optional[int] = doc(
         None,
-        "torch CPU threads per rank on a CPU run; null = OMP_NUM_THREADS if set, else 1 for models narrower "
-        "than hidden_size 1024 (faster and steadier on a shared machine), else the cores per local rank.",
+        "torch CPU threads per rank on a CPU run; null = OMP_NUM_THREADS if set, else 1 (faster and steadier on "
+        "a shared machine; measured in trainer/threads.py). Set it on a dedicated many-core machine.",
     )
 
 
