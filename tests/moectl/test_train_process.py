@@ -239,3 +239,14 @@ def test_one_process_stopped_by_sigterm_exits_with_the_documented_code(tmp_path:
         assert "SIGTERM: stopped cleanly after step" in out and (tmp_path / "checkpoints" / "latest").is_file()
     else:
         assert "warning: SIGTERM: stopped after step" in out and "with nothing saved" in out
+
+
+def test_a_run_dir_refused_on_rank_0_stops_both_ranks_in_one_line(tmp_path: Path) -> None:
+    (tmp_path / "in_the_way").write_text("x")
+    out = subprocess.run(_train(tmp_path / "in_the_way", "train.train_iters=3"), env=_env(), capture_output=True,
+                         text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 2, out.stderr
+    assert _error_lines(out.stderr) == [
+        f"error: rank 0, before the first step: run_dir {tmp_path / 'in_the_way'} cannot be created: a file is in "
+        "the way. fix: remove that file, or choose another --run-dir (or set run_dir in the config)"
+    ]
