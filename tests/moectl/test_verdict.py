@@ -59,3 +59,9 @@ def test_a_rank_killed_after_the_shutdown_timeout_is_named() -> None:
     v = verdict(2, {0: o(0, O.STOPPED, 3, checkpoint=CKPT)}, {1: Exit(-9, "SIGKILL")}, launcher_signal="SIGTERM")
     assert v.code == 1 and v.line is not None
     assert v.line.startswith("rank 1 did not stop within the shutdown timeout after SIGTERM and was killed by SIGKILL")
+
+
+def test_a_crash_on_one_rank_is_named_with_its_exception() -> None:
+    crash = o(1, O.CRASH, 1, message="ValueError: shapes do not match")
+    v = verdict(2, {0: o(0, O.PEER_LOST, 1, message="rank 0 lost a peer"), 1: crash}, {1: Exit(1), 0: Exit(1)})
+    assert (v.code, v.line) == (1, "rank 1, step 14: ValueError: shapes do not match")
