@@ -378,7 +378,7 @@ def check(
 
     `world_size` defaults to the smallest that fits (expert_model_parallel_size). `device_capability`
     checks recipes against that GPU; without it the visible GPU is used, if any. `env` replaces the
-    probes of this machine (tests use it). `gpu_memory`: check the memory estimate against it (MOE054).
+    probes of this machine (tests use it). `gpu_memory`: check the memory estimate against it (MOE056).
     """
     ctx = Context(cfg, world_size, device_capability, env, gpu_memory)
     out: list[Violation] = []

@@ -120,7 +120,7 @@ def test_a_run_dir_that_cannot_be_used_is_one_line(tmp_path: Path, make: str) ->
 
 
 def _signal_at(t: Trainer, step: int, sig: int) -> None:
-    real = t._train_step
+    real = t.train_step
 
     def step_then_signal(s: int) -> dict:
         out = real(s)
@@ -128,7 +128,7 @@ def _signal_at(t: Trainer, step: int, sig: int) -> None:
             os.kill(os.getpid(), sig)
         return out
 
-    t._train_step = step_then_signal  # type: ignore[method-assign]
+    t.train_step = step_then_signal  # type: ignore[method-assign]
 
 
 @pytest.mark.parametrize("save", [True, False])

@@ -70,7 +70,7 @@ def _one_rank_signalled(rank: int, world_size: int, root: str) -> dict[str, Any]
 
     cfg = load_config(None, [*FAST, f"run_dir={root}", "train.train_iters=8", "checkpoint.save_interval=100"])
     t = Trainer(cfg, SilentObserver(), runtime=setup_runtime(cfg.train, cfg.parallel))
-    real = t._train_step
+    real = t.train_step
 
     def step(s: int) -> dict:
         out = real(s)
@@ -78,7 +78,7 @@ def _one_rank_signalled(rank: int, world_size: int, root: str) -> dict[str, Any]
             os.kill(os.getpid(), signal.SIGTERM)
         return out
 
-    t._train_step = step  # type: ignore[method-assign]
+    t.train_step = step  # type: ignore[method-assign]
     with StopSignals() as stop:
         r = t.run(stop=stop)
     return {"steps": r.steps, "stopped_by": r.stopped_by, "saved": str(r.saved)}
