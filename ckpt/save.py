@@ -28,7 +28,7 @@ import secrets
 import shutil
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -74,6 +74,7 @@ def save_checkpoint(
     *,
     group: Any = None,
     keep_last: int | None = None,
+    precondition: Callable[[], None] | None = None,
 ) -> Path:
     """Save one checkpoint collectively; every rank of `group` must call it. Returns `root/step_N`.
 
@@ -81,7 +82,10 @@ def save_checkpoint(
     unique across ranks) to their tensors (logical tensors or the slices the caller assembled; no name
     in two files). `meta` is the caller's part of the manifest (see `ckpt.manifest.check_meta`); only
     group rank 0's is used, other ranks may pass the same dict or `{}`. `keep_last` applies retention
-    after the commit (rank 0 only). Raises `CheckpointSaveError` on every rank if any rank failed.
+    after the commit (rank 0 only). `precondition`, called on each rank once its files are durable and
+    before the vote, must return for the save to commit (convert: its source verified meanwhile); what it
+    raises fails the save on every rank like a write error. Raises `CheckpointSaveError` on every rank if
+    any rank failed.
     """
     comm = comm_for(group)
     root = Path(root)
@@ -101,9 +105,11 @@ def save_checkpoint(
             status["files"][fname] = {**rec, "rank": comm.global_rank}
             status["tensors"].update(trecs)
             if i == 0:
-                faults.check("write", comm.global_rank)
+                faults.check("write", comm.global_rank, step)
         fsync_dir(tmp)
-        faults.check("finalize", comm.global_rank)
+        faults.check("finalize", comm.global_rank, step)
+        if precondition is not None:
+            precondition()
     except Exception as e:  # noqa: BLE001 - every local failure must reach the vote, or the others hang
         status = {**status, "error": describe(e), "files": {}, "tensors": {}}
 
@@ -192,7 +198,7 @@ def _commit(
                     f"{tmp / fname} written by rank {rec['rank']} is {size} bytes on rank 0, not {rec['size']}",
                     "every rank must write to a filesystem shared with rank 0",
                 )
-        faults.check("before_manifest", 0)
+        faults.check("before_manifest", 0, step)
         write_file(tmp / names.MANIFEST, manifest.dumps(manifest.build(step, meta, files, tensors)))
         fsync_dir(tmp)
         os.rename(tmp, final)
