@@ -1,23 +1,20 @@
-"""One shard file: tensors -> safetensors bytes -> fsynced file, with its sha256 and tensor index.
+"""One shard file: tensors -> safetensors file, fsynced, with its sha256 and tensor index.
 
-The file is serialised in memory (`safetensors.torch.save`) so the sha256s are computed over exactly the
-bytes written, without reading them back. That costs one shard's size in host memory: callers size
-shards accordingly (docs/checkpoint.md: "more shards as size requires").
+The bytes are those `safetensors.torch.save` produces (`ckpt.st_layout` places them), written straight
+from the tensors' memory by `ckpt.shard_io`, which hashes the same memory in parallel: the sha256s are of
+exactly the bytes written, without reading them back and without a serialised copy of the shard.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import struct
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save as st_save
 
-from ckpt.durable import write_file
+from ckpt.shard_io import write_layout
 from ckpt.st_header import TORCH_NAME
+from ckpt.st_layout import layout, st_dtype
 
 
 def prepare(tensors: Any, fname: str) -> dict[str, torch.Tensor]:
@@ -35,6 +32,13 @@ def prepare(tensors: Any, fname: str) -> dict[str, torch.Tensor]:
             raise ValueError(f"{fname}: tensor name {name!r} must be a non-empty str not starting with '__'")
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{fname}: {name!r} is a {type(t).__name__}, not a Tensor")
+        # A dtype or layout the format cannot record fails here, naming the tensor, before any file is written.
+        if t.layout != torch.strided:
+            raise ValueError(f"{fname}: {name!r} is a {t.layout} tensor; a checkpoint holds dense tensors only")
+        try:
+            st_dtype(t.dtype)
+        except ValueError as e:
+            raise ValueError(f"{fname}: {name!r}: {e}") from None
         t = t.detach().to("cpu").contiguous()
         out[name] = t
         if t.numel():
@@ -48,27 +52,18 @@ def prepare(tensors: Any, fname: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[dict[str, Any], dict[str, Any]]:
+def write_shard(path: Path, tensors: dict[str, torch.Tensor], threads: int | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """Write `tensors` (from `prepare`) to the new file `path` and fsync it.
 
     Returns the file record `{sha256, size}` and `{tensor: {file, dtype, shape, sha256}}`, the per-tensor
-    hash being over that tensor's bytes in the file.
+    hash being over that tensor's bytes in the file. `threads`: see `ckpt.shard_io.io_threads`.
     """
     # "format": "pt" is the metadata transformers and safetensors' own loaders expect from PyTorch files.
-    data = st_save(tensors, metadata={"format": "pt"})
-    write_file(path, data)
-    view = memoryview(data)
-    (n,) = struct.unpack("<Q", view[:8])
-    header = json.loads(bytes(view[8 : 8 + n]))
-    records = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        begin, end = info["data_offsets"]
-        records[name] = {
-            "file": path.name,
-            "dtype": TORCH_NAME[info["dtype"]],
-            "shape": info["shape"],
-            "sha256": hashlib.sha256(view[8 + n + begin : 8 + n + end]).hexdigest(),
-        }
-    return {"sha256": hashlib.sha256(view).hexdigest(), "size": len(data)}, records
+    lay = layout(tensors, metadata={"format": "pt"})
+    file_sha, tensor_sha = write_layout(path, lay, threads)
+    records = {
+        p.name: {"file": path.name, "dtype": TORCH_NAME[st_dtype(p.tensor.dtype)], "shape": list(p.tensor.shape),
+                 "sha256": tensor_sha[p.name]}
+        for p in lay.placed
+    }  # fmt: skip
+    return {"sha256": file_sha, "size": lay.size}, records

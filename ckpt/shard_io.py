@@ -1,0 +1,204 @@
+"""Moving shard bytes between memory and disk at disk speed: parallel writes and hashes, no copies.
+
+Writing a file (`write_layout`): the tensors' own memory is written where `ckpt.st_layout` placed it, in
+chunks of `CHUNK` bytes gathered with `pwritev` (one system call per chunk however many small tensors it
+spans, and no staging copy), while other threads compute the file's sha256 and every tensor's sha256
+from the same memory. `hashlib` and file writes release the GIL, so the threads run in parallel on as
+many cores as `io_threads()` gives; the file's own hash is one sequential pass, and the long pole only
+when the disk is faster than one core hashes. Before, a shard was serialised into one bytes object
+(a copy of the whole shard), then written, then hashed twice, all on one thread.
+
+Reading a file's hash (`hash_file`): one thread reads large chunks into a few reused buffers while the
+caller's thread hashes the previous one, so the time is the slower of the disk and the hash, not their sum.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import queue
+import threading
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ckpt.st_layout import Layout
+
+CHUNK = 32 << 20  # bytes per write call and per read: large sequential I/O, and enough chunks to spread
+_READ_BUFFERS = 3  # one being read, one being hashed, one spare so the reader never waits on a fast hash
+_IOV_MAX = 1024  # Linux's limit on buffers per pwritev
+ENV_THREADS = "MOECTL_CKPT_THREADS"
+_FILE = "file"  # the file hash's key among the jobs; tensors are keyed by a 1-tuple of their name
+
+
+def io_threads() -> int:
+    """Threads for a checkpoint's I/O and hashing: `MOECTL_CKPT_THREADS`, else the CPUs this process may
+    use (at most 16: past that the disk, not the hashing, is the limit)."""
+    env = os.environ.get(ENV_THREADS, "").strip()
+    if env:
+        if not env.isdigit() or int(env) < 1:
+            raise ValueError(f"{ENV_THREADS}={env!r}: expected a positive integer")
+        return int(env)
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(16, cpus))
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without copying them (the tensor must outlive the view)."""
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+def _sha256(views: list[memoryview]) -> str:
+    h = hashlib.sha256()
+    for v in views:
+        h.update(v)  # releases the GIL for anything over 2 KiB
+    return h.hexdigest()
+
+
+def _write_ops(lay: Layout) -> list[tuple[int, list[memoryview]]]:
+    """The file as (offset, buffers) chunks of about `CHUNK` bytes, in file order, over the tensors' memory."""
+    ops: list[tuple[int, list[memoryview]]] = []
+    bufs: list[memoryview] = []
+    start = filled = 0
+
+    def flush(next_start: int) -> None:
+        nonlocal bufs, start, filled
+        if bufs:
+            ops.append((start, bufs))
+        bufs, start, filled = [], next_start, 0
+
+    pieces = [(0, memoryview(lay.header))] + [(p.start, byte_view(p.tensor)) for p in lay.placed]
+    for offset, view in pieces:
+        pos = 0
+        while pos < len(view):
+            take = min(len(view) - pos, CHUNK - filled)
+            if not bufs:
+                start = offset + pos
+            bufs.append(view[pos : pos + take])
+            filled += take
+            pos += take
+            if filled >= CHUNK or len(bufs) >= _IOV_MAX:
+                flush(offset + pos)
+    flush(lay.size)
+    return ops
+
+
+def _pwritev_all(fd: int, offset: int, bufs: list[memoryview]) -> None:
+    """Write every buffer at `offset` onwards, resuming after short writes."""
+    while bufs:
+        n = os.pwritev(fd, bufs, offset)
+        if n <= 0:
+            raise OSError(f"pwritev wrote {n} bytes")
+        offset += n
+        while bufs and n >= len(bufs[0]):
+            n -= len(bufs[0])
+            bufs = bufs[1:]
+        if n:
+            bufs = [bufs[0][n:], *bufs[1:]]
+
+
+def write_layout(path: Path, lay: Layout, threads: int | None = None) -> tuple[str, dict[str, str]]:
+    """Write the new file `path` as `lay` places it, fsync it, and return (the file's sha256, each tensor's).
+
+    Refuses to overwrite (`O_EXCL`: a nonce clash is a bug). On any error the partial file is left for the
+    caller's cleanup (the save removes its whole in-flight folder) and the first error is raised once every
+    thread has stopped touching the file and the tensors.
+    """
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        views = [memoryview(lay.header)] + [byte_view(p.tensor) for p in lay.placed]
+        # The file's hash first: one sequential pass, the longest job. Then writes and tensor hashes taken
+        # in turn, so the disk is busy from the start and no large hash is left to run alone at the end.
+        jobs: list[tuple[object, Callable[[], object]]] = [(_FILE, lambda: _sha256(views))]
+        writes = [(None, lambda o=offset, b=bufs: _pwritev_all(fd, o, b)) for offset, bufs in _write_ops(lay)]
+        hashes = [((p.name,), lambda v=byte_view(p.tensor): _sha256([v]))
+                  for p in sorted(lay.placed, key=lambda p: p.start - p.end)]  # fmt: skip
+        for i in range(max(len(writes), len(hashes))):
+            jobs += writes[i : i + 1] + hashes[i : i + 1]
+        results = _run(jobs, threads or io_threads())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return str(results[_FILE]), {p.name: str(results[(p.name,)]) for p in lay.placed}
+
+
+def _run(jobs: list[tuple[object, Callable[[], object]]], threads: int) -> dict[object, object]:
+    """Run `jobs` on `threads` threads (the first job starts first); the results of those with a key (not
+    None), or the first error."""
+    if threads <= 1 or len(jobs) <= 1:
+        results: dict[object, object] = {}
+        for key, fn in jobs:
+            out = fn()
+            if key is not None:
+                results[key] = out
+        return results
+    with ThreadPoolExecutor(max_workers=min(threads, len(jobs)), thread_name_prefix="moectl-ckpt-io") as pool:
+        futures: list[tuple[object, Future]] = [(key, pool.submit(fn)) for key, fn in jobs]
+        done, _ = wait([f for _, f in futures], return_when=FIRST_EXCEPTION)
+        failed = next((f for f in done if f.exception() is not None), None)
+        if failed is not None:
+            for _, f in futures:
+                f.cancel()
+            wait([f for _, f in futures])  # nothing may still write through the fd or read the tensors
+            raise failed.exception()  # type: ignore[misc]
+        return {key: f.result() for key, f in futures if key is not None}
+
+
+def hash_file(path: Path, start: int = 0, end: int | None = None) -> str:
+    """sha256 of bytes [start, end) of `path` (to the end by default): reads overlap hashing (see module doc)."""
+    h = hashlib.sha256()
+    size = os.stat(path).st_size
+    stop_at = size if end is None else min(end, size)
+    if stop_at - start <= CHUNK:  # one read: no thread to overlap it with
+        with open(path, "rb", buffering=0) as f:
+            f.seek(start)
+            h.update(f.read(max(0, stop_at - start)) if end is not None else f.read())
+        return h.hexdigest()
+    free: queue.Queue = queue.Queue()
+    full: queue.Queue = queue.Queue()
+    for _ in range(_READ_BUFFERS):
+        free.put(bytearray(CHUNK))
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def reader() -> None:
+        try:
+            with open(path, "rb", buffering=0) as f:
+                f.seek(start)
+                left = None if end is None else end - start
+                while not stop.is_set() and left != 0:
+                    buf = free.get()
+                    want = CHUNK if left is None else min(CHUNK, left)
+                    n = f.readinto(memoryview(buf)[:want])
+                    if not n:
+                        free.put(buf)
+                        break
+                    full.put((buf, n))
+                    if left is not None:
+                        left -= n
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            errors.append(e)
+        finally:
+            full.put(None)
+
+    t = threading.Thread(target=reader, name="moectl-ckpt-read", daemon=True)
+    t.start()
+    try:
+        while (item := full.get()) is not None:
+            buf, n = item
+            h.update(memoryview(buf)[:n])
+            free.put(buf)
+    finally:
+        stop.set()
+        free.put(bytearray(0))  # wake a reader blocked on an empty pool (it then sees stop)
+        t.join()
+    if errors:
+        raise errors[0]
+    return h.hexdigest()

@@ -1,0 +1,104 @@
+"""Shard files written and hashed at disk speed (ckpt/st_layout.py, ckpt/shard_io.py): the same bytes as
+safetensors, the same hashes as hashlib, whatever the chunking and the thread count."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from ckpt_fixtures import mixed_tensors
+from safetensors.torch import save as st_save
+
+from ckpt import shard_io
+from ckpt.shards import prepare, write_shard
+from ckpt.st_header import TORCH_NAME
+from ckpt.st_layout import layout
+
+DTYPES = [getattr(torch, name) for name in TORCH_NAME.values()]
+NAMES = ["a", "b", "é", "x.y", '"q', "\\", "\n", "tab\t", "ü\x01", "zz"]
+
+
+def _random_tensors(rng: random.Random) -> dict[str, torch.Tensor]:
+    out = {}
+    for _ in range(rng.randint(0, 10)):
+        dtype = rng.choice(DTYPES)
+        shape = [rng.randint(0, 3) for _ in range(rng.randint(0, 3))]
+        raw = torch.randint(0, 256, shape + [dtype.itemsize], dtype=torch.uint8)
+        out[rng.choice(NAMES) + str(rng.randint(0, 30))] = raw.view(dtype).reshape(shape)
+    return out
+
+
+def test_the_layout_is_byte_for_byte_what_safetensors_writes() -> None:
+    rng = random.Random(0)
+    for _ in range(150):  # every dtype a checkpoint records, odd names, empty and 0-d tensors, with/without metadata
+        tensors = _random_tensors(rng)
+        metadata = rng.choice([None, {"format": "pt"}, {"k": "vé"}])
+        want = st_save(tensors, metadata=metadata)
+        lay = layout(tensors, metadata)
+        got = bytearray(lay.header)
+        for p in lay.placed:
+            assert len(got) == p.start
+            got += shard_io.byte_view(p.tensor).tobytes()
+        assert bytes(got) == want and lay.size == len(want)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_written_files_and_hashes_match_for_any_chunking(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          threads: int) -> None:  # fmt: skip
+    # Chunks of 64 bytes: tensors split across many pwritev calls and calls spanning several tensors.
+    monkeypatch.setattr(shard_io, "CHUNK", 64)
+    tensors = prepare(mixed_tensors(3), "model-00000.safetensors")
+    rec, trecs = write_shard(tmp_path / "model-00000.safetensors", tensors, threads=threads)
+    data = (tmp_path / "model-00000.safetensors").read_bytes()
+    assert data == st_save(tensors, metadata={"format": "pt"})
+    assert rec == {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+    for name, t in tensors.items():
+        assert trecs[name]["sha256"] == hashlib.sha256(shard_io.byte_view(t)).hexdigest(), name
+    # Reading back with overlapped reads, whole and by range, in chunks smaller than a tensor.
+    assert shard_io.hash_file(tmp_path / "model-00000.safetensors") == rec["sha256"]
+    assert shard_io.hash_file(tmp_path / "model-00000.safetensors", 13, 500) == hashlib.sha256(data[13:500]).hexdigest()
+
+
+def test_a_failing_write_raises_after_every_thread_stopped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(shard_io, "CHUNK", 256)
+    calls = []
+
+    def full_disk(fd: int, bufs: list, offset: int) -> int:
+        calls.append(offset)
+        if len(calls) == 3:
+            raise OSError(28, "No space left on device")
+        return sum(len(b) for b in bufs)
+
+    monkeypatch.setattr(os, "pwritev", full_disk)
+    big = {"w": torch.arange(1000, dtype=torch.float32)}
+    with pytest.raises(OSError, match="No space left"):
+        write_shard(tmp_path / "optim-00000.safetensors", prepare(big, "optim-00000.safetensors"), threads=4)
+    seen = len(calls)
+    time.sleep(0.05)
+    assert len(calls) == seen < 16  # nothing writes after the error was raised; the rest were cancelled
+    with pytest.raises(FileExistsError):  # never overwrites: a second save of the same file name is a bug
+        write_shard(tmp_path / "optim-00000.safetensors", prepare(big, "optim-00000.safetensors"))
+
+
+def test_short_writes_are_resumed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = os.pwritev
+
+    def at_most_7_bytes(fd: int, bufs: list, offset: int) -> int:
+        return real(fd, [bytes(b)[:7] for b in bufs[:1]], offset)
+
+    monkeypatch.setattr(os, "pwritev", at_most_7_bytes)
+    tensors = {"a": torch.arange(10, dtype=torch.int16), "b": torch.ones(3)}
+    write_shard(tmp_path / "model-00000.safetensors", tensors, threads=1)
+    assert (tmp_path / "model-00000.safetensors").read_bytes() == st_save(tensors, metadata={"format": "pt"})
+
+
+def test_a_dtype_or_layout_the_format_cannot_hold_is_named_before_any_write() -> None:
+    with pytest.raises(ValueError, match=r"model-00000.safetensors: 'c': dtype torch.complex128 cannot be saved"):
+        prepare({"c": torch.zeros(2, dtype=torch.complex128)}, "model-00000.safetensors")
+    with pytest.raises(ValueError, match="'s' is a torch.sparse_coo tensor"):
+        prepare({"s": torch.ones(2).to_sparse()}, "model-00000.safetensors")
