@@ -32,9 +32,15 @@ class Comm:
         return self.world > 1
 
 
+# `group=SOLO`: this process alone, even inside a distributed job (a one-process tool such as convert,
+# called on one rank, must not issue collectives the other ranks never join).
+SOLO = "solo"
+
+
 def comm_for(group: Any = None) -> Comm:
-    """The `Comm` of this process in `group`; a one-process `Comm` when torch.distributed is not initialised."""
-    if not (dist.is_available() and dist.is_initialized()):
+    """The `Comm` of this process in `group`; a one-process `Comm` when torch.distributed is not initialised
+    or `group` is `SOLO`."""
+    if group is SOLO or not (dist.is_available() and dist.is_initialized()):
         return Comm(0, 1, 0, None, torch.device("cpu"))
     # NCCL only moves CUDA tensors; gloo (CPU runs and tests) only CPU ones.
     if dist.get_backend(group) == "nccl":

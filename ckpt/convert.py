@@ -31,7 +31,9 @@ from ckpt.layout import (
     normalize_for_model,
     parse_expert_key,
 )
-from ckpt.reader import Checkpoint, open_checkpoint
+from ckpt.collective import SOLO
+from ckpt.integrity import BackgroundVerify
+from ckpt.reader import Checkpoint, open_checkpoint, refusal
 from ckpt.save import save_checkpoint
 from moectl.core.errors import CheckpointError
 
@@ -130,42 +132,63 @@ def convert_checkpoint(
 
     `dst` is a new checkpoints folder (it must not exist); the result is `dst/step_N` (N = the source's
     step) with `dst/latest` naming it. `glu_interleave_size` (int or None) also reorders fc1's rows;
-    KEEP leaves them. Returns the new step folder. The source is verified first and never modified.
+    KEEP leaves them. Returns the new step folder. The source is never modified, and verified while it is
+    converted (its files are hashed on another thread, so they are read from disk about once): the result
+    commits only if every source file hashed as recorded; otherwise nothing is committed and the error
+    names the source's first problem.
     """
     if layout not in LAYOUTS:
         raise CheckpointError(f"unknown expert layout {layout!r}", f"use one of: {', '.join(LAYOUTS)}")
-    with open_checkpoint(src) as ck:
-        root = _new_root(Path(dst), ck.path)
-        meta = ck.meta
-        num_experts = checkpoint_num_experts(ck)
-        have = detect_layout(ck.tensor_names())
-        if have is not None and have != meta["expert_layout"]:
-            raise CheckpointError(
-                f"{ck.path}: the manifest says expert_layout {meta['expert_layout']!r} but the weights are {have}",
-                "the checkpoint is inconsistent; re-save it from the training run",
-            )
-        src_i = meta["glu_interleave_size"]
-        dst_i = src_i if glu_interleave_size is KEEP else glu_interleave_size
-        moe_cfg = meta.get("config", {}).get("moe", {})
-        ffn = moe_cfg.get("ffn_hidden_size")
-        if dst_i != src_i:  # refuse now what would otherwise fail halfway through the save
-            if moe_cfg.get("activation") == "squared_relu":
-                raise CheckpointError("glu_interleave_size applies to gated activations; this model's experts "
-                                      "use squared_relu", "convert without --glu-interleave-size")  # fmt: skip
-            if isinstance(ffn, int):
-                fc1_row_order(src_i, dst_i, ffn)
-
-        def build(names: list[str]) -> dict[str, torch.Tensor]:
-            tensors = {n: ck.read(n) for n in names}
-            return normalize_for_model(tensors, num_experts=num_experts, target_layout=layout,  # type: ignore[arg-type]
-                                       source_interleave=src_i, target_interleave=dst_i, ffn_size=ffn)  # fmt: skip
-
-        files = FilesOnDemand(plan_files(ck, layout, num_experts), build)
+    with open_checkpoint(src, verify=False) as ck:  # the manifest and its seal; the files are hashed alongside
+        verifying = BackgroundVerify(ck.path)
         try:
-            return save_checkpoint(root, ck.step, files, converted_meta(meta, layout, dst_i))
-        except BaseException:
-            _remove_if_empty(root)
+            return _convert(ck, Path(dst), layout, glu_interleave_size, verifying)
+        except Exception:
+            problems = verifying.problems()  # a damaged source explains a failure better than its symptom does
+            if problems:
+                raise refusal(ck.path, problems) from None
             raise
+
+
+def _convert(ck: Checkpoint, dst: Path, layout: str, glu_interleave_size: Optional[int] | _Keep,
+             verifying: BackgroundVerify) -> Path:
+    root = _new_root(dst, ck.path)
+    meta = ck.meta
+    num_experts = checkpoint_num_experts(ck)
+    have = detect_layout(ck.tensor_names())
+    if have is not None and have != meta["expert_layout"]:
+        raise CheckpointError(
+            f"{ck.path}: the manifest says expert_layout {meta['expert_layout']!r} but the weights are {have}",
+            "the checkpoint is inconsistent; re-save it from the training run",
+        )
+    src_i = meta["glu_interleave_size"]
+    dst_i = src_i if glu_interleave_size is KEEP else glu_interleave_size
+    moe_cfg = meta.get("config", {}).get("moe", {})
+    ffn = moe_cfg.get("ffn_hidden_size")
+    if dst_i != src_i:  # refuse now what would otherwise fail halfway through the save
+        if moe_cfg.get("activation") == "squared_relu":
+            raise CheckpointError("glu_interleave_size applies to gated activations; this model's experts "
+                                  "use squared_relu", "convert without --glu-interleave-size")  # fmt: skip
+        if isinstance(ffn, int):
+            fc1_row_order(src_i, dst_i, ffn)
+
+    def build(names: list[str]) -> dict[str, torch.Tensor]:
+        tensors = {n: ck.read(n) for n in names}
+        return normalize_for_model(tensors, num_experts=num_experts, target_layout=layout,  # type: ignore[arg-type]
+                                   source_interleave=src_i, target_interleave=dst_i, ffn_size=ffn)  # fmt: skip
+
+    def source_intact() -> None:  # before the vote: nothing commits unless the source hashed as recorded
+        problems = verifying.problems()
+        if problems:
+            raise refusal(ck.path, problems)
+
+    files = FilesOnDemand(plan_files(ck, layout, num_experts), build)
+    try:
+        return save_checkpoint(root, ck.step, files, converted_meta(meta, layout, dst_i), group=SOLO,
+                               precondition=source_intact)
+    except BaseException:
+        _remove_if_empty(root)
+        raise
 
 
 def _new_root(dst: Path, src_step_dir: Path) -> Path:

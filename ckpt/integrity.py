@@ -9,24 +9,29 @@ Checks, without executing or unpickling anything:
   the changed tensor is named (Megatron's `integrity.json` can only name the file);
 - no unlisted files: a stray `.pt`/pickle beside the shards is reported (and never opened beyond its
   first bytes, to say what it looks like).
+
+Files are checked side by side on `ckpt.shard_io.io_threads()` threads, each hash reading large chunks
+while it hashes the previous one (`ckpt.shard_io.hash_file`): verifying is as fast as the disk reads or
+the cores hash, whichever is slower, instead of one file after another at the sum of both.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ckpt import manifest, names
 from ckpt import problems as P
 from ckpt.discovery import is_step_dir, resolve_load_path
 from ckpt.problems import Problem
 from ckpt.seal import seal_problem
+from ckpt.shard_io import hash_file, io_threads
 from ckpt.st_header import TORCH_NAME, Header, read_header
 from moectl.core.errors import CheckpointError
 
-_CHUNK = 16 << 20
 _PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".pkl", ".pickle", ".ckpt", ".distcp")
 
 
@@ -52,16 +57,57 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> list[Problem]:
     by_file: dict[str, dict[str, Any]] = {f: {} for f in listed}
     for tname, rec in m["tensors"].items():
         by_file[rec["file"]][tname] = rec
-    for fname, frec in listed.items():
-        try:
-            found += _check_file(step_dir / fname, frec, by_file[fname])
-        except OSError as e:
-            found.append(Problem(P.UNREADABLE, fname, None, f"cannot be read: {e.strerror or e}"))
+    for fname, probs in zip(listed, _in_parallel(_check_one, [(step_dir, f, r, by_file[f]) for f, r in listed.items()])):
+        found += probs
     # Last, so that a problem naming a file or tensor comes first when an edit touched both.
     edited = seal_problem(m)
     if edited:
         found.append(Problem(P.MANIFEST, names.MANIFEST, None, edited))
     return found
+
+
+class BackgroundVerify:
+    """`verify_checkpoint(path)` on a thread of its own, for a reader that goes ahead meanwhile (a convert, a
+    validate) and must ask `problems()` before it trusts, or lets anyone else trust, what it read. The reader's
+    reads then come from the pages the verification brought into the page cache, or bring them in for it:
+    the files are read from disk about once, and hashing overlaps the reader's own work."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = path
+        self._problems: list[Problem] | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="moectl-ckpt-verify", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._problems = verify_checkpoint(self.path)
+        except BaseException as e:  # noqa: BLE001 - raised in the caller's thread by problems()
+            self._error = e
+
+    def problems(self) -> list[Problem]:
+        """Wait for the verification; its problems (raises what `verify_checkpoint` raised)."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        assert self._problems is not None
+        return self._problems
+
+
+def _check_one(step_dir: Path, fname: str, frec: dict[str, Any], expected: dict[str, Any]) -> list[Problem]:
+    try:
+        return _check_file(step_dir / fname, frec, expected)
+    except OSError as e:
+        return [Problem(P.UNREADABLE, fname, None, f"cannot be read: {e.strerror or e}")]
+
+
+def _in_parallel(fn: Callable[..., list[Problem]], args: list[tuple[Any, ...]]) -> list[list[Problem]]:
+    """`fn(*a)` for each `a`, files hashed side by side (each hash is one core's sequential pass); in order."""
+    workers = min(len(args), io_threads())
+    if workers <= 1:
+        return [fn(*a) for a in args]
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="moectl-ckpt-verify") as pool:
+        return list(pool.map(lambda a: fn(*a), args))
 
 
 def _unexpected_files(step_dir: Path, listed: dict[str, Any], manifest_ok: bool) -> list[Problem]:
@@ -143,27 +189,10 @@ def _check_tensor_set(fname: str, header: Header, expected: dict[str, Any]) -> l
 
 
 def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
+    return hash_file(path)
 
 
 def _changed_tensors(path: Path, header: Header, expected: dict[str, Any]) -> list[str]:
     """The tensors whose bytes no longer hash to their manifest sha256 (header assumed sane)."""
-    changed = []
-    with open(path, "rb") as f:
-        for t in sorted(set(expected) & set(header.entries)):
-            e = header.entries[t]
-            f.seek(e.start)
-            h, left = hashlib.sha256(), e.end - e.start
-            while left:
-                chunk = f.read(min(_CHUNK, left))
-                if not chunk:
-                    break
-                h.update(chunk)
-                left -= len(chunk)
-            if h.hexdigest() != expected[t]["sha256"]:
-                changed.append(t)
-    return changed
+    return [t for t in sorted(set(expected) & set(header.entries))
+            if hash_file(path, header.entries[t].start, header.entries[t].end) != expected[t]["sha256"]]  # fmt: skip

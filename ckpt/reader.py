@@ -125,6 +125,15 @@ class Checkpoint:
         return f"Checkpoint({str(self.path)!r}, step={self.step}, tensors={len(self.manifest['tensors'])})"
 
 
+def refusal(step_dir: Path, problems: list[Problem]) -> CheckpointError:
+    """The error that refuses to load `step_dir` for `problems` (the first named, the rest counted)."""
+    more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
+    return CheckpointError(
+        f"refusing to load {step_dir}: {problems[0]}{more}",
+        f"run `moectl ckpt validate {step_dir}` for the full list, and load another step",
+    )
+
+
 def open_checkpoint(path: str | os.PathLike[str], verify: bool = True) -> Checkpoint:
     """Open the checkpoint at `path`: a step folder, or a checkpoints folder (then the step `latest` names).
 
@@ -141,11 +150,7 @@ def open_checkpoint(path: str | os.PathLike[str], verify: bool = True) -> Checkp
     elif m is not None and seal_problem(m):
         problems = [Problem(MANIFEST, "manifest.json", None, seal_problem(m) or "")]
     if problems or m is None:
-        more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
-        raise CheckpointError(
-            f"refusing to load {step_dir}: {problems[0]}{more}",
-            f"run `moectl ckpt validate {step_dir}` for the full list, and load another step",
-        )
+        raise refusal(step_dir, problems)
     note = unsealed_note(m)
     if note:
         warnings.warn(f"{step_dir}: {note}", UserWarning, stacklevel=2)

@@ -173,3 +173,21 @@ def test_converted_manifest_is_written_by_save_checkpoint(tmp_path: Path) -> Non
     m = json.loads((out / "manifest.json").read_text())
     assert m["format"] == "moectl-checkpoint" and (tmp_path / "out" / "latest").read_text() == "step_00000007\n"
     assert all(len(rec["sha256"]) == 64 for rec in m["tensors"].values())
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_a_damaged_source_is_refused_and_nothing_is_committed(tmp_path: Path, damage: str) -> None:
+    # The source is hashed while it is converted: the damage must still refuse the result, naming the source.
+    cfg = tiny_config()
+    state = build_model(cfg).state_dict()
+    src = save_model_checkpoint(tmp_path / "src", cfg, state, fake_optimizer(state))
+    shard = src / "optim-00000.safetensors"
+    data = bytearray(shard.read_bytes())
+    if damage == "flip":
+        data[-5] ^= 0x01  # a byte of the last tensor's data: the conversion itself goes through
+    else:
+        data = data[: len(data) // 2]  # the conversion cannot read it either: the source's problem is named
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=rf"refusing to load {src}: .*optim-00000.safetensors"):
+        convert_checkpoint(src, tmp_path / "out", "per-expert")
+    assert not (tmp_path / "out").exists()
