@@ -26,6 +26,7 @@ from moectl.core.params import count_params
 from moectl.core.errors import MoectlError
 from trainer.build import build_data_for, build_engine, build_model
 from trainer.checkpointing import load_training_checkpoint, save_training_checkpoint
+from trainer.checkpointing.saver import RunCheckpointer, SaveReport
 from trainer.compile import compile_backend, compile_regions, wants_compile
 from trainer.data import Sampler
 from trainer.flops import flops_per_token, peak_tflops
@@ -65,7 +66,10 @@ class TrainResult:
 class Trainer:
     """Runs `cfg` to `train.train_iters` steps on this process's device."""
 
-    def __init__(self, cfg: Config, observer: RunObserver | None = None, runtime: Runtime | None = None) -> None:
+    def __init__(self, cfg: Config, observer: RunObserver | None = None, runtime: Runtime | None = None, *,
+                 verify_checkpoint: bool = True) -> None:
+        """`verify_checkpoint=False`: load `checkpoint.load` without hashing its files first (see
+        `load_training_checkpoint`); for `ckpt validate`, which hashes them alongside."""
         self.cfg = cfg
         self.rt = runtime or setup_runtime(cfg.train, cfg.parallel)
         self.observer: RunObserver = observer or PrintObserver()
@@ -99,13 +103,16 @@ class Trainer:
         self._refuse_to_overwrite_checkpoints()
         if cfg.checkpoint.load:
             restored = load_training_checkpoint(
-                resolve_load_path(cfg.checkpoint.load), cfg, self.model, self.engine, self.rt.pstate
+                resolve_load_path(cfg.checkpoint.load), cfg, self.model, self.engine, self.rt.pstate,
+                verify=verify_checkpoint,
             )
             self.start_step = restored.step
             self.resumed_from = restored.path
             self.carried_meta = restored.carried
             self.weights_only = not restored.optimizer_state
         self.run_dir = Path(cfg.run_dir)
+        self.checkpointer = RunCheckpointer(cfg, self.engine, self.rt.pstate, self.run_dir / "checkpoints",
+                                            carried=self.carried_meta)  # fmt: skip
         self.tokens_per_step = tc.global_batch_size * cfg.model.seq_length
         self.flops_per_step = flops_per_token(cfg.model, cfg.moe) * self.tokens_per_step
         self.peak = peak_tflops(self.rt.device, "fp8" if cfg.mixed_precision.fp8 else "bf16")
@@ -208,7 +215,10 @@ class Trainer:
         return loss
 
     def save(self, step: int) -> Path:
-        """Commit a checkpoint of the state after `step` steps (collective: every rank calls it)."""
+        """Commit a checkpoint of the state after `step` steps, synchronously (collective: every rank calls it).
+        A background save of the run still in flight is waited for first. `run` saves through
+        `self.checkpointer` instead (in the background where it works)."""
+        self.checkpointer.finish()
         return save_training_checkpoint(self.run_dir / "checkpoints", step, self.cfg, self.engine, self.rt.pstate,
                                         self.probe_loss(), carried=self.carried_meta)
 
@@ -248,6 +258,8 @@ class Trainer:
                         "(parallel.distributed_timeout_minutes)")
         if host:
             lines.append("  host: " + " | ".join(host))
+        if cfg.checkpoint.save_interval:
+            lines.append("  " + self.checkpointer.describe())
         return lines
 
     def _open_run_dir(self, overwrite: bool) -> tuple[RunDirLock | None, MetricsWriter | None, list[str]]:
@@ -311,11 +323,17 @@ class Trainer:
                 with observer.running(tc.train_iters, start):
                     self._loop(signals, observer, writer, result, state)
         except Exception as e:
+            # The run waits for a save in flight before it ends: it may still commit, and the error then
+            # names it as the checkpoint to resume from.
+            self.checkpointer.abandon()
+            if self.checkpointer.last_committed is not None:
+                state.checkpoint = self.checkpointer.last_committed
             failure = self._as_failure(e, state.step)
             if failure is None:
                 raise
             raise failure from e
         finally:
+            self.checkpointer.close()
             if writer is not None:
                 writer.close()
             if lock is not None:
@@ -330,6 +348,7 @@ class Trainer:
               state: RunState) -> None:
         cfg, tc = self.cfg, self.cfg.train
         save_every = cfg.checkpoint.save_interval
+        saved_step = None
         for step in range(self.start_step, tc.train_iters):
             state.step = step + 1
             t0 = time.perf_counter()
@@ -350,8 +369,13 @@ class Trainer:
             if record["skipped"]:
                 observer.log(f"step {step + 1}: non-finite loss or grad norm, update skipped")
             last = step + 1 == tc.train_iters
-            # Every rank asks every step, so a signal that reached one rank stops all after the same step.
-            stopping = stop.agreed(self._world_group(), self.rt.world_size) and not last
+            # Every rank asks every step, so a signal that reached one rank stops all after the same step;
+            # a failed background save rides on the same all-reduce and stops all after the same step too.
+            agreed = stop.agree(self._world_group(), self.rt.world_size, save_failed=self.checkpointer.failed())
+            if agreed.save_failed:
+                self.checkpointer.finish()  # raises that save's error, the same on every rank
+            self._saved(self.checkpointer.poll(), observer, writer, result, state)
+            stopping = agreed.stop and not last
             if tc.eval_interval and ((step + 1) % tc.eval_interval == 0 or last):
                 eval_loss = self.evaluate()
                 result.eval_losses.append((step + 1, eval_loss))
@@ -359,21 +383,33 @@ class Trainer:
                     writer.write({"step": step + 1, "eval_loss": eval_loss})
                 observer.evaluated(step + 1, eval_loss)
             # Save on schedule, at the end, and when asked to stop (SIGTERM from a scheduler).
-            saved_now = bool(save_every and ((step + 1) % save_every == 0 or last or stopping))
-            if saved_now:
-                path = self.save(step + 1)
-                result.saved = state.checkpoint = path
-                state.saved_by_this_run = True
-                observer.log(f"saved {path}")
+            if save_every and ((step + 1) % save_every == 0 or last or stopping):
+                for report in self.checkpointer.save(step + 1, self.probe_loss):
+                    self._saved(report, observer, writer, result, state)
+                saved_step = step + 1
             if stopping:
                 result.stopped_by, result.stop_signum = stop.signal, stop.signum
-                if saved_now and result.saved is not None:
-                    observer.log(f"{stop.signal}: stopped cleanly after step {step + 1}; resume with "
-                                 f"--set checkpoint.load={result.saved.parent}")  # fmt: skip
-                else:
-                    observer.log(f"warning: {stop.signal}: stopped after step {step + 1} with nothing saved "
-                                 "(checkpoint.save_interval is not set): these steps cannot be resumed")  # fmt: skip
                 break
+        # The run ends only once its last save has committed (SIGTERM included): `latest` then names it.
+        self._saved(self.checkpointer.finish(), observer, writer, result, state)
+        if result.stopped_by:
+            if saved_step == result.steps and result.saved is not None:
+                observer.log(f"{stop.signal}: stopped cleanly after step {result.steps}; resume with "
+                             f"--set checkpoint.load={result.saved.parent}")  # fmt: skip
+            else:
+                observer.log(f"warning: {stop.signal}: stopped after step {result.steps} with nothing saved "
+                             "(checkpoint.save_interval is not set): these steps cannot be resumed")  # fmt: skip
+
+    def _saved(self, report: SaveReport | None, observer: RunObserver, writer: MetricsWriter | None,
+               result: TrainResult, state: RunState) -> None:
+        """A committed save: the log line, its `metrics.jsonl` record, and the run's newest checkpoint."""
+        if report is None:
+            return
+        result.saved = state.checkpoint = report.path
+        state.saved_by_this_run = True
+        observer.log(report.line())
+        if writer is not None:
+            writer.write(report.record())
 
 
 def _write_config(path: Path, text: str) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import signal
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -62,19 +63,33 @@ class StopSignals:
         return int(signal.Signals[self.signal]) if self.signal else None
 
     def agreed(self, group: Any, world_size: int) -> bool:
-        """Whether any rank of the world has been asked to stop (collective when `world_size` > 1).
+        """Whether any rank of the world has been asked to stop (collective when `world_size` > 1)."""
+        return self.agree(group, world_size).stop
+
+    def agree(self, group: Any, world_size: int, save_failed: bool = False) -> StepAgreement:
+        """What every rank learns after a step (one collective when `world_size` > 1): whether any rank has
+        been asked to stop, and whether any rank's background save has failed (`save_failed`: this rank's).
 
         A rank that learns of the stop only through the others takes on the highest signal number any rank
-        received (SIGTERM over SIGINT), so every rank reports the same signal and exit code.
+        received (SIGTERM over SIGINT), so every rank reports the same signal and exit code. The save failure
+        rides on the same all-reduce, so every rank stops after the same step without a collective of its own.
         """
         if world_size == 1:
-            return self.signal is not None
-        code = torch.tensor([self.signum or 0], dtype=torch.int64)
+            return StepAgreement(self.signal is not None, save_failed)
+        flags = torch.tensor([self.signum or 0, int(save_failed)], dtype=torch.int64)
         if torch.distributed.get_backend(group) == "nccl":
-            code = code.cuda()
-        torch.distributed.all_reduce(code, op=torch.distributed.ReduceOp.MAX, group=group)
-        got = int(code.item())
+            flags = flags.cuda()
+        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=group)
+        got, failed = (int(x) for x in flags.tolist())
         if got and self.signal is None:
             self.signal = signal.Signals(got).name
             self._first_at = time.monotonic()
-        return got != 0
+        return StepAgreement(got != 0, failed != 0)
+
+
+@dataclass(frozen=True)
+class StepAgreement:
+    """What all ranks agreed on after a step: stop (a signal reached some rank); a background save failed."""
+
+    stop: bool
+    save_failed: bool

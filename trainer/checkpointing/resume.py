@@ -31,7 +31,7 @@ class Restored:
 
 
 def load_training_checkpoint(path: str | Path, cfg: Config, model: nn.Module, engine: Engine,
-                             pstate: Optional[ParallelState]) -> Restored:
+                             pstate: Optional[ParallelState], verify: bool = True) -> Restored:
     """Restore model, masters and (unless `checkpoint.no_load_optim`) moments; return where to resume.
 
     - default: masters and moments from the checkpoint; params rebuilt from the masters;
@@ -39,8 +39,10 @@ def load_training_checkpoint(path: str | Path, cfg: Config, model: nn.Module, en
     - `no_load_optim` alone: masters from the checkpoint's model weights (what Megatron does), fresh moments.
     A model-only checkpoint (no optimizer tensors at all: `import-hf` writes those) loads as with
     `no_load_optim`, since there is nothing else to load; asking for its masters is still an error.
+    `verify=False` skips hashing the files (the manifest and its seal are still checked): only for a caller
+    that verifies them itself and discards this load if they fail (`ckpt validate` does, alongside).
     """
-    ck = open_checkpoint(path, verify=True)
+    ck = open_checkpoint(path, verify=verify)
     check_architecture(ck.meta.get("config", {}), cfg)
     local_names = {n for n, _ in model.named_parameters()}
     logical = read_logical(ck, cfg, wanted=local_names)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
+
 from ckpt.logical import flatten_state, globalize, rank_files, training_meta
 from ckpt.save import save_checkpoint
 from moectl.core.config.schema import Config
@@ -12,15 +14,24 @@ from trainer.parallel.groups import ParallelState
 from trainer.engine.protocol import Engine
 
 
-def save_training_checkpoint(root: Path, step: int, cfg: Config, engine: Engine, pstate: Optional[ParallelState],
-                             probe_loss: float, carried: Optional[dict[str, Any]] = None) -> Path:
-    """Save the state after `step` steps under `root`, collectively (every rank calls this); returns the
-    committed step folder. `carried`: meta the loaded checkpoint passed on (`Restored.carried`)."""
+def checkpoint_parts(step: int, cfg: Config, engine: Engine, pstate: Optional[ParallelState], probe_loss: float,
+                     carried: Optional[dict[str, Any]] = None) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any]]:
+    """What this rank saves after `step` steps: its files (`{file name: {tensor name: tensor}}`, only the
+    logical tensors this rank writes) and the manifest meta. Collective: every rank calls it. The tensors
+    may alias live state (params, masters): write them before training goes on, or copy them first."""
     local = flatten_state(engine.logical_state())
     tensors = globalize(local, pstate.ep if pstate is not None else None, cfg.moe.num_experts)
     world = pstate.world_size if pstate is not None else 1
     rank = pstate.rank if pstate is not None else 0
     meta = training_meta(cfg, step, tensors, world, probe_loss, optimizer_step=engine.step_count, carried=carried)
+    return rank_files(tensors, rank, world), meta
+
+
+def save_training_checkpoint(root: Path, step: int, cfg: Config, engine: Engine, pstate: Optional[ParallelState],
+                             probe_loss: float, carried: Optional[dict[str, Any]] = None) -> Path:
+    """Save the state after `step` steps under `root`, collectively (every rank calls this); returns the
+    committed step folder. `carried`: meta the loaded checkpoint passed on (`Restored.carried`)."""
+    files, meta = checkpoint_parts(step, cfg, engine, pstate, probe_loss, carried)
+    world = pstate.world_size if pstate is not None else 1
     group = pstate.dp.pg if pstate is not None and world > 1 else None
-    return save_checkpoint(root, step, rank_files(tensors, rank, world), meta, group=group,
-                           keep_last=cfg.checkpoint.keep_last)
+    return save_checkpoint(root, step, files, meta, group=group, keep_last=cfg.checkpoint.keep_last)

@@ -245,6 +245,13 @@ class CheckpointConfig:
     load_main_params_from_ckpt: bool = doc(False, "Take fp32 masters from the checkpoint but no optimizer state.")
     no_load_optim: bool = doc(False, "Do not load optimizer state.")
     keep_last: Optional[int] = doc(None, "Keep this many newest checkpoints; null = all.")
+    async_save: bool = doc(
+        True,
+        "Save in the background: training stops only while this rank's shards are copied to host memory "
+        "(pinned on CUDA), then a thread writes, hashes and commits them. Where it cannot (several ranks "
+        "without gloo for the commit vote, or too little free host memory for the copy) the save is "
+        "synchronous and the run says why. false = always synchronous.",
+    )
 
 
 @dataclass(kw_only=True)
