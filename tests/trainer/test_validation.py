@@ -126,7 +126,7 @@ def test_a_master_restored_one_ulp_off_fails_the_master_check(ckpt_dir, monkeypa
     name = "decoder.layers.0.self_attention.linear_qkv.weight"
     real = loop.load_training_checkpoint
 
-    def one_ulp_off(path, cfg, model, engine, pstate):
+    def one_ulp_off(path, cfg, model, engine, pstate, **kw):
         load = engine.load_logical_state
 
         def nudged(params, step):
@@ -136,7 +136,7 @@ def test_a_master_restored_one_ulp_off_fails_the_master_check(ckpt_dir, monkeypa
             load(params, step)
 
         engine.load_logical_state = nudged
-        return real(path, cfg, model, engine, pstate)
+        return real(path, cfg, model, engine, pstate, **kw)
 
     monkeypatch.setattr(loop, "load_training_checkpoint", one_ulp_off)
     report = validate_checkpoint(ckpt_dir)
