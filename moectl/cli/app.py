@@ -6,6 +6,7 @@ from moectl.cli.base import app
 from moectl.cli import validate  # noqa: F401
 from moectl.cli import bench  # noqa: F401
 from moectl.cli import bench_train  # noqa: F401
+from moectl.cli import bench_ckpt  # noqa: F401
 from moectl.cli import train  # noqa: F401
 from moectl.cli import ckpt  # noqa: F401
 from moectl.cli import parity  # noqa: F401

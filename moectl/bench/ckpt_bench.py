@@ -1,0 +1,358 @@
+"""`moectl bench ckpt CONFIG`: a checkpoint's save, validate, convert and inspect against the disk's own speed.
+
+One model state, built by the real trainer from the config (model and optimizer after one training step,
+so the moments are not zeros), is saved and read back through the public APIs, and each figure stands
+beside a floor measured in the same run, on the same bytes and the same folder:
+
+    save, synchronous     `save_training_checkpoint` (gather, probe, write, hash, vote, commit)
+    save, background      `RunCheckpointer.save` + `finish`: the blocking time and the time to commit; twice,
+                          since the first save allocates (on CUDA: pins) the host buffers the second reuses
+    plain write (floor)   the same files' bytes, read into memory first (untimed), written by one plain
+                          sequential writer per rank (open, write, fsync, as `open(...).write` would)
+    raw read / copy       the same bytes read back sequentially in large chunks, and copied (read + write +
+                          fsync), by one process, from a cold page cache
+    inspect --verify      `inspect_checkpoint(verify=True)`, against the raw read
+    convert               `convert_checkpoint` to the other expert layout, against the raw copy
+    validate              `validate_checkpoint` (every rank, as under torchrun), against the raw read
+
+Before every read the files are dropped from the page cache (`posix_fadvise(DONTNEED)`, which the OS honours
+for pages already on disk), so each reader starts cold; the JSON records whether that was possible. With
+several ranks, the saves and validate run on every rank and report the slowest rank; the single-process
+tools (inspect, convert) and the raw reads run on rank 0 while the others wait.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from moectl.bench.train_shrink import quick_overrides
+from moectl.core.config.load import load_config
+from moectl.core.config.schema import Config
+from moectl.core.params import count_params
+
+Log = Callable[[str], None]
+_CHUNK = 64 << 20  # the raw reader's and copier's chunk: large sequential I/O, as a careful plain tool does
+
+
+@dataclass
+class CkptBenchConfig:
+    """What to measure: a config file with `--set` overrides, where to write, and the CPU quick shrink."""
+
+    config: Path
+    sets: list[str] = field(default_factory=list)
+    folder: Optional[Path] = None  # default: <the config's run_dir>/bench_ckpt
+    quick: bool = False
+    keep: bool = False  # leave the synchronous save on disk afterwards
+
+
+@dataclass
+class CkptBenchResult:
+    """Every measured time (seconds), its floor, and what they were measured on."""
+
+    meta: dict[str, Any]
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"meta": self.meta, "rows": self.rows, "notes": self.notes}
+
+
+def bench_config(bench: CkptBenchConfig, world_size: int = 1) -> Config:
+    """The config the bench builds: the file, the quick shrink, the user's `--set`, then its own settings (a run
+    of one step that saves nothing by itself; the run_dir is the bench's folder)."""
+    base = load_config(bench.config, bench.sets)
+    shrink = quick_overrides(base, world_size) if bench.quick else []
+    folder = bench.folder or Path(base.run_dir) / "bench_ckpt"
+    fixed = ["train.eval_interval=null", "checkpoint.save_interval=null", "checkpoint.load=null",
+             "checkpoint.keep_last=null", f"run_dir={folder / 'run'}"]  # fmt: skip
+    return load_config(bench.config, [*shrink, *bench.sets, *fixed])
+
+
+# --- ranks --------------------------------------------------------------------------------------------
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _device() -> torch.device:
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _barrier() -> None:
+    if _world()[1] > 1:
+        dist.barrier()
+
+
+def _slowest(seconds: float) -> float:
+    """The largest of every rank's `seconds` (a collective)."""
+    if _world()[1] == 1:
+        return seconds
+    t = torch.tensor([seconds], dtype=torch.float64, device=_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _on_rank0(fn: Callable[[], Any]) -> Any:
+    """`fn()` on rank 0 while the others wait; its result on rank 0, None elsewhere."""
+    out = fn() if _world()[0] == 0 else None
+    _barrier()
+    return out
+
+
+def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0, out
+
+
+# --- raw I/O, the floors ------------------------------------------------------------------------------
+def drop_from_cache(paths: list[Path]) -> bool:
+    """Ask the OS to drop the files' clean pages from the page cache; False where it cannot be asked."""
+    advise = getattr(os, "posix_fadvise", None)
+    if advise is None:
+        return False
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)  # only clean pages can be dropped
+            advise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return True
+
+
+def raw_read(paths: list[Path]) -> int:
+    """Read every file sequentially in large chunks into one reused buffer; returns the bytes read."""
+    buf = bytearray(_CHUNK)
+    total = 0
+    for p in paths:
+        with open(p, "rb", buffering=0) as f:
+            while n := f.readinto(buf):
+                total += n
+    return total
+
+
+def raw_copy(paths: list[Path], dst: Path) -> int:
+    """Copy every file into `dst` as a plain tool would (read a chunk, write it; fsync each file and the folder)."""
+    dst.mkdir(parents=True, exist_ok=True)
+    buf = bytearray(_CHUNK)
+    view = memoryview(buf)
+    total = 0
+    for p in paths:
+        with open(p, "rb", buffering=0) as src, open(dst / p.name, "wb", buffering=0) as out:
+            while n := src.readinto(buf):
+                out.write(view[:n])
+                total += n
+            os.fsync(out.fileno())
+    _fsync_dir(dst)
+    return total
+
+
+def plain_write(blobs: dict[str, bytes], dst: Path) -> None:
+    """Write each file's bytes with one sequential `write` and an fsync, then fsync the folder: the floor."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for name, data in blobs.items():
+        with open(dst / name, "wb", buffering=0) as f:
+            f.write(data)
+            os.fsync(f.fileno())
+    _fsync_dir(dst)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# --- the measurements ---------------------------------------------------------------------------------
+def _row(measure: str, seconds: float, nbytes: int, floor: Optional[str] = None, floor_s: Optional[float] = None,
+         **extra: Any) -> dict[str, Any]:
+    return {"measure": measure, "seconds": seconds, "bytes": nbytes,
+            "gb_per_s": nbytes / seconds / 1e9 if seconds > 0 else None, "floor": floor, "floor_seconds": floor_s,
+            "vs_floor": seconds / floor_s if floor_s else None, **extra}  # fmt: skip
+
+
+def run(bench: CkptBenchConfig, cfg: Config, meta: dict[str, Any], log: Log = lambda s: None) -> CkptBenchResult:
+    """Measure everything (collective under torchrun); rank 0's result holds the table."""
+    from ckpt import open_checkpoint
+    from ckpt.convert import convert_checkpoint
+    from ckpt.inspect import inspect_checkpoint
+    from trainer.checkpointing.save import save_training_checkpoint
+    from trainer.checkpointing.saver import RunCheckpointer
+    from trainer.loop import Trainer
+    from trainer.observer import SilentObserver
+    from trainer.validation import validate_checkpoint
+
+    rank, world = _world()
+    folder = Path(cfg.run_dir).parent
+    result = CkptBenchResult(meta)
+    if rank == 0:
+        if folder.exists():
+            shutil.rmtree(folder)
+        folder.mkdir(parents=True)
+    _barrier()
+
+    log("building the model and taking one training step")
+    trainer = Trainer(cfg, SilentObserver())
+    rank, world = _world()  # the trainer joined the job's process group
+    trainer.train_step(0)
+    params = count_params(cfg.model, cfg.moe)
+    meta["model"] = {"params": params.total, "layers": cfg.model.num_layers, "hidden": cfg.model.hidden_size,
+                     "experts": cfg.moe.num_experts, "expert_layout": "single-grouped" if cfg.moe.single_grouped_weight
+                     else "per-expert"}  # fmt: skip
+    meta["world_size"] = world
+    step = 1
+    sync_root = folder / "sync"
+
+    log("synchronous save")
+    _barrier()
+    sync_s, sync_path = _timed(lambda: save_training_checkpoint(sync_root, step, cfg, trainer.engine, trainer.rt.pstate,
+                                                                trainer.probe_loss()))  # fmt: skip
+    sync_s = _slowest(sync_s)
+    with open_checkpoint(sync_path, verify=False) as ck:
+        files = {f: rec for f, rec in ck.manifest["files"].items()}
+    total_bytes = sum(rec["size"] for rec in files.values())
+    mine = [sync_path / f for f, rec in files.items() if rec["rank"] == trainer.rt.rank]
+    every = [sync_path / f for f in files]
+    meta["checkpoint_bytes"] = total_bytes
+    meta["files"] = len(files)
+
+    saver = RunCheckpointer(cfg, trainer.engine, trainer.rt.pstate, folder / "bg")
+    background: list[tuple[str, float, float]] = []
+    for label in ("first", "reused"):
+        log(f"background save ({label} host buffers)")
+        _barrier()
+        t0 = time.perf_counter()
+        saver.save(step, trainer.probe_loss)
+        report = saver.finish()
+        total_s = _slowest(time.perf_counter() - t0)
+        assert report is not None
+        if report.mode != "background":
+            result.notes.append(f"the background save ran synchronously: {report.why or saver.why_not}")
+        background.append((label, _slowest(report.blocking_s), total_s))
+        _on_rank0(lambda: shutil.rmtree(folder / "bg"))
+    saver.close()
+
+    log("plain sequential writer (the floor)")
+    blobs = {p.name: p.read_bytes() for p in mine}  # untimed: the bytes are in memory, as the save's were
+    _barrier()
+    plain_s, _ = _timed(lambda: plain_write(blobs, folder / "plain"))
+    plain_s = _slowest(plain_s)
+    del blobs
+    _on_rank0(lambda: shutil.rmtree(folder / "plain"))
+    result.rows.append(_row("plain sequential write (floor)", plain_s, total_bytes))
+    result.rows.append(_row("save, synchronous", sync_s, total_bytes, "plain write", plain_s))
+    for label, blocking_s, total_s in background:
+        result.rows.append(_row(f"save, background ({label} buffers): blocking", blocking_s, total_bytes))
+        result.rows.append(_row(f"save, background ({label} buffers): total", total_s, total_bytes, "plain write",
+                                plain_s))  # fmt: skip
+
+    # Free the training state before the tools build their own (validate builds a whole trainer).
+    del trainer, saver
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+    cold = {"dropped": True}
+
+    def cold_start() -> None:
+        cold["dropped"] = drop_from_cache(every) and cold["dropped"]
+
+    def tools() -> dict[str, float]:
+        out = {}
+        log("raw read and copy of the same bytes (rank 0)")
+        cold_start()
+        out["read"], _ = _timed(lambda: raw_read(every))
+        cold_start()
+        out["copy"], _ = _timed(lambda: raw_copy(every, folder / "copy"))
+        shutil.rmtree(folder / "copy")
+        log("ckpt inspect --verify (rank 0)")
+        cold_start()
+        out["inspect"], summary = _timed(lambda: inspect_checkpoint(sync_path, verify=True))
+        if summary.problems:
+            raise AssertionError(f"the benchmark's checkpoint does not verify: {summary.problems[:3]}")
+        log("ckpt convert (rank 0)")
+        cold_start()
+        out["convert"], _ = _timed(lambda: convert_checkpoint(sync_path, folder / "converted", other_layout(cfg)))
+        shutil.rmtree(folder / "converted")
+        cold_start()
+        return out
+
+    t = _on_rank0(tools)
+    log("ckpt validate (every rank)")
+    _barrier()
+    validate_s, report = _timed(lambda: validate_checkpoint(sync_path))
+    validate_s = _slowest(validate_s)
+    if not report.ok:
+        raise AssertionError(f"the benchmark's checkpoint does not validate: {report.failures()[:3]}")
+    if rank == 0:
+        result.rows += [
+            _row("raw read (floor)", t["read"], total_bytes),
+            _row("raw copy: read + write (floor)", t["copy"], total_bytes),
+            _row("ckpt inspect --verify", t["inspect"], total_bytes, "raw read", t["read"]),
+            _row("ckpt convert", t["convert"], total_bytes, "raw copy", t["copy"], to=other_layout(cfg)),
+            _row("ckpt validate", validate_s, total_bytes, "raw read", t["read"]),
+        ]
+        meta["page_cache_dropped"] = cold["dropped"]
+        if not cold["dropped"]:
+            result.notes.append("the page cache could not be dropped: reads may have been served from memory")
+    if not bench.keep:
+        _on_rank0(lambda: shutil.rmtree(folder))
+    return result
+
+
+def other_layout(cfg: Config) -> str:
+    """The expert layout `ckpt convert` turns this config's checkpoints into."""
+    from ckpt.layout import PER_EXPERT, SINGLE_GROUPED
+
+    return PER_EXPERT if cfg.moe.single_grouped_weight else SINGLE_GROUPED
+
+
+def host_meta(folder: Path) -> dict[str, Any]:
+    """The machine the numbers come from: CPUs, memory, load, and the filesystem the folder is on."""
+    out: dict[str, Any] = {"cpus": os.cpu_count()}
+    try:
+        out["cpus_usable"] = len(os.sched_getaffinity(0))
+        out["load_average"] = [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        pass
+    probe = folder
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        with open("/proc/mounts", encoding="utf-8") as f:
+            mounts = [line.split()[:3] for line in f]
+        best = max((m for m in mounts if str(probe.resolve()).startswith(m[1])), key=lambda m: len(m[1]))
+        out["filesystem"] = {"device": best[0], "mount": best[1], "type": best[2]}
+    except (OSError, ValueError):
+        pass
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            out["memory_gib"] = round(int(f.readline().split()[1]) / 2**20, 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return out
+
+
+def write_json(result: CkptBenchResult, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result.to_json(), indent=2) + "\n")

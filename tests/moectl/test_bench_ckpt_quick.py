@@ -1,0 +1,71 @@
+"""`moectl bench ckpt --quick`: every measure and its floor through the CLI on a CPU, and on two gloo ranks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from dist_helpers import run_distributed
+from moectl.cli.app import app
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "configs" / "tiny.yaml"
+MEASURES = [
+    ("plain sequential write (floor)", None),
+    ("save, synchronous", "plain write"),
+    ("save, background (first buffers): blocking", None),
+    ("save, background (first buffers): total", "plain write"),
+    ("save, background (reused buffers): blocking", None),
+    ("save, background (reused buffers): total", "plain write"),
+    ("raw read (floor)", None),
+    ("raw copy: read + write (floor)", None),
+    ("ckpt inspect --verify", "raw read"),
+    ("ckpt convert", "raw copy"),
+    ("ckpt validate", "raw read"),
+]
+
+
+def _check(data: dict[str, Any], world: int) -> None:
+    rows = data["rows"]
+    assert [(r["measure"], r["floor"]) for r in rows] == MEASURES
+    by = {r["measure"]: r for r in rows}
+    for r in rows:
+        assert r["seconds"] > 0 and r["bytes"] == data["meta"]["checkpoint_bytes"] > 0, r
+        if r["floor"]:
+            floor = {"plain write": "plain sequential write (floor)", "raw read": "raw read (floor)",
+                     "raw copy": "raw copy: read + write (floor)"}[r["floor"]]  # fmt: skip
+            assert r["floor_seconds"] == by[floor]["seconds"] and r["vs_floor"] == r["seconds"] / r["floor_seconds"]
+    for label in ("first", "reused"):  # training waits for the copy, not for the write
+        assert by[f"save, background ({label} buffers): blocking"]["seconds"] < by[f"save, background ({label} buffers): total"]["seconds"]
+    assert data["meta"]["world_size"] == world and data["meta"]["files"] >= 2 * world - 1
+    assert by["ckpt convert"]["to"] == "per-expert"  # tiny.yaml's experts are one grouped tensor
+
+
+def test_quick_run_through_the_cli(tmp_path: Path) -> None:
+    out = tmp_path / "ckpt.json"
+    res = CliRunner().invoke(app, ["bench", "ckpt", str(TINY), "--quick", "--set", "data.source=synthetic",
+                                   "--dir", str(tmp_path / "b"), "--json", str(out)])  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert "checkpoint I/O" in res.output and "ckpt validate" in res.output
+    data = json.loads(out.read_text())
+    _check(data, 1)
+    assert data["meta"]["host"]["cpus"] >= 1 and "filesystem" in data["meta"]["host"]
+    assert not (tmp_path / "b").exists()  # removed unless --keep
+
+
+def _two_ranks(rank: int, world_size: int, folder: str) -> Any:
+    from moectl.bench import ckpt_bench as cb
+
+    bench = cb.CkptBenchConfig(config=TINY, sets=["data.source=synthetic"], folder=Path(folder), quick=True)
+    cfg = cb.bench_config(bench, world_size)
+    return cb.run(bench, cfg, {"config": str(TINY)}).to_json()
+
+
+@pytest.mark.slow
+def test_quick_run_on_two_ranks(tmp_path: Path) -> None:
+    r0, _ = run_distributed(_two_ranks, world_size=2, timeout=60, folder=str(tmp_path / "b"))
+    _check(r0, 2)
