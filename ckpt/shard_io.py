@@ -34,8 +34,9 @@ _FILE = "file"  # the file hash's key among the jobs; tensors are keyed by a 1-t
 
 
 def io_threads() -> int:
-    """Threads for a checkpoint's I/O and hashing: `MOECTL_CKPT_THREADS`, else the CPUs this process may
-    use (at most 16: past that the disk, not the hashing, is the limit)."""
+    """Threads for a checkpoint's I/O and hashing: `MOECTL_CKPT_THREADS`, else this process's share of the
+    CPUs it may use (divided among the ranks on the node, `LOCAL_WORLD_SIZE`, which save at the same time),
+    at least 2 and at most 16: past that the disk, not the hashing, is the limit."""
     env = os.environ.get(ENV_THREADS, "").strip()
     if env:
         if not env.isdigit() or int(env) < 1:
@@ -45,7 +46,9 @@ def io_threads() -> int:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         cpus = os.cpu_count() or 1
-    return max(1, min(16, cpus))
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    # At least 2: one thread's disk waits (writes, fsync, reads) then overlap another's hashing.
+    return max(2, min(16, cpus // max(1, ranks_here)))
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
