@@ -13,7 +13,7 @@ How:
          what a killed process leaves. Use it in single-process tests only: in a multi-rank run the
          other ranks would wait for the dead one until the process group times out, as with a real kill.
   stall  the thread stops there for good (sleeps), so a test can kill the process in the middle of a save
-  slow   the thread sleeps `SLOW_S` seconds there, then goes on (a slow disk: what waits for the save?)
+  slow   the thread sleeps `SLOW_S` (1) seconds there, then goes on (a slow disk: what waits for the save?)
 `@<step>`: only the save of that step (default: every save).
 The variable is read at every check, so a test can set it in a child process.
 """
@@ -27,7 +27,7 @@ import time
 ENV = "MOECTL_CKPT_FAIL"
 PHASES = ("write", "finalize", "before_manifest")
 HOWS = ("raise", "enospc", "eacces", "crash", "stall", "slow")
-SLOW_S = 2.0
+SLOW_S = 1.0
 
 
 class InjectedFault(RuntimeError):

@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 
 from ckpt import list_committed, save_checkpoint, verify_checkpoint
 from ckpt.async_save import AsyncCheckpointer
+from ckpt.faults import SLOW_S
 from dist_helpers import run_distributed
 from moectl.cli.app import app
 from moectl.core.config.load import load_config
@@ -54,7 +55,7 @@ def test_a_background_save_writes_what_was_staged_while_the_source_changes(tmp_p
         saver.start(tmp_path / "a", 2, files, make_meta(), keep_last=None, blocking_since=time.perf_counter())
     outcome = saver.wait()
     assert outcome is not None and outcome.ok and outcome.path == tmp_path / "a" / "step_00000001"
-    assert outcome.background_s >= 2.0 > outcome.blocking_s and not saver.in_flight
+    assert outcome.background_s >= SLOW_S > outcome.blocking_s and not saver.in_flight
     monkeypatch.delenv("MOECTL_CKPT_FAIL")
     save_checkpoint(tmp_path / "s", 1, _files_of(1), make_meta())
     assert _files(tmp_path / "a" / "step_00000001") == _files(tmp_path / "s" / "step_00000001")  # byte for byte
