@@ -4,9 +4,11 @@
     checkpoints/latest          (the newest committed step's folder name, replaced atomically)
 
 Modules, one concept each: `names` (what a name means), `durable` (fsync/atomic replace), `shards`
-(one safetensors file), `st_header` (our own header checks), `manifest` (the JSON schema),
+(one safetensors file), `st_layout` (where its bytes go, as safetensors writes them), `shard_io` (parallel
+writes and hashes, overlapped reads), `st_header` (our own header checks), `manifest` (the JSON schema),
 `collective` (pickle-free gather/broadcast), `faults` (test fault injection), `save` (the multi-rank
-commit protocol), `discovery` (which step to load), `retention`, `integrity` (verify), `reader` (load).
+commit protocol), `staging` (host copies for a background save), `async_save` (the writer thread),
+`discovery` (which step to load), `retention`, `integrity` (verify), `reader` (load).
 """
 
 from ckpt.discovery import find_latest, list_committed, list_uncommitted, resolve_load_path

@@ -140,7 +140,7 @@ def drop_from_cache(paths: list[Path]) -> bool:
 
 def raw_read(paths: list[Path]) -> int:
     """Read every file sequentially in large chunks into one reused buffer; returns the bytes read."""
-    buf = bytearray(_CHUNK)
+    buf = _buffer(paths)
     total = 0
     for p in paths:
         with open(p, "rb", buffering=0) as f:
@@ -152,7 +152,7 @@ def raw_read(paths: list[Path]) -> int:
 def raw_copy(paths: list[Path], dst: Path) -> int:
     """Copy every file into `dst` as a plain tool would (read a chunk, write it; fsync each file and the folder)."""
     dst.mkdir(parents=True, exist_ok=True)
-    buf = bytearray(_CHUNK)
+    buf = _buffer(paths)
     view = memoryview(buf)
     total = 0
     for p in paths:
@@ -163,6 +163,11 @@ def raw_copy(paths: list[Path], dst: Path) -> int:
             os.fsync(out.fileno())
     _fsync_dir(dst)
     return total
+
+
+def _buffer(paths: list[Path]) -> bytearray:
+    """One chunk's buffer, no larger than the largest file (allocating 64 MiB would dwarf a small file's read)."""
+    return bytearray(max(1, min(_CHUNK, max((p.stat().st_size for p in paths), default=1))))
 
 
 def plain_write(blobs: dict[str, bytes], dst: Path) -> None:
@@ -202,18 +207,18 @@ def run(bench: CkptBenchConfig, cfg: Config, meta: dict[str, Any], log: Log = la
     from trainer.observer import SilentObserver
     from trainer.validation import validate_checkpoint
 
-    rank, world = _world()
     folder = Path(cfg.run_dir).parent
     result = CkptBenchResult(meta)
-    if rank == 0:
+    # Under torchrun the process group does not exist yet (the trainer joins it): the rank is torchrun's.
+    if (_world()[0] if dist.is_initialized() else int(os.environ.get("RANK", "0"))) == 0:
         if folder.exists():
             shutil.rmtree(folder)
         folder.mkdir(parents=True)
-    _barrier()
 
     log("building the model and taking one training step")
     trainer = Trainer(cfg, SilentObserver())
     rank, world = _world()  # the trainer joined the job's process group
+    _barrier()  # rank 0 has made the folder
     trainer.train_step(0)
     params = count_params(cfg.model, cfg.moe)
     meta["model"] = {"params": params.total, "layers": cfg.model.num_layers, "hidden": cfg.model.hidden_size,
