@@ -52,6 +52,7 @@ def test_written_files_and_hashes_match_for_any_chunking(tmp_path: Path, monkeyp
                                                           threads: int) -> None:  # fmt: skip
     # Chunks of 64 bytes: tensors split across many pwritev calls and calls spanning several tensors.
     monkeypatch.setattr(shard_io, "CHUNK", 64)
+    monkeypatch.setattr(shard_io, "READ_CHUNK", 64)
     tensors = prepare(mixed_tensors(3), "model-00000.safetensors")
     rec, trecs = write_shard(tmp_path / "model-00000.safetensors", tensors, threads=threads)
     data = (tmp_path / "model-00000.safetensors").read_bytes()
