@@ -57,7 +57,8 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> list[Problem]:
     by_file: dict[str, dict[str, Any]] = {f: {} for f in listed}
     for tname, rec in m["tensors"].items():
         by_file[rec["file"]][tname] = rec
-    for fname, probs in zip(listed, _in_parallel(_check_one, [(step_dir, f, r, by_file[f]) for f, r in listed.items()])):
+    jobs = [(step_dir, f, rec, by_file[f]) for f, rec in listed.items()]
+    for probs in _in_parallel(_check_one, jobs):
         found += probs
     # Last, so that a problem naming a file or tensor comes first when an edit touched both.
     edited = seal_problem(m)

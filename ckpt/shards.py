@@ -52,7 +52,8 @@ def prepare(tensors: Any, fname: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def write_shard(path: Path, tensors: dict[str, torch.Tensor], threads: int | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+def write_shard(path: Path, tensors: dict[str, torch.Tensor],
+                threads: int | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """Write `tensors` (from `prepare`) to the new file `path` and fsync it.
 
     Returns the file record `{sha256, size}` and `{tensor: {file, dtype, shape, sha256}}`, the per-tensor

@@ -107,7 +107,9 @@ def validate_checkpoint(path: str | Path, config_for: Optional[ConfigFor] = None
     if problems:
         return report
     detail = "sha256, sizes, headers, tensor set and the manifest digest (run state)"
-    report.add(Check("integrity", "-", True, f"sha256, sizes, headers and tensor set; warning: {note}" if note else detail))
+    if note:
+        detail = f"sha256, sizes, headers and tensor set; warning: {note}"
+    report.add(Check("integrity", "-", True, detail))
     report.path = ck_path or report.path
     for c in later.checks:
         report.add(c)

@@ -42,8 +42,9 @@ def _files_of(step: int) -> dict[str, dict[str, torch.Tensor]]:
             "optim-00000.safetensors": {"w.exp_avg": torch.full((64, 8), float(step))}}  # fmt: skip
 
 
-def test_a_background_save_writes_what_was_staged_while_the_source_changes(tmp_path: Path,
-                                                                           monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_a_background_save_writes_what_was_staged_while_the_source_changes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     files = _files_of(1)
     saver = AsyncCheckpointer()
     monkeypatch.setenv("MOECTL_CKPT_FAIL", "0:write:slow")  # the writer is still writing when training goes on
@@ -67,8 +68,9 @@ def test_a_background_save_writes_what_was_staged_while_the_source_changes(tmp_p
     assert list_committed(tmp_path / "a") == [tmp_path / "a" / "step_00000002"]  # keep_last applied by the commit
 
 
-def test_a_failed_background_save_is_kept_until_collected_and_commits_nothing(tmp_path: Path,
-                                                                               monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_a_failed_background_save_is_kept_until_collected_and_commits_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     save_checkpoint(tmp_path, 1, _files_of(1), make_meta())
     saver = AsyncCheckpointer()
     monkeypatch.setenv("MOECTL_CKPT_FAIL", "0:write:enospc")
@@ -102,8 +104,9 @@ def test_a_runs_background_save_equals_its_synchronous_save_byte_for_byte(tmp_pa
 
 
 @pytest.mark.parametrize("how, words", [("enospc", "No space left on device"), ("eacces", "Permission denied")])
-def test_a_failing_writer_stops_the_run_with_one_line_and_commits_nothing(tmp_path: Path, how: str, words: str,
-                                                                          monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_a_failing_writer_stops_the_run_with_one_line_and_commits_nothing(
+    tmp_path: Path, how: str, words: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("MOECTL_CKPT_FAIL", f"0:write:{how}@4")
     t = _trainer(tmp_path, "train.train_iters=12", "checkpoint.save_interval=2")
     with pytest.raises(CheckpointError) as err:

@@ -59,7 +59,8 @@ def test_sigkill_during_a_background_write_leaves_the_previous_checkpoint_latest
     root = run / "checkpoints"
     # The save of step 4 writes its first file, then its writer stalls; training goes on meanwhile.
     p = subprocess.Popen(_train(run, "train.train_iters=8", "checkpoint.save_interval=2"),
-                         env=_env(MOECTL_CKPT_FAIL="0:write:stall@4"), stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+                         env=_env(MOECTL_CKPT_FAIL="0:write:stall@4"), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE)  # fmt: skip
     try:
         def mid_write() -> bool:
             partial = [d for d in list_uncommitted(root) if d.name.startswith("step_00000004.tmp-")]

@@ -40,7 +40,8 @@ def _check(data: dict[str, Any], world: int) -> None:
                      "raw copy": "raw copy: read + write (floor)"}[r["floor"]]  # fmt: skip
             assert r["floor_seconds"] == by[floor]["seconds"] and r["vs_floor"] == r["seconds"] / r["floor_seconds"]
     for label in ("first", "reused"):  # training waits for the copy, not for the write
-        assert by[f"save, background ({label} buffers): blocking"]["seconds"] < by[f"save, background ({label} buffers): total"]["seconds"]
+        blocking, total = (by[f"save, background ({label} buffers): {part}"]["seconds"] for part in ("blocking", "total"))
+        assert blocking < total
     assert data["meta"]["world_size"] == world and data["meta"]["files"] >= 2 * world - 1
     assert by["ckpt convert"]["to"] == "per-expert"  # tiny.yaml's experts are one grouped tensor
 

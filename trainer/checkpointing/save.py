@@ -5,17 +5,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
-import torch
-
 from ckpt.logical import flatten_state, globalize, rank_files, training_meta
 from ckpt.save import save_checkpoint
+from ckpt.staging import Files
 from moectl.core.config.schema import Config
 from trainer.parallel.groups import ParallelState
 from trainer.engine.protocol import Engine
 
 
 def checkpoint_parts(step: int, cfg: Config, engine: Engine, pstate: Optional[ParallelState], probe_loss: float,
-                     carried: Optional[dict[str, Any]] = None) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any]]:
+                     carried: Optional[dict[str, Any]] = None) -> tuple[Files, dict[str, Any]]:
     """What this rank saves after `step` steps: its files (`{file name: {tensor name: tensor}}`, only the
     logical tensors this rank writes) and the manifest meta. Collective: every rank calls it. The tensors
     may alias live state (params, masters): write them before training goes on, or copy them first."""
