@@ -1,7 +1,8 @@
 """The training loop: micro-batches to the global batch, step, evaluate, record, stop cleanly.
 
 One step: zero grads -> for each micro-batch: forward, loss / n_micro, backward (the last one lets
-the engine launch grad reduction) -> engine.step(lr) -> metrics. A non-finite loss or grad norm stops
+the engine launch grad reduction) -> engine.step(lr) -> metrics. With `train.cuda_graph` every step after
+the first replays each micro-batch from one captured graph (trainer/graphs/capture.py says what stays out). A non-finite loss or grad norm stops
 the run with a clear message (`train.on_nonfinite: stop`) or skips the update (`skip`).
 SIGINT/SIGTERM end the run after the step in flight, agreed over all ranks (trainer/stop.py), with a
 checkpoint when `checkpoint.save_interval` is set and a warning when it is not. A collective that loses
@@ -23,13 +24,14 @@ from ckpt import list_committed, resolve_load_path
 from moectl.core.config import dump_config
 from moectl.core.config.schema import Config
 from moectl.core.params import count_params
-from moectl.core.errors import MoectlError
+from moectl.core.errors import ConfigError, MoectlError
 from trainer.build import build_data_for, build_engine, build_model
 from trainer.checkpointing import load_training_checkpoint, save_training_checkpoint
 from trainer.checkpointing.saver import RunCheckpointer, SaveReport
 from trainer.compile import compile_backend, compile_regions, wants_compile
 from trainer.data import Sampler
 from trainer.flops import flops_per_token, peak_tflops
+from trainer.graphs import MicroBatchGraph
 from trainer.metrics import MetricsWriter, expert_balance
 from trainer.observer import PrintObserver, RunObserver, SilentObserver
 from trainer.optim.lr_schedule import lr_at
@@ -87,6 +89,14 @@ class Trainer:
             compile_regions(self.model, deterministic=tc.deterministic) if wants_compile(tc.compile, self.rt.device)
             else []
         )  # fmt: skip
+        # train.cuda_graph: each micro-batch's forward + backward replayed from one CUDA graph (trainer/graphs)
+        if tc.cuda_graph and self.rt.device.type != "cuda":  # MOE035, for runs started without the CLI
+            raise ConfigError("train.cuda_graph", True, f"CUDA graphs need a CUDA device, not {self.rt.device}",
+                              fix="set train.cuda_graph=false, or run on a GPU")  # fmt: skip
+        self.graph = (
+            MicroBatchGraph(self.model, self.model.loss, self.n_micro)
+            if tc.cuda_graph and self.rt.device.type == "cuda" else None
+        )  # fmt: skip
         self.train_data, eval_sampler = build_data_for(cfg, self.rt)
         # The same held-out batches at every evaluation, so eval losses are comparable across steps.
         self.eval_batches = eval_sampler.eval_batches(cfg.train.eval_iters) if cfg.train.eval_interval else []
@@ -127,12 +137,23 @@ class Trainer:
         engine.zero_grad()
         lm_sum = torch.zeros((), device=self.rt.device, dtype=torch.float64)
         aux_sum = torch.zeros((), device=self.rt.device, dtype=torch.float64)
+        # The first step of a process runs eagerly (compiles, autotuning, lazily built state); graphs after it.
+        graph = self.graph if self.graph is not None and step > self.start_step else None
+        if graph is not None:
+            engine.sync_params_for_eval()  # the gather completes outside the graph (no pre-hook runs at replay)
+            graph.refresh_weights()
         for micro, (tokens, targets) in enumerate(self._step_batches(step)):
-            with engine.micro_batch(is_last=micro == self.n_micro - 1):
-                parts = model.loss(tokens, targets)
-                (parts.total / self.n_micro).backward()
+            if graph is not None:
+                with engine.micro_batch(is_last=False):  # no collective inside the graph: launched below
+                    parts = graph.run(tokens, targets)
+            else:
+                with engine.micro_batch(is_last=micro == self.n_micro - 1):
+                    parts = model.loss(tokens, targets)
+                    (parts.total / self.n_micro).backward()
             lm_sum += parts.lm_loss.detach().double()
             aux_sum += parts.aux_loss.detach().double()
+        if graph is not None:
+            engine.start_grad_sync()
         lm = self._mean_over_dp(lm_sum / self.n_micro)  # the same on every rank: they agree on stopping
         if not math.isfinite(lm) and self.cfg.train.on_nonfinite == "stop":
             raise NonFiniteError(
@@ -241,8 +262,11 @@ class Trainer:
             )
         # Say which GEMMs run native and which are emulated: a run never pretends.
         lines.append("  " + describe(self.model.recipe, self.rt.device))  # begins "precision: ..."
-        if cfg.train.cuda_graph:  # validated (MOE034, MOE035) but not captured: the run says so (MOE050)
-            lines.append("  cuda_graph: not captured in this build (MOE050): every micro-batch runs eagerly")
+        if self.graph is not None:
+            lines.append(
+                "  cuda_graph: step 1 eager, then each micro-batch's forward + backward replayed from one CUDA graph "
+                "(optimizer, param gather and grad reduction eager)"
+            )
         mp = cfg.mixed_precision
         if mp.fp8_param_gather or mp.fp4_param_gather:
             staged = "bf16 staged on the grad buffer" if mp.reuse_grad_buf_for_mxfp8_param_ag or mp.fp4 else "bytes"

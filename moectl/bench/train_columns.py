@@ -8,6 +8,9 @@
                        our model in torch.compile gets from a plain engine - the peer issue 14 measured
     torchtitan-recipe  the same with experts on `moe.backend=grouped` (torch._grouped_mm + eager
                        activation): torchtitan's MoE recipe
+    cuda-graph         ours with `train.cuda_graph=true` (each micro-batch replayed from one CUDA graph);
+                       asked for by name only, since it needs drop-and-pad experts (MOE034): compare it with
+                       `ours` on the same `--set moe.capacity_factor=... moe.pad_expert_input_to_capacity=true`
 
 A column is nothing but `--set` overrides applied after the user's, so every column runs the real trainer
 and the bench needs no engine API of its own.
@@ -25,6 +28,7 @@ class Column:
     name: str
     overrides: tuple[str, ...]
     description: str
+    default: bool = True  # in the table when no --column is given
 
 
 COLUMNS: dict[str, Column] = {
@@ -41,14 +45,15 @@ COLUMNS: dict[str, Column] = {
             ("train.compile=regional", "parallel.gradient_accumulation_fusion=false", "moe.backend=grouped"),
             "regional torch.compile, grouped experts, autograd weight grads",
         ),
+        Column("cuda-graph", ("train.cuda_graph=true",), "ours, micro-batches replayed from a CUDA graph", False),
     )
 }
 
 
 def pick(names: list[str] | None) -> list[Column]:
-    """The named columns in table order (all of them for None); unknown names raise ValueError."""
+    """The named columns in table order (the default ones for None); unknown names raise ValueError."""
     if not names:
-        return list(COLUMNS.values())
+        return [c for c in COLUMNS.values() if c.default]
     unknown = [n for n in names if n not in COLUMNS]
     if unknown:
         raise ValueError(f"unknown column(s) {unknown}; choose from {list(COLUMNS)}")

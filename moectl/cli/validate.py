@@ -24,7 +24,7 @@ from moectl.core.config import Config
 from moectl.core.config.load import load_config
 from moectl.core.errors import UsageError
 from moectl.core.gpu_memory import parse_gpu_memory
-from moectl.core.rules import RULES, Context, Device, Environment, Violation, check, default_world_size, fmt, has_errors
+from moectl.core.rules import RETIRED, RULES, Context, Device, Environment, Violation, check, default_world_size, fmt, has_errors
 from moectl.core.summary import summarize, summary_lines
 
 ConfigOptArg = Annotated[
@@ -98,6 +98,8 @@ def _explain(rule_id: str, as_json: bool, console: Console) -> None:
         console.print(table)
         return
     rid = rule_id.strip().upper()
+    if rid in RETIRED:
+        raise UsageError(f"--explain {rid}: retired rule: {RETIRED[rid]}", "--explain all lists the rules in use")
     if rid not in RULES:
         close = difflib.get_close_matches(rid, list(RULES), n=1, cutoff=0.6)
         hint = (

@@ -12,13 +12,14 @@ family. Families and their ids: precision MOE001-009, optimizer and LR schedule 
 MOE016-017, MoE MOE018-027, parallel layout MOE028-033, CUDA graphs MOE034-035, checkpoint
 MOE036-037, hardware and environment MOE038-040, model, data and training basics MOE041-047, and
 later additions: MOE048 (precision: which recipes and optimizers low-precision param gather supports),
-MOE049 (precision: fp8_fast_accum_backward needs an fp8 recipe with native GEMMs), MOE050 (CUDA graphs:
-`train.cuda_graph` is validated but not yet captured; the run is eager and says so), MOE051 and MOE052
+MOE049 (precision: fp8_fast_accum_backward needs an fp8 recipe with native GEMMs), MOE050 (retired: it
+warned that `train.cuda_graph` was not captured; it is now), MOE051 and MOE052
 (data: `data.dtype` / `data.eval_path` only where the source reads them; an eval_path that is the
 training file), MOE053 (optimizer: `muon_compute_dtype` is read only by Muon), MOE054 (hardware: bf16
 Newton-Schulz needs sm80+), MOE055 (compile: `train.compile=regional` on the CPU needs the C++
 compiler inductor builds with), MOE056 (hardware: the per-rank memory estimate fits the GPU memory given
-with `--gpu-memory`), MOE057 (parallel: `parallel.distributed_timeout_minutes` is positive).
+with `--gpu-memory`), MOE057 (parallel: `parallel.distributed_timeout_minutes` is positive), MOE058-060
+(CUDA graphs: one expert-parallel rank, a backend that keeps token counts on the device, fp32 main grads).
 
 Environment rules (Transformer Engine, device) probe lazily and cheaply: TE is looked up through
 `importlib.util.find_spec` and package metadata, never imported; torch is imported only when a GPU
@@ -55,8 +56,8 @@ Megatron-LM argument checks with no moectl rule, and why (numbered as in the sur
 - 16 `moe_router_padding_for_fp8` alias and "router padding not with allgather": a Megatron dispatcher
   limitation; kept: router padding needs a low-precision recipe (MOE007). 18 ncclep/hybridep/flex
   dispatchers: not in moectl.
-- 19 CUDA-graph scopes: moectl has one switch (`train.cuda_graph`), so only "MoE needs drop-and-pad"
-  (MOE034) carries over. 21 `delay_wgrad_compute` needs EP-comm overlap and TE versions: TE internals
+- 19 CUDA-graph scopes: moectl has one switch (`train.cuda_graph`, one graph per micro-batch), so only "MoE
+  needs drop-and-pad" (MOE034) carries over; MOE058-060 are what moectl's capture itself needs. 21 `delay_wgrad_compute` needs EP-comm overlap and TE versions: TE internals
   (moectl overlaps the delayed expert wgrad with its own dispatcher's all-to-all, trainer/moe/
   delayed_wgrad.py); kept as the warning that it has nothing to overlap without expert parallelism (MOE025).
 - 25 `bias_dropout_fusion`, `moe_apply_probs_on_input`, interleave-without-fused-kernel warning: no such
@@ -351,6 +352,11 @@ class Rule:
 
 
 RULES: dict[str, Rule] = {}
+#: Ids no longer in use (never reused), with why; `validate-config --explain` says so.
+RETIRED: dict[str, str] = {
+    "MOE050": "it warned that train.cuda_graph was validated but not captured; the trainer captures graphs now "
+    "(trainer/graphs), and MOE058-060 say what capture needs",
+}
 
 
 def rule(id: str, family: str, severity: str, keys: Sequence[str], summary: str) -> Callable[[RuleFn], RuleFn]:
@@ -1119,6 +1125,50 @@ def cuda_graph_needs_cuda_device(c: Context) -> Iterator[_Hit]:
         yield _Hit(f"train.cuda_graph=true on {c.device.describe()}", "set train.cuda_graph=false, or run on a GPU")
 
 
+@rule(
+    "MOE058",
+    "cuda_graph",
+    "error",
+    ["train.cuda_graph", "parallel.expert_model_parallel_size"],
+    "CUDA graphs need one expert-parallel rank",
+)
+def cuda_graph_needs_local_experts(c: Context) -> Iterator[_Hit]:
+    """With expert parallelism the token exchange sizes its all-to-all (or all-gather) from counts read on
+    the host, a device-to-host sync that cannot happen inside a captured graph; and collectives stay out of
+    moectl's graph by design (trainer/graphs/capture.py). Graphs run data parallel only."""
+    ep = c.cfg.parallel.expert_model_parallel_size
+    if c.cfg.train.cuda_graph and c.moe_layers > 0 and ep > 1:
+        yield _Hit(
+            f"train.cuda_graph=true with parallel.expert_model_parallel_size={ep}: the token exchange reads its "
+            "split sizes on the host",
+            "set parallel.expert_model_parallel_size=1 (data parallel), or train.cuda_graph=false",
+        )
+
+
+@rule("MOE059", "cuda_graph", "error", ["train.cuda_graph", "moe.backend"], "CUDA graphs need a grouped expert backend")
+def cuda_graph_needs_grouped_backend(c: Context) -> Iterator[_Hit]:
+    """The `loop` backend slices each expert's rows with counts read on the host (a sync a graph cannot
+    hold); `fused` (what `auto` picks on CUDA) and `grouped` keep the counts on the device."""
+    if c.cfg.train.cuda_graph and c.moe_layers > 0 and c.cfg.moe.backend == "loop":
+        yield _Hit(
+            "train.cuda_graph=true with moe.backend=loop: the per-expert loop reads token counts on the host",
+            "set moe.backend=auto (fused on CUDA) or grouped, or train.cuda_graph=false",
+        )
+
+
+@rule("MOE060", "cuda_graph", "error", ["train.cuda_graph", "optimizer.optimizer"], "CUDA graphs need fp32 main grads")
+def cuda_graph_needs_main_grads(c: Context) -> Iterator[_Hit]:
+    """A replayed backward must add into the same grad memory every micro-batch. The distributed engine's
+    fp32 `main_grad` buffers are zeroed outside the graph and accumulated into; SGD runs on torch's own
+    optimizer, whose `.grad` is assigned by the first micro-batch and added to by the next - the decision a
+    graph would bake in at capture (seed 003: grads 200-3000x too small)."""
+    if c.cfg.train.cuda_graph and c.cfg.optimizer.optimizer == "sgd":
+        yield _Hit(
+            "train.cuda_graph=true with optimizer.optimizer=sgd: its grads are assigned on the first micro-batch",
+            "set optimizer.optimizer=adam (or muon), or train.cuda_graph=false",
+        )
+
+
 # --------------------------------------------------------------------------------------------- checkpoint
 
 
@@ -1460,27 +1510,6 @@ def fp8_fast_accum_backward_needs_native_fp8(c: Context) -> Iterator[_Hit]:
             "use fp8_recipe tensorwise, delayed or rowwise for native fp8 GEMMs, or drop fp8_fast_accum_backward",
             keys=("mixed_precision.fp8_fast_accum_backward", "mixed_precision.fp8_recipe"),
             severity="warning",
-        )
-
-
-@rule(
-    "MOE050",
-    "cuda_graph",
-    "warning",
-    ["train.cuda_graph"],
-    "train.cuda_graph is accepted but this build runs every micro-batch eagerly",
-)
-def cuda_graph_not_captured_yet(c: Context) -> Iterator[_Hit]:
-    """The trainer does not capture CUDA graphs yet: `train.cuda_graph=true` is validated (MOE034, MOE035)
-    so that configs written for it stay correct, but the run launches every kernel eagerly, with the same
-    results and without the launch-overhead saving. Said here, and at start-up, rather than silently
-    ignored. (When capture lands, the seed 003 rule applies: anything that depends on "is this the first
-    micro-batch" must be read from a tensor at replay, not baked in at capture.)"""
-    if c.cfg.train.cuda_graph:
-        yield _Hit(
-            "train.cuda_graph=true: CUDA-graph capture is not implemented in this build; every micro-batch "
-            "runs eagerly (same results, no launch-overhead saving)",
-            "set train.cuda_graph=false to silence this, or keep it: the run is the same either way",
         )
 
 

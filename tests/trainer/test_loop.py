@@ -97,12 +97,14 @@ def test_nonfinite_step_is_skipped_without_touching_params(tmp_path):
         assert torch.equal(p, before[n]), n
 
 
-def test_the_banner_says_cuda_graphs_are_not_captured(tmp_path):
-    """train.cuda_graph is validated but not captured (MOE050): a run started without the CLI's rule check
-    says so itself rather than ignoring the key."""
-    assert not any("cuda_graph" in line for line in make(tmp_path)._banner())
-    lines = make(tmp_path, "train.cuda_graph=true")._banner()
-    assert any("cuda_graph: not captured" in line and "eagerly" in line for line in lines)
+def test_cuda_graphs_off_the_gpu_are_refused_not_ignored(tmp_path):
+    """train.cuda_graph on the CPU (rule MOE035): a run started without the CLI's rule check refuses it
+    itself rather than running eagerly while the config says graphs."""
+    from moectl.core.errors import ConfigError
+
+    assert not any("cuda_graph:" in line for line in make(tmp_path)._banner())
+    with pytest.raises(ConfigError, match="train.cuda_graph"):
+        make(tmp_path, "train.cuda_graph=true", "moe.capacity_factor=1.25", "moe.pad_expert_input_to_capacity=true")
 
 
 def test_router_padding_without_a_recipe_is_refused_not_ignored(tmp_path):

@@ -7,6 +7,7 @@ calling the model itself (`model.loss(...)`): the wrapper's hooks live on the mo
 
     engine.zero_grad()                          -> zero_grad_buffer (re-stages aliased staging)
     with engine.micro_batch(is_last=...): ...   -> no_sync() on all micro-batches but the last
+    engine.start_grad_sync()                    -> launch what no backward launched (CUDA-graph steps)
     engine.step(lr)                             -> finish_grad_sync, then optimizer.step
     engine.sync_params_for_eval()               -> force_param_sync (eval, checkpoint, exit)
 """
@@ -52,6 +53,9 @@ class DistributedEngine:
 
     def micro_batch(self, is_last: bool) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext() if is_last else self.dmodel.no_sync()
+
+    def start_grad_sync(self) -> None:
+        self.dmodel.start_grad_sync()
 
     def step(self, lr: float) -> StepResult:
         self.dmodel.finish_grad_sync()

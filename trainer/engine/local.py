@@ -48,6 +48,9 @@ class LocalEngine:
     def micro_batch(self, is_last: bool) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
 
+    def start_grad_sync(self) -> None:
+        """One device: nothing to reduce."""
+
     def step(self, lr: float) -> StepResult:
         """Clip and step; a non-finite grad norm leaves params and optimizer state untouched."""
         params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]

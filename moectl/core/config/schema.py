@@ -194,8 +194,9 @@ class TrainConfig:
     deterministic: bool = doc(False, "Deterministic kernels: two runs on the same device are bit-identical.")
     cuda_graph: bool = doc(
         False,
-        "Capture the forward/backward of each micro-batch in a CUDA graph. Validated (MOE034, MOE035) but not "
-        "captured yet in this build: the run is eager, and MOE050 warns.",
+        "Replay each micro-batch's forward + backward from one CUDA graph, captured after the first (eager) "
+        "step; optimizer, param gather and grad reduction stay eager. Needs drop-and-pad experts, a GPU, one "
+        "expert-parallel rank, a grouped backend and adam/muon (MOE034, MOE035, MOE058-060).",
     )
     compile: Literal["none", "regional", "auto"] = doc(
         "auto",

@@ -19,7 +19,7 @@ import pytest
 from moectl.core import rules
 from moectl.core.config import Config
 from moectl.core.config.load import load_config, yaml_scalar
-from moectl.core.rules import RULES, Device, Environment, TEInstall, Violation, check, has_errors
+from moectl.core.rules import RETIRED, RULES, Device, Environment, TEInstall, Violation, check, has_errors
 
 REPO = Path(__file__).resolve().parents[3]
 NO_MACHINE = Environment(te=None, device=None)
@@ -421,7 +421,12 @@ CASES = [
         severity="warning",
         name="emulated",
     ),
-    Case("MOE050", ["train.cuda_graph=true", *DROP_AND_PAD], [*DROP_AND_PAD], severity="warning"),
+    Case("MOE058", ["train.cuda_graph=true", *DROP_AND_PAD, "parallel.expert_model_parallel_size=2"],
+         ["train.cuda_graph=true", *DROP_AND_PAD], world=2, pass_world=2),
+    Case("MOE059", ["train.cuda_graph=true", *DROP_AND_PAD, "moe.backend=loop"],
+         ["train.cuda_graph=true", *DROP_AND_PAD, "moe.backend=grouped"]),
+    Case("MOE060", ["train.cuda_graph=true", *DROP_AND_PAD, "optimizer.optimizer=sgd"],
+         ["train.cuda_graph=true", *DROP_AND_PAD]),
     Case(
         "MOE047",
         ["data.eval_fraction=0"],
@@ -501,8 +506,8 @@ def test_every_rule_has_a_case() -> None:
 
 
 def test_ids_are_sequential_and_documented() -> None:
-    ids = list(RULES)
-    assert ids == [f"MOE{i:03d}" for i in range(1, len(ids) + 1)]
+    ids = sorted([*RULES, *RETIRED])
+    assert ids == [f"MOE{i:03d}" for i in range(1, len(ids) + 1)] and not set(RULES) & set(RETIRED)
     for r in RULES.values():
         assert r.rationale and r.summary and r.keys and r.severity in ("error", "warning", "error|warning")
 

@@ -61,11 +61,13 @@ class AmaxHistory:
         assert self.history is not None and self.scale is not None
         if tuple(amax.shape) != self.shape:
             raise ValueError(f"amax of shape {tuple(amax.shape)} for a history of shape {self.shape}")
-        self.history = torch.cat((amax.to(torch.float32).unsqueeze(0), self.history[:-1]))
+        # In place: a CUDA graph replays the kernels on the addresses it captured, so a history or scale
+        # rebound to a new tensor would leave every replay reading the values of the capture.
+        self.history.copy_(torch.cat((amax.to(torch.float32).unsqueeze(0), self.history[:-1])))
         window = self.history.amax(dim=0)
         fresh = scale_from_amax(window, self.fmax)
         keep = (window == 0) | ~torch.isfinite(window)
-        self.scale = torch.where(keep, self.scale, fresh)
+        self.scale.copy_(torch.where(keep, self.scale, fresh))
 
 
 @dataclass

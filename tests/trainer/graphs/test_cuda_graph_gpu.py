@@ -1,0 +1,166 @@
+"""`train.cuda_graph` replays each micro-batch bitwise like the eager step (issue 15; seed 003).
+
+One trace per run: 4 optimizer steps of 3 micro-batches with an evaluation after step 2 (train-eval-train),
+on the real `Trainer`. Recorded: after every micro-batch, the LM and aux losses and every expert and router
+`main_grad`; after every step, the params, the published quantized weights (rowwise and columnwise bytes and
+scales: the fp8 weight caches) and the eval loss. The graph run (step 1 eager, steps 2-4 replayed) must
+equal the eager run bit for bit, with bf16, fp8 tensorwise and fp8 param gather, both expert layouts.
+`train.deterministic` makes the eager step itself bit-reproducible (index backward uses atomics
+otherwise); the comparison is graph against eager, both deterministic.
+
+The mutant test shows the equality has teeth: it refreshes the pinned weights only when the graph is first
+captured (a Python decision taken at capture, which is what TE issue 3051 did with its weight cache), and
+the traces must then differ from the first replayed step on.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist_helpers import run_distributed
+from moectl.core.config.load import load_config
+from trainer.graphs import StaticWeights
+from trainer.loop import Trainer
+from trainer.observer import SilentObserver
+
+pytestmark = pytest.mark.gpu
+
+STEPS, EVAL_AFTER = 4, 2
+BASE = [
+    "model.num_layers=2", "model.hidden_size=128", "model.num_attention_heads=4", "model.num_query_groups=2",
+    "model.seq_length=64", "model.vocab_size=256", "moe.num_experts=4", "moe.router_topk=2",
+    "moe.ffn_hidden_size=128", "moe.capacity_factor=1.25", "moe.pad_expert_input_to_capacity=true",
+    "train.micro_batch_size=2", "train.global_batch_size=6", "train.eval_iters=2", "train.eval_interval=100",
+    "train.deterministic=true", "train.device=cuda", "data.source=synthetic", "mixed_precision.bf16=true",
+    "optimizer.lr=1e-3", "optimizer.lr_warmup_iters=0", f"train.train_iters={STEPS}", "logging.jsonl=false",
+]
+FP8 = ["mixed_precision.fp8=e4m3", "mixed_precision.fp8_recipe=tensorwise"]
+VARIANTS = {
+    "bf16": [],
+    "bf16-per-expert": ["moe.single_grouped_weight=false"],
+    "fp8": FP8,
+    "fp8-param-gather": [*FP8, "mixed_precision.fp8_param_gather=true"],
+    "fp8-param-gather-per-expert": [*FP8, "mixed_precision.fp8_param_gather=true", "moe.single_grouped_weight=false"],
+}
+
+
+def _quantized(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for name, m in model.named_modules():
+        qt = getattr(m, "quantized_weight", None)
+        if qt is None:
+            continue
+        for which in ("rowwise", "columnwise"):
+            q = getattr(qt, which)
+            if q is not None:
+                for field, t in q.tensors().items():
+                    out[f"{name}.{which}.{field}"] = t.detach().clone()
+    return out
+
+
+def trace(overrides: list[str], run_dir: Path, runtime: Any = None) -> dict[str, Any]:
+    """The run's per-micro-batch and per-step record (see the module docstring)."""
+    cfg = load_config(None, [*BASE, *overrides, f"run_dir={run_dir}"])
+    trainer = Trainer(cfg, SilentObserver(), runtime=runtime)
+    watched = {n: p for n, p in trainer.model.named_parameters() if ".experts." in n or ".router." in n}
+    micro: list[dict[str, torch.Tensor]] = []
+    original = trainer.engine.micro_batch
+
+    @contextmanager
+    def recorded(is_last: bool) -> Iterator[None]:
+        with original(is_last):
+            yield
+        micro.append({n: p.main_grad.detach().clone() for n, p in watched.items()})
+
+    trainer.engine.micro_batch = recorded  # type: ignore[method-assign]
+    steps: list[dict[str, Any]] = []
+    for step in range(STEPS):
+        record = trainer.train_step(step)
+        torch.cuda.synchronize()
+        entry: dict[str, Any] = {
+            "loss": record["loss"], "aux": record["aux_loss"], "grad_norm": record["grad_norm"],
+            "params": {n: p.detach().clone() for n, p in trainer.model.named_parameters()},
+            "quantized": _quantized(trainer.model),
+        }  # fmt: skip
+        if step + 1 == EVAL_AFTER:
+            entry["eval"] = trainer.evaluate()
+        steps.append(entry)
+    graph = trainer.graph
+    return {"micro": micro, "steps": steps, "replays": 0 if graph is None else graph.replays}
+
+
+def differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    """Where two traces differ (empty: bitwise equal)."""
+    out = []
+    for i, (x, y) in enumerate(zip(a["micro"], b["micro"])):
+        out += [f"micro-batch {i}: {n}.main_grad" for n in x if not torch.equal(x[n], y[n])]
+    for s, (x, y) in enumerate(zip(a["steps"], b["steps"])):
+        out += [f"step {s + 1}: {k}" for k in ("loss", "aux", "grad_norm", "eval") if x.get(k) != y.get(k)]
+        out += [f"step {s + 1}: param {n}" for n in x["params"] if not torch.equal(x["params"][n], y["params"][n])]
+        if x["quantized"].keys() != y["quantized"].keys():
+            out.append(f"step {s + 1}: quantized weights {sorted(x['quantized'])} vs {sorted(y['quantized'])}")
+            continue
+        out += [f"step {s + 1}: {n}" for n, t in x["quantized"].items() if not torch.equal(t, y["quantized"][n])]
+    return out
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_graph_replay_equals_eager_bitwise(variant: str, tmp_path: Path) -> None:
+    eager = trace(VARIANTS[variant], tmp_path / "eager")
+    graph = trace([*VARIANTS[variant], "train.cuda_graph=true"], tmp_path / "graph")
+    assert graph["replays"] == 3 * (STEPS - 1) and eager["replays"] == 0
+    assert len(eager["micro"]) == len(graph["micro"]) == 3 * STEPS
+    moved = [n for n, p in graph["steps"][-1]["params"].items() if not torch.equal(p, graph["steps"][0]["params"][n])]
+    assert moved, "the params never changed: the comparison would prove nothing"
+    if "param-gather" in variant:
+        assert graph["steps"][-1]["quantized"], "fp8 param gather published no quantized weights"
+    diff = differences(eager, graph)
+    assert not diff, f"{len(diff)} differences, first: {diff[:6]}"
+
+
+def test_a_capture_time_refresh_decision_is_caught(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The mutant: pinned weights refreshed only before the capture (a Python bool read once), so replays keep
+    the capture step's fp8 weights. The bitwise comparison must see it."""
+    variant = VARIANTS["fp8-param-gather"]
+    eager = trace(variant, tmp_path / "eager")
+    real = StaticWeights.refresh
+
+    def refresh_at_capture_only(self: StaticWeights) -> int:
+        if self.pinned:  # captured already: "not the first micro-batch", decided in Python
+            return 0
+        return real(self)
+
+    monkeypatch.setattr(StaticWeights, "refresh", refresh_at_capture_only)
+    mutant = trace([*variant, "train.cuda_graph=true"], tmp_path / "mutant")
+    diff = differences(eager, mutant)
+    assert diff, "a graph replaying stale fp8 weights went unnoticed"
+    assert not any(d.startswith(("micro-batch 0:", "micro-batch 1:", "micro-batch 2:")) for d in diff), diff[:4]
+
+
+def _two_gpu_body(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    dist.destroy_process_group()
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{root}/nccl-rdzv", rank=rank, world_size=world_size)
+    over = ["parallel.use_distributed_optimizer=true", "parallel.overlap_grad_reduce=true",
+            "parallel.overlap_param_gather=true", "train.global_batch_size=12"]  # fmt: skip
+    out = {}
+    for name, extra in (("bf16", []), ("fp8-param-gather", [*FP8, "mixed_precision.fp8_param_gather=true"])):
+        eager = trace([*over, *extra], Path(root) / f"{name}-eager-{rank}")
+        graph = trace([*over, *extra, "train.cuda_graph=true"], Path(root) / f"{name}-graph-{rank}")
+        out[name] = {"diff": differences(eager, graph)[:6], "replays": graph["replays"]}
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_graph_replay_equals_eager_on_two_gpus_with_overlap(tmp_path: Path) -> None:
+    for rank, r in enumerate(run_distributed(_two_gpu_body, world_size=2, timeout=400, root=str(tmp_path))):
+        for name, v in r.items():
+            assert v["replays"] == 3 * (STEPS - 1), (rank, name, v)
+            assert not v["diff"], (rank, name, v["diff"])

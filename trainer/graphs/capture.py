@@ -1,0 +1,114 @@
+"""`MicroBatchGraph`: a micro-batch's forward and backward, captured once and replayed (`train.cuda_graph`).
+
+What the graph holds, and what stays outside (Megatron-Core and TE capture the same span per layer; one
+graph per micro-batch removes every launch of the step but the optimizer's):
+
+    outside, eagerly, each step     zero the grad buffers; finish the param gather; refresh the pinned
+                                    quantized weights (static_weights.py); copy the batch into the static
+                                    input tensors
+    inside, replayed per micro-batch  forward, loss, backward, the fold of each weight grad into `main_grad`
+    outside, after the last replay  launch the grad reduction, then the optimizer step (clip, non-finite
+                                    guard, update, param gather)
+
+Nothing inside depends on which micro-batch it is (seed 003): `main_grad` is zeroed outside and every
+micro-batch adds into it; the capture always runs under the engine's `no_sync`, so no bucket launches a
+collective from inside the graph, and the loop launches them all after the last replay; weights are read
+from pinned tensors refreshed before the step. Python that runs during the forward (hooks, the MoE
+layers' statistics) runs once, at capture: the layers' `stats` are pointed back at the graph's outputs
+after each replay, so metrics read the replayed values.
+
+Shapes must be static: drop-and-pad experts (MOE034), one expert-parallel rank (MOE058), a backend that
+reads no counts on the host (MOE059). The first step runs eagerly (compiles, autotuning, lazily built
+state); the capture happens at the first micro-batch of the next step, on a private memory pool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from moectl.core.errors import MoectlError
+from trainer.graphs.static_weights import StaticWeights
+from trainer.moe.layer import MoELayer
+
+
+class GraphCaptureError(MoectlError):
+    """The step could not be captured into a CUDA graph (an operation that synchronises with the host)."""
+
+
+@dataclass
+class ReplayedLoss:
+    """The loss parts a replay leaves in the graph's static output tensors (overwritten by the next replay)."""
+
+    lm_loss: torch.Tensor
+    aux_loss: torch.Tensor
+
+
+class MicroBatchGraph:
+    """Captures `loss_fn(tokens, targets)` and its backward (`total / n_micro`) once; replays it after.
+
+    `model` is searched for MoE layers (their `stats`) and published quantized weights (pinned).
+    """
+
+    def __init__(self, model: nn.Module, loss_fn: Callable[[torch.Tensor, torch.Tensor], Any], n_micro: int) -> None:
+        self.model = model
+        self.loss_fn = loss_fn
+        self.n_micro = n_micro
+        self.weights = StaticWeights(model)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.tokens: torch.Tensor | None = None
+        self.targets: torch.Tensor | None = None
+        self.out: ReplayedLoss | None = None
+        self._stats: list[tuple[nn.Module, Any]] = []
+        self.replays = 0
+
+    @property
+    def captured(self) -> bool:
+        return self.graph is not None
+
+    def refresh_weights(self) -> None:
+        """Bring the pinned quantized weights up to the published ones (eagerly, before the step's replays)."""
+        self.weights.refresh()
+
+    def run(self, tokens: torch.Tensor, targets: torch.Tensor) -> ReplayedLoss:
+        """Forward + backward of one micro-batch through the graph (captured on the first call)."""
+        if self.graph is None:
+            self._capture(tokens, targets)
+        else:
+            assert self.tokens is not None and self.targets is not None
+            if tokens.shape != self.tokens.shape or targets.shape != self.targets.shape:
+                raise GraphCaptureError(
+                    f"a micro-batch of shape {tuple(tokens.shape)} after capturing {tuple(self.tokens.shape)}",
+                    "CUDA graphs replay fixed shapes: keep train.micro_batch_size and model.seq_length fixed",
+                )
+            self.tokens.copy_(tokens, non_blocking=True)
+            self.targets.copy_(targets, non_blocking=True)
+        assert self.graph is not None and self.out is not None
+        self.graph.replay()
+        self.replays += 1
+        for layer, stats in self._stats:  # an eager forward (eval) in between pointed them elsewhere
+            layer.stats = stats
+        return self.out
+
+    def _capture(self, tokens: torch.Tensor, targets: torch.Tensor) -> None:
+        self.tokens, self.targets = tokens.clone(), targets.clone()
+        torch.cuda.synchronize()
+        # Blocks the eager steps cached would otherwise sit beside the graph's private pool.
+        torch.cuda.empty_cache()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                parts = self.loss_fn(self.tokens, self.targets)
+                (parts.total / self.n_micro).backward()
+        except RuntimeError as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise GraphCaptureError(
+                f"train.cuda_graph: the micro-batch could not be captured ({first})",
+                "set train.cuda_graph=false, and report the config: something in the step synchronises with the host",
+            ) from e
+        self.graph = graph
+        self.out = ReplayedLoss(parts.lm_loss.detach(), parts.aux_loss.detach())
+        self._stats = [(m, m.stats) for m in self.model.modules() if isinstance(m, MoELayer)]
