@@ -31,7 +31,7 @@ from trainer.checkpointing.saver import RunCheckpointer, SaveReport
 from trainer.compile import compile_backend, compile_regions, wants_compile
 from trainer.data import Sampler
 from trainer.flops import flops_per_token, peak_tflops
-from trainer.graphs import MicroBatchGraph
+from trainer.graphs import MicroBatchGraph, wants_cuda_graph
 from trainer.metrics import MetricsWriter, expert_balance
 from trainer.observer import PrintObserver, RunObserver, SilentObserver
 from trainer.optim.lr_schedule import lr_at
@@ -94,8 +94,8 @@ class Trainer:
             raise ConfigError("train.cuda_graph", True, f"CUDA graphs need a CUDA device, not {self.rt.device}",
                               fix="set train.cuda_graph=false, or run on a GPU")  # fmt: skip
         self.graph = (
-            MicroBatchGraph(self.model, self.model.loss, self.n_micro)
-            if tc.cuda_graph and self.rt.device.type == "cuda" else None
+            MicroBatchGraph(self.model, self.model.loss, self.n_micro) if wants_cuda_graph(cfg, self.rt.device)
+            else None
         )  # fmt: skip
         self.train_data, eval_sampler = build_data_for(cfg, self.rt)
         # The same held-out batches at every evaluation, so eval losses are comparable across steps.
@@ -264,8 +264,9 @@ class Trainer:
         lines.append("  " + describe(self.model.recipe, self.rt.device))  # begins "precision: ..."
         if self.graph is not None:
             lines.append(
-                "  cuda_graph: step 1 eager, then each micro-batch's forward + backward replayed from one CUDA graph "
-                "(optimizer, param gather and grad reduction eager)"
+                f"  cuda_graph{'' if cfg.train.cuda_graph else ' (null: on for this config)'}: the first step eager, "
+                "then each micro-batch's forward + backward replayed from one CUDA graph (optimizer, param gather "
+                "and grad reduction eager)"
             )
         mp = cfg.mixed_precision
         if mp.fp8_param_gather or mp.fp4_param_gather:

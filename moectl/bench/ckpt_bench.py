@@ -209,6 +209,11 @@ def run(bench: CkptBenchConfig, cfg: Config, meta: dict[str, Any], log: Log = la
 
     folder = Path(cfg.run_dir).parent
     result = CkptBenchResult(meta)
+    start, said = time.perf_counter(), log
+
+    def log(line: str) -> None:  # stamped, so a run cut short still tells how long each phase took
+        said(f"[{time.perf_counter() - start:7.1f} s] {line}")
+
     # Under torchrun the process group does not exist yet (the trainer joins it): the rank is torchrun's.
     if (_world()[0] if dist.is_initialized() else int(os.environ.get("RANK", "0"))) == 0:
         if folder.exists():

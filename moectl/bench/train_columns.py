@@ -9,8 +9,11 @@
     torchtitan-recipe  the same with experts on `moe.backend=grouped` (torch._grouped_mm + eager
                        activation): torchtitan's MoE recipe
     cuda-graph         ours with `train.cuda_graph=true` (each micro-batch replayed from one CUDA graph);
-                       asked for by name only, since it needs drop-and-pad experts (MOE034): compare it with
-                       `ours` on the same `--set moe.capacity_factor=... moe.pad_expert_input_to_capacity=true`
+                       asked for by name only, since it needs drop-and-pad experts (MOE034)
+    eager              ours with `train.cuda_graph=false`: the A/B partner of `cuda-graph` on a drop-and-pad
+                       config (`--set moe.capacity_factor=1.0 --set moe.pad_expert_input_to_capacity=true`),
+                       where `ours` already captures (train.cuda_graph null turns graphs on there)
+The peer columns set `train.cuda_graph=false`: they are what a plain engine gives.
 
 A column is nothing but `--set` overrides applied after the user's, so every column runs the real trainer
 and the bench needs no engine API of its own.
@@ -37,15 +40,17 @@ COLUMNS: dict[str, Column] = {
         Column("ours", (), "the config as given"),
         Column(
             "compiled-peer",
-            ("train.compile=regional", "parallel.gradient_accumulation_fusion=false"),
+            ("train.compile=regional", "parallel.gradient_accumulation_fusion=false", "train.cuda_graph=false"),
             "regional torch.compile, our experts, autograd weight grads",
         ),
         Column(
             "torchtitan-recipe",
-            ("train.compile=regional", "parallel.gradient_accumulation_fusion=false", "moe.backend=grouped"),
+            ("train.compile=regional", "parallel.gradient_accumulation_fusion=false", "moe.backend=grouped",
+             "train.cuda_graph=false"),
             "regional torch.compile, grouped experts, autograd weight grads",
         ),
         Column("cuda-graph", ("train.cuda_graph=true",), "ours, micro-batches replayed from a CUDA graph", False),
+        Column("eager", ("train.cuda_graph=false",), "ours, every micro-batch launched eagerly", False),
     )
 }
 

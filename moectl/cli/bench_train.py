@@ -129,7 +129,7 @@ def train(
     ] = None,
     column: Annotated[
         Optional[list[str]],
-        typer.Option("--column", help="Only these columns: ours, compiled-peer, torchtitan-recipe, cuda-graph (repeatable; the first three by default)."),
+        typer.Option("--column", help="Only these columns: ours, compiled-peer, torchtitan-recipe, cuda-graph, eager (repeatable; the first three by default)."),
     ] = None,
     json_path: JsonPathOpt = None,
     quick: Annotated[

@@ -24,12 +24,16 @@ state); the capture happens at the first micro-batch of the next step, on a priv
 
 from __future__ import annotations
 
+import gc
+import traceback
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
+from moectl.core.config.schema import Config
 from moectl.core.errors import MoectlError
 from trainer.graphs.static_weights import StaticWeights
 from trainer.moe.layer import MoELayer
@@ -93,8 +97,19 @@ class MicroBatchGraph:
             layer.stats = stats
         return self.out
 
+    def release_eager_graphs(self) -> None:
+        """Drop what still holds an eager step's autograd graph: the MoE layers' `stats` (their aux losses).
+        That graph keeps each param's grad accumulator alive, and autograd reuses a live accumulator in the
+        next forward with the stream it was made on: the default stream, which a capture must not touch
+        ("operation would make the legacy stream depend on a capturing blocking stream")."""
+        for m in self.model.modules():
+            if isinstance(m, MoELayer):
+                m.stats = None
+        gc.collect()
+
     def _capture(self, tokens: torch.Tensor, targets: torch.Tensor) -> None:
         self.tokens, self.targets = tokens.clone(), targets.clone()
+        self.release_eager_graphs()
         torch.cuda.synchronize()
         # Blocks the eager steps cached would otherwise sit beside the graph's private pool.
         torch.cuda.empty_cache()
@@ -106,9 +121,43 @@ class MicroBatchGraph:
         except RuntimeError as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise GraphCaptureError(
-                f"train.cuda_graph: the micro-batch could not be captured ({first})",
+                f"train.cuda_graph: the micro-batch could not be captured at {_culprit(e)} ({first})",
                 "set train.cuda_graph=false, and report the config: something in the step synchronises with the host",
             ) from e
         self.graph = graph
         self.out = ReplayedLoss(parts.lm_loss.detach(), parts.aux_loss.detach())
         self._stats = [(m, m.stats) for m in self.model.modules() if isinstance(m, MoELayer)]
+
+
+def _culprit(e: BaseException) -> str:
+    """The innermost frame of moectl's own code in `e`'s traceback (`path:line`), else "an unknown place"."""
+    roots = ("trainer", "ckpt", "moectl")
+    place = "an unknown place (inside torch)"
+    for frame in traceback.extract_tb(e.__traceback__):
+        parts = Path(frame.filename).parts
+        for i, part in enumerate(parts):
+            if part in roots and i + 1 < len(parts) and "site-packages" not in parts:
+                place = f"{'/'.join(parts[i:])}:{frame.lineno}"
+                break
+    return place
+
+
+def wants_cuda_graph(cfg: Config, device: torch.device) -> bool:
+    """Whether the run captures graphs: `train.cuda_graph` when set, else (null) on exactly where graphs were
+    measured to win and checked bitwise against eager (docs/benchmarks.md, tests/trainer/graphs): CUDA,
+    drop-and-pad MoE, one expert-parallel rank, a grouped backend, Adam, bf16 or fp8 tensorwise, no delayed
+    wgrad. Elsewhere `true` still works (the rules say what it needs); null does not take the chance."""
+    if cfg.train.cuda_graph is not None:
+        return cfg.train.cuda_graph
+    m, mp = cfg.moe, cfg.mixed_precision
+    return (
+        device.type == "cuda"
+        and m.capacity_factor is not None
+        and m.pad_expert_input_to_capacity
+        and cfg.parallel.expert_model_parallel_size <= 1
+        and m.backend != "loop"
+        and not m.delay_wgrad_compute
+        and cfg.optimizer.optimizer == "adam"
+        and not mp.fp4
+        and (not mp.fp8 or mp.fp8_recipe == "tensorwise")
+    )

@@ -26,7 +26,9 @@ FLT_MAX = torch.finfo(torch.float32).max  # the largest finite fp32, what an ove
 def scale_from_amax(amax: torch.Tensor, fmax: float, pow2: bool = False) -> torch.Tensor:
     """Encode scale(s) for fp32 `amax` (any shape) and a format whose largest value is `fmax`."""
     amax = amax.to(torch.float32)
-    scale = torch.tensor(fmax, dtype=torch.float32, device=amax.device) / amax
+    # new_full, not torch.tensor(..., device=): a fill kernel, where torch.tensor copies from the host (which
+    # a CUDA graph capture refuses)
+    scale = amax.new_full((), fmax) / amax
     scale = torch.where(torch.isinf(scale), torch.full_like(scale, FLT_MAX), scale)
     bad = (amax == 0) | ~torch.isfinite(amax)
     scale = torch.where(bad, torch.ones_like(scale), scale)

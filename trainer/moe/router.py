@@ -57,6 +57,15 @@ def z_loss(logits_TE: torch.Tensor, coeff: float) -> torch.Tensor:
     return coeff * torch.logsumexp(logits_TE, dim=-1).square().mean()
 
 
+def expert_counts(indices_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Routings per expert `[E]` (int64): exact, deterministic, and without a host sync. `torch.bincount`
+    reads its input's max on the host on CUDA, which a CUDA graph cannot capture; a sort and a search do not
+    (and the ids are already small: a sort of T*K int64)."""
+    sorted_N = torch.sort(indices_TK.flatten())[0]
+    edges = torch.arange(num_experts + 1, device=indices_TK.device, dtype=sorted_N.dtype)
+    return torch.diff(torch.searchsorted(sorted_N, edges)).to(torch.int64)
+
+
 class TopKRouter(nn.Module):
     """Linear gate `[E, D]` (state-dict key `weight`) and top-k selection, computed in fp32."""
 
@@ -93,8 +102,7 @@ class TopKRouter(nn.Module):
                 probs_TK = probs_TK / (probs_TK.sum(dim=-1, keepdim=True) + 1e-20)
             aux_scores_TE = scores_TE / (scores_TE.sum(dim=-1, keepdim=True) + 1e-20)
 
-        # bincount of int64 ids: exact and deterministic on every device
-        tokens_per_expert_E = torch.bincount(indices_TK.flatten(), minlength=self.num_experts)
+        tokens_per_expert_E = expert_counts(indices_TK, self.num_experts)
         zero = logits_TE.new_zeros(())
         aux = (
             load_balancing_loss(aux_scores_TE, tokens_per_expert_E, self.topk, self.aux_loss_coeff)

@@ -38,10 +38,19 @@ def encode_e2m1(x: torch.Tensor) -> torch.Tensor:
     return code | (torch.signbit(x).to(torch.uint8) << 3)
 
 
+_TABLES: dict[torch.device, torch.Tensor] = {}
+
+
+def _e2m1_table(device: torch.device) -> torch.Tensor:
+    """The E2M1 magnitudes on `device`, copied there once (a copy from the host cannot be captured in a graph)."""
+    if device not in _TABLES:
+        _TABLES[device] = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32, device=device)
+    return _TABLES[device]
+
+
 def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
     """fp32 values of E2M1 codes (uint8 0..15)."""
-    table = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32, device=codes.device)
-    mag = table[(codes & 7).long()]
+    mag = _e2m1_table(codes.device)[(codes & 7).long()]
     return torch.where((codes & 8) != 0, -mag, mag)
 
 

@@ -192,11 +192,13 @@ class TrainConfig:
     eval_iters: int = doc(4, "Micro-batches per evaluation.")
     seed: int = doc(1234, "Seed of init and data order.")
     deterministic: bool = doc(False, "Deterministic kernels: two runs on the same device are bit-identical.")
-    cuda_graph: bool = doc(
-        False,
+    cuda_graph: Optional[bool] = doc(
+        None,
         "Replay each micro-batch's forward + backward from one CUDA graph, captured after the first (eager) "
-        "step; optimizer, param gather and grad reduction stay eager. Needs drop-and-pad experts, a GPU, one "
-        "expert-parallel rank, a grouped backend and adam/muon (MOE034, MOE035, MOE058-060).",
+        "step; optimizer, param gather and grad reduction stay eager. true needs drop-and-pad experts, a GPU, "
+        "one expert-parallel rank, a grouped backend and adam/muon (MOE034, MOE035, MOE058-060). null = on "
+        "where it is measured to win: CUDA, drop-and-pad, ep 1, adam, bf16 or fp8 tensorwise (with or without "
+        "fp8 param gather), no delayed wgrad; off otherwise (dropless experts, the default, cannot be captured).",
     )
     compile: Literal["none", "regional", "auto"] = doc(
         "auto",

@@ -46,7 +46,7 @@ GLOBAL_NUMERATOR = E4M3.max * E2M1_MAX  # 448 * 6 = 2688, exact in fp32
 def global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
     """S_enc = 2688 / amax (fp32), FLT_MAX if that overflows, 1 for a zero or non-finite amax."""
     amax = amax.to(torch.float32)
-    s = torch.tensor(GLOBAL_NUMERATOR, dtype=torch.float32, device=amax.device) / amax
+    s = amax.new_full((), GLOBAL_NUMERATOR, dtype=torch.float32) / amax  # a fill, not a host copy (CUDA graphs)
     s = torch.clamp(s, max=FLT_MAX)
     bad = (amax == 0) | ~torch.isfinite(amax) | (s == 0)
     return torch.where(bad, torch.ones_like(s), s)
