@@ -1,6 +1,6 @@
 """The fused expert MLP's CUDA path captures in a CUDA graph and replays like eager (GPU only).
 
-The trainer does not capture graphs yet (rule MOE050); this is what capture will stand on. The forward and
+The trainer's graphs (`train.cuda_graph`, tests/trainer/graphs) stand on this kernel-level check. The forward and
 backward must not read anything on the host (token counts, amaxes, scales stay on the device), and every
 value that changes between micro-batches must be read from a tensor at replay, not baked in at capture
 (seed 003). So: capture one forward + backward, then write new activations, routing probs, upstream grads
