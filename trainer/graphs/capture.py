@@ -145,8 +145,8 @@ def _culprit(e: BaseException) -> str:
 def wants_cuda_graph(cfg: Config, device: torch.device) -> bool:
     """Whether the run captures graphs: `train.cuda_graph` when set, else (null) on exactly where graphs were
     measured to win and checked bitwise against eager (docs/benchmarks.md, tests/trainer/graphs): CUDA,
-    drop-and-pad MoE, one expert-parallel rank, a grouped backend, Adam, bf16 or fp8 tensorwise, no delayed
-    wgrad. Elsewhere `true` still works (the rules say what it needs); null does not take the chance."""
+    drop-and-pad MoE, one expert-parallel rank, a grouped backend, Adam, bf16 or fp8 e4m3 tensorwise, no
+    delayed wgrad. Elsewhere `true` still works (the rules say what it needs); null does not take the chance."""
     if cfg.train.cuda_graph is not None:
         return cfg.train.cuda_graph
     m, mp = cfg.moe, cfg.mixed_precision
@@ -159,5 +159,5 @@ def wants_cuda_graph(cfg: Config, device: torch.device) -> bool:
         and not m.delay_wgrad_compute
         and cfg.optimizer.optimizer == "adam"
         and not mp.fp4
-        and (not mp.fp8 or mp.fp8_recipe == "tensorwise")
+        and (not mp.fp8 or (mp.fp8 == "e4m3" and mp.fp8_recipe == "tensorwise"))  # hybrid: emulated backward
     )

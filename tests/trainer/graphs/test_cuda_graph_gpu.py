@@ -49,6 +49,10 @@ VARIANTS = {
     "fp8": FP8,
     "fp8-param-gather": [*FP8, "mixed_precision.fp8_param_gather=true"],
     "fp8-param-gather-per-expert": [*FP8, "mixed_precision.fp8_param_gather=true", "moe.single_grouped_weight=false"],
+    # beyond what `train.cuda_graph: null` turns on (there only `true` captures them)
+    "fp8-delayed": ["mixed_precision.fp8=e4m3", "mixed_precision.fp8_recipe=delayed"],
+    # (mxfp8 is emulated on Hopper and cannot be captured: rule MOE061)
+    "muon": ["optimizer.optimizer=muon"],
 }
 
 
@@ -63,6 +67,17 @@ def _quantized(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             if q is not None:
                 for field, t in q.tensors().items():
                     out[f"{name}.{which}.{field}"] = t.detach().clone()
+    return out
+
+
+def _optimizer_tensors(optimizer: Any) -> list[torch.Tensor]:
+    """Every tensor of every shard of the optimizer (or of each member of a Muon + AdamW chain): the fp32
+    masters and the moments or momentum buffers."""
+    out = []
+    for member in getattr(optimizer, "members", [optimizer]):
+        for shard in member.shards:
+            out += [v.detach().clone() for v in vars(shard).values() if isinstance(v, torch.Tensor)]
+    assert out, "no optimizer state found to compare"
     return out
 
 
@@ -94,8 +109,7 @@ def trace(overrides: list[str], run_dir: Path, runtime: Any = None) -> dict[str,
             "params": {n: p.detach().clone() for n, p in trainer.model.named_parameters()
                        if quantized_storage_of(p) is None},
             "quantized": _quantized(trainer.model),
-            "optimizer": [t.detach().clone() for s in trainer.engine.optimizer.shards  # type: ignore[attr-defined]
-                          for t in (s.master, s.exp_avg, s.exp_avg_sq)],
+            "optimizer": _optimizer_tensors(trainer.engine.optimizer),  # type: ignore[attr-defined]
         }  # fmt: skip
         if step + 1 == EVAL_AFTER:
             entry["eval"] = trainer.evaluate()
