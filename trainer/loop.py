@@ -12,12 +12,13 @@ its peer or times out becomes a one-line error naming the rank and the step (tra
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from ckpt import list_committed, resolve_load_path
@@ -32,6 +33,7 @@ from trainer.compile import compile_backend, compile_regions, wants_compile
 from trainer.data import Sampler
 from trainer.flops import flops_per_token, peak_tflops
 from trainer.graphs import MicroBatchGraph, wants_cuda_graph
+from trainer.init_weights import skipped_init
 from trainer.metrics import MetricsWriter, expert_balance
 from trainer.observer import PrintObserver, RunObserver, SilentObserver
 from trainer.optim.lr_schedule import lr_at
@@ -69,9 +71,11 @@ class Trainer:
     """Runs `cfg` to `train.train_iters` steps on this process's device."""
 
     def __init__(self, cfg: Config, observer: RunObserver | None = None, runtime: Runtime | None = None, *,
-                 verify_checkpoint: bool = True) -> None:
+                 verify_checkpoint: bool = True, before_load: Callable[["Trainer"], None] | None = None) -> None:
         """`verify_checkpoint=False`: load `checkpoint.load` without hashing its files first (see
-        `load_training_checkpoint`); for `ckpt validate`, which hashes them alongside."""
+        `load_training_checkpoint`); for `ckpt validate`, which hashes them alongside. `before_load` runs on
+        the built trainer just before `checkpoint.load` is read (validate compiles the probe's regions there,
+        while its files are hashed on another thread)."""
         self.cfg = cfg
         self.rt = runtime or setup_runtime(cfg.train, cfg.parallel)
         self.observer: RunObserver = observer or PrintObserver()
@@ -82,7 +86,9 @@ class Trainer:
         tc = cfg.train
         self.dp = self.rt.world_size
         self.n_micro = tc.global_batch_size // (tc.micro_batch_size * self.dp)
-        self.model = build_model(cfg, self.rt.device, self.rt.pstate)
+        # A checkpoint to load replaces every weight: leave the random draws out (trainer/init_weights.py).
+        with skipped_init() if cfg.checkpoint.load else contextlib.nullcontext():
+            self.model = build_model(cfg, self.rt.device, self.rt.pstate)
         self.engine = build_engine(cfg, self.model, self.rt)
         # Regional compile after the engine's wrap: its hooks stay on the modules, outside the graphs.
         self.compiled_regions = (
@@ -111,6 +117,8 @@ class Trainer:
         self.resumed_from: Path | None = None
         self.last_record: dict[str, Any] | None = None  # the latest step's metrics record
         self._refuse_to_overwrite_checkpoints()
+        if cfg.checkpoint.load and before_load is not None:
+            before_load(self)
         if cfg.checkpoint.load:
             restored = load_training_checkpoint(
                 resolve_load_path(cfg.checkpoint.load), cfg, self.model, self.engine, self.rt.pstate,

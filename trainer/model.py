@@ -29,6 +29,7 @@ from torch import nn
 from moectl.core.config.schema import ModelConfig, MoEConfig
 from trainer import regions
 from trainer.attention import SelfAttention, rope_cache
+from trainer.init_weights import init_skipped
 from trainer.linear import Linear
 from trainer.moe import MoELayer
 from trainer.norm import RMSNorm
@@ -187,6 +188,9 @@ class GPTMoE(nn.Module):
         """Normal init of every non-expert matrix (experts and routers init themselves, in order)."""
 
         def draw(p: torch.Tensor, s: float) -> None:
+            if init_skipped():  # a checkpoint replaces every value (trainer/init_weights.py)
+                p.zero_()
+                return
             p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32).mul_(s))
 
         draw(self.embedding.word_embeddings.weight, std)

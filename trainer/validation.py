@@ -137,7 +137,7 @@ def _restore_and_prove(report: ValidationReport, path: str | Path, config_for: O
         cfg.run_dir = str(ck.path.parent / ".validate")  # never written: validate does not call run()
         with warnings.catch_warnings():  # the restore reopens it: its unsealed-manifest warning is in the row above
             warnings.simplefilter("ignore", UserWarning)
-            trainer = Trainer(cfg, SilentObserver(), verify_checkpoint=False)
+            trainer = Trainer(cfg, SilentObserver(), verify_checkpoint=False, before_load=_compile_probe)
     except MoectlError as e:
         report.add(Check("restore", "-", False, e.one_line()))
         return note, ck.path
@@ -148,6 +148,15 @@ def _restore_and_prove(report: ValidationReport, path: str | Path, config_for: O
         _prove_tensors(report, ck, cfg, trainer)
     _prove_probe(report, ck, cfg, trainer)
     return note, ck.path
+
+
+def _compile_probe(trainer: Trainer) -> None:
+    """Run the probe once before the load, on the not yet loaded (zero) weights, where its forward compiles
+    (`train.compile` on CUDA: seconds per region): the compile then overlaps the hashing thread's cold read
+    of the files instead of following the load. The probe itself is recomputed after the load; eval keeps
+    recipe states untouched, so this run changes nothing it measures."""
+    if trainer.compiled_regions:
+        trainer.probe_loss()
 
 
 def _prove_tensors(report: ValidationReport, ck: Checkpoint, cfg: Config, trainer: Trainer) -> None:

@@ -44,6 +44,7 @@ from trainer.moe.backends import (
     supports_precision,
     supports_wgrad_into,
 )
+from trainer.init_weights import normal_
 from trainer.moe.delayed_wgrad import DelayedWgrad
 from trainer.moe.expert_math import ExpertSpec
 from trainer.moe.expert_precision import ExpertPrecision
@@ -53,7 +54,7 @@ from trainer.precision import QuantizedTensor, Recipe
 def _init_EOI(E: int, out: int, inp: int, std: float, generator: Optional[torch.Generator]) -> torch.Tensor:
     """One normal draw of the whole `[E, out, in]` weight, in fp32 (the layouts slice the same values)."""
     device = generator.device if generator is not None else None
-    return torch.empty(E, out, inp, dtype=torch.float32, device=device).normal_(0.0, std, generator=generator)
+    return normal_(torch.empty(E, out, inp, dtype=torch.float32, device=device), std, generator)
 
 
 class GroupedLinearParams(nn.Module):

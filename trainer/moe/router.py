@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moectl.core.config.schema import MoEConfig
+from trainer.init_weights import normal_
 
 
 @dataclass
@@ -83,7 +84,7 @@ class TopKRouter(nn.Module):
             raise ValueError(f"router_topk ({self.topk}) must be in [1, num_experts={self.num_experts}]")
         device = generator.device if generator is not None else None
         weight = torch.empty(cfg.num_experts, hidden_size, dtype=torch.float32, device=device)
-        self.weight = nn.Parameter(weight.normal_(0.0, init_std, generator=generator))
+        self.weight = nn.Parameter(normal_(weight, init_std, generator))
 
     def forward(self, x_TD: torch.Tensor) -> RouterOutput:
         """Route `x_TD` (any float dtype) to its top-k experts."""
