@@ -19,22 +19,14 @@ from ckpt.faults import SLOW_S
 from moectl.core.config.load import load_config
 from trainer.loop import Trainer
 from trainer.observer import SilentObserver
+from cli_helpers import TINY, cli_env
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[2]
-TINY = str(REPO / "configs" / "tiny.yaml")
 SETS = [
     "model.num_layers=1", "model.seq_length=32", "data.source=synthetic", "optimizer.lr_warmup_iters=1",
     "train.eval_interval=null", "train.cpu_threads=1",
 ]  # fmt: skip
-
-
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "MOECTL_DEBUG", "OMP_NUM_THREADS")}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
-    env.update(extra)
-    return env
 
 
 def _train(run_dir: Path, *sets: str) -> list[str]:
@@ -59,7 +51,7 @@ def test_sigkill_during_a_background_write_leaves_the_previous_checkpoint_latest
     root = run / "checkpoints"
     # The save of step 4 writes its first file, then its writer stalls; training goes on meanwhile.
     p = subprocess.Popen(_train(run, "train.train_iters=8", "checkpoint.save_interval=2"),
-                         env=_env(MOECTL_CKPT_FAIL="0:write:stall@4"), stdout=subprocess.PIPE,
+                         env=cli_env(MOECTL_CKPT_FAIL="0:write:stall@4"), stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE)  # fmt: skip
     try:
         def mid_write() -> bool:
@@ -91,7 +83,7 @@ def test_sigkill_during_a_background_write_leaves_the_previous_checkpoint_latest
 def test_sigterm_waits_for_the_writer_and_exits_3(tmp_path: Path) -> None:
     # Every save's writer takes SLOW_S more before its vote: a run that left without waiting would lose it.
     p = subprocess.Popen(_train(tmp_path, "train.train_iters=2000", "checkpoint.save_interval=1000"),
-                         env=_env(MOECTL_CKPT_FAIL="0:finalize:slow"), stdout=subprocess.PIPE,
+                         env=cli_env(MOECTL_CKPT_FAIL="0:finalize:slow"), stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
         def trained_3() -> bool:

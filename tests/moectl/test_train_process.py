@@ -31,22 +31,14 @@ from pathlib import Path
 import pytest
 
 from ckpt import verify_checkpoint
+from cli_helpers import TINY, cli_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")]
 
-REPO = Path(__file__).resolve().parents[2]
-TINY = str(REPO / "configs" / "tiny.yaml")
 SMALL = [
     "model.num_layers=1", "model.seq_length=32", "data.source=synthetic", "optimizer.lr_warmup_iters=1",
     "train.eval_interval=null", "train.eval_iters=1",
 ]  # fmt: skip
-
-
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "MOECTL_DEBUG", "OMP_NUM_THREADS")}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
-    env.update(extra)
-    return env
 
 
 def _sets(*items: str) -> list[str]:
@@ -89,7 +81,7 @@ def test_twenty_two_rank_runs_in_a_row_all_exit_0(tmp_path: Path) -> None:
     for i in range(20):
         run_dir = tmp_path / f"r{i}"
         cmd = _train(run_dir, "train.train_iters=2", "train.eval_interval=2", "checkpoint.save_interval=2")
-        out = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+        out = subprocess.run(cmd, env=cli_env(), capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, f"run {i}: exit {out.returncode}\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
         assert "done: 2 steps" in out.stdout, out.stdout
         assert out.stderr == "", f"run {i}: {out.stderr[-3000:]}"
@@ -97,7 +89,7 @@ def test_twenty_two_rank_runs_in_a_row_all_exit_0(tmp_path: Path) -> None:
 
 
 def test_a_killed_rank_is_one_line_naming_the_rank_the_step_and_the_checkpoint(tmp_path: Path) -> None:
-    p = subprocess.Popen(_train(tmp_path, "train.train_iters=2000", "checkpoint.save_interval=3"), env=_env(),
+    p = subprocess.Popen(_train(tmp_path, "train.train_iters=2000", "checkpoint.save_interval=3"), env=cli_env(),
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
         _wait_for_steps(p, tmp_path, 4)
@@ -118,7 +110,7 @@ def test_a_killed_rank_is_one_line_naming_the_rank_the_step_and_the_checkpoint(t
 
 
 def test_sigterm_to_the_job_saves_on_both_ranks_and_exits_3(tmp_path: Path) -> None:
-    p = subprocess.Popen(_train(tmp_path, "train.train_iters=2000", "checkpoint.save_interval=1000"), env=_env(),
+    p = subprocess.Popen(_train(tmp_path, "train.train_iters=2000", "checkpoint.save_interval=1000"), env=cli_env(),
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
     try:
         _wait_for_steps(p, tmp_path, 3)
@@ -143,7 +135,7 @@ def test_a_stopped_rank_is_reported_as_hung(tmp_path: Path) -> None:
     # A 6 s collective timeout; once rank 0 has failed, torchrun's agent waits its fixed 30 s for the stopped
     # worker to take SIGTERM before it sends SIGKILL (most of this test's time).
     cmd = _train(tmp_path, "train.train_iters=2000", "parallel.distributed_timeout_minutes=0.1")
-    p = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(cmd, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     victim = None
     try:
         _wait_for_steps(p, tmp_path, 3)
@@ -179,7 +171,7 @@ def test_two_torchrun_agents_train_like_one_agent_with_two_processes(tmp_path: P
             [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
              "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "moectl-test",
              "-m", "moectl", "train", TINY, "--run-dir", str(tmp_path / "two_nodes"), *sets],
-            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
         for _ in range(2)
     ]
@@ -190,7 +182,7 @@ def test_two_torchrun_agents_train_like_one_agent_with_two_processes(tmp_path: P
             a.kill()
     assert [a.returncode for a in agents] == [0, 0], outs
     one = subprocess.run(_train(tmp_path / "one_node", "train.train_iters=4", "train.eval_interval=2"),
-                         env=_env(), capture_output=True, text=True, timeout=300)  # fmt: skip
+                         env=cli_env(), capture_output=True, text=True, timeout=300)  # fmt: skip
     assert one.returncode == 0, one.stderr
     two, single = _records(tmp_path / "two_nodes"), _records(tmp_path / "one_node")
     assert [r["step"] for r in two] == [1, 2, 2, 3, 4, 4]
@@ -203,7 +195,7 @@ def test_piped_to_a_file_one_plain_line_per_log_interval_none_wrapped(tmp_path: 
     cmd = _train(tmp_path / "run", "train.train_iters=6", "train.log_interval=2", "optimizer.lr_warmup_iters=10",
                  "train.eval_interval=3", nproc=1)  # fmt: skip
     with open(log, "w") as f:  # a file, as a cluster job's log: not a terminal
-        rc = subprocess.run(cmd, env=_env(), stdout=f, stderr=subprocess.STDOUT, timeout=300).returncode
+        rc = subprocess.run(cmd, env=cli_env(), stdout=f, stderr=subprocess.STDOUT, timeout=300).returncode
     assert rc == 0
     lines = log.read_text().splitlines()
     steps = [line for line in lines if line.startswith("step ") and "| loss " in line]
@@ -225,7 +217,7 @@ def test_piped_to_a_file_one_plain_line_per_log_interval_none_wrapped(tmp_path: 
 @pytest.mark.parametrize("save, code", [(True, 3), (False, 128 + signal.SIGTERM)])
 def test_one_process_stopped_by_sigterm_exits_with_the_documented_code(tmp_path: Path, save: bool, code: int) -> None:
     extra = ["checkpoint.save_interval=1000"] if save else []
-    p = subprocess.Popen(_train(tmp_path, "train.train_iters=2000", *extra, nproc=1), env=_env(),
+    p = subprocess.Popen(_train(tmp_path, "train.train_iters=2000", *extra, nproc=1), env=cli_env(),
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
         _wait_for_steps(p, tmp_path, 2)
@@ -243,7 +235,7 @@ def test_one_process_stopped_by_sigterm_exits_with_the_documented_code(tmp_path:
 
 def test_a_run_dir_refused_on_rank_0_stops_both_ranks_in_one_line(tmp_path: Path) -> None:
     (tmp_path / "in_the_way").write_text("x")
-    out = subprocess.run(_train(tmp_path / "in_the_way", "train.train_iters=3"), env=_env(), capture_output=True,
+    out = subprocess.run(_train(tmp_path / "in_the_way", "train.train_iters=3"), env=cli_env(), capture_output=True,
                          text=True, timeout=300)  # fmt: skip
     assert out.returncode == 2, out.stderr
     assert _error_lines(out.stderr) == [
