@@ -140,6 +140,7 @@ def measure_column(cfg: Config, column: Column, bench: TrainBenchConfig, log: Lo
         "column": column.name, "description": column.description, "overrides": list(column.overrides),
         "compile": cfg.train.compile, "compiled_regions": len(trainer.compiled_regions),
         "expert_backend": moe[0].experts.backend(device).name if moe else None,
+        "cuda_graph": trainer.graph is not None,
     }  # fmt: skip
     params = count_params(cfg.model, cfg.moe)
     row["model"] = {"params": params.total, "active_params": params.active, "world_size": world,
@@ -226,6 +227,10 @@ def run(bench: TrainBenchConfig, configs: list[Config], meta: dict[str, Any], lo
     if first is not None:
         meta["model"] = first["model"]
     for r in result.rows:
+        if r.get("cuda_graph") and r.get("profile"):
+            result.notes.append(f"{r['column']}: micro-batches replayed from a CUDA graph; the profiler sees the "
+                                "replayed kernels without the ops that launched them, so its split by region is "
+                                "not meaningful for this column (step time, tokens/s and memory are)")
         if r.get("losses") and first is not None and first.get("losses"):
             r["loss_vs_first_column"] = max(abs(a - b) for a, b in zip(r["losses"], first["losses"]))
             if not math.isfinite(r["loss_vs_first_column"]):
