@@ -159,13 +159,22 @@ def _compile_probe(trainer: Trainer) -> None:
         trainer.probe_loss()
 
 
-def _prove_tensors(report: ValidationReport, ck: Checkpoint, cfg: Config, trainer: Trainer) -> None:
-    local_names = {n for n, _ in trainer.model.named_parameters()}
-    pstate = trainer.rt.pstate
-    expected = localize(read_logical(ck, cfg, wanted=local_names), pstate.ep if pstate is not None else None,
-                        cfg.moe.num_experts, local_names)
-    state = trainer.engine.logical_state()
+Tensors = dict[str, torch.Tensor]
+
+
+def _restored(ck: Checkpoint, cfg: Config, trainer: Trainer
+              ) -> tuple[Tensors, dict[str, Tensors], dict[str, torch.nn.Parameter]]:  # fmt: skip
+    """What both proofs compare: the checkpoint's tensors for this rank's params (read again, apart from the
+    load, and localized to this rank's experts), the engine's restored logical state, and the params."""
     params = dict(trainer.model.named_parameters())
+    pstate = trainer.rt.pstate
+    expected = localize(read_logical(ck, cfg, wanted=set(params)), pstate.ep if pstate is not None else None,
+                        cfg.moe.num_experts, set(params))
+    return expected, trainer.engine.logical_state(), params
+
+
+def _prove_tensors(report: ValidationReport, ck: Checkpoint, cfg: Config, trainer: Trainer) -> None:
+    expected, state, params = _restored(ck, cfg, trainer)
     for name in sorted(state):
         entry = state[name]
         for key, suffix in STATE_SUFFIX.items():
@@ -199,12 +208,7 @@ def _prove_weights(report: ValidationReport, ck: Checkpoint, cfg: Config, traine
     why = ("none in the checkpoint: model weights only (import-hf, or saved without optimizer state)"
            if is_model_only(ck) else "not loaded: checkpoint.no_load_optim=true")  # fmt: skip
     report.add(Check("master", "-", True, f"{why}; nothing to compare, masters rebuilt from the weights"))
-    local_names = {n for n, _ in trainer.model.named_parameters()}
-    pstate = trainer.rt.pstate
-    expected = localize(read_logical(ck, cfg, wanted=local_names), pstate.ep if pstate is not None else None,
-                        cfg.moe.num_experts, local_names)
-    state = trainer.engine.logical_state()
-    params = dict(trainer.model.named_parameters())
+    expected, state, params = _restored(ck, cfg, trainer)
     for name in sorted(state):
         want, master = expected.get(name), state[name]["master"].cpu()
         if want is None:
