@@ -58,7 +58,8 @@ Megatron-LM argument checks with no moectl rule, and why (numbered as in the sur
   limitation; kept: router padding needs a low-precision recipe (MOE007). 18 ncclep/hybridep/flex
   dispatchers: not in moectl.
 - 19 CUDA-graph scopes: moectl has one switch (`train.cuda_graph`, one graph per micro-batch), so only "MoE
-  needs drop-and-pad" (MOE034) carries over; MOE058-061 are what moectl's capture itself needs. 21 `delay_wgrad_compute` needs EP-comm overlap and TE versions: TE internals
+  needs drop-and-pad" (MOE034) carries over; MOE058-061 are what moectl's capture itself needs.
+  21 `delay_wgrad_compute` needs EP-comm overlap and TE versions: TE internals
   (moectl overlaps the delayed expert wgrad with its own dispatcher's all-to-all, trainer/moe/
   delayed_wgrad.py); kept as the warning that it has nothing to overlap without expert parallelism (MOE025).
 - 25 `bias_dropout_fusion`, `moe_apply_probs_on_input`, interleave-without-fused-kernel warning: no such
@@ -128,6 +129,11 @@ class Device:
     def describe(self) -> str:
         """The label with where it came from, for messages."""
         return f"{self.label} ({self.source})" if self.source else self.label
+
+    def cuda_before(self, capability: tuple[int, int]) -> bool:
+        """A CUDA GPU of known compute capability older than `capability` (e.g. no bf16 tensor cores before
+        (8, 0))."""
+        return self.kind == "cuda" and bool(self.capability) and self.capability < capability  # type: ignore[operator]
 
 
 @dataclass(frozen=True)
@@ -1291,13 +1297,7 @@ def recipe_native_on_device(c: Context) -> Iterator[_Hit]:
 def bf16_native_on_device(c: Context) -> Iterator[_Hit]:
     """bf16 tensor cores arrived with Ampere (sm80); older GPUs run bf16 GEMMs slowly or not at all."""
     dev = c.device
-    if (
-        c.cfg.mixed_precision.bf16
-        and dev is not None
-        and dev.kind == "cuda"
-        and dev.capability
-        and dev.capability < (8, 0)
-    ):
+    if c.cfg.mixed_precision.bf16 and dev is not None and dev.cuda_before((8, 0)):
         yield _Hit(
             f"mixed_precision.bf16=true on {dev.describe()}: no bf16 tensor cores before sm80",
             "run on sm80+ or set bf16=false",
@@ -1609,14 +1609,7 @@ def muon_bf16_needs_sm80(c: Context) -> Iterator[_Hit]:
     Ampere (sm80); older GPUs run bf16 GEMMs slowly or not at all (as MOE039 says for bf16 compute).
     `auto` picks fp32 there by itself; an explicit bfloat16 is taken as asked, hence the warning."""
     o, dev = c.cfg.optimizer, c.device
-    if (
-        o.optimizer == "muon"
-        and o.muon_compute_dtype == "bfloat16"
-        and dev is not None
-        and dev.kind == "cuda"
-        and dev.capability
-        and dev.capability < (8, 0)
-    ):
+    if o.optimizer == "muon" and o.muon_compute_dtype == "bfloat16" and dev is not None and dev.cuda_before((8, 0)):
         yield _Hit(
             f"optimizer.muon_compute_dtype=bfloat16 on {dev.describe()}: no bf16 tensor cores before sm80",
             "set optimizer.muon_compute_dtype=auto (fp32 there), or run on sm80+",
