@@ -2,8 +2,9 @@
 
 One step: zero grads -> for each micro-batch: forward, loss / n_micro, backward (the last one lets
 the engine launch grad reduction) -> engine.step(lr) -> metrics. With `train.cuda_graph` every step after
-the first replays each micro-batch from one captured graph (trainer/graphs/capture.py says what stays out). A non-finite loss or grad norm stops
-the run with a clear message (`train.on_nonfinite: stop`) or skips the update (`skip`).
+the first replays each micro-batch from one captured graph (trainer/graphs/capture.py says what stays out).
+A non-finite loss or grad norm stops the run with a clear message (`train.on_nonfinite: stop`) or skips
+the update (`skip`).
 SIGINT/SIGTERM end the run after the step in flight, agreed over all ranks (trainer/stop.py), with a
 checkpoint when `checkpoint.save_interval` is set and a warning when it is not. A collective that loses
 its peer or times out becomes a one-line error naming the rank and the step (trainer/parallel/failures.py).
@@ -86,6 +87,9 @@ class Trainer:
         tc = cfg.train
         self.dp = self.rt.world_size
         self.n_micro = tc.global_batch_size // (tc.micro_batch_size * self.dp)
+        if tc.cuda_graph and self.rt.device.type != "cuda":  # MOE035, for runs started without the CLI
+            raise ConfigError("train.cuda_graph", True, f"CUDA graphs need a CUDA device, not {self.rt.device}",
+                              fix="set train.cuda_graph=false, or run on a GPU")  # fmt: skip
         # A checkpoint to load replaces every weight: leave the random draws out (trainer/init_weights.py).
         with skipped_init() if cfg.checkpoint.load else contextlib.nullcontext():
             self.model = build_model(cfg, self.rt.device, self.rt.pstate)
@@ -96,9 +100,6 @@ class Trainer:
             else []
         )  # fmt: skip
         # train.cuda_graph: each micro-batch's forward + backward replayed from one CUDA graph (trainer/graphs)
-        if tc.cuda_graph and self.rt.device.type != "cuda":  # MOE035, for runs started without the CLI
-            raise ConfigError("train.cuda_graph", True, f"CUDA graphs need a CUDA device, not {self.rt.device}",
-                              fix="set train.cuda_graph=false, or run on a GPU")  # fmt: skip
         self.graph = (
             MicroBatchGraph(self.model, self.model.loss, self.n_micro) if wants_cuda_graph(cfg, self.rt.device)
             else None
@@ -117,9 +118,9 @@ class Trainer:
         self.resumed_from: Path | None = None
         self.last_record: dict[str, Any] | None = None  # the latest step's metrics record
         self._refuse_to_overwrite_checkpoints()
-        if cfg.checkpoint.load and before_load is not None:
-            before_load(self)
         if cfg.checkpoint.load:
+            if before_load is not None:
+                before_load(self)
             restored = load_training_checkpoint(
                 resolve_load_path(cfg.checkpoint.load), cfg, self.model, self.engine, self.rt.pstate,
                 verify=verify_checkpoint,

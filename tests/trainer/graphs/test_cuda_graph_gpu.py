@@ -2,9 +2,10 @@
 
 One trace per run: 4 optimizer steps of 3 micro-batches with an evaluation after step 2 (train-eval-train),
 on the real `Trainer`. Recorded: after every micro-batch, the LM and aux losses and every expert and router
-`main_grad`; after every step, the params, the fp32 masters and Adam moments, the published quantized weights (rowwise and columnwise bytes and
-scales: the fp8 weight caches) and the eval loss. The graph run (step 1 eager, steps 2-4 replayed) must
-equal the eager run bit for bit, with bf16, fp8 tensorwise and fp8 param gather, both expert layouts.
+`main_grad`; after every step, the params, the fp32 masters and Adam moments, the published quantized
+weights (rowwise and columnwise bytes and scales: the fp8 weight caches) and the eval loss. The graph run
+(step 1 eager, steps 2-4 replayed) must equal the eager run bit for bit, with bf16, fp8 tensorwise and fp8
+param gather in both expert layouts, fp8 delayed scaling and Muon.
 `train.deterministic` makes the eager step itself bit-reproducible (index backward uses atomics
 otherwise); the comparison is graph against eager, both deterministic.
 
@@ -131,8 +132,8 @@ def differences(a: dict[str, Any], b: dict[str, Any], reduced_in_place: bool = F
     for s, (x, y) in enumerate(zip(a["steps"], b["steps"])):
         out += [f"step {s + 1}: {k}" for k in ("loss", "aux", "grad_norm", "eval") if x.get(k) != y.get(k)]
         out += [f"step {s + 1}: param {n}" for n in x["params"] if not torch.equal(x["params"][n], y["params"][n])]
-        out += [f"step {s + 1}: optimizer shard tensor {i}" for i, (t, u) in enumerate(zip(x["optimizer"], y["optimizer"]))
-                if not torch.equal(t, u)]
+        pairs = enumerate(zip(x["optimizer"], y["optimizer"]))
+        out += [f"step {s + 1}: optimizer shard tensor {i}" for i, (t, u) in pairs if not torch.equal(t, u)]
         if x["quantized"].keys() != y["quantized"].keys():
             out.append(f"step {s + 1}: quantized weights {sorted(x['quantized'])} vs {sorted(y['quantized'])}")
             continue
