@@ -35,6 +35,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from moectl.bench.result import RowsResult
 from moectl.bench.train_shrink import quick_overrides
 from moectl.core.config.load import load_config
 from moectl.core.config.schema import Config
@@ -55,16 +56,8 @@ class CkptBenchConfig:
     keep: bool = False  # leave the synchronous save on disk afterwards
 
 
-@dataclass
-class CkptBenchResult:
+class CkptBenchResult(RowsResult):
     """Every measured time (seconds), its floor, and what they were measured on."""
-
-    meta: dict[str, Any]
-    rows: list[dict[str, Any]] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-
-    def to_json(self) -> dict[str, Any]:
-        return {"meta": self.meta, "rows": self.rows, "notes": self.notes}
 
 
 def bench_config(bench: CkptBenchConfig, world_size: int = 1) -> Config:

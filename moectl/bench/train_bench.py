@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from moectl.bench.oom import OutOfMemory, free, oom_message
+from moectl.bench.result import RowsResult
 from moectl.bench.train_columns import Column
 from moectl.bench.train_shrink import quick_overrides
 from moectl.core.config.load import load_config
@@ -58,16 +59,8 @@ class TrainBenchConfig:
         return {"steps": 2, "warmup": 1, "profile_steps": 1}
 
 
-@dataclass
-class TrainBenchResult:
+class TrainBenchResult(RowsResult):
     """One row per column, and what they were measured on."""
-
-    meta: dict[str, Any]
-    rows: list[dict[str, Any]] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-
-    def to_json(self) -> dict[str, Any]:
-        return {"meta": self.meta, "rows": self.rows, "notes": self.notes}
 
 
 def column_config(bench: TrainBenchConfig, column: Column, world_size: int = 1) -> Config:

@@ -15,7 +15,7 @@ from rich.table import Table
 
 from moectl.cli.base import command
 from moectl.cli.bench import bench_app
-from moectl.cli.options import ConfigArg, JsonPathOpt, SetOpt, examples
+from moectl.cli.options import ConfigArg, JsonPathOpt, NprocOpt, SetOpt, examples
 
 _HELP = (
     "Checkpoint speed at the config's model size: builds the model and optimizer (one training step), saves it "
@@ -65,9 +65,7 @@ def render(result: Any, console: Console) -> None:
 def ckpt(
     config: ConfigArg,
     set_: SetOpt = None,
-    nproc_per_node: Annotated[
-        int, typer.Option("--nproc-per-node", min=1, help="Processes (GPUs) on this machine; >1 launches torchrun.")
-    ] = 1,
+    nproc_per_node: NprocOpt = 1,
     folder: Annotated[
         Optional[Path], typer.Option("--dir", help="Where to write (default: RUN_DIR/bench_ckpt of the config); "
                                      "removed afterwards unless --keep.")

@@ -12,7 +12,7 @@ from rich.table import Table
 
 from moectl.cli.base import command
 from moectl.cli.bench import bench_app
-from moectl.cli.options import ConfigArg, JsonPathOpt, SetOpt, examples
+from moectl.cli.options import ConfigArg, JsonPathOpt, NprocOpt, SetOpt, examples
 from moectl.core.errors import UsageError
 
 _HELP = (
@@ -117,9 +117,7 @@ def render(result: Any, console: Console) -> None:
 def train(
     config: ConfigArg,
     set_: SetOpt = None,
-    nproc_per_node: Annotated[
-        int, typer.Option("--nproc-per-node", min=1, help="Processes (GPUs) on this machine; >1 launches torchrun.")
-    ] = 1,
+    nproc_per_node: NprocOpt = 1,
     steps: Annotated[Optional[int], typer.Option("--steps", min=1, help="Timed steps per column (default 10).")] = None,
     warmup: Annotated[
         Optional[int], typer.Option("--warmup", min=0, help="Untimed steps first (compiles happen here; default 3).")

@@ -26,6 +26,9 @@ WorldSizeOpt = Annotated[
     Optional[int],
     typer.Option("--world-size", "-w", min=1, help="Number of processes to check for (default: the smallest that fits)."),
 ]
+NprocOpt = Annotated[
+    int, typer.Option("--nproc-per-node", min=1, help="Processes (GPUs) on this machine; >1 launches through torchrun.")
+]
 RunDirOpt = Annotated[Optional[Path], typer.Option("--run-dir", help="Override run_dir from the config.")]
 
 

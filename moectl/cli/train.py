@@ -22,14 +22,11 @@ from moectl.cli import exit_codes
 from moectl.cli import outcome as O
 from moectl.cli.base import app, command, report
 from moectl.cli.console import make_console
-from moectl.cli.options import ConfigArg, RunDirOpt, SetOpt, examples
+from moectl.cli.options import ConfigArg, NprocOpt, RunDirOpt, SetOpt, examples
 from moectl.core.config.load import load_config
 from moectl.core.config.schema import Config
 from moectl.core.errors import ConfigError, MoectlError
 
-NprocOpt = Annotated[
-    int, typer.Option("--nproc-per-node", min=1, help="Processes (GPUs) on this machine; >1 launches through torchrun.")
-]
 OverwriteOpt = Annotated[
     bool,
     typer.Option(
