@@ -15,7 +15,7 @@ from ckpt_fixtures import make_meta, mixed_tensors
 from typer.testing import CliRunner
 
 from ckpt import list_committed, save_checkpoint, verify_checkpoint
-from ckpt.async_save import AsyncCheckpointer
+from ckpt.async_save import AsyncCheckpointer, SaveOutcome
 from ckpt.faults import SLOW_S
 from dist_helpers import run_distributed
 from moectl.cli.app import app
@@ -174,3 +174,30 @@ def test_two_ranks_background_equals_sync_and_a_failure_on_one_rank_stops_both(t
     assert r0["stopped_after"] == r1["stopped_after"] == r0["trained"]
     root = tmp_path / "fail" / "checkpoints"
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000002"]
+
+
+class _OutcomeLost:
+    """A writer whose save failed where only the outcome broadcast can fail: after rank 0 moved `latest`."""
+
+    def wait(self) -> SaveOutcome:
+        return SaveOutcome(6, None, RuntimeError("peer lost in the outcome broadcast"), 0.0, 0.0, 0)
+
+
+def test_a_failed_run_names_a_save_that_committed_before_its_outcome_was_lost(tmp_path: Path) -> None:
+    """Rank 0 moves `latest` before it broadcasts the outcome; a peer killed in between fails only the
+    broadcast. The run's error must then name what a resume would load (the newer step), not the one
+    before; and a `latest` older than what the run knows it committed never replaces it."""
+    t = _trainer(tmp_path / "run")
+    root = tmp_path / "ck"
+    for step in (3, 6):
+        save_checkpoint(root, step, _files_of(step), make_meta())
+    ck = RunCheckpointer(t.cfg, t.engine, t.rt.pstate, root)
+    ck.last_committed = root / "step_00000003"
+    ck._writer = _OutcomeLost()  # type: ignore[assignment]
+    ck.abandon()
+    assert ck.last_committed == root / "step_00000006"
+
+    ck.last_committed = root / "step_00000009"  # committed by this run, though `latest` still says 6
+    ck._writer = _OutcomeLost()  # type: ignore[assignment]
+    ck.abandon()
+    assert ck.last_committed == root / "step_00000009"

@@ -29,7 +29,7 @@ from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
-from ckpt import names
+from ckpt import find_latest, names
 from ckpt.async_save import AsyncCheckpointer, SaveOutcome
 from ckpt.inspect import format_bytes
 from ckpt.save import CheckpointSaveError, save_checkpoint
@@ -167,12 +167,23 @@ class RunCheckpointer:
 
     def abandon(self) -> None:
         """On the way out of a failed run: let the save in flight finish (it may commit, and `last_committed`
-        then names it) without raising its error over the run's own."""
+        then names it) without raising its error over the run's own.
+
+        A save can commit and still come back as an error here: rank 0 moves `latest` before it broadcasts
+        the outcome, and a peer lost in between fails only the broadcast. So a failed outcome falls back on
+        what the disk says (`find_latest`, what a resume would load) when that is newer."""
         if self._writer is None:
             return
         outcome = self._writer.wait()
         if outcome is not None and outcome.ok:
             self.last_committed = outcome.path
+        elif outcome is not None:
+            try:
+                on_disk = find_latest(self.root)
+            except CheckpointError:  # a garbled `latest`: keep what this run knows it committed
+                return
+            if on_disk is not None and _step(on_disk) > (_step(self.last_committed) if self.last_committed else -1):
+                self.last_committed = on_disk
 
     def close(self) -> None:
         """Free the host buffers (nothing may be in flight: after `finish` or `abandon`)."""
@@ -223,6 +234,10 @@ def _as_run_error(outcome: SaveOutcome, root: Path, committed: Path | None) -> B
         f"and {still}",
         f"fix that rank's error (disk space, permissions under {root}){resume}",
     )
+
+
+def _step(folder: Path) -> int:
+    return names.parse_step_dir(folder.name) or 0
 
 
 def _latest(root: Path) -> str:
