@@ -9,10 +9,9 @@
     torchtitan-recipe  the same with experts on `moe.backend=grouped` (torch._grouped_mm + eager
                        activation): torchtitan's MoE recipe
     cuda-graph         ours with `train.cuda_graph=true` (each micro-batch replayed from one CUDA graph);
-                       asked for by name only, since it needs drop-and-pad experts (MOE034)
-    eager              ours with `train.cuda_graph=false`: the A/B partner of `cuda-graph` on a drop-and-pad
-                       config (`--set moe.capacity_factor=1.0 --set moe.pad_expert_input_to_capacity=true`),
-                       where `ours` already captures (train.cuda_graph null turns graphs on there)
+                       asked for by name only, since it needs a static expert input (MOE034)
+    eager              ours with `train.cuda_graph=false`: the A/B partner of `ours` where `ours` captures
+                       (train.cuda_graph null turns graphs on for bf16 dropless and drop-and-pad configs)
 The peer columns set `train.cuda_graph=false`: they are what a plain engine gives.
 
 A column is nothing but `--set` overrides applied after the user's, so every column runs the real trainer

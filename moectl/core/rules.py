@@ -58,7 +58,7 @@ Megatron-LM argument checks with no moectl rule, and why (numbered as in the sur
   limitation; kept: router padding needs a low-precision recipe (MOE007). 18 ncclep/hybridep/flex
   dispatchers: not in moectl.
 - 19 CUDA-graph scopes: moectl has one switch (`train.cuda_graph`, one graph per micro-batch), so only "MoE
-  needs drop-and-pad" (MOE034) carries over; MOE058-061 are what moectl's capture itself needs.
+  needs drop-and-pad" carries over, narrowed (MOE034: bf16 dropless experts have static rows too); MOE058-061 are what moectl's capture itself needs.
   21 `delay_wgrad_compute` needs EP-comm overlap and TE versions: TE internals
   (moectl overlaps the delayed expert wgrad with its own dispatcher's all-to-all, trainer/moe/
   delayed_wgrad.py); kept as the warning that it has nothing to overlap without expert parallelism (MOE025).
@@ -1100,28 +1100,51 @@ def head_dim_even_for_rope(c: Context) -> Iterator[_Hit]:
 # -------------------------------------------------------------------------------------------- CUDA graphs
 
 
+def static_expert_rows(cfg: Config) -> bool:
+    """Whether every MoE layer's expert input has a row count fixed by the config (what a CUDA graph needs,
+    MOE034): drop-and-pad, or dropless experts without an fp8/fp4 recipe (the rows are the T*K routings;
+    the grouped GEMMs read the per-expert split from device offsets). Elsewhere the dispatcher sizes the
+    input with a host sync."""
+    m, mp = cfg.moe, cfg.mixed_precision
+    if m.capacity_factor is not None:
+        return m.pad_expert_input_to_capacity
+    return not (mp.fp8 or mp.fp4)
+
+
 @rule(
     "MOE034",
     "cuda_graph",
     "error",
-    ["train.cuda_graph", "moe.capacity_factor", "moe.pad_expert_input_to_capacity"],
-    "an MoE model under CUDA graphs needs drop-and-pad",
+    ["train.cuda_graph", "moe.capacity_factor", "moe.pad_expert_input_to_capacity", "mixed_precision.fp8",
+     "mixed_precision.fp4"],
+    "an MoE model under CUDA graphs needs a static number of expert input rows",
 )
-def cuda_graph_needs_drop_and_pad(c: Context) -> Iterator[_Hit]:
-    """A CUDA graph replays fixed shapes and launches with no host syncs. Dropless routing gives each
-    expert a data-dependent token count (and a device-to-host sync to size the grouped GEMM); only a
-    capacity factor with padding to capacity makes every expert's input static (Megatron: the `moe`
-    graph scope is for drop-and-pad only)."""
-    m = c.cfg.moe
-    if (
-        c.cfg.train.cuda_graph
-        and c.moe_layers > 0
-        and (m.capacity_factor is None or not m.pad_expert_input_to_capacity)
-    ):
+def cuda_graph_needs_static_expert_rows(c: Context) -> Iterator[_Hit]:
+    """A CUDA graph replays fixed shapes and launches with no host syncs. The expert input has a static
+    row count in two cases: drop-and-pad (every expert padded to its capacity), and dropless experts
+    without a low-precision recipe, whose rows are exactly the T*K routings, split among experts by
+    device-side offsets the grouped GEMMs read on the GPU. A capacity without padding drops a
+    data-dependent number of routings, and an fp8/fp4 recipe pads each expert's segment to its block
+    alignment: both size the expert input with a device-to-host sync. (Megatron captures MoE layers only
+    with drop-and-pad; moectl's grouped GEMMs take their group offsets on the device, which lifts that
+    for bf16 dropless.)"""
+    m, mp = c.cfg.moe, c.cfg.mixed_precision
+    if not c.cfg.train.cuda_graph or c.moe_layers == 0 or static_expert_rows(c.cfg):
+        return
+    if m.capacity_factor is not None:
         yield _Hit(
-            f"train.cuda_graph=true with dropless experts (moe.capacity_factor={fmt(m.capacity_factor)}, "
-            f"moe.pad_expert_input_to_capacity={fmt(m.pad_expert_input_to_capacity)})",
-            "set moe.capacity_factor (e.g. 1.25) and moe.pad_expert_input_to_capacity=true, or train.cuda_graph=false",
+            f"train.cuda_graph=true with moe.capacity_factor={fmt(m.capacity_factor)} and "
+            "moe.pad_expert_input_to_capacity=false (a data-dependent number of routings is dropped)",
+            "set moe.pad_expert_input_to_capacity=true, or moe.capacity_factor=null (dropless), or "
+            "train.cuda_graph=false",
+        )
+    else:
+        culprit = f"mixed_precision.fp8={mp.fp8}" if mp.fp8 else f"mixed_precision.fp4={mp.fp4}"
+        yield _Hit(
+            f"train.cuda_graph=true with dropless experts (moe.capacity_factor=null) and {culprit} (each "
+            "expert's rows are padded to the recipe's block alignment: a data-dependent row count)",
+            "set moe.capacity_factor (e.g. 1.25) and moe.pad_expert_input_to_capacity=true, or "
+            "train.cuda_graph=false",
         )
 
 

@@ -17,7 +17,8 @@ from pinned tensors refreshed before the step. Python that runs during the forwa
 layers' statistics) runs once, at capture: the layers' `stats` are pointed back at the graph's outputs
 after each replay, so metrics read the replayed values.
 
-Shapes must be static: drop-and-pad experts (MOE034), one expert-parallel rank (MOE058), a backend that
+Shapes must be static: drop-and-pad experts, or dropless ones without an fp8/fp4 recipe, whose T*K rows
+are split among experts by device offsets (MOE034); one expert-parallel rank (MOE058); a backend that
 reads no counts on the host (MOE059). The first step runs eagerly (compiles, autotuning, lazily built
 state); the capture happens at the first micro-batch of the next step, on a private memory pool.
 """
@@ -35,6 +36,7 @@ from torch import nn
 
 from moectl.core.config.schema import Config
 from moectl.core.errors import MoectlError
+from moectl.core.rules import static_expert_rows
 from trainer.graphs.static_weights import StaticWeights
 from trainer.moe.layer import MoELayer
 
@@ -145,15 +147,14 @@ def _culprit(e: BaseException) -> str:
 def wants_cuda_graph(cfg: Config, device: torch.device) -> bool:
     """Whether the run captures graphs: `train.cuda_graph` when set, else (null) on exactly where graphs were
     measured to win and checked bitwise against eager (docs/benchmarks.md, tests/trainer/graphs): CUDA,
-    drop-and-pad MoE, one expert-parallel rank, a grouped backend, Adam, bf16 or fp8 e4m3 tensorwise, no
+    static expert rows (`static_expert_rows`), one expert-parallel rank, a grouped backend, Adam, bf16 or fp8 e4m3 tensorwise, no
     delayed wgrad. Elsewhere `true` still works (the rules say what it needs); null does not take the chance."""
     if cfg.train.cuda_graph is not None:
         return cfg.train.cuda_graph
     m, mp = cfg.moe, cfg.mixed_precision
     return (
         device.type == "cuda"
-        and m.capacity_factor is not None
-        and m.pad_expert_input_to_capacity
+        and static_expert_rows(cfg)
         and cfg.parallel.expert_model_parallel_size <= 1
         and m.backend != "loop"
         and not m.delay_wgrad_compute
@@ -161,3 +162,4 @@ def wants_cuda_graph(cfg: Config, device: torch.device) -> bool:
         and not mp.fp4
         and (not mp.fp8 or (mp.fp8 == "e4m3" and mp.fp8_recipe == "tensorwise"))  # hybrid: emulated backward
     )
+

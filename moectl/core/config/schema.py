@@ -195,10 +195,11 @@ class TrainConfig:
     cuda_graph: Optional[bool] = doc(
         None,
         "Replay each micro-batch's forward + backward from one CUDA graph, captured after the first (eager) "
-        "step; optimizer, param gather and grad reduction stay eager. true needs drop-and-pad experts, a GPU, "
-        "one expert-parallel rank, a grouped backend, adam/muon and native GEMMs (MOE034, MOE035, MOE058-061). null = on "
-        "where it is measured to win: CUDA, drop-and-pad, ep 1, adam, bf16 or fp8 tensorwise (with or without "
-        "fp8 param gather), no delayed wgrad; off otherwise (dropless experts, the default, cannot be captured).",
+        "step; optimizer, param gather and grad reduction stay eager. true needs a static expert input (drop-and-pad, "
+        "or dropless without fp8/fp4), a GPU, one expert-parallel rank, a grouped backend, adam/muon and native "
+        "GEMMs (MOE034, MOE035, MOE058-061). null = on where it is measured to win: CUDA, drop-and-pad or bf16 "
+        "dropless, ep 1, adam, bf16 or fp8 tensorwise (drop-and-pad, with or without fp8 param gather), no delayed "
+        "wgrad; off otherwise.",
     )
     compile: Literal["none", "regional", "auto"] = doc(
         "auto",

@@ -257,7 +257,18 @@ CASES = [
     Case("MOE033", ["model.hidden_size=68"], ["model.hidden_size=72"]),
     Case("MOE033", ["model.kv_channels=15"], ["model.kv_channels=16"], name="kv-channels"),
     # CUDA graphs
-    Case("MOE034", ["train.cuda_graph=true"], ["train.cuda_graph=true", *DROP_AND_PAD], name="dropless"),
+    Case(
+        "MOE034",
+        ["train.cuda_graph=true", "mixed_precision.bf16=true", "mixed_precision.fp8=e4m3"],
+        ["train.cuda_graph=true", "mixed_precision.bf16=true", "mixed_precision.fp8=e4m3", *DROP_AND_PAD],
+        name="dropless-fp8",
+    ),
+    Case(
+        "MOE034",
+        ["train.cuda_graph=true", "mixed_precision.bf16=true", "mixed_precision.fp8=e4m3"],
+        ["train.cuda_graph=true", "mixed_precision.bf16=true"],  # bf16 dropless: T*K rows, device offsets
+        name="dropless-bf16",
+    ),
     Case(
         "MOE034",
         ["train.cuda_graph=true", "moe.capacity_factor=1.0"],
@@ -266,8 +277,8 @@ CASES = [
     ),
     Case(
         "MOE034",
-        ["train.cuda_graph=true", "model.moe_layer_freq=[0, 1]"],
-        ["train.cuda_graph=true", "model.moe_layer_freq=[0, 0]"],
+        ["train.cuda_graph=true", "moe.capacity_factor=1.0", "model.moe_layer_freq=[0, 1]"],
+        ["train.cuda_graph=true", "moe.capacity_factor=1.0", "model.moe_layer_freq=[0, 0]"],
         name="dense-model",
     ),
     Case(

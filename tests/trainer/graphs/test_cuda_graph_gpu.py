@@ -5,7 +5,7 @@ on the real `Trainer`. Recorded: after every micro-batch, the LM and aux losses 
 `main_grad`; after every step, the params, the fp32 masters and Adam moments, the published quantized
 weights (rowwise and columnwise bytes and scales: the fp8 weight caches) and the eval loss. The graph run
 (step 1 eager, steps 2-4 replayed) must equal the eager run bit for bit, with bf16, fp8 tensorwise and fp8
-param gather in both expert layouts, fp8 delayed scaling and Muon.
+param gather in both expert layouts, bf16 dropless experts in both layouts, fp8 delayed scaling and Muon.
 `train.deterministic` makes the eager step itself bit-reproducible (index backward uses atomics
 otherwise); the comparison is graph against eager, both deterministic.
 
@@ -43,10 +43,13 @@ BASE = [
     "optimizer.lr=1e-3", "optimizer.lr_warmup_iters=0", f"train.train_iters={STEPS}", "logging.jsonl=false",
 ]
 FP8 = ["mixed_precision.fp8=e4m3", "mixed_precision.fp8_recipe=tensorwise"]
+DROPLESS = ["moe.capacity_factor=null", "moe.pad_expert_input_to_capacity=false"]  # T*K rows: static in bf16
 EAGER = "train.cuda_graph=false"  # BASE is drop-and-pad, where the default (null) captures
 VARIANTS = {
     "bf16": [],
     "bf16-per-expert": ["moe.single_grouped_weight=false"],
+    "bf16-dropless": DROPLESS,
+    "bf16-dropless-per-expert": [*DROPLESS, "moe.single_grouped_weight=false"],
     "fp8": FP8,
     "fp8-param-gather": [*FP8, "mixed_precision.fp8_param_gather=true"],
     "fp8-param-gather-per-expert": [*FP8, "mixed_precision.fp8_param_gather=true", "moe.single_grouped_weight=false"],

@@ -22,7 +22,9 @@ PAD = ["moe.capacity_factor=1.0", "moe.pad_expert_input_to_capacity=true"]
         ([*PAD, "mixed_precision.bf16=true", "mixed_precision.fp8=e4m3", "mixed_precision.fp8_param_gather=true"],
          CUDA, True),
         (PAD, CPU, False),
-        ([], CUDA, False),  # dropless: data-dependent shapes
+        ([], CUDA, True),  # dropless bf16: T*K rows, split by device offsets
+        (["moe.single_grouped_weight=false"], CUDA, True),
+        (["mixed_precision.bf16=true", "mixed_precision.fp8=e4m3"], CUDA, False),  # dropless fp8: aligned rows
         (["moe.capacity_factor=1.0"], CUDA, False),  # drops but does not pad
         ([*PAD, "parallel.expert_model_parallel_size=2"], CUDA, False),
         ([*PAD, "moe.backend=loop"], CUDA, False),
