@@ -1,5 +1,5 @@
-"""GPU probe: the fused expert-wgrad kernel (trainer/kernels/grouped_wgrad_triton.py) at the reference model's
-shapes, several tile configs, against today's grouped_mm + add_ into fp32 main_grad. One table; no assertion.
+"""GPU probe: the fused expert-wgrad kernels (trainer/kernels/grouped_wgrad_triton.py: pointer and TMA) at the
+reference model's shapes, several tile configs, against grouped_mm + add_ into fp32 main_grad. No assertion.
 
 Run: python3 scripts/probes/grouped_wgrad.py
 """
@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import torch
 
-from trainer.kernels.grouped_wgrad_triton import grouped_wgrad_accumulate_
+from trainer.kernels.grouped_wgrad_triton import grouped_wgrad_accumulate_, grouped_wgrad_accumulate_tma_
 
 CONFIGS = [(128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3),
            (128, 128, 32, 4, 4), (64, 128, 64, 4, 4)]  # fmt: skip
+TMA_CONFIGS = [(128, 128, 64, 4, 3), (128, 128, 64, 8, 3), (128, 128, 64, 4, 2), (128, 256, 64, 8, 4),
+               (128, 128, 32, 4, 4), (128, 64, 64, 4, 3)]  # fmt: skip
 
 
 def timed(fn, iters: int = 10) -> float:
@@ -55,6 +57,17 @@ def main() -> None:
                 print(f"{name}: triton {cfg}  {ms:7.3f} ms  {flops / ms / 1e9:6.0f} TFLOP/s  rel err vs bf16 path {err:.1e}")
             except Exception as e:  # noqa: BLE001 - a probe reports what failed
                 print(f"{name}: triton {cfg}  failed: {type(e).__name__}: {str(e)[:100]}")
+        rows = torch.arange(E, device=dev, dtype=torch.int64) * M
+        for cfg in TMA_CONFIGS:
+            c = torch.zeros(E, M, N, device=dev)
+            c_RN = c.view(E * M, N)
+            try:
+                grouped_wgrad_accumulate_tma_(c_RN, rows, a, b, offs, M, N, config=cfg)
+                err = float((c - base).abs().max() / base.abs().max())
+                ms = timed(lambda: grouped_wgrad_accumulate_tma_(c_RN, rows, a, b, offs, M, N, config=cfg))
+                print(f"{name}: triton TMA {cfg}  {ms:7.3f} ms  {flops / ms / 1e9:6.0f} TFLOP/s  rel err vs bf16 path {err:.1e}")
+            except Exception as e:  # noqa: BLE001 - a probe reports what failed
+                print(f"{name}: triton TMA {cfg}  failed: {type(e).__name__}: {str(e)[:100]}")
 
 
 if __name__ == "__main__":

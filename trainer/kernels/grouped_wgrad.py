@@ -8,6 +8,7 @@ main_grads); rows are grouped by expert, `tokens_per_expert_E[e]` each.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -29,12 +30,14 @@ def accumulate_grouped_wgrad_(targets: Sequence[torch.Tensor], a_TM: torch.Tenso
                               tokens_per_expert_E: torch.Tensor, offs_E: torch.Tensor | None = None) -> None:
     """targets[e] += a[rows of e]^T b[rows of e]; one Triton launch on CUDA (no host sync), else the reference.
 
-    `offs_E`: the cumulative row ends, if the caller has them on the device already.
+    `offs_E`: the cumulative row ends, if the caller has them on the device already. On Hopper, when the targets
+    are whole rows of one fp32 matrix (a grouped main_grad, or per-expert main_grads laid out row-aligned in the
+    grad buffer), the TMA kernel runs; otherwise the pointer kernel (the same sums, bitwise).
     """
     if not (a_TM.is_cuda and has_triton()):
         grouped_wgrad_reference_(targets, a_TM, b_TN, tokens_per_expert_E)
         return
-    from trainer.kernels.grouped_wgrad_triton import grouped_wgrad_accumulate_  # lazy: needs Triton
+    from trainer.kernels import grouped_wgrad_triton as kernels  # lazy: needs Triton
 
     base = targets[0]
     M, N = base.shape
@@ -43,17 +46,73 @@ def accumulate_grouped_wgrad_(targets: Sequence[torch.Tensor], a_TM: torch.Tenso
             raise ValueError("grouped wgrad targets must be contiguous fp32 [M, N] matrices of one shape")
     if offs_E is None:
         offs_E = torch.cumsum(tokens_per_expert_E.to(a_TM.device), 0)
-    grouped_wgrad_accumulate_(base, _offsets_from(base, targets), a_TM.contiguous(), b_TN.contiguous(), offs_E, M, N)
+    a_TM, b_TN = a_TM.contiguous(), b_TN.contiguous()
+    layout = _layout_of(targets)
+    if layout.rows is not None and _tma_fits(a_TM, b_TN, M, N):
+        # built per call, never cached: a cached view would keep a freed grad buffer's storage alive
+        matrix = targets[layout.low].as_strided((layout.num_rows, N), (N, 1))
+        kernels.grouped_wgrad_accumulate_tma_(matrix, layout.rows, a_TM, b_TN, offs_E, M, N)
+    else:
+        kernels.grouped_wgrad_accumulate_(base, layout.offsets, a_TM, b_TN, offs_E, M, N)
 
 
-_OFFSETS: dict[tuple[int, ...], torch.Tensor] = {}
+@dataclass(frozen=True)
+class _Layout:
+    """Where the E target matrices are, as the kernels take them (device tensors of a few int64s, no views)."""
+
+    offsets: torch.Tensor  # [E]: element offset of each target from targets[0] (the pointer kernel)
+    rows: torch.Tensor | None  # [E]: each target's first row in an [R, N] matrix (TMA); None: not row-aligned
+    low: int = 0  # the target that starts that matrix (the lowest address)
+    num_rows: int = 0  # R
 
 
-def _offsets_from(base: torch.Tensor, targets: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Each target's element offset from `base` on the device, made once per set of addresses (main_grad
-    views keep their addresses for the whole run, so the copy to the device is not repeated every call)."""
-    key = tuple(t.data_ptr() for t in targets)
-    if key not in _OFFSETS:
-        offs = torch.tensor([(ptr - key[0]) // 4 for ptr in key], dtype=torch.int64)
-        _OFFSETS[key] = offs.to(base.device)
-    return _OFFSETS[key]
+_LAYOUTS: dict[tuple[int, ...], _Layout] = {}
+
+
+def _layout_of(targets: Sequence[torch.Tensor]) -> _Layout:
+    """The targets' layout, made once per set of addresses and shape (main_grad views keep their addresses for
+    the whole run, so nothing is copied to the device after the first call)."""
+    M, N = targets[0].shape
+    ptrs = tuple(t.data_ptr() for t in targets)
+    key = (M, N, *ptrs)
+    if key not in _LAYOUTS:
+        dev = targets[0].device
+        offsets = torch.tensor([(p - ptrs[0]) // 4 for p in ptrs], dtype=torch.int64).to(dev)
+        aligned = row_aligned(ptrs, M, N) if dev.type == "cuda" else None
+        if aligned is None:
+            _LAYOUTS[key] = _Layout(offsets, None)
+        else:
+            low, first_rows = aligned
+            rows = torch.tensor(first_rows, dtype=torch.int64).to(dev)
+            _LAYOUTS[key] = _Layout(offsets, rows, low, max(first_rows) + M)
+    return _LAYOUTS[key]
+
+
+def row_aligned(ptrs: Sequence[int], M: int, N: int, elem_size: int = 4) -> tuple[int, list[int]] | None:
+    """Whether fp32 `[M, N]` matrices at byte addresses `ptrs` are whole rows of one `[R, N]` matrix that starts
+    at the lowest of them, 16-byte aligned (what one TMA descriptor needs): `(index of the lowest, first row of
+    each)`, else None. Overlapping matrices are refused too (two experts would share grad rows)."""
+    low = min(range(len(ptrs)), key=lambda i: ptrs[i])
+    first = ptrs[low]
+    if first % 16 or (N * elem_size) % 16 or any((p - first) % (N * elem_size) for p in ptrs):
+        return None
+    rows = [(p - first) // (N * elem_size) for p in ptrs]
+    ordered = sorted(rows)
+    if any(b - a < M for a, b in zip(ordered, ordered[1:])):
+        return None
+    return low, rows
+
+
+def _tma_fits(a_TM: torch.Tensor, b_TN: torch.Tensor, M: int, N: int) -> bool:
+    """Whether the TMA kernel takes these operands: Hopper or later, whole 128-row tiles of each expert's grad
+    (a tile never spans two experts' rows), 16-byte aligned rows and bases."""
+    from trainer.kernels.grouped_wgrad_triton import TMA_BLOCK_M, tma_supported
+
+    row_bytes = (M * a_TM.element_size(), N * b_TN.element_size())
+    return (
+        tma_supported(a_TM.device)
+        and M % TMA_BLOCK_M == 0
+        and all(b % 16 == 0 for b in row_bytes)
+        and a_TM.data_ptr() % 16 == 0
+        and b_TN.data_ptr() % 16 == 0
+    )

@@ -14,6 +14,16 @@ or the per-expert params' main_grads in the grad buffer): `c_offs_E` gives each 
 `c`'s data pointer, so both expert layouts run the same kernel on the same values.
 The pure-torch definition (the CPU path and the tests' reference) is `grouped_wgrad.py`, which also picks
 between the two.
+
+Two kernels, the same sums in the same order (bitwise equal, measured):
+- `_wgrad_kernel_tma` (Hopper and later): A and B tiles of full `BLOCK_K`-row blocks arrive by TMA, and the
+  fp32 tile of `c` is read and written by TMA too. With pointer tensors, the epilogue's 64-bit addresses of a
+  128x128 fp32 tile held the kernel at 255 registers, one CTA per SM, and the read-modify-write of `c` did
+  not overlap the next tile's GEMM: 300 TFLOP/s on an H100 at the reference shapes; with TMA 100-165
+  registers and 390-400 TFLOP/s (docs/benchmarks.md). It needs the E matrices of `c` to be rows of one
+  `[R, N]` fp32 matrix (every offset a whole number of rows) and `M % BLOCK_M == 0`, so a tile never spans
+  two experts; the caller checks (`grouped_wgrad.py`).
+- `_wgrad_kernel`: pointer loads everywhere, any layout, any GPU Triton runs on.
 """
 
 from __future__ import annotations
@@ -22,8 +32,14 @@ import torch
 import triton
 import triton.language as tl
 
+try:  # Triton >= 3.3: host-side TMA descriptors
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older Triton: the pointer kernel only
+    TensorDescriptor = None
+
 # Chosen by scripts/probes/grouped_wgrad.py on an H100 at the reference shapes (docs/benchmarks.md).
 BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = 128, 128, 64, 8, 3
+TMA_BLOCK_M, TMA_BLOCK_N, TMA_BLOCK_K, TMA_NUM_WARPS, TMA_NUM_STAGES = 128, 128, 32, 4, 4
 
 
 @triton.jit
@@ -74,4 +90,61 @@ def grouped_wgrad_accumulate_(c: torch.Tensor, c_offs_E: torch.Tensor, a_TM: tor
     _wgrad_kernel[grid](
         a_TM, b_TN, c, offs_E, c_offs_E, M, N, a_TM.stride(0), b_TN.stride(0), N,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+
+
+@triton.jit
+def _wgrad_kernel_tma(
+    a_desc, b_desc, c_desc, a_ptr, b_ptr, offs_ptr, c_row_ptr,
+    M, N, stride_at, stride_bt,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+):  # fmt: skip
+    e = tl.program_id(1)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    pid = tl.program_id(0)
+    pid_m, pid_n = pid // tiles_n, pid % tiles_n
+    start = tl.load(offs_ptr + e - 1, mask=e > 0, other=0).to(tl.int32)
+    end = tl.load(offs_ptr + e).to(tl.int32)
+    m0 = pid_m * BLOCK_M
+    n0 = pid_n * BLOCK_N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # full blocks by TMA: a block's rows all belong to expert e (a TMA box is clipped only at the tensor's edge)
+    for i in tl.range(0, (end - start) // BLOCK_K, num_stages=STAGES):
+        r = start + i * BLOCK_K
+        acc = tl.dot(a_desc.load([r, m0]).T, b_desc.load([r, n0]), acc)
+    # the partial last block by masked loads (rows of the next expert read as 0); the same order of sums
+    rk = tl.arange(0, BLOCK_K)
+    rm = m0 + tl.arange(0, BLOCK_M)
+    rn = n0 + tl.arange(0, BLOCK_N)
+    rows = (start + (end - start) // BLOCK_K * BLOCK_K + rk).to(tl.int64)
+    row_ok = rows < end
+    a = tl.load(a_ptr + rows[:, None] * stride_at + rm[None, :], mask=row_ok[:, None] & (rm[None, :] < M), other=0.0)
+    b = tl.load(b_ptr + rows[:, None] * stride_bt + rn[None, :], mask=row_ok[:, None] & (rn[None, :] < N), other=0.0)
+    acc = tl.dot(a.T, b, acc)
+    if end > start:  # an expert without rows leaves its grad untouched
+        row = tl.load(c_row_ptr + e).to(tl.int32) + m0
+        c_desc.store([row, n0], c_desc.load([row, n0]) + acc)
+
+
+def tma_supported(device: torch.device) -> bool:
+    """Whether `grouped_wgrad_accumulate_tma_` can run on `device` (TMA: compute capability 9.0 or later)."""
+    return TensorDescriptor is not None and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def grouped_wgrad_accumulate_tma_(c_RN: torch.Tensor, c_row_E: torch.Tensor, a_TM: torch.Tensor, b_TN: torch.Tensor,
+                                  offs_E: torch.Tensor, M: int, N: int,
+                                  config: tuple[int, int, int, int, int] | None = None) -> None:
+    """c[e] += a[rows of e]^T b[rows of e] with TMA loads and stores: `c_RN` is an fp32 `[R, N]` matrix whose rows
+    `c_row_E[e] .. c_row_E[e] + M` (int64, on the device) are expert e's grad. Needs `M % BLOCK_M == 0`, a and
+    b contiguous with 16-byte aligned rows (`M % 8 == N % 8 == 0` in bf16) and `tma_supported`."""
+    bm, bn, bk, warps, stages = config or (TMA_BLOCK_M, TMA_BLOCK_N, TMA_BLOCK_K, TMA_NUM_WARPS, TMA_NUM_STAGES)
+    if M % bm or a_TM.shape[1] != M or b_TN.shape[1] != N or a_TM.shape[0] != b_TN.shape[0]:
+        raise ValueError(f"operands {tuple(a_TM.shape)}, {tuple(b_TN.shape)} and M={M} (a multiple of {bm}) disagree")
+    a_desc = TensorDescriptor.from_tensor(a_TM, [bk, bm])
+    b_desc = TensorDescriptor.from_tensor(b_TN, [bk, bn])
+    c_desc = TensorDescriptor.from_tensor(c_RN, [bm, bn])
+    grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn), offs_E.numel())
+    _wgrad_kernel_tma[grid](
+        a_desc, b_desc, c_desc, a_TM, b_TN, offs_E, c_row_E, M, N, a_TM.stride(0), b_TN.stride(0),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=stages, num_warps=warps, num_stages=stages,
     )  # fmt: skip

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from moectl.core.config.schema import MoEConfig
-from trainer.kernels.grouped_wgrad import accumulate_grouped_wgrad_, grouped_wgrad_reference_
+from trainer.kernels import grouped_wgrad
+from trainer.kernels.grouped_wgrad import accumulate_grouped_wgrad_, grouped_wgrad_reference_, row_aligned
 from trainer.main_grad import attach_main_grads
 from trainer.moe import GroupedMLP
 
@@ -75,6 +76,21 @@ def _check_fused_seam(device: str, dtype: torch.dtype, rtol: float) -> None:
         assert float((a - b).abs().max()) <= rtol * float(b.abs().max())
 
 
+@pytest.mark.parametrize(
+    ("ptrs", "want"),
+    [
+        ([0, 512, 1024], (0, [0, 4, 8])),  # a grouped [3, 4, 32] fp32 main_grad: rows 4 apart (32 floats = 128 B)
+        ([2048, 1024, 0], (2, [16, 8, 0])),  # per-expert grads in reverse order, gaps of whole rows
+        ([16, 528], (0, [0, 4])),  # starts on a 16-byte boundary
+        ([8, 520], None),  # not 16-byte aligned: no TMA descriptor
+        ([0, 516], None),  # the second starts mid-row
+        ([0, 256], None),  # the two overlap (2 rows apart, 4 rows each)
+    ],
+)
+def test_tma_takes_targets_that_are_whole_rows_of_one_matrix(ptrs: list[int], want: object) -> None:
+    assert row_aligned(ptrs, 4, 32) == want
+
+
 def test_fused_backend_accumulates_expert_grads_in_both_layouts_on_cpu() -> None:
     _check_fused_seam("cpu", torch.float32, rtol=1e-5)
 
@@ -96,7 +112,31 @@ def test_triton_kernel_equals_the_definition_on_gpu() -> None:
     scattered = [buf[s:s + 2048 * 1024].view(2048, 1024) for s in starts]
     accumulate_grouped_wgrad_(scattered, a, b, counts)
     for s, g in zip(scattered, got):
-        assert torch.equal(s, g)
+        assert torch.equal(s, g)  # the pointer kernel (not row-aligned) == the TMA kernel (a grouped tensor)
+    # per-expert grads in reverse order with a gap of whole rows: the TMA kernel with rows that are not e * M
+    rev = torch.full((len(COUNTS) + 1, 2048, 1024), 0.25, device="cuda")
+    reversed_targets = [rev[len(COUNTS) - i] for i in range(len(COUNTS))]
+    accumulate_grouped_wgrad_(reversed_targets, a, b, counts)
+    for r, g in zip(reversed_targets, got):
+        assert torch.equal(r, g)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_hopper_takes_the_tma_kernel_for_row_aligned_targets(monkeypatch: pytest.MonkeyPatch) -> None:
+    from trainer.kernels import grouped_wgrad_triton as kernels
+
+    if not kernels.tma_supported(torch.device("cuda")):
+        pytest.skip("TMA needs compute capability 9.0 (Hopper) or later")
+    calls: list[str] = []
+    for name in ("grouped_wgrad_accumulate_", "grouped_wgrad_accumulate_tma_"):
+        real = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *a, _real=real, _name=name, **k: (calls.append(_name), _real(*a, **k)))
+    a, b, counts = _problem("cuda", torch.bfloat16, M=256, N=64)
+    accumulate_grouped_wgrad_(list(torch.zeros(len(COUNTS), 256, 64, device="cuda").unbind(0)), a, b, counts)
+    a, b, counts = _problem("cuda", torch.bfloat16, M=48, N=64)  # 48 rows: not whole 128-row tiles
+    accumulate_grouped_wgrad_(list(torch.zeros(len(COUNTS), 48, 64, device="cuda").unbind(0)), a, b, counts)
+    assert calls == ["grouped_wgrad_accumulate_tma_", "grouped_wgrad_accumulate_"]
 
 
 @pytest.mark.gpu
