@@ -29,7 +29,7 @@ each step into three batched GEMMs, `A = X X^T`, `B = baddbmm(A, A, A, beta=b, a
 one rounding to bf16, where the unfused form rounds `A`, `c A`, `(c A) A`, `b A` and their sum separately
 (half the error against the fp32 iteration, measured, and no elementwise kernels between the GEMMs).
 
-Gated fc1 weights (`muon_batch.MuonMatrix.glu`): the `2F` rows of a SwiGLU/GeGLU fc1 `[2F, in]`
+Gated fc1 weights (`optimizer.muon_split_glu`, default on): the `2F` rows of a SwiGLU/GeGLU fc1 `[2F, in]`
 are two linear maps, gate and up, stored together; split, each `[F, in]` half is orthogonalised alone and
 scaled by its own Moonlight factor `0.2 * sqrt(max(F, in))`, as Megatron-Core orthogonalises the q, k and v
 parts of a fused QKV weight apart (`muon_split_qkv`, on by default there; it has no such split for fc1).

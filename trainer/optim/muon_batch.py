@@ -17,7 +17,7 @@ a run that is a single 2-D matrix keeps the 2-D GEMMs and only stacked 2-D matri
 router) take the batched ones. On CUDA a batched GEMM may use another kernel than a 2-D one: equal to
 rounding, not bitwise.
 
-A gated fc1 weight given with its row layout (`MuonMatrix.glu`) is
+A gated fc1 weight given with its row layout (`MuonMatrix.glu`, Muon's `optimizer.muon_split_glu`) is
 two matrices per `[2F, n]` slice, its gate and up `[F, n]` halves (`muon.glu_split_shape`, the half's
 Moonlight scale): they join the batch of every other `[F, n]` matrix (the halves of every layer's and
 every expert's fc1, in either layout). With `[gate; up]` rows the halves are consecutive in memory, so the
