@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moectl.core.config.schema import ModelConfig, MoEConfig
+from moectl.core.facts import GLU_ROWS_ATTR, GluRows
 from trainer import regions
 from trainer.attention import SelfAttention, rope_cache
 from trainer.init_weights import init_skipped
@@ -53,6 +54,7 @@ class DenseMLP(nn.Module):
         lin = dict(bias=False, dtype=dtype, recipe=recipe, gradient_accumulation_fusion=gradient_accumulation_fusion)
         self.linear_fc1 = Linear(hidden_size, 2 * ffn_hidden_size, **lin)  # type: ignore[arg-type]
         self.linear_fc2 = Linear(ffn_hidden_size, hidden_size, **lin)  # type: ignore[arg-type]
+        setattr(self.linear_fc1.weight, GLU_ROWS_ATTR, GluRows())  # [gate; up] rows: two linear maps (Muon splits)
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         with region(regions.DENSE_MLP):

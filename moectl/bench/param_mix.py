@@ -2,7 +2,8 @@
 
 `MixShape` describes a GPT-MoE decoder (Megatron-Core names, `[E, out, in]` grouped experts); `build_params`
 makes a module holding exactly those parameters on a device, drawn at random (N(0, 0.02); never zeros,
-which some kernels run faster on), with `expert_parallel` set on the experts as `GroupedMLP` does. No
+which some kernels run faster on), with `expert_parallel` set on the experts and the gate/up row layout
+on the (SwiGLU) fc1 weights as `GroupedMLP` does. No
 forward exists: the benchmarks only need the parameters, the buffers the distributed layer lays them out
 in, and their grads. `MixShape.default()` has 803.5M parameters (the issue's reference point is 805M): 8
 layers of 16 experts (73% of the parameters), GQA attention, an untied 32k vocabulary: its embedding and
@@ -22,6 +23,8 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from moectl.core.facts import GLU_ROWS_ATTR, GluRows
 
 
 @dataclass(frozen=True)
@@ -134,6 +137,8 @@ def build_params(shape: MixShape, device: torch.device, dtype: torch.dtype, seed
         p = nn.Parameter(t)
         if is_expert:
             p.expert_parallel = True  # type: ignore[attr-defined]
+        if name.endswith(".linear_fc1.weight"):
+            setattr(p, GLU_ROWS_ATTR, GluRows())  # SwiGLU [gate; up] rows (Muon splits them by default)
         _attach(root, name, p)
     return root
 

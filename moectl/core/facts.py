@@ -4,6 +4,7 @@ the checkpoint format, the engine's math and the kernels all read the same value
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal, Optional, get_args
 
 # --- expert activations ------------------------------------------------------------------------------
@@ -63,6 +64,20 @@ def fc1_row_order(from_interleave: Optional[int], to_interleave: Optional[int], 
             i = from_interleave
             order.append((f // i) * (2 * i) + h * i + f % i)
     return order
+
+
+#: the attribute a gated fc1 weight parameter carries (a `GluRows`), set where the model builds it (the
+#: experts' fc1 in both layouts, the dense MLP's fc1) and read by what treats gate and up as two linear maps
+#: (Muon with `optimizer.muon_split_glu`, trainer/optim/muon_routing.py)
+GLU_ROWS_ATTR = "glu_rows"
+
+
+@dataclass(frozen=True)
+class GluRows:
+    """How the `2F` rows of a gated fc1 weight `[..., 2F, in]` hold its gate and up maps: `[gate; up]`
+    (`interleave` None), or blocks `[g(I), u(I), ...]` of `interleave` rows (the layout above)."""
+
+    interleave: Optional[int] = None
 
 
 # --- low-precision recipes ---------------------------------------------------------------------------

@@ -40,7 +40,8 @@ class DistributedEngine:
                               "the distributed engine implements AdamW and Muon", fix="set optimizer.optimizer=adam")
         muon = optimizer_cfg.optimizer == "muon"
         # Muon: matrices tagged "muon" in layer-wise buffers (whole matrices per rank), the rest "adam".
-        options = muon_model_options(parallel_cfg.use_distributed_optimizer) if muon else {}
+        options = (muon_model_options(parallel_cfg.use_distributed_optimizer, optimizer_cfg.muon_split_glu)
+                   if muon else {})
         self.dmodel = DistributedModel(model, parallel_cfg, pstate, storage=storage, **options)
         self.dmodel.broadcast_params()
         self.optimizer: DistributedOptimizer | ChainedOptimizer = (

@@ -35,6 +35,7 @@ from torch import nn
 
 from moectl.core.config.schema import MoEConfig
 from moectl.core.errors import MoectlError
+from moectl.core.facts import GLU_ROWS_ATTR, GluRows
 from trainer.linear import state_for_call
 from trainer.main_grad import accumulate_late_wgrad, accumulate_wgrad, grad_ready
 from trainer.moe.backends import (
@@ -62,6 +63,8 @@ class GroupedLinearParams(nn.Module):
 
     `grouped_weight=True`: `weight` `[E, out, in]`; else `weight0..weight{E-1}` `[out, in]`.
     Bias (when `bias`): `bias` `[E, out]` if `grouped_bias`, else `bias0..bias{E-1}` `[out]`; zero init.
+    `glu_rows` (a gated fc1): set on every weight param as `facts.GLU_ROWS_ATTR`, the gate/up row layout an
+    optimizer may split by (Muon's `optimizer.muon_split_glu`).
 
     `quantized_weight` (the low-precision param-gather hook): None, or the whole `[E, out, in]` weight as a
     `QuantizedTensor` of the layer's recipe whatever the layout (`QuantizedTensor.stack` for per-expert
@@ -78,6 +81,7 @@ class GroupedLinearParams(nn.Module):
         grouped_weight: bool,
         grouped_bias: bool,
         dtype: torch.dtype,
+        glu_rows: Optional[GluRows] = None,
     ) -> None:
         super().__init__()
         E, out, _ = weight_EOI.shape
@@ -101,6 +105,9 @@ class GroupedLinearParams(nn.Module):
                     self.register_parameter(f"bias{e}", nn.Parameter(bias_EO[e].clone()))
         for p in self.parameters():
             p.expert_parallel = True  # type: ignore[attr-defined]  # reduced over the expert-dp group
+        if glu_rows is not None:  # a gated fc1: every weight slice is gate and up rows (facts.GluRows)
+            for p in self.weight_params():
+                setattr(p, GLU_ROWS_ATTR, glu_rows)
 
     def weight_params(self) -> list[nn.Parameter]:
         """The weight parameter(s), in expert order."""
@@ -309,7 +316,8 @@ class GroupedMLP(nn.Module):
         w1_EHD = _init_EOI(cfg.num_experts, H, D, init_std, generator)[mine]
         fc2_std = init_std if output_init_std is None else output_init_std
         w2_EDF = _init_EOI(cfg.num_experts, D, Fd, fc2_std, generator)[mine]
-        self.linear_fc1 = GroupedLinearParams(w1_EHD, dtype=params_dtype, **layout)
+        glu = GluRows(cfg.glu_interleave_size) if self.spec.gated else None
+        self.linear_fc1 = GroupedLinearParams(w1_EHD, dtype=params_dtype, glu_rows=glu, **layout)
         self.linear_fc2 = GroupedLinearParams(w2_EDF, dtype=params_dtype, **layout)
         self._backends: dict[torch.device, ExpertBackend] = {}
         self.recipe = recipe

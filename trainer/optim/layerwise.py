@@ -11,7 +11,8 @@ machinery does the distribution:
 - grads: the bucket reduce-scatter leaves each owner the full reduced grads of its matrices;
 - update: each rank runs `muon_batch.muon_step_` over the fp32 masters (+ momentum) of all the matrices
   it owns: one batched Newton-Schulz per group of same-shaped matrices, in `optimizer.muon_compute_dtype`
-  (`muon.resolve_compute_dtype`: bf16 on sm80+ GPUs, fp32 on CPU);
+  (`muon.resolve_compute_dtype`: bf16 on sm80+ GPUs, fp32 on CPU); with `optimizer.muon_split_glu` a gated
+  fc1 weight (`muon_routing.glu_rows`) counts as its gate and up halves, in the plan's cost as in the step;
 - params: each owned group is staged (masters -> this rank's shard of the param buffer, through the
   buffer's `ParamStorage`, so low-precision storage can quantize there) and all-gathered now, or lazily
   by the next forward's pre-hooks with `overlap_param_gather`. Only this tag's bucket groups are
@@ -33,16 +34,17 @@ update (Newton-Schulz has no `found_inf` input) and clips by a host factor.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator, Literal
+from typing import Iterator, Literal, Optional
 
 import torch
 
 from moectl.core.config.schema import OptimizerConfig
+from moectl.core.facts import GluRows
 from trainer.distributed.bucket import Bucket
 from trainer.distributed.ddp import DistributedModel
-from trainer.optim.muon import resolve_compute_dtype
+from trainer.optim.muon import glu_split_shape, resolve_compute_dtype
 from trainer.optim.muon_batch import MuonMatrix, muon_step_
-from trainer.optim.muon_routing import MUON_TAG
+from trainer.optim.muon_routing import MUON_TAG, split_glu_rows
 from trainer.optim.sharded_base import Segment, ShardBase, ShardedOptimizerBase, clipped
 
 STATE_KEYS = ("master", "momentum_buffer")
@@ -51,7 +53,8 @@ STATE_KEYS = ("master", "momentum_buffer")
 @dataclass(frozen=True)
 class _Matrix:
     """One owned run of whole matrices: elements [lo, hi) of its shard (shard-local) hold the param's flat
-    [param_lo, param_hi) (the whole param, or whole expert slices of a spread `[E, out, in]` weight)."""
+    [param_lo, param_hi) (the whole param, or whole expert slices of a spread `[E, out, in]` weight).
+    `glu`: the row layout of a gated fc1 weight orthogonalised as gate and up halves, else None."""
 
     name: str
     param: torch.nn.Parameter
@@ -59,6 +62,7 @@ class _Matrix:
     hi: int
     param_lo: int
     param_hi: int
+    glu: Optional[GluRows] = None
 
     @property
     def shape(self) -> torch.Size:
@@ -67,6 +71,11 @@ class _Matrix:
             return self.param.shape
         m, n = self.param.shape[-2:]
         return torch.Size(((self.param_hi - self.param_lo) // (m * n), m, n))
+
+    @property
+    def ns_shape(self) -> torch.Size:
+        """What Newton-Schulz sees: `shape`, or `[*lead, 2, F, in]` for gate and up halves."""
+        return self.shape if self.glu is None else glu_split_shape(self.shape)
 
     @property
     def slices(self) -> tuple[int, int]:
@@ -126,7 +135,7 @@ class LayerWiseMuon(ShardedOptimizerBase):
                     "needs whole matrices; build the DistributedModel with layouts={tag: plan_layerwise_buffer}"
                 )
             shard.matrices.append(_Matrix(name, pc.param, pc.bucket_lo - lo, pc.bucket_hi - lo, pc.param_lo,
-                                          pc.param_hi))
+                                          pc.param_hi, split_glu_rows(pc.param, self.cfg.muon_split_glu)))
         return shard
 
     # ---------------------------------------------------------------- ownership
@@ -157,7 +166,7 @@ class LayerWiseMuon(ShardedOptimizerBase):
                 shape = m.shape
                 grad = clipped(s.bucket.grad_data[s.lo + m.lo:s.lo + m.hi].view(shape), coef)
                 matrices.append(MuonMatrix(s.master[m.lo:m.hi].view(shape), grad,
-                                           s.momentum_buffer[m.lo:m.hi].view(shape)))
+                                           s.momentum_buffer[m.lo:m.hi].view(shape), m.glu))
         muon_step_(matrices, lr=lr, momentum=self.cfg.muon_momentum, nesterov=self.cfg.muon_nesterov,
                    ns_steps=self.cfg.muon_ns_steps, weight_decay=self.cfg.weight_decay,
                    compute_dtype=self.compute_dtype)

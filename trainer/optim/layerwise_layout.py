@@ -3,7 +3,8 @@
 Megatron's "layout path" for its LayerWiseDistributedOptimizer (megatron/core/optimizer/
 layer_wise_optimizer.py with `full_param_layout`): the params of each bucket are bin-packed into the
 bucket's `shard_group_size` shards by LPT (longest processing time first) on the NS cost
-`max(m, n) * min(m, n)^2` per matrix, and every shard is padded to one size. Shard r is owned by rank r
+`max(m, n) * min(m, n)^2` per matrix Muon orthogonalises (`cost`: `muon_routing.muon_cost` counts a split
+gated fc1 as its gate and up halves), and every shard is padded to one size. Shard r is owned by rank r
 of the bucket's group, so the *unchanged* bucket machinery does the layer-wise distribution: the grad
 reduce-scatter hands each owner the full reduced grads of its matrices, and the param all-gather of equal
 shards ships each owner's updated matrices to every rank (a staging or quantizing `ParamStorage` works
@@ -28,7 +29,8 @@ Invariants of a plan (tested):
   starting at a multiple of `PARAM_ALIGN`; every shard has the same size, a multiple of `BUCKET_ALIGN`,
   so buckets start aligned and split evenly over the group; a spread param's shard r is its slices
   [r E / group, (r + 1) E / group);
-- ownership is a pure function of the params' names and shapes: ties in cost are broken by the param's
+- ownership is a pure function of the params' names and costs (their shapes, and the gate/up row layout
+  the model sets on gated fc1 weights): ties in cost are broken by the param's
   name, ties in load by the lower rank, never by object identity or memory address (Megatron's legacy
   path gave ranks different owners on ties, fixed in #5479), so every rank computes the same owners;
 - `plan.buckets[k].param_indices` lists the bucket's params in increasing offset (the order `Bucket`
@@ -45,7 +47,13 @@ import torch
 from trainer.distributed.layout import BUCKET_ALIGN, PARAM_ALIGN, BucketPlan, BufferPlan, pad_to
 from trainer.optim.muon import ns_cost
 
-CostFn = Callable[[torch.Size], int]
+#: a param's Newton-Schulz cost (`muon_routing.muon_cost`: of what Muon orthogonalises, e.g. gate/up halves)
+CostFn = Callable[[torch.nn.Parameter], int]
+
+
+def shape_cost(param: torch.nn.Parameter) -> int:
+    """`ns_cost` of the param's own shape (every trailing `[out, in]` matrix whole)."""
+    return ns_cost(param.shape)
 
 
 def lpt_assign(costs: Sequence[int], keys: Sequence[str], bins: int, loads: list[int] | None = None) -> list[int]:
@@ -81,7 +89,7 @@ def spreads(shape: torch.Size | tuple[int, ...], shard_group_size: int) -> bool:
 
 
 def plan_layerwise_buffer(params: Sequence[torch.nn.Parameter], names: Mapping[torch.nn.Parameter, str],
-                          bucket_size: int, shard_group_size: int, cost: CostFn = ns_cost) -> BufferPlan:
+                          bucket_size: int, shard_group_size: int, cost: CostFn = shape_cost) -> BufferPlan:
     """Lay out `params` (backward order) into buckets whose shards each hold whole matrices (see module doc)."""
     if bucket_size < 1:
         raise ValueError(f"bucket_size must be positive, got {bucket_size}")
@@ -111,7 +119,7 @@ def plan_layerwise_buffer(params: Sequence[torch.nn.Parameter], names: Mapping[t
         if len(members) == 1 and spreads(params[members[0]].shape, shard_group_size):
             i = members[0]
             ranges[i] = (start, start + params[i].numel())
-            loads[:] = [load + cost(params[i].shape) // shard_group_size for load in loads]
+            loads[:] = [load + cost(params[i]) // shard_group_size for load in loads]
             end = start + params[i].numel()
         else:
             end = _place_whole(params, names, members, start, shard_group_size, cost, loads, ranges)
@@ -124,7 +132,7 @@ def _place_whole(params: Sequence[torch.nn.Parameter], names: Mapping[torch.nn.P
                  members: list[int], start: int, shard_group_size: int, cost: CostFn, loads: list[int],
                  ranges: list[tuple[int, int]]) -> int:
     """Place a bucket of whole params at `start` (LPT from `loads`, updated); set their ranges, return its end."""
-    owners = lpt_assign([cost(params[i].shape) for i in members], [names[params[i]] for i in members],
+    owners = lpt_assign([cost(params[i]) for i in members], [names[params[i]] for i in members],
                         shard_group_size, loads)
     placed: dict[int, tuple[int, int]] = {}  # param index -> (shard, offset in shard)
     fill = [0] * shard_group_size
@@ -139,7 +147,7 @@ def _place_whole(params: Sequence[torch.nn.Parameter], names: Mapping[torch.nn.P
     return start + shard_size * shard_group_size
 
 
-def shard_loads(plan: BufferPlan, params: Sequence[torch.nn.Parameter], cost: CostFn = ns_cost) -> list[int]:
+def shard_loads(plan: BufferPlan, params: Sequence[torch.nn.Parameter], cost: CostFn = shape_cost) -> list[int]:
     """The NS cost each shard index (rank of the group) carries over the whole plan: a param's cost goes to
     the shards its elements lie in, in proportion (whole params: all to one; spread ones: equal parts)."""
     loads = [0] * plan.shard_group_size
@@ -147,7 +155,7 @@ def shard_loads(plan: BufferPlan, params: Sequence[torch.nn.Parameter], cost: Co
         size = plan.shard_size(bucket)
         for i in bucket.param_indices:
             lo, hi = plan.param_ranges[i]
-            numel, c = hi - lo, cost(params[i].shape)
+            numel, c = hi - lo, cost(params[i])
             for r in range((lo - bucket.start) // size, (hi - 1 - bucket.start) // size + 1):
                 a, b = max(lo, bucket.start + r * size), min(hi, bucket.start + (r + 1) * size)
                 loads[r] += c * (b - a) // numel

@@ -29,6 +29,15 @@ each step into three batched GEMMs, `A = X X^T`, `B = baddbmm(A, A, A, beta=b, a
 one rounding to bf16, where the unfused form rounds `A`, `c A`, `(c A) A`, `b A` and their sum separately
 (half the error against the fp32 iteration, measured, and no elementwise kernels between the GEMMs).
 
+Gated fc1 weights (`optimizer.muon_split_glu`, default on): the `2F` rows of a SwiGLU/GeGLU fc1 `[2F, in]`
+are two linear maps, gate and up, stored together; split, each `[F, in]` half is orthogonalised alone and
+scaled by its own Moonlight factor `0.2 * sqrt(max(F, in))`, as Megatron-Core orthogonalises the q, k and v
+parts of a fused QKV weight apart (`muon_split_qkv`, on by default there; it has no such split for fc1).
+`glu_split_shape` is the shape Newton-Schulz then sees (`[*lead, 2, F, in]`: every function here reads
+trailing matrices, so `ns_cost`, `ns_flops` and `muon_lr_scale` take it as is) and `glu_halves` the rows
+in that order (a view; with `moe.glu_interleave_size` I a strided one that gathers the `[g(I), u(I), ...]`
+blocks). The momentum, the weight decay and the update stay elementwise on the whole weight.
+
 Batching: every function works over leading dims, so a grouped `[E, out, in]` expert weight is
 orthogonalised per expert slice in one batched call, and `muon_batch` stacks same-shaped matrices of
 different params into one batch. Each slice is the same math as a standalone `[out, in]` matrix (the
@@ -39,6 +48,7 @@ equal (tested), which is what makes the two expert layouts train alike.
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 
@@ -114,10 +124,32 @@ def _iterate_fused(X: torch.Tensor, steps: int) -> torch.Tensor:
     return X.reshape(shape)
 
 
+def glu_split_shape(shape: torch.Size | tuple[int, ...]) -> torch.Size:
+    """`[*lead, 2F, n]` -> `[*lead, 2, F, n]`: a gated fc1 weight as its gate and up `[F, n]` matrices."""
+    *lead, rows, n = shape
+    if rows % 2:
+        raise ValueError(f"a gated fc1 weight has an even number of rows (gate and up), got shape {tuple(shape)}")
+    return torch.Size((*lead, 2, rows // 2, n))
+
+
+def glu_halves(t: torch.Tensor, interleave: Optional[int]) -> torch.Tensor:
+    """The rows of a gated fc1 tensor `[*lead, 2F, n]` as `[*lead, 2, F // I, I, n]`: index 0 the gate rows,
+    1 the up rows, each in feature order (I = F for `[gate; up]` rows, else the interleave block size;
+    moectl/core/facts.py states the layout). A view: strided when interleaved, so reading it gathers the
+    gate and the up blocks and writing it scatters them back."""
+    rows = t.size(-2)
+    f = rows // 2
+    i = f if interleave is None else interleave
+    if rows % 2 or i <= 0 or f % i:
+        raise ValueError(f"gated fc1 rows {rows} do not split into gate/up blocks of {interleave}")
+    return t.unflatten(-2, (f // i, 2, i)).transpose(-4, -3)
+
+
 def ns_cost(shape: torch.Size | tuple[int, ...]) -> int:
     """Newton-Schulz cost of a param (up to a constant): `max(m, n) * min(m, n)^2` per trailing matrix.
 
-    A grouped `[E, m, n]` weight costs E matrices. Used to balance layer-wise ownership (Megatron's LPT).
+    A grouped `[E, m, n]` weight costs E matrices, a split gated fc1 (`glu_split_shape`) `[E, 2, F, n]` 2E
+    of `[F, n]`. Used to balance layer-wise ownership (Megatron's LPT).
     """
     *lead, m, n = shape
     return math.prod(lead) * max(m, n) * min(m, n) ** 2

@@ -17,6 +17,15 @@ a run that is a single 2-D matrix keeps the 2-D GEMMs and only stacked 2-D matri
 router) take the batched ones. On CUDA a batched GEMM may use another kernel than a 2-D one: equal to
 rounding, not bitwise.
 
+A gated fc1 weight given with its row layout (`MuonMatrix.glu`, Muon's `optimizer.muon_split_glu`) is
+two matrices per `[2F, n]` slice, its gate and up `[F, n]` halves (`muon.glu_split_shape`, the half's
+Moonlight scale): they join the batch of every other `[F, n]` matrix (the halves of every layer's and
+every expert's fc1, in either layout). With `[gate; up]` rows the halves are consecutive in memory, so the
+slot is the weight's rows in order and only the count changes; with interleaved blocks the blend of the
+whole weight is gathered into the slot (one copy) and the result scattered back into a whole-weight tensor
+(one copy). Momentum, weight decay and update run on the whole weight either way, so each half gets the
+bits the existing single-matrix iteration gives it alone (CPU, tested).
+
 A batch holds at most `MAX_BATCH_ELEMENTS` elements (a larger single matrix goes alone): the iteration
 keeps about four batch-sized tensors alive (X, the Gram matrices A and B, the next X), and batching gains
 nothing once one GEMM fills the device.
@@ -25,11 +34,12 @@ nothing once one GEMM fills the device.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 
-from trainer.optim.muon import muon_lr_scale, orthogonalize_
+from moectl.core.facts import GluRows
+from trainer.optim.muon import glu_halves, glu_split_shape, muon_lr_scale, orthogonalize_
 
 #: elements per Newton-Schulz batch (2^28: 512 MiB per batch-sized tensor in bf16)
 MAX_BATCH_ELEMENTS = 1 << 28
@@ -38,16 +48,33 @@ MAX_BATCH_ELEMENTS = 1 << 28
 @dataclass(frozen=True)
 class MuonMatrix:
     """One unit of Muon work: an fp32 master, its (clipped, fp32) grad and momentum, all of one shape:
-    `[m, n]`, or `[k, m, n]` for k expert slices."""
+    `[m, n]`, or `[k, m, n]` for k expert slices. `glu`: the row layout of a gated fc1 weight to
+    orthogonalise as gate and up halves (None: as it is)."""
 
     master: torch.Tensor
     grad: torch.Tensor
     momentum: torch.Tensor
+    glu: Optional[GluRows] = None
+
+    def __post_init__(self) -> None:
+        if self.glu is not None:
+            glu_halves(self.master, self.glu.interleave)  # refuses rows that are no gate/up blocks
+
+    @property
+    def shape(self) -> torch.Size:
+        """What Newton-Schulz sees: the master's shape, or `[*lead, 2, F, n]` for gate and up halves."""
+        return self.master.shape if self.glu is None else glu_split_shape(self.master.shape)
 
     @property
     def slices(self) -> int:
         """How many `[m, n]` matrices this is."""
-        return self.master.numel() // (self.master.size(-2) * self.master.size(-1))
+        shape = self.shape
+        return self.master.numel() // (shape[-2] * shape[-1])
+
+    @property
+    def gathers(self) -> bool:
+        """Whether the batch slot is not the master's rows in order (interleaved gate/up blocks)."""
+        return self.glu is not None and self.glu.interleave is not None
 
 
 def batches(matrices: Sequence[MuonMatrix], max_elements: int = MAX_BATCH_ELEMENTS) -> Iterator[list[MuonMatrix]]:
@@ -55,7 +82,7 @@ def batches(matrices: Sequence[MuonMatrix], max_elements: int = MAX_BATCH_ELEMEN
     each group cut into consecutive runs of at most `max_elements` elements (a larger matrix alone)."""
     groups: dict[tuple[int, int], list[MuonMatrix]] = {}
     for m in matrices:
-        groups.setdefault((m.master.size(-2), m.master.size(-1)), []).append(m)
+        groups.setdefault(tuple(m.shape[-2:]), []).append(m)  # type: ignore[arg-type]
     for members in groups.values():
         run: list[MuonMatrix] = []
         held = 0
@@ -74,24 +101,35 @@ def muon_step_(matrices: Sequence[MuonMatrix], *, lr: float, momentum: float, ne
                max_batch_elements: int = MAX_BATCH_ELEMENTS) -> None:
     """One Muon step in place on every matrix's master and momentum (grads are not modified)."""
     for run in batches(matrices, max_batch_elements):
-        m, n = run[0].master.shape[-2:]
+        m, n = run[0].shape[-2:]
         # A lone 2-D matrix stays 2-D: exactly `muon_update_`'s GEMMs (see the module docstring).
-        batch = (m, n) if len(run) == 1 and run[0].master.dim() == 2 else (sum(mat.slices for mat in run), m, n)
+        batch = (m, n) if len(run) == 1 and len(run[0].shape) == 2 else (sum(mat.slices for mat in run), m, n)
         X = torch.empty(batch, dtype=compute_dtype, device=run[0].master.device)
         at = 0
         for mat in run:
-            slot = X if X.dim() == 2 else X[at:at + mat.slices].view(mat.master.shape)
+            slot = X if X.dim() == 2 else X[at:at + mat.slices]
             at += mat.slices
             mat.momentum.lerp_(mat.grad, 1 - momentum)
-            if nesterov:
-                torch.lerp(mat.grad, mat.momentum, momentum, out=slot)  # computed in fp32, one cast on store
+            if mat.gathers:  # the blend of the whole weight, its gate and up blocks gathered into the slot
+                update = torch.lerp(mat.grad, mat.momentum, momentum) if nesterov else mat.momentum
+                halves = glu_halves(update, mat.glu.interleave)  # type: ignore[union-attr]
+                slot.view(halves.shape).copy_(halves)
+            elif nesterov:  # computed in fp32, one cast on store
+                torch.lerp(mat.grad, mat.momentum, momentum, out=slot.view(mat.master.shape))
             else:
-                slot.copy_(mat.momentum)
+                slot.view(mat.master.shape).copy_(mat.momentum)
         O = orthogonalize_(X, ns_steps)
         at = 0
         for mat in run:
-            ortho = O if O.dim() == 2 else O[at:at + mat.slices].reshape(mat.master.shape)  # a view, maybe transposed
+            ortho = O if O.dim() == 2 else O[at:at + mat.slices]
             at += mat.slices
+            if mat.gathers:  # scatter the halves back into the weight's row order
+                whole = torch.empty(mat.master.shape, dtype=ortho.dtype, device=ortho.device)
+                halves = glu_halves(whole, mat.glu.interleave)  # type: ignore[union-attr]
+                halves.copy_(ortho.unflatten(-2, halves.shape[-3:-1]).reshape(halves.shape))
+                ortho = whole
+            else:
+                ortho = ortho.reshape(mat.master.shape)  # a view, maybe transposed
             if weight_decay != 0:
                 mat.master.mul_(1 - lr * weight_decay)
-            mat.master.add_(ortho, alpha=-lr * muon_lr_scale(mat.master.shape))
+            mat.master.add_(ortho, alpha=-lr * muon_lr_scale(mat.shape))

@@ -4,11 +4,16 @@ Muon takes the hidden matrices, as in Megatron (`megatron/core/optimizer`, `use_
 not the embedding or the output head), Keller Jordan's post and Moonlight:
 
 - every 2-D weight: attention QKV (orthogonalised as one matrix: moectl does not split Q, K and V),
-  attention output, dense MLP, the experts' per-expert `weight{e}` (fc1's gate and up rows jointly), and
-  the router `[E, hidden]` (a 2-D matrix like any other, as Megatron routes it);
+  attention output, dense MLP, the experts' per-expert `weight{e}`, and the router `[E, hidden]` (a 2-D
+  matrix like any other, as Megatron routes it);
 - a grouped `[E, out, in]` expert weight: each expert slice orthogonalised alone by one batched
   Newton-Schulz. Megatron silently hands this 3-D param to Adam; here it takes the same math as the
   per-expert layout, so the two layouts train alike.
+
+A gated fc1 weight (experts' fc1 of swiglu/quick_geglu in either layout, the dense SwiGLU MLP's fc1) carries
+its gate/up row layout as the attribute `facts.GLU_ROWS_ATTR`, set where the model builds it. With
+`optimizer.muon_split_glu` (default on) Muon orthogonalises its gate and up halves apart (`split_glu_rows`),
+and the layer-wise plan costs it as such (`muon_model_options`), so ownership balances the work done.
 
 AdamW takes the rest: the embedding and the output head (their rows are per-token lookups, not a linear
 map to orthogonalise), norms, and biases of any shape (a grouped `[E, out]` bias is E vectors).
@@ -17,12 +22,16 @@ Any other param of more than 2 dims is refused rather than silently given to Ada
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, Optional
 
 import torch
 
+from moectl.core.config.schema import OptimizerConfig
+from moectl.core.facts import GLU_ROWS_ATTR, GluRows
 from trainer.distributed.ddp import DEFAULT_OPTIMIZER_TAG, is_expert_param
-from trainer.optim.layerwise_layout import plan_layerwise_buffer
+from trainer.optim.layerwise_layout import CostFn, plan_layerwise_buffer
+from trainer.optim.muon import glu_split_shape, ns_cost
 
 MUON_TAG = "muon"
 ADAM_TAG = DEFAULT_OPTIMIZER_TAG
@@ -50,11 +59,37 @@ def muon_tag(name: str, param: torch.nn.Parameter) -> str:
     return MUON_TAG if is_muon_param(name, param) else ADAM_TAG
 
 
-def muon_model_options(use_distributed_optimizer: bool) -> dict[str, Any]:
+def glu_rows(param: torch.nn.Parameter) -> Optional[GluRows]:
+    """The gate/up row layout of a gated fc1 weight (set by the model), None for any other param."""
+    rows = getattr(param, GLU_ROWS_ATTR, None)
+    if rows is not None and not isinstance(rows, GluRows):
+        raise TypeError(f"a param's {GLU_ROWS_ATTR} must be a GluRows, got {rows!r}")
+    return rows
+
+
+def split_glu_rows(param: torch.nn.Parameter, split_glu: bool) -> Optional[GluRows]:
+    """The row layout Muon splits `param` by: its `glu_rows` with `optimizer.muon_split_glu`, else None."""
+    return glu_rows(param) if split_glu else None
+
+
+def muon_ns_shape(param: torch.nn.Parameter, split_glu: bool) -> torch.Size:
+    """The shape Muon's Newton-Schulz sees for `param`: its own, or `[*lead, 2, F, in]` for split halves."""
+    return param.shape if split_glu_rows(param, split_glu) is None else glu_split_shape(param.shape)
+
+
+def muon_cost(split_glu: bool) -> CostFn:
+    """The layer-wise plan's cost of a param: `ns_cost` of what Muon orthogonalises (`muon_ns_shape`)."""
+    return lambda param: ns_cost(muon_ns_shape(param, split_glu))
+
+
+def muon_model_options(use_distributed_optimizer: bool,
+                       split_glu: bool = OptimizerConfig().muon_split_glu) -> dict[str, Any]:
     """`DistributedModel` keyword arguments of a Muon run: the tags, and the layer-wise layout for Muon.
 
     Sharded (distributed optimizer): Muon's buffers get `plan_layerwise_buffer` (whole matrices per
-    shard). Plain DDP keeps the default layout: every rank steps every matrix.
+    shard), balanced by the cost of what Muon will orthogonalise (`split_glu`: `optimizer.muon_split_glu`;
+    the default is the config's). Plain DDP keeps the default layout: every rank steps every matrix.
     """
-    layouts = {MUON_TAG: plan_layerwise_buffer} if use_distributed_optimizer else None
+    planner = functools.partial(plan_layerwise_buffer, cost=muon_cost(split_glu))
+    layouts = {MUON_TAG: planner} if use_distributed_optimizer else None
     return {"optimizer_tags": muon_tag, "layouts": layouts}

@@ -179,6 +179,15 @@ class OptimizerConfig:
         "bfloat16 on a CUDA GPU with bf16 tensor cores (sm80+), float32 elsewhere. float32 is the reference "
         "(dp=N equals dp=1 to fp32 rounding); bfloat16 runs the iteration's GEMMs on tensor cores.",
     )
+    muon_split_glu: bool = doc(
+        True,
+        "Orthogonalise the gate and up halves of every gated fc1 weight (swiglu/quick_geglu experts, in both "
+        "layouts and any moe.glu_interleave_size, and the dense SwiGLU MLP) as two [F, in] matrices, each with "
+        "its own Moonlight scale: they are two linear maps stored together, as Megatron splits a fused QKV "
+        "(muon_split_qkv, default on). Newton-Schulz FLOPs of such a weight: 2.4x fewer when 2F = in (the "
+        "reference model's experts), 2-2.4x fewer when 2F <= in, up to 1.2x more when F >= in (a dense MLP of "
+        "ffn 4x hidden: 1.06x). false = one [2F, in] matrix.",
+    )
 
 
 @dataclass(kw_only=True)
