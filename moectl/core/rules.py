@@ -18,9 +18,9 @@ warned that `train.cuda_graph` was not captured; it is now), MOE051 and MOE052
 training file), MOE053 (optimizer: `muon_compute_dtype` is read only by Muon), MOE054 (hardware: bf16
 Newton-Schulz needs sm80+), MOE055 (compile: `train.compile=regional` on the CPU needs the C++
 compiler inductor builds with), MOE056 (hardware: the per-rank memory estimate fits the GPU memory given
-with `--gpu-memory`), MOE057 (parallel: `parallel.distributed_timeout_minutes` is positive), MOE058-061
-(CUDA graphs: one expert-parallel rank, a backend that keeps token counts on the device, fp32 main grads,
-native GEMMs).
+with `--gpu-memory`), MOE057 (parallel: `parallel.distributed_timeout_minutes` is positive), MOE058-060
+(CUDA graphs: one expert-parallel rank, a backend that keeps token counts on the device, fp32 main grads),
+MOE061 (retired: emulated GEMMs under CUDA graphs capture now).
 
 Environment rules (Transformer Engine, device) probe lazily and cheaply: TE is looked up through
 `importlib.util.find_spec` and package metadata, never imported; torch is imported only when a GPU
@@ -58,7 +58,7 @@ Megatron-LM argument checks with no moectl rule, and why (numbered as in the sur
   limitation; kept: router padding needs a low-precision recipe (MOE007). 18 ncclep/hybridep/flex
   dispatchers: not in moectl.
 - 19 CUDA-graph scopes: moectl has one switch (`train.cuda_graph`, one graph per micro-batch), so only "MoE
-  needs drop-and-pad" carries over, narrowed (MOE034: bf16 dropless experts have static rows too); MOE058-061 are what moectl's capture itself needs.
+  needs drop-and-pad" carries over, narrowed (MOE034: bf16 dropless experts have static rows too); MOE058-060 are what moectl's capture itself needs.
   21 `delay_wgrad_compute` needs EP-comm overlap and TE versions: TE internals
   (moectl overlaps the delayed expert wgrad with its own dispatcher's all-to-all, trainer/moe/
   delayed_wgrad.py); kept as the warning that it has nothing to overlap without expert parallelism (MOE025).
@@ -362,7 +362,11 @@ RULES: dict[str, Rule] = {}
 #: Ids no longer in use (never reused), with why; `validate-config --explain` says so.
 RETIRED: dict[str, str] = {
     "MOE050": "it warned that train.cuda_graph was validated but not captured; the trainer captures graphs now "
-    "(trainer/graphs), and MOE058-061 say what capture needs",
+    "(trainer/graphs), and MOE058-060 say what capture needs",
+    "MOE061": "it refused train.cuda_graph with emulated GEMMs (mxfp8, nvfp4, blockwise, fp8 hybrid on Hopper), "
+    "whose grouped GEMMs split their token groups by sizes read on the host; under drop-and-pad (which MOE034 "
+    "requires of fp8/fp4 experts) the dispatcher now tells the experts their equal rows, nothing is read on "
+    "the host, and every recipe replays bitwise like eager (tests/trainer/graphs/test_cuda_graph_gpu.py)",
 }
 
 
@@ -1197,32 +1201,6 @@ def cuda_graph_needs_main_grads(c: Context) -> Iterator[_Hit]:
             "train.cuda_graph=true with optimizer.optimizer=sgd: its grads are assigned on the first micro-batch",
             "set optimizer.optimizer=adam (or muon), or train.cuda_graph=false",
         )
-
-
-@rule(
-    "MOE061",
-    "cuda_graph",
-    "error",
-    ["train.cuda_graph", "mixed_precision.fp8_recipe", "mixed_precision.fp4_recipe", "mixed_precision.fp8", "device"],
-    "CUDA graphs need the recipe's GEMMs native on the device",
-)
-def cuda_graph_needs_native_gemms(c: Context) -> Iterator[_Hit]:
-    """An emulated GEMM (MOE038: mxfp8, nvfp4 and blockwise everywhere in this build, `fp8: hybrid`'s grouped
-    backward) splits its token groups by sizes read on the host, which a capture refuses ("operation not
-    permitted when stream is capturing": measured with mxfp8 on an H100). Checked against a known device."""
-    dev = c.device
-    if not c.cfg.train.cuda_graph or dev is None or dev.kind != "cuda":
-        return
-    families = ("linear", "grouped") if c.moe_layers > 0 else ("linear",)
-    for recipe, key in c.recipes:
-        fmt = c.cfg.mixed_precision.fp8 if key == "mixed_precision.fp8_recipe" else None
-        if hardware.emulated_gemms(recipe, fmt, dev.capability, families):
-            yield _Hit(
-                f"train.cuda_graph=true with {key}={recipe}" + (f" (fp8={fmt})" if fmt == "hybrid" else "")
-                + f", emulated on {dev.describe()}: emulated GEMMs read token-group sizes on the host",
-                "use fp8_recipe tensorwise or delayed with fp8=e4m3 (native on sm90), or train.cuda_graph=false",
-                keys=("train.cuda_graph", key, *(["mixed_precision.fp8"] if fmt == "hybrid" else []), "device"),
-            )
 
 
 # --------------------------------------------------------------------------------------------- checkpoint

@@ -88,6 +88,13 @@ class LocalDispatcher:
         self.capacity_factor = capacity_factor
         self.pad_to_capacity = pad_to_capacity
 
+    def rows_per_expert(self, T: int, K: int) -> Optional[int]:
+        """Every expert's input rows when they are fixed by the config (padded to capacity), else None."""
+        if not self.pad_to_capacity:
+            return None
+        assert self.capacity_factor is not None
+        return -(-capacity(self.capacity_factor, T, K, self.num_experts) // self.align) * self.align
+
     def dispatch(
         self, x_TD: torch.Tensor, router_out: RouterOutput, flush: Optional[Callable[[], None]] = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, DispatchPlan]:

@@ -77,6 +77,10 @@ class AllGatherDispatcher:
         self.first_expert = ep_group.rank * self.num_local_experts
         self.align = align
 
+    def rows_per_expert(self, T: int, K: int) -> Optional[int]:
+        """None: each local expert's rows depend on what the other ranks send."""
+        return None
+
     def dispatch(
         self, x_TD: torch.Tensor, router_out: RouterOutput, flush: Optional[Callable[[], None]] = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AllGatherPlan]:

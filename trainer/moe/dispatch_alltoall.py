@@ -120,6 +120,10 @@ class AllToAllDispatcher:
         self.source = LocalDispatcher(num_experts, align=1, capacity_factor=capacity_factor,
                                       pad_to_capacity=pad_to_capacity)
 
+    def rows_per_expert(self, T: int, K: int) -> Optional[int]:
+        """None: each local expert's rows depend on what the other ranks send."""
+        return None
+
     def dispatch(
         self, x_TD: torch.Tensor, router_out: RouterOutput, flush: Optional[Callable[[], None]] = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AllToAllPlan]:

@@ -38,12 +38,15 @@ class ExpertPrecision:
     need_grad: whether a backward will follow (quantize the columnwise copies and keep them).
     quantized_weights: "fc1"/"fc2" -> a grouped `[E, out, in]` QuantizedTensor supplied from outside
                (low-precision param gather); used instead of quantizing the high-precision weight.
+    uniform_rows: the rows of every expert when the dispatcher pads each to its capacity (None: data
+               dependent); the token groups then need no device-to-host read (CUDA graphs).
     """
 
     recipe: Recipe
     states: dict[str, Any] = field(default_factory=dict)
     need_grad: bool = True
     quantized_weights: dict[str, Optional[QuantizedTensor]] = field(default_factory=dict)
+    uniform_rows: Optional[int] = None
 
     def state(self, fc: str, expert: Optional[int], num_experts: int) -> Any:
         """The scaling state of `fc` (grouped: one entry per expert) or of `fc` for expert `expert` alone."""

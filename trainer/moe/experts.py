@@ -343,22 +343,27 @@ class GroupedMLP(nn.Module):
         return self._backends[device]
 
     def forward(
-        self, x_PD: torch.Tensor, tokens_per_expert_E: torch.Tensor, probs_P: Optional[torch.Tensor]
+        self, x_PD: torch.Tensor, tokens_per_expert_E: torch.Tensor, probs_P: Optional[torch.Tensor],
+        rows_each: Optional[int] = None,
     ) -> torch.Tensor:
         """Expert outputs `[P, D]` for rows grouped by expert (`tokens_per_expert_E[e]` rows each, summing to P).
 
-        `probs_P` scales each row's output (padded rows carry 0); None = no scaling.
+        `probs_P` scales each row's output (padded rows carry 0); None = no scaling. `rows_each`: every
+        expert's row count when the dispatcher made them equal (drop-and-pad), so a recipe's token groups
+        need no device read; None when data-dependent.
         """
         fc1, fc2 = self.linear_fc1, self.linear_fc2
         groups = (fc1.weight_params(), fc1.bias_params(), fc2.weight_params(), fc2.bias_params())
         n_params = tuple(len(g) for g in groups)
         flat = [p for g in groups for p in g]
         return _ExpertMLPFunction.apply(
-            x_PD, tokens_per_expert_E, probs_P, self, self.backend(x_PD.device), self._precision(x_PD, flat),
-            n_params, *flat,
+            x_PD, tokens_per_expert_E, probs_P, self, self.backend(x_PD.device),
+            self._precision(x_PD, flat, rows_each), n_params, *flat,
         )  # fmt: skip
 
-    def _precision(self, x_PD: torch.Tensor, params: list[nn.Parameter]) -> Optional[ExpertPrecision]:
+    def _precision(
+        self, x_PD: torch.Tensor, params: list[nn.Parameter], rows_each: Optional[int] = None
+    ) -> Optional[ExpertPrecision]:
         """This call's recipe and state (None without a recipe); a call without grad (eval) gets a copy of
         the state, so it does not move delayed scaling's histories."""
         if self.recipe is None:
@@ -369,6 +374,7 @@ class GroupedMLP(nn.Module):
             state_for_call(self.recipe_states, need_grad),
             need_grad,
             {"fc1": self.linear_fc1.quantized_weight, "fc2": self.linear_fc2.quantized_weight},
+            rows_each,
         )
 
     def extra_repr(self) -> str:

@@ -96,7 +96,8 @@ class MoELayer(nn.Module):
         with region(regions.DISPATCH):
             x_PD, rows_per_expert_E, probs_P, plan = self.dispatcher.dispatch(x_TD, routed, flush=flush)
         with region(regions.EXPERTS):
-            y_PD = self.experts(x_PD, rows_per_expert_E, probs_P)
+            rows_each = self.dispatcher.rows_per_expert(T=B * S, K=routed.indices_TK.shape[1])
+            y_PD = self.experts(x_PD, rows_per_expert_E, probs_P, rows_each)
         with region(regions.COMBINE):
             y_TD = self.dispatcher.combine(y_PD, plan)
         self.stats = MoEStats(routed.aux_loss, routed.z_loss, routed.tokens_per_expert_E.detach(), plan.num_dropped)

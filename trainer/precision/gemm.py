@@ -77,6 +77,9 @@ def wgrad(gq: QuantizedTensor, xq: QuantizedTensor, *, mode: Mode = "auto", fast
 def _segments(q: QuantizedTensor) -> list[tuple[int, int]]:
     if q.groups is None:
         raise ValueError("grouped GEMMs need a token-grouped activation (quantize it with offsets)")
+    if q.groups.uniform is not None:  # drop-and-pad: static segments, no device read (CUDA graphs)
+        u = q.groups.uniform
+        return [(g * u, (g + 1) * u) for g in range(q.groups.count)]
     ends = q.groups.offsets.tolist()
     return list(zip([0] + ends[:-1], ends))
 

@@ -24,6 +24,9 @@ class TokenGroups:
 
     offsets: torch.Tensor  # int64 [G]: end row of each group; offsets[-1] == T
     ids: torch.Tensor  # int64 [T]: group of each row
+    # rows of every group when the caller knows them on the host to be equal (drop-and-pad experts): then
+    # nothing about the groups needs a device-to-host read, which a CUDA graph capture forbids
+    uniform: int | None = None
 
     @functools.cached_property
     def offsets_i32(self) -> torch.Tensor:
@@ -41,22 +44,30 @@ class TokenGroups:
         return int(self.ids.numel())
 
     @classmethod
-    def from_offsets(cls, offsets: torch.Tensor, total: int, *, validate: bool = True) -> "TokenGroups":
+    def from_offsets(
+        cls, offsets: torch.Tensor, total: int, *, validate: bool = True, uniform: int | None = None
+    ) -> "TokenGroups":
         """Groups from cumulative end offsets (any integer dtype). `validate` reads the offsets (a host
-        sync on CUDA): 1-D, non-decreasing, non-negative, last one == `total`."""
+        sync on CUDA): 1-D, non-decreasing, non-negative, last one == `total`. `uniform`: the rows of every
+        group, when the caller knows them to be equal (checked against `total` here, and against the
+        offsets where `validate` reads them)."""
         offs = offsets.to(torch.int64).reshape(-1)
         if offs.numel() == 0:
             raise ValueError("grouped GEMM needs at least one group (offs is empty)")
+        if uniform is not None and uniform * offs.numel() != total:
+            raise ValueError(f"{offs.numel()} groups of {uniform} rows do not make {total} rows")
         if validate:
             counts = torch.diff(offs, prepend=offs.new_zeros(1))
             if bool((counts < 0).any()) or int(offs[-1]) != total:
                 raise ValueError(
                     f"offs must be non-decreasing end offsets with offs[-1] == rows ({total}); got {offs.tolist()}"
                 )
+            if uniform is not None and bool((counts != uniform).any()):
+                raise ValueError(f"groups said to hold {uniform} rows each; got group ends {offs.tolist()}")
         # row t is in the group g with offs[g-1] <= t < offs[g], i.e. g = #{offsets <= t}: two launches
         # (arange, searchsorted) where diff + repeat_interleave took six, on the fp8 expert MLP's host path
         ids = torch.searchsorted(offs, torch.arange(total, device=offs.device), right=True)
-        groups = cls(offs, ids)
+        groups = cls(offs, ids, uniform)
         if offsets.dtype == torch.int32 and offsets.dim() == 1:
             groups.__dict__["offsets_i32"] = offsets  # already what grouped_mm takes: no second cast
         return groups
@@ -64,6 +75,14 @@ class TokenGroups:
     def check_aligned(self, multiple: int, what: str) -> None:
         """Raise unless every group starts on a multiple of `multiple` (host sync on CUDA)."""
         if multiple <= 1 or self.count <= 1:
+            return
+        if self.uniform is not None:  # known on the host: no device read
+            if self.uniform % multiple:
+                raise ValueError(
+                    f"{what}: every expert's token group must start on a multiple of {multiple} so that no "
+                    f"quantization block spans two experts; got {self.uniform} rows per group. Pad each "
+                    f"expert's rows to the recipe's align_size (the dispatcher's align option)"
+                )
             return
         starts = self.offsets[:-1]
         if bool((starts % multiple != 0).any()):
@@ -75,6 +94,8 @@ class TokenGroups:
 
     def sizes(self) -> list[int]:
         """Rows per group, on the host."""
+        if self.uniform is not None:
+            return [self.uniform] * self.count
         return torch.diff(self.offsets, prepend=self.offsets.new_zeros(1)).tolist()
 
     def amax(self, values: torch.Tensor, dim: int) -> torch.Tensor:

@@ -205,8 +205,8 @@ class TrainConfig:
         None,
         "Replay each micro-batch's forward + backward from one CUDA graph, captured after the first (eager) "
         "step; optimizer, param gather and grad reduction stay eager. true needs a static expert input (drop-and-pad, "
-        "or dropless without fp8/fp4), a GPU, one expert-parallel rank, a grouped backend, adam/muon and native "
-        "GEMMs (MOE034, MOE035, MOE058-061). null = on where it is measured to win: CUDA, drop-and-pad or bf16 "
+        "or dropless without fp8/fp4), a GPU, one expert-parallel rank, a grouped backend and adam/muon "
+        "(MOE034, MOE035, MOE058-060). null = on where it is measured to win: CUDA, drop-and-pad or bf16 "
         "dropless, ep 1, adam, bf16 or fp8 tensorwise (drop-and-pad, with or without fp8 param gather), no delayed "
         "wgrad; off otherwise.",
     )

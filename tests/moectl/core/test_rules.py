@@ -438,9 +438,6 @@ CASES = [
          ["train.cuda_graph=true", *DROP_AND_PAD, "moe.backend=grouped"]),
     Case("MOE060", ["train.cuda_graph=true", *DROP_AND_PAD, "optimizer.optimizer=sgd"],
          ["train.cuda_graph=true", *DROP_AND_PAD]),
-    Case("MOE061", ["train.cuda_graph=true", *DROP_AND_PAD, *FP8, "mixed_precision.fp8_recipe=mxfp8"],
-         ["train.cuda_graph=true", *DROP_AND_PAD, *FP8, "mixed_precision.fp8_recipe=delayed"], cap=(9, 0),
-         pass_cap=(9, 0)),
     Case(
         "MOE047",
         ["data.eval_fraction=0"],

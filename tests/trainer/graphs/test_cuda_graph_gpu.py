@@ -5,7 +5,10 @@ on the real `Trainer`. Recorded: after every micro-batch, the LM and aux losses 
 `main_grad`; after every step, the params, the fp32 masters and Adam moments, the published quantized
 weights (rowwise and columnwise bytes and scales: the fp8 weight caches) and the eval loss. The graph run
 (step 1 eager, steps 2-4 replayed) must equal the eager run bit for bit, with bf16, fp8 tensorwise and fp8
-param gather in both expert layouts, bf16 dropless experts in both layouts, fp8 delayed scaling and Muon.
+param gather in both expert layouts, bf16 dropless experts in both layouts, fp8 delayed, rowwise and
+blockwise scaling, `fp8: hybrid`, MXFP8 (with param gather, and on the grouped backend), NVFP4 and Muon.
+The emulated GEMMs among them (Hopper has no MXFP8/NVFP4/blockwise GEMMs) split their token groups by the
+dispatcher's equal drop-and-pad rows, known on the host, so nothing is read from the device in the capture.
 `train.deterministic` makes the eager step itself bit-reproducible (index backward uses atomics
 otherwise); the comparison is graph against eager, both deterministic.
 
@@ -55,7 +58,15 @@ VARIANTS = {
     "fp8-param-gather-per-expert": [*FP8, "mixed_precision.fp8_param_gather=true", "moe.single_grouped_weight=false"],
     # beyond what `train.cuda_graph: null` turns on (there only `true` captures them)
     "fp8-delayed": ["mixed_precision.fp8=e4m3", "mixed_precision.fp8_recipe=delayed"],
-    # (mxfp8 is emulated on Hopper and cannot be captured: rule MOE061)
+    # emulated on Hopper: captured since the dispatcher tells the experts their (equal) drop-and-pad rows
+    "mxfp8": ["mixed_precision.fp8=e4m3", "mixed_precision.fp8_recipe=mxfp8"],
+    "mxfp8-param-gather": ["mixed_precision.fp8=e4m3", "mixed_precision.fp8_recipe=mxfp8",
+                           "mixed_precision.fp8_param_gather=true"],
+    "mxfp8-grouped-backend": ["mixed_precision.fp8=e4m3", "mixed_precision.fp8_recipe=mxfp8", "moe.backend=grouped"],
+    "fp8-rowwise": ["mixed_precision.fp8=e4m3", "mixed_precision.fp8_recipe=rowwise"],
+    "fp8-blockwise": ["mixed_precision.fp8=e4m3", "mixed_precision.fp8_recipe=blockwise"],
+    "fp8-hybrid": ["mixed_precision.fp8=hybrid", "mixed_precision.fp8_recipe=tensorwise"],
+    "nvfp4": ["mixed_precision.fp4=e2m1"],
     "muon": ["optimizer.optimizer=muon"],
 }
 

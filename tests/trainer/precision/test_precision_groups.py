@@ -41,3 +41,29 @@ def test_gemm_scale_is_derived_not_stored() -> None:
     assert list(q.tensors()) == ["data", "scale"]
     assert q.nbytes == 4 * 2 * 4 + 2 * 4
     assert q.map(lambda t: t.clone()).gemm_scale is None
+
+
+def test_uniform_groups_answer_on_the_host_without_reading_offsets() -> None:
+    """Drop-and-pad experts: every group's rows known on the host. The offsets live on the meta device here,
+    so any read of them (what a CUDA graph capture forbids) would raise."""
+    from trainer.precision.gemm import _segments
+    from trainer.precision.quantized_tensor import QuantizedTensor
+
+    offs = torch.empty(3, dtype=torch.int64, device="meta")
+    groups = TokenGroups(offs, torch.empty(96, dtype=torch.int64, device="meta"), uniform=32)
+    assert groups.sizes() == [32, 32, 32]
+    groups.check_aligned(32, "mxfp8")  # 32 % 32: fine, decided on the host
+    with pytest.raises(ValueError, match="multiple of 64"):
+        groups.check_aligned(64, "a 64-row block")
+    q = QuantizedTensor.__new__(QuantizedTensor)
+    object.__setattr__(q, "groups", groups)
+    assert _segments(q) == [(0, 32), (32, 64), (64, 96)]
+
+
+def test_uniform_is_checked_against_the_rows_and_the_offsets() -> None:
+    with pytest.raises(ValueError, match="do not make"):
+        TokenGroups.from_offsets(torch.tensor([4, 8]), 8, uniform=3)
+    with pytest.raises(ValueError, match="4 rows each"):
+        TokenGroups.from_offsets(torch.tensor([3, 8]), 8, uniform=4)  # validate reads them (CPU)
+    g = TokenGroups.from_offsets(torch.tensor([4, 8]), 8, uniform=4)
+    assert g.uniform == 4 and g.sizes() == [4, 4]

@@ -380,7 +380,7 @@ def _forward_quantized(
     counts_E = counts_E.to(x_TD.device)
     rows = x_TD.shape[0]
     offs_E = _offsets(counts_E, x_TD.device, torch.int64)  # no int32 round trip through TokenGroups
-    groups = TokenGroups.from_offsets(offs_E, rows, validate=x_TD.device.type == "cpu")
+    groups = TokenGroups.from_offsets(offs_E, rows, validate=x_TD.device.type == "cpu", uniform=precision.uniform_rows)
     expert_T = expert_of_row(counts_E, rows) if b1_EH is not None or b2_ED is not None else None
     kernels = _kernels(x_TD.device)
     x_TD = x_TD.contiguous()

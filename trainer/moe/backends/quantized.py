@@ -75,7 +75,7 @@ def forward(
     fc2: list[SavedLinear] = []
     if grouped:
         offs_E = torch.cumsum(tokens_per_expert_E, dim=0)
-        groups = TokenGroups.from_offsets(offs_E, T, validate=x_TD.device.type == "cpu")
+        groups = TokenGroups.from_offsets(offs_E, T, validate=x_TD.device.type == "cpu", uniform=p.uniform_rows)
         h_TH, s1 = qlinear_forward(p, "fc1", x_TD, w1_EHD, groups)
         counts: list[int] = []
     else:
