@@ -207,7 +207,7 @@ class TrainConfig:
         "step; optimizer, param gather and grad reduction stay eager. true needs a static expert input (drop-and-pad, "
         "or dropless without fp8/fp4), a GPU, one expert-parallel rank, a grouped backend and adam/muon "
         "(MOE034, MOE035, MOE058-060). null = on where it is measured to win: CUDA, drop-and-pad or bf16 "
-        "dropless, ep 1, adam, bf16 or fp8 tensorwise (drop-and-pad, with or without fp8 param gather), no delayed "
+        "dropless, ep 1, adam or muon, bf16 or fp8 tensorwise (drop-and-pad, with or without fp8 param gather), no delayed "
         "wgrad; off otherwise.",
     )
     compile: Literal["none", "regional", "auto"] = doc(

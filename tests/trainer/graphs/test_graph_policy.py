@@ -28,7 +28,8 @@ PAD = ["moe.capacity_factor=1.0", "moe.pad_expert_input_to_capacity=true"]
         (["moe.capacity_factor=1.0"], CUDA, False),  # drops but does not pad
         ([*PAD, "parallel.expert_model_parallel_size=2"], CUDA, False),
         ([*PAD, "moe.backend=loop"], CUDA, False),
-        ([*PAD, "optimizer.optimizer=muon"], CUDA, False),  # works when asked for; not measured
+        ([*PAD, "optimizer.optimizer=muon"], CUDA, True),  # measured: 1.12x (dropless) and bitwise
+        ([*PAD, "optimizer.optimizer=sgd"], CUDA, False),  # MOE060
         ([*PAD, "mixed_precision.bf16=true", "mixed_precision.fp8=e4m3", "mixed_precision.fp8_recipe=mxfp8"],
          CUDA, False),
         ([*PAD, "train.cuda_graph=false"], CUDA, False),
