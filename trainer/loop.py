@@ -218,7 +218,7 @@ class Trainer:
             return [(t.to(device), y.to(device)) for t, y in batches]
         both = torch.stack([torch.stack(b) for b in batches])
         if self._staging is None or self._staging.shape != both.shape or self._staging.dtype != both.dtype:
-            self._staging = torch.empty_like(both).pin_memory()
+            self._staging = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
             self._staged = None
         if self._staged is not None:
             self._staged.synchronize()

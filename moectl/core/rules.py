@@ -1131,7 +1131,9 @@ def cuda_graph_needs_static_expert_rows(c: Context) -> Iterator[_Hit]:
     data-dependent number of routings, and an fp8/fp4 recipe pads each expert's segment to its block
     alignment: both size the expert input with a device-to-host sync. (Megatron captures MoE layers only
     with drop-and-pad; moectl's grouped GEMMs take their group offsets on the device, which lifts that
-    for bf16 dropless.)"""
+    for dropless bf16 on sm90/sm100, where `torch._grouped_mm` keeps them there. Its fallback for fp32
+    params and older GPUs reads them on the host: the capture then fails with one line naming the place,
+    and `train.cuda_graph: null` does not try.)"""
     m, mp = c.cfg.moe, c.cfg.mixed_precision
     if not c.cfg.train.cuda_graph or c.moe_layers == 0 or static_expert_rows(c.cfg):
         return

@@ -144,16 +144,23 @@ def _culprit(e: BaseException) -> str:
     return place
 
 
-def wants_cuda_graph(cfg: Config, device: torch.device) -> bool:
+def wants_cuda_graph(cfg: Config, device: torch.device, capability: tuple[int, int] | None = None) -> bool:
     """Whether the run captures graphs: `train.cuda_graph` when set, else (null) on exactly where graphs were
-    measured to win and checked bitwise against eager (docs/benchmarks.md, tests/trainer/graphs): CUDA,
-    static expert rows (`static_expert_rows`), one expert-parallel rank, a grouped backend, Adam or Muon,
-    bf16 or fp8 e4m3 tensorwise, no delayed wgrad. Elsewhere `true` still works (the rules say what it needs); null does not take the chance."""
+    measured to win and checked bitwise against eager (docs/benchmarks.md, tests/trainer/graphs): a Hopper
+    or Blackwell GPU (`capability`, else the device's), bf16 params, static expert rows
+    (`static_expert_rows`), one expert-parallel rank, a grouped backend, Adam or Muon, no fp8 or e4m3
+    tensorwise, no delayed wgrad. Elsewhere `true` still works (the rules say what it needs); null does not
+    take the chance: `torch._grouped_mm` keeps its group offsets on the device only for bf16 on sm90/sm100,
+    and falls back to a loop that reads them on the host for fp32 params or older GPUs."""
     if cfg.train.cuda_graph is not None:
         return cfg.train.cuda_graph
+    if device.type != "cuda":
+        return False
+    major = (capability or torch.cuda.get_device_capability(device))[0]
     m, mp = cfg.moe, cfg.mixed_precision
     return (
-        device.type == "cuda"
+        major in (9, 10)
+        and mp.bf16
         and static_expert_rows(cfg)
         and cfg.parallel.expert_model_parallel_size <= 1
         and m.backend != "loop"
@@ -162,4 +169,3 @@ def wants_cuda_graph(cfg: Config, device: torch.device) -> bool:
         and not mp.fp4
         and (not mp.fp8 or (mp.fp8 == "e4m3" and mp.fp8_recipe == "tensorwise"))  # hybrid: emulated backward
     )
-

@@ -70,15 +70,18 @@ _LAYOUTS: dict[tuple[int, ...], _Layout] = {}
 
 
 def _layout_of(targets: Sequence[torch.Tensor]) -> _Layout:
-    """The targets' layout, made once per set of addresses and shape (main_grad views keep their addresses for
-    the whole run, so nothing is copied to the device after the first call)."""
+    """The targets' layout, made once per set of addresses, storages and shape (main_grad views keep their
+    addresses for the whole run, so nothing is copied to the device after the first call)."""
     M, N = targets[0].shape
     ptrs = tuple(t.data_ptr() for t in targets)
-    key = (M, N, *ptrs)
+    storages = {(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in targets}
+    key = (M, N, *ptrs, *sorted(storages))
     if key not in _LAYOUTS:
         dev = targets[0].device
         offsets = torch.tensor([(p - ptrs[0]) // 4 for p in ptrs], dtype=torch.int64).to(dev)
         aligned = row_aligned(ptrs, M, N) if dev.type == "cuda" else None
+        if aligned is not None and not in_one_allocation(targets):
+            aligned = None
         if aligned is None:
             _LAYOUTS[key] = _Layout(offsets, None)
         else:
@@ -86,6 +89,17 @@ def _layout_of(targets: Sequence[torch.Tensor]) -> _Layout:
             rows = torch.tensor(first_rows, dtype=torch.int64).to(dev)
             _LAYOUTS[key] = _Layout(offsets, rows, low, max(first_rows) + M)
     return _LAYOUTS[key]
+
+
+def in_one_allocation(targets: Sequence[torch.Tensor]) -> bool:
+    """Whether the targets are views of one storage that holds their whole span: what one `[R, N]` view over
+    them needs. Targets that merely sit back to back in separate allocations (the caching allocator places
+    them so) must not get one: the view would reach past its own storage."""
+    storage = targets[0].untyped_storage()
+    if any(t.untyped_storage().data_ptr() != storage.data_ptr() for t in targets):
+        return False
+    end = max(t.data_ptr() + t.numel() * t.element_size() for t in targets)
+    return end <= storage.data_ptr() + storage.nbytes()
 
 
 def row_aligned(ptrs: Sequence[int], M: int, N: int, elem_size: int = 4) -> tuple[int, list[int]] | None:

@@ -14,30 +14,39 @@ CUDA, CPU = torch.device("cuda"), torch.device("cpu")
 PAD = ["moe.capacity_factor=1.0", "moe.pad_expert_input_to_capacity=true"]
 
 
+BF16 = ["mixed_precision.bf16=true"]
+FP8 = [*BF16, "mixed_precision.fp8=e4m3"]
+HOPPER = (9, 0)
+
+
 @pytest.mark.parametrize(
-    ("sets", "device", "want"),
+    ("sets", "device", "capability", "want"),
     [
-        (PAD, CUDA, True),
-        ([*PAD, "mixed_precision.bf16=true", "mixed_precision.fp8=e4m3"], CUDA, True),
-        ([*PAD, "mixed_precision.bf16=true", "mixed_precision.fp8=e4m3", "mixed_precision.fp8_param_gather=true"],
-         CUDA, True),
-        (PAD, CPU, False),
-        ([], CUDA, True),  # dropless bf16: T*K rows, split by device offsets
-        (["moe.single_grouped_weight=false"], CUDA, True),
-        (["mixed_precision.bf16=true", "mixed_precision.fp8=e4m3"], CUDA, False),  # dropless fp8: aligned rows
-        (["moe.capacity_factor=1.0"], CUDA, False),  # drops but does not pad
-        ([*PAD, "parallel.expert_model_parallel_size=2"], CUDA, False),
-        ([*PAD, "moe.backend=loop"], CUDA, False),
-        ([*PAD, "optimizer.optimizer=muon"], CUDA, True),  # measured: 1.12x (dropless) and bitwise
-        ([*PAD, "optimizer.optimizer=sgd"], CUDA, False),  # MOE060
-        ([*PAD, "mixed_precision.bf16=true", "mixed_precision.fp8=e4m3", "mixed_precision.fp8_recipe=mxfp8"],
-         CUDA, False),
-        ([*PAD, "train.cuda_graph=false"], CUDA, False),
-        (["train.cuda_graph=true"], CUDA, True),  # explicit: the rules refuse what cannot work, not this
+        ([*BF16, *PAD], CUDA, HOPPER, True),
+        ([*FP8, *PAD], CUDA, HOPPER, True),
+        ([*FP8, *PAD, "mixed_precision.fp8_param_gather=true"], CUDA, HOPPER, True),
+        ([*BF16, *PAD], CPU, None, False),
+        (BF16, CUDA, HOPPER, True),  # dropless bf16: T*K rows, split by device offsets
+        ([*BF16, "moe.single_grouped_weight=false"], CUDA, HOPPER, True),
+        (BF16, CUDA, (10, 0), True),  # Blackwell: grouped_mm's device-offset kernels too
+        (BF16, CUDA, (8, 0), False),  # Ampere: grouped_mm's fallback reads the offsets on the host
+        ([], CUDA, HOPPER, False),  # fp32 params: the same fallback
+        (PAD, CUDA, HOPPER, False),
+        (FP8, CUDA, HOPPER, False),  # dropless fp8: aligned rows
+        ([*BF16, "moe.capacity_factor=1.0"], CUDA, HOPPER, False),  # drops but does not pad
+        ([*BF16, *PAD, "parallel.expert_model_parallel_size=2"], CUDA, HOPPER, False),
+        ([*BF16, *PAD, "moe.backend=loop"], CUDA, HOPPER, False),
+        ([*BF16, *PAD, "optimizer.optimizer=muon"], CUDA, HOPPER, True),  # measured: 1.12x (dropless) and bitwise
+        ([*BF16, *PAD, "optimizer.optimizer=sgd"], CUDA, HOPPER, False),  # MOE060
+        ([*FP8, *PAD, "mixed_precision.fp8_recipe=mxfp8"], CUDA, HOPPER, False),  # replays bitwise; not timed
+        ([*BF16, *PAD, "train.cuda_graph=false"], CUDA, HOPPER, False),
+        (["train.cuda_graph=true"], CUDA, HOPPER, True),  # explicit: the rules refuse what cannot work, not this
     ],
 )
-def test_null_captures_only_where_measured(sets: list[str], device: torch.device, want: bool) -> None:
-    assert wants_cuda_graph(load_config(None, sets), device) is want
+def test_null_captures_only_where_measured(
+    sets: list[str], device: torch.device, capability: tuple[int, int] | None, want: bool
+) -> None:
+    assert wants_cuda_graph(load_config(None, sets), device, capability) is want
 
 
 class _Site(nn.Module):

@@ -8,7 +8,12 @@ import torch
 
 from moectl.core.config.schema import MoEConfig
 from trainer.kernels import grouped_wgrad
-from trainer.kernels.grouped_wgrad import accumulate_grouped_wgrad_, grouped_wgrad_reference_, row_aligned
+from trainer.kernels.grouped_wgrad import (
+    accumulate_grouped_wgrad_,
+    grouped_wgrad_reference_,
+    in_one_allocation,
+    row_aligned,
+)
 from trainer.main_grad import attach_main_grads
 from trainer.moe import GroupedMLP
 
@@ -89,6 +94,13 @@ def _check_fused_seam(device: str, dtype: torch.dtype, rtol: float) -> None:
 )
 def test_tma_takes_targets_that_are_whole_rows_of_one_matrix(ptrs: list[int], want: object) -> None:
     assert row_aligned(ptrs, 4, 32) == want
+
+
+def test_one_view_only_over_targets_of_one_allocation() -> None:
+    buf = torch.zeros(4, 8, 16)
+    assert in_one_allocation(list(buf.unbind(0)))  # a grouped main_grad
+    assert in_one_allocation([buf[3], buf[0]])  # any order
+    assert not in_one_allocation([torch.zeros(8, 16) for _ in range(3)])  # separate tensors, however placed
 
 
 def test_fused_backend_accumulates_expert_grads_in_both_layouts_on_cpu() -> None:

@@ -269,6 +269,12 @@ def test_experts_told_their_equal_rows_compute_the_same_bits(backend: str, name:
     told = build(backend, recipe, grouped=True)
     real = told.forward
     told.forward = lambda x, c, p, rows_each=None: real(x, c, p, rows_each=counts[0])  # type: ignore[method-assign]
-    assert_equal(run(told, counts), run(build(backend, RECIPES[name](), grouped=True), counts))
+    want = run(build(backend, RECIPES[name](), grouped=True), counts)
+    # told, the grouped GEMMs take their segments from the host: a read of the offsets would raise here
+    # (the host read a CUDA graph capture refuses; the untold run above makes it)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.Tensor, "tolist", lambda self: (_ for _ in ()).throw(AssertionError("offsets read")))
+        got = run(told, counts)
+    assert_equal(got, want)
     with pytest.raises(ValueError, match="do not make"):
         real(torch.zeros(sum(counts), D), torch.tensor(counts), None, rows_each=counts[0] + 1)
