@@ -58,7 +58,8 @@ Megatron-LM argument checks with no moectl rule, and why (numbered as in the sur
   limitation; kept: router padding needs a low-precision recipe (MOE007). 18 ncclep/hybridep/flex
   dispatchers: not in moectl.
 - 19 CUDA-graph scopes: moectl has one switch (`train.cuda_graph`, one graph per micro-batch), so only "MoE
-  needs drop-and-pad" carries over, narrowed (MOE034: bf16 dropless experts have static rows too); MOE058-060 are what moectl's capture itself needs.
+  needs drop-and-pad" carries over, narrowed (MOE034: bf16 dropless experts have static rows too);
+  MOE058-060 are what moectl's capture itself needs.
   21 `delay_wgrad_compute` needs EP-comm overlap and TE versions: TE internals
   (moectl overlaps the delayed expert wgrad with its own dispatcher's all-to-all, trainer/moe/
   delayed_wgrad.py); kept as the warning that it has nothing to overlap without expert parallelism (MOE025).
