@@ -27,6 +27,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -65,6 +66,14 @@ def _wait_for_steps(p: subprocess.Popen, run_dir: Path, n: int, deadline_s: floa
         time.sleep(0.1)
 
 
+def _wait_for(ready: Callable[[], bool], p: subprocess.Popen, what: str, deadline_s: float = 120) -> None:
+    end = time.monotonic() + deadline_s
+    while not ready():
+        assert p.poll() is None, f"the run ended early: {p.communicate()}"
+        assert time.monotonic() < end, what
+        time.sleep(0.05)
+
+
 def _rank_pid(launcher: subprocess.Popen, rank: int) -> int:
     """The pid of the launcher's worker of global rank `rank` (a child process with RANK=rank)."""
     for child in Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read_text().split():
@@ -93,6 +102,8 @@ def test_a_killed_rank_is_one_line_naming_the_rank_the_step_and_the_checkpoint(t
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
         _wait_for_steps(p, tmp_path, 4)
+        # step 3's save runs in the background: the line can name a checkpoint only once one has committed
+        _wait_for(lambda: (tmp_path / "checkpoints" / "latest").exists(), p, "no checkpoint committed")
         os.kill(_rank_pid(p, 1), signal.SIGKILL)
         out, err = p.communicate(timeout=120)
     finally:
