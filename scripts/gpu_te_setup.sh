@@ -275,7 +275,10 @@ if [ -n "${OUT:-}" ] && [ "$fresh" = 1 ]; then
 fi
 
 # ---- smoke test ----------------------------------------------------------------------------------------
-# transformer_engine.pytorch has no __version__ of its own; the package version is transformer_engine's.
+# transformer_engine.pytorch has no __version__ of its own (AttributeError); the version is
+# transformer_engine's. torch is imported first, as moectl always does: libtransformer_engine.so needs
+# libnccl.so.2, which TE does not preload and torch does from its nvidia wheel. Imported first, TE failed on
+# the CPU machine with "libnccl.so.2: cannot open shared object file" (no NCCL on the loader path there).
 "$PYTHON" - <<'EOF'
 import torch
 import transformer_engine
