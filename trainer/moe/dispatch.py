@@ -126,7 +126,8 @@ class LocalDispatcher:
         order_R = torch.argsort(key_N, stable=True)
 
         if self.pad_to_capacity:
-            C_pad = -(-C // self.align) * self.align
+            C_pad = self.rows_per_expert(T, K)
+            assert C_pad is not None
             rows_E = torch.full((E,), C_pad, dtype=torch.int64, device=dev)
             P = C_pad * E  # static: no host sync
         elif self.align > 1:

@@ -77,18 +77,14 @@ class TokenGroups:
         if multiple <= 1 or self.count <= 1:
             return
         if self.uniform is not None:  # known on the host: no device read
-            if self.uniform % multiple:
-                raise ValueError(
-                    f"{what}: every expert's token group must start on a multiple of {multiple} so that no "
-                    f"quantization block spans two experts; got {self.uniform} rows per group. Pad each "
-                    f"expert's rows to the recipe's align_size (the dispatcher's align option)"
-                )
-            return
-        starts = self.offsets[:-1]
-        if bool((starts % multiple != 0).any()):
+            misaligned, got = self.uniform % multiple != 0, f"{self.uniform} rows per group"
+        else:
+            misaligned = bool((self.offsets[:-1] % multiple != 0).any())
+            got = f"group ends {self.offsets.tolist()}" if misaligned else ""
+        if misaligned:
             raise ValueError(
                 f"{what}: every expert's token group must start on a multiple of {multiple} so that no "
-                f"quantization block spans two experts; got group ends {self.offsets.tolist()}. Pad each "
+                f"quantization block spans two experts; got {got}. Pad each "
                 f"expert's rows to the recipe's align_size (the dispatcher's align option)"
             )
 
