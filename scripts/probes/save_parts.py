@@ -17,12 +17,11 @@ import hashlib
 import os
 import shutil
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
-from ckpt.shard_io import _run, _write_ops, byte_view, io_threads
+from ckpt.shard_io import _pwritev_all, _run, _write_ops, byte_view, io_threads
 from ckpt.shards import prepare, write_shard
 from ckpt.st_layout import layout
 
@@ -80,9 +79,7 @@ def main() -> None:
     def writes_only(path: Path) -> None:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            ops = _write_ops(lay)
-            with ThreadPoolExecutor(max_workers=threads) as pool:
-                list(pool.map(lambda op: os.pwritev(fd, op[1], op[0]), ops))
+            _run([(None, lambda o=offset, b=bufs: _pwritev_all(fd, o, b)) for offset, bufs in _write_ops(lay)], threads)
             t0 = time.perf_counter()
             os.fsync(fd)
             rows.append(("  of which fsync", time.perf_counter() - t0))

@@ -284,21 +284,31 @@ def train_step(dm: DistributedModel, opt: ChainedOptimizer, step: int, lr: float
     return opt.step(lr)
 
 
+Named = list[tuple[str, torch.nn.Parameter]]
+
+
+def reference_chain(ref: torch.nn.Module, cfg: OptimizerConfig
+                    ) -> tuple[Named, Named, torch.optim.AdamW, dict[str, torch.Tensor]]:  # fmt: skip
+    """The chain's reference on `ref`: its Muon matrices with zeroed momentum buffers, and torch's AdamW over
+    the other params (decayed and not, as the chain groups them)."""
+    named = list(ref.named_parameters())
+    muon = [(n, p) for n, p in named if is_muon_param(n, p)]
+    adam_params = [(n, p) for n, p in named if not is_muon_param(n, p)]
+    adam = torch.optim.AdamW([{"params": [p for n, p in adam_params if decays(n, p)], "weight_decay": 0.1},
+                              {"params": [p for n, p in adam_params if not decays(n, p)], "weight_decay": 0.0}],
+                             lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, foreach=False)
+    return muon, adam_params, adam, {n: torch.zeros_like(p) for n, p in muon}
+
+
 @pytest.mark.parametrize("clip", [0.0, 0.05], ids=["no-clip", "clip"])
 @pytest.mark.parametrize("bucket_size", [100, 10**6], ids=["tiny-buckets", "one-bucket"])
 def test_chain_equals_muon_plus_torch_adamw(clip: float, bucket_size: int) -> None:
     cfg = OptimizerConfig(lr=0.02, weight_decay=0.1, clip_grad=clip, muon_momentum=0.9)
     model, dm, opt = chained_toy(cfg, bucket_size=bucket_size)
     ref = ToyMoE()
-    named = list(ref.named_parameters())
-    muon = [(n, p) for n, p in named if is_muon_param(n, p)]
+    muon, adam_params, adam, bufs = reference_chain(ref, cfg)
     assert [n for n, _ in muon] == ["inp.weight", "out.weight", "experts.weight"]
     assert opt.owners()["muon"] == sorted(n for n, _ in muon)
-    adam_params = [(n, p) for n, p in named if not is_muon_param(n, p)]
-    adam = torch.optim.AdamW([{"params": [p for n, p in adam_params if decays(n, p)], "weight_decay": 0.1},
-                              {"params": [p for n, p in adam_params if not decays(n, p)], "weight_decay": 0.0}],
-                             lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, foreach=False)
-    bufs = {n: torch.zeros_like(p) for n, p in muon}
     for step in range(4):
         res = train_step(dm, opt, step, cfg.lr)
         ref.zero_grad()

@@ -243,13 +243,12 @@ def test_chain_splits_marked_weights_only_when_configured(split: bool) -> None:
     """Layer-wise Muon over a toy whose expert weight `[3, 16, 16]` and input weight `[16, 8]` are marked
     gated (blocks of 4, and `[gate; up]`): on, they step as `ref_split_step`; off, as the whole-matrix
     Muon reference of test_muon, i.e. exactly as before the option (the other params alike either way)."""
-    from test_muon import ONE, loss_fn, ref_muon_step, train_step
+    from test_muon import ONE, loss_fn, ref_muon_step, reference_chain, train_step
 
     from moectl.core.config.schema import OptimizerConfig, ParallelConfig
     from trainer.distributed import DistributedModel
     from trainer.optim.chained import build_muon_optimizer
-    from trainer.optim.distributed_optimizer import decays
-    from trainer.optim.muon_routing import is_muon_param, muon_model_options
+    from trainer.optim.muon_routing import muon_model_options
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
     from dist_toy import ToyMoE
 
@@ -268,13 +267,7 @@ def test_chain_splits_marked_weights_only_when_configured(split: bool) -> None:
     assert seen == {"inp.weight": marks["inp.weight"] if split else None, "out.weight": None,
                     "experts.weight": marks["experts.weight"] if split else None}
     ref = ToyMoE()
-    named = list(ref.named_parameters())
-    muon = [(n, p) for n, p in named if is_muon_param(n, p)]
-    adam_params = [(n, p) for n, p in named if not is_muon_param(n, p)]
-    adam = torch.optim.AdamW([{"params": [p for n, p in adam_params if decays(n, p)], "weight_decay": 0.1},
-                              {"params": [p for n, p in adam_params if not decays(n, p)], "weight_decay": 0.0}],
-                             lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, foreach=False)
-    bufs = {n: torch.zeros_like(p) for n, p in muon}
+    muon, _, adam, bufs = reference_chain(ref, cfg)
     for step in range(4):
         train_step(dm, opt, step, cfg.lr)
         ref.zero_grad()
