@@ -46,7 +46,8 @@ from trainer.distributed.bucket_group import BucketGroup
 from trainer.distributed.ddp import DEFAULT_OPTIMIZER_TAG, DistributedModel
 from trainer.optim.adamw import adamw_update_, fused_adamw_update_
 from trainer.optim.grad_norm import GradVerdict
-from trainer.optim.sharded_base import Segment, ShardBase, ShardedOptimizerBase, clipped
+from trainer.optim.grad_norm import clipped
+from trainer.optim.sharded_base import Segment, ShardBase, ShardedOptimizerBase
 
 STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
 

@@ -149,3 +149,12 @@ def clip_coefficient(norm: float, max_norm: float) -> float:
     if max_norm <= 0:
         return 1.0
     return min(1.0, max_norm / (norm + CLIP_EPS))
+
+
+def clipped(grad: torch.Tensor, coef: float) -> torch.Tensor:
+    """`grad` in fp32, multiplied by the clip coefficient (in place when it already was fp32)."""
+    if grad.dtype != torch.float32:
+        grad = grad.float()
+    if coef < 1.0:
+        grad.mul_(coef)  # torch's clip multiplies by min(1, coef); x * 1.0 is x, so skipping it is exact
+    return grad

@@ -45,7 +45,7 @@ from trainer.distributed.ddp import DistributedModel
 from trainer.optim.muon import glu_split_shape, resolve_compute_dtype
 from trainer.optim.muon_batch import MuonMatrix, muon_step_
 from trainer.optim.muon_routing import MUON_TAG, split_glu_rows
-from trainer.optim.sharded_base import Segment, ShardBase, ShardedOptimizerBase, clipped
+from trainer.optim.sharded_base import Segment, ShardBase, ShardedOptimizerBase
 
 STATE_KEYS = ("master", "momentum_buffer")
 
@@ -164,9 +164,9 @@ class LayerWiseMuon(ShardedOptimizerBase):
         for s in self.shards:
             for m in s.matrices:
                 shape = m.shape
-                grad = clipped(s.bucket.grad_data[s.lo + m.lo:s.lo + m.hi].view(shape), coef)
+                grad = s.bucket.grad_data[s.lo + m.lo:s.lo + m.hi].view(shape)
                 matrices.append(MuonMatrix(s.master[m.lo:m.hi].view(shape), grad,
                                            s.momentum_buffer[m.lo:m.hi].view(shape), m.glu))
         muon_step_(matrices, lr=lr, momentum=self.cfg.muon_momentum, nesterov=self.cfg.muon_nesterov,
                    ns_steps=self.cfg.muon_ns_steps, weight_decay=self.cfg.weight_decay,
-                   compute_dtype=self.compute_dtype)
+                   compute_dtype=self.compute_dtype, grad_scale=coef)

@@ -34,11 +34,13 @@ nothing once one GEMM fills the device.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
 from moectl.core.facts import GluRows
+from trainer.kernels import has_triton
+from trainer.optim.grad_norm import clipped
 from trainer.optim.muon import glu_halves, glu_split_shape, muon_lr_scale, orthogonalize_
 
 #: elements per Newton-Schulz batch (2^28: 512 MiB per batch-sized tensor in bf16)
@@ -95,34 +97,60 @@ def batches(matrices: Sequence[MuonMatrix], max_elements: int = MAX_BATCH_ELEMEN
         yield run
 
 
+def _kernels() -> Any:
+    from trainer.kernels import muon_triton  # imports Triton: CUDA only, on first use
+
+    return muon_triton
+
+
+def fused_elementwise(run: Sequence[MuonMatrix], compute_dtype: torch.dtype) -> bool:
+    """Whether `run`'s elementwise work goes through `kernels/muon_triton` (CUDA with Triton, a low-precision
+    iteration, no gathered gate/up halves, contiguous tensors whose slices tile into the kernels' blocks)."""
+    if compute_dtype == torch.float32 or run[0].master.device.type != "cuda" or not has_triton():
+        return False
+    for mat in run:
+        if mat.gathers or not _kernels().fits(mat.shape[-2] * mat.shape[-1]):
+            return False
+        if not all(t.is_contiguous() for t in (mat.master, mat.grad, mat.momentum)):
+            return False
+    return True
+
+
 @torch.no_grad()
 def muon_step_(matrices: Sequence[MuonMatrix], *, lr: float, momentum: float, nesterov: bool, ns_steps: int,
-               weight_decay: float, compute_dtype: torch.dtype,
+               weight_decay: float, compute_dtype: torch.dtype, grad_scale: float = 1.0,
                max_batch_elements: int = MAX_BATCH_ELEMENTS) -> None:
-    """One Muon step in place on every matrix's master and momentum (grads are not modified)."""
+    """One Muon step in place on every matrix's master and momentum.
+
+    `grad_scale`: the clip coefficient the grads are multiplied by first (`sharded_base.clipped`: in place
+    on the torch path; the fused kernels scale on the fly and leave the grads as they were).
+    """
+    decay = 1 - lr * weight_decay
     for run in batches(matrices, max_batch_elements):
         m, n = run[0].shape[-2:]
         # A lone 2-D matrix stays 2-D: exactly `muon_update_`'s GEMMs (see the module docstring).
         batch = (m, n) if len(run) == 1 and len(run[0].shape) == 2 else (sum(mat.slices for mat in run), m, n)
         X = torch.empty(batch, dtype=compute_dtype, device=run[0].master.device)
+        fused = fused_elementwise(run, compute_dtype)
+        sumsq = torch.zeros(X.numel() // (m * n), dtype=torch.float32, device=X.device) if fused else None
         at = 0
         for mat in run:
             slot = X if X.dim() == 2 else X[at:at + mat.slices]
-            at += mat.slices
-            mat.momentum.lerp_(mat.grad, 1 - momentum)
-            if mat.gathers:  # the blend of the whole weight, its gate and up blocks gathered into the slot
-                update = torch.lerp(mat.grad, mat.momentum, momentum) if nesterov else mat.momentum
-                halves = glu_halves(update, mat.glu.interleave)  # type: ignore[union-attr]
-                slot.view(halves.shape).copy_(halves)
-            elif nesterov:  # computed in fp32, one cast on store
-                torch.lerp(mat.grad, mat.momentum, momentum, out=slot.view(mat.master.shape))
+            if fused:
+                _kernels().blend_(mat.grad, mat.momentum, slot, sumsq, at, coef=grad_scale, beta=momentum,
+                                   nesterov=nesterov)  # fmt: skip
             else:
-                slot.view(mat.master.shape).copy_(mat.momentum)
-        O = orthogonalize_(X, ns_steps)
+                _blend(mat, slot, grad_scale, momentum, nesterov)
+            at += mat.slices
+        O = orthogonalize_(X, ns_steps, sumsq)
         at = 0
         for mat in run:
             ortho = O if O.dim() == 2 else O[at:at + mat.slices]
             at += mat.slices
+            alpha = -lr * muon_lr_scale(mat.shape)
+            if fused:
+                _kernels().apply_(mat.master, ortho, decay=decay, alpha=alpha)
+                continue
             if mat.gathers:  # scatter the halves back into the weight's row order
                 whole = torch.empty(mat.master.shape, dtype=ortho.dtype, device=ortho.device)
                 halves = glu_halves(whole, mat.glu.interleave)  # type: ignore[union-attr]
@@ -131,5 +159,19 @@ def muon_step_(matrices: Sequence[MuonMatrix], *, lr: float, momentum: float, ne
             else:
                 ortho = ortho.reshape(mat.master.shape)  # a view, maybe transposed
             if weight_decay != 0:
-                mat.master.mul_(1 - lr * weight_decay)
-            mat.master.add_(ortho, alpha=-lr * muon_lr_scale(mat.shape))
+                mat.master.mul_(decay)
+            mat.master.add_(ortho, alpha=alpha)
+
+
+def _blend(mat: MuonMatrix, slot: torch.Tensor, grad_scale: float, momentum: float, nesterov: bool) -> None:
+    """The torch path of the momentum EMA and the Nesterov blend, written into the matrix's batch slot."""
+    grad = clipped(mat.grad, grad_scale)
+    mat.momentum.lerp_(grad, 1 - momentum)
+    if mat.gathers:  # the blend of the whole weight, its gate and up blocks gathered into the slot
+        update = torch.lerp(grad, mat.momentum, momentum) if nesterov else mat.momentum
+        halves = glu_halves(update, mat.glu.interleave)  # type: ignore[union-attr]
+        slot.view(halves.shape).copy_(halves)
+    elif nesterov:  # computed in fp32, one cast on store
+        torch.lerp(grad, mat.momentum, momentum, out=slot.view(mat.master.shape))
+    else:
+        slot.view(mat.master.shape).copy_(mat.momentum)

@@ -37,7 +37,7 @@ from trainer.distributed.bucket import Bucket
 from trainer.distributed.bucket_group import BucketGroup, GradSyncError
 from trainer.distributed.ddp import DistributedModel
 from trainer.distributed.param_sync import Action
-from trainer.optim.grad_norm import GradVerdict, clip_coefficient, global_grad_verdict, local_sq_sum
+from trainer.optim.grad_norm import GradVerdict, clip_coefficient, clipped, global_grad_verdict, local_sq_sum
 from trainer.optim.logical_state import gather_logical_state
 from trainer.optim.step_result import NonFiniteGradError, StepResult
 
@@ -80,15 +80,6 @@ class ShardBase:
     def segments(self) -> Iterator[Segment]:
         """The params (or pieces of params) in [lo, hi), in bucket order."""
         raise NotImplementedError
-
-
-def clipped(grad: torch.Tensor, coef: float) -> torch.Tensor:
-    """`grad` in fp32, multiplied by the clip coefficient (in place when it already was fp32)."""
-    if grad.dtype != torch.float32:
-        grad = grad.float()
-    if coef < 1.0:
-        grad.mul_(coef)  # torch's clip multiplies by min(1, coef); x * 1.0 is x, so skipping it is exact
-    return grad
 
 
 class ShardedOptimizerBase:

@@ -70,6 +70,29 @@ def test_bf16_tracks_fp32_on_ill_conditioned_matrices(device: str, decades: int)
         assert float(diff.abs().max()) <= NOISE_ENTRY_TOL, (m, n, float(diff.abs().max()))
 
 
+FP16_TOL = 0.008  # fp16's folded chain: 2^-11 roundings, ~4x under bf16's (measured <= 0.0045, CPU)
+
+
+@pytest.mark.parametrize("device", ["cpu", *CUDA])
+def test_fp16_tracks_fp32_closer_than_bf16(device: str) -> None:
+    """The fp16 chain (a folded into B's diagonal, no copy of X) on random and ill-conditioned matrices."""
+    gen = torch.Generator().manual_seed(8)
+    for shape in [(128, 256), (256, 128), (4, 128, 128), (3, 64, 192)]:
+        G = torch.randn(shape, generator=gen).to(device)
+        o32, o16 = newton_schulz(G, 5), newton_schulz(G, 5, torch.float16)
+        assert o16.dtype == torch.float16 and o16.shape == G.shape
+        err = (o16.float() - o32).norm(dim=(-2, -1)) / o32.norm(dim=(-2, -1))
+        assert float(err.max()) <= FP16_TOL, (shape, err)
+    for m, n in [(128, 256), (256, 128)]:
+        G, U, V, S = conditioned(m, n, 6, gen)
+        o32 = newton_schulz(G.to(device), 5).cpu()
+        o16 = newton_schulz(G.to(device), 5, torch.float16).float().cpu()
+        diff, core = U.T @ (o16 - o32) @ V, U.T @ o32 @ V
+        r = int((S >= RESOLVED * S[0]).sum())
+        assert float(diff[:r, :r].norm() / core[:r, :r].norm()) <= FP16_TOL
+        assert float(diff.abs().max()) <= NOISE_ENTRY_TOL
+
+
 def _matrices(gen: torch.Generator, shapes: list[tuple[int, ...]]) -> list[MuonMatrix]:
     return [MuonMatrix(torch.randn(s, generator=gen), torch.randn(s, generator=gen), torch.randn(s, generator=gen))
             for s in shapes]
@@ -131,8 +154,9 @@ def test_compute_dtype_resolution() -> None:
     assert resolve_compute_dtype("auto", cpu) == torch.float32
     assert resolve_compute_dtype("bfloat16", cpu) == torch.bfloat16
     assert resolve_compute_dtype("float32", cpu) == torch.float32
+    assert resolve_compute_dtype("float16", cpu) == torch.float16
     with pytest.raises(ValueError, match="muon_compute_dtype"):
-        resolve_compute_dtype("float16", cpu)
+        resolve_compute_dtype("float64", cpu)
     assert OptimizerConfig().muon_compute_dtype == "auto"
 
 
@@ -178,3 +202,28 @@ def test_layerwise_muon_takes_the_configured_dtype() -> None:
         results[name] = model.experts.weight.detach().clone()
     a, b = results["float32"], results["bfloat16"]
     assert not torch.equal(a, b) and math.isclose(float((a - b).norm() / a.norm()), 0.0, abs_tol=0.02)
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_grad_scale_is_the_clip_applied_first(nesterov: bool) -> None:
+    """`grad_scale` (the clip coefficient) gives the bits of a step on grads multiplied by it beforehand."""
+    gen = torch.Generator().manual_seed(6)
+    mats = _matrices(gen, SHAPES)
+    ref = _clone(mats)
+    for r in ref:
+        r.grad.mul_(0.375)
+    hp = dict(lr=0.02, momentum=0.9, nesterov=nesterov, ns_steps=5, weight_decay=0.1)
+    muon_step_(mats, compute_dtype=torch.float32, grad_scale=0.375, **hp)  # type: ignore[arg-type]
+    muon_step_(ref, compute_dtype=torch.float32, **hp)  # type: ignore[arg-type]
+    for m, r in zip(mats, ref):
+        assert torch.equal(m.master, r.master) and torch.equal(m.momentum, r.momentum), m.master.shape
+
+
+def test_tall_slices_iterate_from_the_right_as_the_transposed_wide_ones() -> None:
+    """A tall batch iterates `X (aI + B)` with `B` from `X^T X`: the transposed wide iteration's result."""
+    gen = torch.Generator().manual_seed(7)
+    G = torch.randn(3, 96, 40, generator=gen)
+    tall = newton_schulz(G, 5, torch.bfloat16)
+    wide = newton_schulz(G.mT.contiguous(), 5, torch.bfloat16).mT
+    assert tall.is_contiguous()
+    torch.testing.assert_close(tall.float(), wide.float(), rtol=0.02, atol=0.01)

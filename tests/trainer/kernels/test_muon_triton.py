@@ -1,0 +1,106 @@
+"""Muon's fused elementwise kernels (trainer/kernels/muon_triton.py) against the torch path of `muon_step_`.
+
+GPU tests (marked `gpu`): the blend (momentum EMA, Nesterov blend cast to bf16, per-slice sums of squares),
+the apply (decay and scaled update of the fp32 master), and a whole `muon_step_` with the kernels against the
+same step on the torch path (selected off by patching `fused_elementwise`). Tolerances: the momentum is the
+same fp32 formula (torch's lerp branches) up to FMA contraction, so within 1e-6 relative; the bf16 blend
+within one bf16 ulp (2^-7 relative at worst); the sums of squares in another order (fp32 atomics), 1e-4 relative; the whole step's
+update, like the torch path's, within the bf16 tolerance (0.025 relative) of the fp32 step: the two bf16 steps
+differ by roundings of that size (the torch path rounds each slice's norm to bf16, the kernel keeps it in fp32),
+measured 1.3-1.5% apart. A lost clip, a swapped lerp weight or a wrong slice index errs by O(1).
+
+CPU test: the kernels are never selected off CUDA.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trainer.kernels import has_triton
+from trainer.optim import muon_batch
+from trainer.optim.muon_batch import MuonMatrix, fused_elementwise, muon_step_
+
+gpu = pytest.mark.gpu
+RANDOM_TOL = 0.025  # bf16 vs fp32 Newton-Schulz, tests/trainer/optim/test_muon_batch.py
+
+
+def _mats(shapes: list[tuple[int, ...]], device: str, seed: int = 0) -> list[MuonMatrix]:
+    gen = torch.Generator().manual_seed(seed)
+    return [MuonMatrix(*(torch.randn(s, generator=gen).to(device) for _ in range(3))) for s in shapes]
+
+
+def _clone(mats: list[MuonMatrix]) -> list[MuonMatrix]:
+    return [MuonMatrix(m.master.clone(), m.grad.clone(), m.momentum.clone()) for m in mats]
+
+
+def test_not_selected_off_cuda() -> None:
+    mats = _mats([(64, 128)], "cpu")
+    assert not fused_elementwise(mats, torch.bfloat16)
+
+
+needs_kernels = pytest.mark.skipif(not (torch.cuda.is_available() and has_triton()), reason="needs CUDA and Triton")
+
+
+@gpu
+@needs_kernels
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("coef", [1.0, 0.3])
+def test_blend_matches_the_torch_ops(nesterov: bool, coef: float) -> None:
+    from trainer.kernels import muon_triton
+    from trainer.optim.grad_norm import clipped
+
+    g, m = torch.randn(2, 3, 128, 256, device="cuda").unbind(0)
+    out = torch.empty(3, 128, 256, dtype=torch.bfloat16, device="cuda")
+    sumsq = torch.zeros(5, device="cuda")
+    m_ref = m.clone()
+    muon_triton.blend_(g, m, out, sumsq, 2, coef=coef, beta=0.95, nesterov=nesterov)
+    gc = clipped(g.clone(), coef)
+    m_ref.lerp_(gc, 1 - 0.95)
+    ref = (torch.lerp(gc, m_ref, 0.95) if nesterov else m_ref).bfloat16()
+    torch.testing.assert_close(m, m_ref, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2**-7, atol=1e-6)
+    want = (ref.float() ** 2).sum(dim=(-2, -1))
+    assert float(sumsq[:2].abs().max()) == 0.0
+    torch.testing.assert_close(sumsq[2:], want, rtol=1e-4, atol=0)
+
+
+@gpu
+@needs_kernels
+def test_apply_and_normalize_match_the_torch_ops() -> None:
+    from trainer.kernels import muon_triton
+
+    p, o = torch.randn(4, 256, 64, device="cuda"), torch.randn(4, 256, 64, device="cuda").bfloat16()
+    ref = p.clone().mul_(0.999).add_(o, alpha=-0.05)
+    muon_triton.apply_(p, o, decay=0.999, alpha=-0.05)
+    torch.testing.assert_close(p, ref, rtol=1e-6, atol=1e-7)
+    X = torch.randn(4, 256, 64, device="cuda").bfloat16()
+    s = (X.float() ** 2).sum(dim=(-2, -1))
+    ref = (X.float() / (s.sqrt() + 1e-7)[:, None, None]).bfloat16()
+    muon_triton.normalize_(X, s, 1e-7)
+    torch.testing.assert_close(X.float(), ref.float(), rtol=2**-7, atol=0)
+
+
+@gpu
+@needs_kernels
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_fused_step_tracks_the_torch_step(monkeypatch: pytest.MonkeyPatch, nesterov: bool) -> None:
+    # wide and tall grouped weights sharing a trailing shape with 2-D ones, and a lone tall 2-D matrix
+    shapes = [(128, 256), (3, 128, 256), (128, 256), (2, 512, 128), (512, 128), (1024, 64)]
+    mats = _mats(shapes, "cuda", seed=1)
+    torch_bf16, torch_fp32 = _clone(mats), _clone(mats)
+    start = [m.master.clone() for m in mats]
+    grads = [m.grad.clone() for m in mats]
+    hp = dict(lr=0.02, momentum=0.95, nesterov=nesterov, ns_steps=5, weight_decay=0.1, grad_scale=0.5)
+    assert all(fused_elementwise([m], torch.bfloat16) for m in mats)
+    muon_step_(mats, compute_dtype=torch.bfloat16, **hp)  # type: ignore[arg-type]
+    monkeypatch.setattr(muon_batch, "fused_elementwise", lambda run, dtype: False)
+    muon_step_(torch_bf16, compute_dtype=torch.bfloat16, **hp)  # type: ignore[arg-type]
+    muon_step_(torch_fp32, compute_dtype=torch.float32, **hp)  # type: ignore[arg-type]
+    for m, r, r32, p0, g in zip(mats, torch_bf16, torch_fp32, start, grads):
+        torch.testing.assert_close(m.momentum, r.momentum, rtol=1e-6, atol=1e-7)
+        assert torch.equal(m.grad, g)  # the fused path leaves the grads unscaled
+        d, d_bf16, d32 = m.master - p0, r.master - p0, r32.master - p0
+        # both bf16 steps within the bf16-vs-fp32 tolerance of the fp32 step (test_muon_batch.py's RANDOM_TOL)
+        assert float((d - d32).norm() / d32.norm()) <= RANDOM_TOL, m.master.shape
+        assert float((d_bf16 - d32).norm() / d32.norm()) <= RANDOM_TOL, m.master.shape

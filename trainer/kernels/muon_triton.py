@@ -1,0 +1,105 @@
+"""Triton kernels for Muon's elementwise work around Newton-Schulz (CUDA, low-precision iteration).
+
+`muon_batch.muon_step_` runs, per matrix, the momentum EMA, the Nesterov blend cast into its slot of the
+Newton-Schulz batch, the per-slice Frobenius normalisation, and after the iteration the weight decay and the
+scaled update of the fp32 master. As torch ops that is seven passes over fp32 and bf16 tensors (clip, lerp_,
+lerp, norm, div, mul_, add_): 44 bytes per element, about 46 ms per step of the 1.83B reference model on an
+H100 against the iteration's 70 ms of GEMMs (profile in docs/benchmarks.md). Here it is three passes:
+
+- `blend_`: reads grad and momentum (fp32), writes the momentum and the blend (in the batch's dtype) and adds
+  each slice's sum of squares of the rounded blend into `sumsq` (fp32 atomics): 14 B/element;
+- `normalize_`: divides each slice of the batch by `sqrt(sumsq) + eps` in place: 4 B/element (bf16);
+- `apply_`: `master = master * decay + alpha * ortho`: 10 B/element.
+
+Same formulas as the torch path, in fp32 registers, with torch's `lerp` branch (`w < 0.5: a + w (b - a)`, else
+`b - (b - a)(1 - w)`); the grad is multiplied by the clip coefficient first, as `sharded_base.clipped` does (not
+written back: nothing reads a Muon grad after the step). Not bitwise the torch path: the sum of squares is
+accumulated in another order and kept in fp32 where `vector_norm` of a bf16 batch rounds the norm to bf16
+(tested within a stated tolerance, tests/trainer/kernels/test_muon_triton.py).
+
+Imported lazily on CUDA only; importing it needs Triton.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 4096  # elements per program: every slice of the shipped shapes is a multiple (checked by `fits`)
+
+
+def fits(slice_elems: int) -> bool:
+    """Whether slices of `slice_elems` elements tile into whole blocks (a block never spans two slices)."""
+    return slice_elems % BLOCK == 0
+
+
+@triton.jit
+def _lerp(a, b, w):
+    """torch's lerp: a + w (b - a) for w < 0.5, else b - (b - a)(1 - w) (exact at both ends)."""
+    if w < 0.5:
+        return a + w * (b - a)
+    return b - (b - a) * (1.0 - w)
+
+
+@triton.jit
+def _blend_kernel(g_ptr, m_ptr, out_ptr, sumsq_ptr, slice0, coef, beta, NESTEROV: tl.constexpr,
+                  SLICE: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    g = tl.load(g_ptr + offs).to(tl.float32) * coef
+    m = _lerp(tl.load(m_ptr + offs), g, 1.0 - beta)
+    tl.store(m_ptr + offs, m)
+    u = m
+    if NESTEROV:
+        u = _lerp(g, m, beta)
+    u = u.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + offs, u)
+    uf = u.to(tl.float32)
+    tl.atomic_add(sumsq_ptr + slice0 + (pid * BLOCK) // SLICE, tl.sum(uf * uf, axis=0))
+
+
+@triton.jit
+def _normalize_kernel(x_ptr, sumsq_ptr, eps, SLICE: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    norm = tl.sqrt(tl.load(sumsq_ptr + (pid * BLOCK) // SLICE)) + eps
+    x = tl.load(x_ptr + offs).to(tl.float32) / norm
+    tl.store(x_ptr + offs, x.to(x_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _apply_kernel(p_ptr, o_ptr, decay, alpha, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    p = tl.load(p_ptr + offs) * decay
+    tl.store(p_ptr + offs, p + alpha * tl.load(o_ptr + offs).to(tl.float32))
+
+
+def blend_(grad: torch.Tensor, momentum: torch.Tensor, out: torch.Tensor, sumsq: torch.Tensor, first_slice: int,
+           *, coef: float, beta: float, nesterov: bool) -> None:
+    """`momentum.lerp_(grad * coef, 1 - beta)`; `out` = the Nesterov blend (or the momentum) in its dtype;
+    `sumsq[first_slice + s] +=` the sum of squares of slice s of `out`. All contiguous, of one element count
+    that is whole slices of `out`'s trailing `[m, n]` (`fits`)."""
+    n, slice_elems = out.numel(), out.shape[-2] * out.shape[-1]
+    if not (grad.is_contiguous() and momentum.is_contiguous() and out.is_contiguous()):
+        raise ValueError("Muon's fused blend needs contiguous grad, momentum and output")
+    if grad.numel() != n or momentum.numel() != n or momentum.dtype != torch.float32 or not fits(slice_elems):
+        raise ValueError(f"Muon's fused blend: {grad.numel()}/{momentum.numel()}/{n} elements, slices of {slice_elems}")
+    _blend_kernel[(n // BLOCK,)](grad, momentum, out, sumsq, first_slice, coef, beta, NESTEROV=nesterov,
+                                 SLICE=slice_elems, BLOCK=BLOCK, num_warps=8)  # fmt: skip
+
+
+def normalize_(X: torch.Tensor, sumsq: torch.Tensor, eps: float) -> None:
+    """Each trailing `[m, n]` slice of contiguous `X` divided by `sqrt(sumsq[slice]) + eps`, in place."""
+    slice_elems = X.shape[-2] * X.shape[-1]
+    if not X.is_contiguous() or not fits(slice_elems) or sumsq.numel() != X.numel() // slice_elems:
+        raise ValueError(f"Muon's fused normalise: shape {tuple(X.shape)}, {sumsq.numel()} sums")
+    _normalize_kernel[(X.numel() // BLOCK,)](X, sumsq, eps, SLICE=slice_elems, BLOCK=BLOCK, num_warps=8)
+
+
+def apply_(master: torch.Tensor, ortho: torch.Tensor, *, decay: float, alpha: float) -> None:
+    """`master = master * decay + alpha * ortho` in place (fp32 master, contiguous, whole blocks)."""
+    n = master.numel()
+    if not (master.is_contiguous() and ortho.is_contiguous()) or ortho.numel() != n or n % BLOCK:
+        raise ValueError(f"Muon's fused apply: master {tuple(master.shape)}, update {tuple(ortho.shape)}")
+    _apply_kernel[(n // BLOCK,)](master, ortho, decay, alpha, BLOCK=BLOCK, num_warps=8)
