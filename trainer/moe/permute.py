@@ -12,13 +12,20 @@ order, so forward and backward are deterministic and move each row once.
 
 The zero row is appended (a copy of the tensor it extends) only where a plan has padding rows (`padded`)
 or dropped routings (`dropped`); a dropless, unpadded plan gathers the tensors as they are.
+
+The gather-and-sum (combine forward, dispatch backward) runs as one Triton kernel on CUDA
+(`kernels/gather_sum_triton.py`: no `[N, D]` intermediate, dropped routings read as zeros without the
+appended row); `MOECTL_TRITON_GATHER_SUM=0` keeps the torch ops.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
+
+from trainer.kernels import has_triton
 
 
 def _with_zero_row(t_XD: torch.Tensor) -> torch.Tensor:
@@ -30,6 +37,15 @@ def _gather(t_XD: torch.Tensor, index: torch.Tensor, zero_row: bool) -> torch.Te
     return (_with_zero_row(t_XD) if zero_row else t_XD).index_select(0, index)
 
 
+def _gather_sum(t_XD: torch.Tensor, index_N: torch.Tensor, topk: int, zero_row: bool) -> torch.Tensor:
+    """`[N / K, D]`: the K rows `index_N` picks for each output row, summed in fp32 in order k = 0..K-1."""
+    if t_XD.is_cuda and os.environ.get("MOECTL_TRITON_GATHER_SUM", "1") != "0" and has_triton():
+        from trainer.kernels.gather_sum_triton import gather_sum
+
+        return gather_sum(t_XD.contiguous(), index_N, topk)  # an index X (dropped) reads zeros
+    return _gather(t_XD, index_N, zero_row).view(index_N.numel() // topk, topk, -1).sum(dim=1)
+
+
 class _Dispatch(torch.autograd.Function):
     """x_PD[p] = x_TD[src_P[p] // K] (0 for padding); grad: each token sums the grads of its K rows."""
 
@@ -37,16 +53,14 @@ class _Dispatch(torch.autograd.Function):
     def forward(ctx: Any, x_TD: torch.Tensor, src_P: torch.Tensor, row_N: torch.Tensor, topk: int,
                 padded: bool, dropped: bool) -> torch.Tensor:
         ctx.save_for_backward(row_N)
-        ctx.topk, ctx.dropped, ctx.num_tokens = topk, dropped, x_TD.shape[0]
+        ctx.topk, ctx.dropped = topk, dropped
         token_P = src_P // topk  # padding rows (src N) land on token T: the appended zero row
         return _gather(x_TD, token_P, padded)
 
     @staticmethod
     def backward(ctx: Any, g_PD: torch.Tensor) -> tuple[Any, ...]:
         (row_N,) = ctx.saved_tensors
-        T, K = ctx.num_tokens, ctx.topk
-        g_NKD = _gather(g_PD, row_N, ctx.dropped).view(T, K, -1)  # dropped routings read the zero row
-        return g_NKD.sum(dim=1), None, None, None, None, None
+        return _gather_sum(g_PD, row_N, ctx.topk, ctx.dropped), None, None, None, None, None
 
 
 class _Combine(torch.autograd.Function):
@@ -57,8 +71,7 @@ class _Combine(torch.autograd.Function):
                 padded: bool, dropped: bool) -> torch.Tensor:
         ctx.save_for_backward(src_P)
         ctx.topk, ctx.padded = topk, padded
-        T = row_N.numel() // topk
-        return _gather(y_PD, row_N, dropped).view(T, topk, -1).sum(dim=1)
+        return _gather_sum(y_PD, row_N, topk, dropped)
 
     @staticmethod
     def backward(ctx: Any, g_TD: torch.Tensor) -> tuple[Any, ...]:

@@ -3,6 +3,8 @@ routing-by-routing reference, and neither direction scatter-adds (index_put with
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -69,3 +71,36 @@ def test_values_and_grads_equal_the_reference_and_backward_only_gathers(kw: dict
     if kw.get("align", 1) > 1 or kw.get("pad_to_capacity"):
         pad = plan.src_P == T * K
         assert pad.any() and not x_PD[pad].any() and not probs_P[pad].any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kw", CASES, ids=[",".join(f"{k}={v}" for k, v in c.items()) or "plain" for c in CASES])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_gather_sum_equals_the_torch_ops_bitwise(kw: dict, dtype: torch.dtype,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA the combine and the dispatch's backward run one Triton gather-sum kernel
+    (kernels/gather_sum_triton.py); it sums the K rows in fp32 in torch's order and rounds once, so its values
+    and grads are torch's bit for bit, with dropped routings and padding rows. (Shapes of a real layer:
+    several output tiles, K = 4.)"""
+    from trainer.kernels import has_triton
+
+    if not has_triton():
+        pytest.skip("needs Triton")
+    g = torch.Generator().manual_seed(2)
+    T_, K_, E_, D_ = 300, 4, 8, 320
+    probs, idx = torch.rand(T_, E_, generator=g).topk(K_, dim=-1)
+    ro = RouterOutput(probs.cuda(), idx.cuda(), torch.bincount(idx.flatten(), minlength=E_).cuda(), torch.zeros(()),
+                      torch.zeros(()))  # fmt: skip
+    x = torch.randn(T_, D_, generator=g).to("cuda", dtype)
+    dy = torch.randn(T_, D_, generator=g).to("cuda", dtype)
+    out = {}
+    for fused in ("1", "0"):
+        monkeypatch.setenv("MOECTL_TRITON_GATHER_SUM", fused)
+        xr, pr = x.clone().requires_grad_(), ro.probs_TK.clone().requires_grad_()
+        disp = LocalDispatcher(E_, **kw)
+        x_PD, rows_E, probs_P, plan = disp.dispatch(xr, dataclasses.replace(ro, probs_TK=pr))
+        y = disp.combine(x_PD * probs_P[:, None].to(dtype), plan)  # the probs' dispatch: K = 1, D = 1, fp32
+        y.backward(dy)
+        out[fused] = (y.detach(), xr.grad, pr.grad)
+    for a, b in zip(out["1"], out["0"]):
+        assert torch.equal(a, b)
