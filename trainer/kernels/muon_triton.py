@@ -3,7 +3,7 @@
 `muon_batch.muon_step_` runs, per matrix, the momentum EMA, the Nesterov blend cast into its slot of the
 Newton-Schulz batch, the per-slice Frobenius normalisation, and after the iteration the weight decay and the
 scaled update of the fp32 master. As torch ops that is seven passes over fp32 and bf16 tensors (clip, lerp_,
-lerp, norm, div, mul_, add_): 44 bytes per element, about 46 ms per step of the 1.83B reference model on an
+lerp, norm, div, mul_, add_): 44 bytes per element, about 37 ms per step of the 1.83B reference model on an
 H100 against the iteration's 70 ms of GEMMs (profile in docs/benchmarks.md). Here it is three passes:
 
 - `blend_`: reads grad and momentum (fp32), writes the momentum and the blend (in the batch's dtype) and adds
