@@ -8,7 +8,9 @@ one `[B, m, n]` batch in the compute dtype and runs one batched iteration on it 
 
 What stays per matrix: the momentum EMA and the Nesterov blend (elementwise; the blend is written
 straight into the matrix's slot of the batch, so the only copy is the cast the compute dtype needs), the
-weight decay and the update with the matrix's own Moonlight scale. Every op is the one `muon.muon_update_`
+weight decay and the update with the matrix's own Moonlight scale. On CUDA with a low-precision iteration
+those run as the fused kernels of `kernels/muon_triton.py` (`fused_elementwise` says when), which also
+apply the clip coefficient (`grad_scale`) on the fly; elsewhere as torch ops. Every op is the one `muon.muon_update_`
 runs on that matrix alone, and the batched fp32 GEMMs give each slice the same bits whatever else is in
 the batch (CPU, tested), so a grouped `[E, out, in]` weight and E per-expert weights stay bitwise alike.
 Against the 2-D GEMMs `muon_update_` runs on a lone `[m, n]` param, batched ones are bitwise equal on
@@ -49,7 +51,8 @@ MAX_BATCH_ELEMENTS = 1 << 28
 
 @dataclass(frozen=True)
 class MuonMatrix:
-    """One unit of Muon work: an fp32 master, its (clipped, fp32) grad and momentum, all of one shape:
+    """One unit of Muon work: an fp32 master, its grad (unclipped: `muon_step_` takes the clip coefficient)
+    and momentum, all of one shape:
     `[m, n]`, or `[k, m, n]` for k expert slices. `glu`: the row layout of a gated fc1 weight to
     orthogonalise as gate and up halves (None: as it is)."""
 
