@@ -5,14 +5,18 @@ Checks, without executing or unpickling anything:
 - the manifest: JSON, format version, schema, step vs folder name (`ckpt.manifest.check`), and its own
   digest over every field (`ckpt.seal`: an edited run state is refused like an edited tensor);
 - every listed file: present, size, safetensors header (`ckpt.st_header`), the tensors in it vs the
-  manifest (names, dtype, shape), sha256 of the file; on a hash mismatch, each tensor's own sha256 so
-  the changed tensor is named (Megatron's `integrity.json` can only name the file);
+  manifest (names, dtype, shape), the file's digest; each changed tensor is named by its own sha256
+  (Megatron's `integrity.json` can only name the file);
 - no unlisted files: a stray `.pt`/pickle beside the shards is reported (and never opened beyond its
   first bytes, to say what it looks like).
 
-Files are checked side by side on `ckpt.shard_io.io_threads()` threads, each hash reading large chunks
-while it hashes the previous one (`ckpt.shard_io.hash_file`): verifying is as fast as the disk reads or
-the cores hash, whichever is slower, instead of one file after another at the sum of both.
+Format 3 files (`ckpt.digest`: a tree over the header's and the tensors' sha256s) are verified in one pass:
+the header and every tensor of every file are hashed side by side on `ckpt.shard_io.io_threads()` threads,
+largest first, and the same hashes give the file's digest and name any changed tensor. Format 1-2 files
+recorded the whole file's sha256, one sequential pass per file: files are then hashed side by side, and
+tensors only when their file does not match. Each hash reads large chunks while it hashes the previous one
+(`ckpt.shard_io.hash_file`), so verifying is as fast as the disk reads or the cores hash, whichever is
+slower, not their sum.
 """
 
 from __future__ import annotations
@@ -25,10 +29,11 @@ from typing import Any, Callable
 
 from ckpt import manifest, names
 from ckpt import problems as P
+from ckpt.digest import tree_digest, uses_tree
 from ckpt.discovery import is_step_dir, resolve_load_path
 from ckpt.problems import Problem
 from ckpt.seal import seal_problem
-from ckpt.shard_io import hash_file, io_threads
+from ckpt.shard_io import hash_file, hash_ranges, io_threads, range_jobs
 from ckpt.st_header import TORCH_NAME, Header, read_header
 from moectl.core.errors import CheckpointError
 
@@ -57,9 +62,12 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> list[Problem]:
     by_file: dict[str, dict[str, Any]] = {f: {} for f in listed}
     for tname, rec in m["tensors"].items():
         by_file[rec["file"]][tname] = rec
-    jobs = [(step_dir, f, rec, by_file[f]) for f, rec in listed.items()]
-    for probs in _in_parallel(_check_one, jobs):
-        found += probs
+    if uses_tree(m):
+        found += _check_tree_files(step_dir, listed, by_file)
+    else:
+        jobs = [(step_dir, f, rec, by_file[f]) for f, rec in listed.items()]
+        for probs in _in_parallel(_check_one, jobs):
+            found += probs
     # Last, so that a problem naming a file or tensor comes first when an edit touched both.
     edited = seal_problem(m)
     if edited:
@@ -142,12 +150,14 @@ def _looks_pickled(entry: Path) -> bool:
     return head[:1] == b"\x80" or head == b"PK"
 
 
-def _check_file(path: Path, frec: dict[str, Any], expected: dict[str, Any]) -> list[Problem]:
-    """Problems of one listed shard file; `expected` = the manifest's tensors in it."""
+def _check_structure(path: Path, frec: dict[str, Any], expected: dict[str, Any]
+                     ) -> tuple[list[Problem], Header | None, bool]:  # fmt: skip
+    """Everything of one listed shard file short of hashing it: (problems, its header if usable, whether its
+    bytes can be hashed: present at the recorded size). `expected` = the manifest's tensors in it."""
     fname = path.name
     if not path.is_file():
         held = ", ".join(sorted(expected)[:3]) + (", ..." if len(expected) > 3 else "")
-        return [Problem(P.MISSING_FILE, fname, None, f"missing; it held {len(expected)} tensor(s): {held}")]
+        return [Problem(P.MISSING_FILE, fname, None, f"missing; it held {len(expected)} tensor(s): {held}")], None, False
     found = []
     size = path.stat().st_size
     size_ok = size == frec["size"]
@@ -161,8 +171,91 @@ def _check_file(path: Path, frec: dict[str, Any], expected: dict[str, Any]) -> l
         found.append(Problem(P.UNEXPECTED_FILE, fname, None, "looks like a pickle/torch.save payload: never loaded"))
     if header is not None:
         found += _check_tensor_set(fname, header, expected)
+    return found, (header if not hprobs else None), size_ok
+
+
+def _check_tree_files(step_dir: Path, listed: dict[str, Any], by_file: dict[str, dict[str, Any]]) -> list[Problem]:
+    """Format 3: every listed file checked, its header and tensors hashed in one pool across all files."""
+    checked: dict[str, tuple[list[Problem], Header | None, bool]] = {}
+    jobs: list[tuple[str, list[tuple[int, int]]]] = []
+    for fname, frec in listed.items():
+        try:
+            checked[fname] = _check_structure(step_dir / fname, frec, by_file[fname])
+        except OSError as e:
+            checked[fname] = ([Problem(P.UNREADABLE, fname, None, f"cannot be read: {e.strerror or e}")], None, False)
+            continue
+        _, header, hashable = checked[fname]
+        if hashable and header is not None:
+            jobs += [(fname, group) for group in range_jobs(_pieces(header))]
+    hashed, failed = _hash_jobs(step_dir, jobs)
+    found: list[Problem] = []
+    for fname, (probs, header, hashable) in checked.items():
+        found += probs
+        if fname in failed:
+            found.append(failed[fname])
+        elif hashable and header is None:  # the saved header always parses: this one was changed
+            found.append(Problem(P.SHA256, fname, None, "differs from the saved file: its header no longer parses "
+                                                        "as written, so its tensors' bytes cannot be told apart"))  # fmt: skip
+        elif hashable and header is not None:
+            found += _tree_problems(fname, header, hashed, listed[fname], by_file[fname])
+    return found
+
+
+def _pieces(header: Header) -> list[tuple[int, int]]:
+    """The byte ranges the tree digest hashes: the header, then every tensor, in file order."""
+    return [(0, header.data_start)] + [(e.start, e.end) for e in sorted(header.entries.values(), key=lambda e: e.start)]
+
+
+def _hash_jobs(step_dir: Path, jobs: list[tuple[str, list[tuple[int, int]]]]
+               ) -> tuple[dict[tuple[str, int, int], str], dict[str, Problem]]:  # fmt: skip
+    """sha256 of every (file, ranges) job on the I/O threads, largest first: by (file, start, end), and a
+    problem for each file that could not be read."""
+    order = sorted(jobs, key=lambda j: j[1][0][0] - j[1][-1][1])  # longest span first: no long hash left last
+
+    def run(job: tuple[str, list[tuple[int, int]]]) -> tuple[str, list[tuple[int, int]], list[str] | OSError]:
+        fname, ranges = job
+        try:
+            return fname, ranges, hash_ranges(step_dir / fname, ranges)
+        except OSError as e:
+            return fname, ranges, e
+
+    workers = max(1, min(len(order), io_threads()))
+    if workers == 1:
+        results = [run(j) for j in order]
+    else:
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="moectl-ckpt-verify") as pool:
+            results = list(pool.map(run, order))
+    hashed: dict[tuple[str, int, int], str] = {}
+    failed: dict[str, Problem] = {}
+    for fname, ranges, out in results:
+        if isinstance(out, OSError):
+            failed.setdefault(fname, Problem(P.UNREADABLE, fname, None, f"cannot be read: {out.strerror or out}"))
+            continue
+        for (start, end), sha in zip(ranges, out):
+            hashed[(fname, start, end)] = sha
+    return hashed, failed
+
+
+def _tree_problems(fname: str, header: Header, hashed: dict[tuple[str, int, int], str], frec: dict[str, Any],
+                   expected: dict[str, Any]) -> list[Problem]:  # fmt: skip
+    """A hashed format 3 file against its records: each tensor whose bytes changed, or the file's digest."""
+    entries = sorted(header.entries.values(), key=lambda e: e.start)
+    sha = {e.name: hashed[(fname, e.start, e.end)] for e in entries}
+    changed = [t for t in sorted(set(expected) & set(sha)) if sha[t] != expected[t]["sha256"]]
+    if changed:
+        return [Problem(P.SHA256, fname, t, "bytes differ from the saved ones (sha256 mismatch)") for t in changed]
+    if tree_digest(hashed[(fname, 0, header.data_start)], (sha[e.name] for e in entries)) != frec["sha256"]:
+        return [Problem(P.SHA256, fname, None, "sha256 differs from the manifest although every tensor's bytes match: "
+                                               "the file's header or the manifest was changed")]  # fmt: skip
+    return []
+
+
+def _check_file(path: Path, frec: dict[str, Any], expected: dict[str, Any]) -> list[Problem]:
+    """Format 1-2: problems of one listed shard file, its whole-file sha256 included."""
+    fname = path.name
+    found, header, size_ok = _check_structure(path, frec, expected)
     if size_ok and _sha256(path) != frec["sha256"]:
-        changed = _changed_tensors(path, header, expected) if header is not None and not hprobs else None
+        changed = _changed_tensors(path, header, expected) if header is not None else None
         if changed:
             found += [Problem(P.SHA256, fname, t, "bytes differ from the saved ones (sha256 mismatch)") for t in changed]
         elif changed == []:

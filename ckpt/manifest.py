@@ -1,8 +1,9 @@
 """manifest.json: what a checkpoint holds, written last as its commit marker (docs/checkpoint.md).
 
-Plain JSON only. Layout (format version 2):
+Plain JSON only. Layout (format version 3):
 
     format, format_version, step, writer             # who wrote it: moectl/torch/safetensors versions
+    file_digest                                      # "sha256-tree": what files.*.sha256 is (ckpt/digest.py)
     consumed_samples, config, expert_layout,         # the caller's `meta`, checked by `check_meta`
     glu_interleave_size, recipe, world, sampler,
     rng, probe[, train_state][, hf]
@@ -10,10 +11,12 @@ Plain JSON only. Layout (format version 2):
     tensors: {name: {file, dtype, shape, sha256}}    # every tensor; dtype as torch names it
     manifest_sha256                                  # over all the fields above (ckpt/seal.py)
 
-Format 1 is the same without `manifest_sha256`; it is still read (ckpt/seal.py says how and why).
+Format 2 is the same without `file_digest`, its files' sha256 being that of the whole file; format 1 also
+lacks `manifest_sha256`. Both are still read (ckpt/digest.py, ckpt/seal.py say how and why).
 
-The per-tensor sha256 is over the tensor's bytes in its file; the file's sha256 covers the header too.
-Both are checked by `ckpt.integrity`: the file hash proves the file, the tensor hashes name the tensor
+The per-tensor sha256 is over the tensor's bytes in its file; the file's digest covers the header too
+(format 3: a tree over the header's and the tensors' sha256s, so every byte is hashed once, in parallel).
+Both are checked by `ckpt.integrity`: the file digest proves the file, the tensor hashes name the tensor
 when it does not match (Megatron's `integrity.json` has only the former).
 """
 
@@ -27,12 +30,14 @@ from typing import Any
 
 from ckpt import names
 from ckpt import problems as P
+from ckpt.digest import TREE, TREE_FROM_VERSION
 from ckpt.problems import Problem
 from ckpt.seal import DIGEST_KEY, SEALED_FROM_VERSION, seal
 from ckpt.st_header import TORCH_NAME
 
 FORMAT = "moectl-checkpoint"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+FILE_DIGEST_KEY = "file_digest"  # from format 3 on (ckpt/digest.py)
 EXPERT_LAYOUTS = ("single-grouped", "per-expert")
 
 # The caller's part of the manifest. train_state (LR schedule, optimizer step counters, skip ranges...)
@@ -95,6 +100,7 @@ def build(step: int, meta: dict[str, Any], files: dict[str, Any], tensors: dict[
         "format_version": FORMAT_VERSION,
         "step": step,
         "writer": _writer(),
+        FILE_DIGEST_KEY: TREE,
         **{k: meta[k] for k in META_REQUIRED + META_OPTIONAL if k in meta},
         "files": dict(sorted(files.items())),
         "tensors": dict(sorted(tensors.items())),
@@ -161,7 +167,10 @@ def check(obj: Any, folder_step: int | None) -> list[str]:
     if v > FORMAT_VERSION:
         return [f"format_version {v} was written by a newer moectl (this one reads up to {FORMAT_VERSION})"]
     own = _OWN_KEYS + ((DIGEST_KEY,) if v >= SEALED_FROM_VERSION else ())
+    own += (FILE_DIGEST_KEY,) if v >= TREE_FROM_VERSION else ()
     errs = [f"missing key {k!r}" for k in own if k not in obj]
+    if FILE_DIGEST_KEY in obj and v >= TREE_FROM_VERSION and obj[FILE_DIGEST_KEY] != TREE:
+        errs.append(f"{FILE_DIGEST_KEY} is {obj[FILE_DIGEST_KEY]!r}, not {TREE!r}: not a digest this moectl computes")
     errs += [f"unknown key {k!r}" for k in obj if k not in own + META_REQUIRED + META_OPTIONAL]
     if DIGEST_KEY in obj and v >= SEALED_FROM_VERSION and not (
         isinstance(obj[DIGEST_KEY], str) and _SHA_RE.match(obj[DIGEST_KEY])

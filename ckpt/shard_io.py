@@ -2,14 +2,16 @@
 
 Writing a file (`write_layout`): the tensors' own memory is written where `ckpt.st_layout` placed it, in
 chunks of `CHUNK` bytes gathered with `pwritev` (one system call per chunk however many small tensors it
-spans, and no staging copy), while other threads compute the file's sha256 and every tensor's sha256
-from the same memory. `hashlib` and file writes release the GIL, so the threads run in parallel on as
-many cores as `io_threads()` gives; the file's own hash is one sequential pass, and the long pole only
-when the disk is faster than one core hashes. Before, a shard was serialised into one bytes object
-(a copy of the whole shard), then written, then hashed twice, all on one thread.
+spans, and no staging copy), while other threads compute every tensor's sha256 from the same memory. The
+file's digest is the sha256 tree of `ckpt.digest` over the header's and the tensors' digests, so every
+byte is hashed once and no hash runs over a whole file: the longest is the largest tensor's. `hashlib`
+and file writes release the GIL, so the threads run in parallel on as many cores as `io_threads()` gives.
+(Until format 3 the file's own sha256 was a second, sequential pass over all its bytes: the long pole of
+a large save.)
 
-Reading a file's hash (`hash_file`): one thread reads 8 MiB chunks into three reused buffers while the
-caller's thread hashes the previous one, so the time is the slower of the disk and the hash, not their sum.
+Reading hashes back (`hash_file`, `hash_ranges`): one thread reads 8 MiB chunks into three reused buffers
+while the caller's thread hashes the previous one, so the time is the slower of the disk and the hash, not
+their sum; small neighbouring ranges (a file's many small tensors) are read with one call.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Callable
 
 import torch
 
+from ckpt.digest import tree_digest
 from ckpt.st_layout import Layout
 
 CHUNK = 32 << 20  # bytes per write call: large sequential I/O, and enough chunks to spread over the threads
@@ -32,7 +35,6 @@ READ_CHUNK = 8 << 20  # bytes per read: well past the kernel's readahead, yet 16
 _READ_BUFFERS = 3  # one being read, one being hashed, one spare so the reader never waits on a fast hash
 _IOV_MAX = 1024  # Linux's limit on buffers per pwritev
 ENV_THREADS = "MOECTL_CKPT_THREADS"
-_FILE = "file"  # the file hash's key among the jobs; tensors are keyed by a 1-tuple of their name
 
 
 def io_threads() -> int:
@@ -109,8 +111,10 @@ def _pwritev_all(fd: int, offset: int, bufs: list[memoryview]) -> None:
             bufs = [bufs[0][n:], *bufs[1:]]
 
 
-def write_layout(path: Path, lay: Layout, threads: int | None = None) -> tuple[str, dict[str, str]]:
-    """Write the new file `path` as `lay` places it, fsync it, and return (the file's sha256, each tensor's).
+def write_layout(path: Path, lay: Layout, threads: int | None = None, fsync: bool = True
+                 ) -> tuple[str, dict[str, str]]:  # fmt: skip
+    """Write the new file `path` as `lay` places it (and fsync it unless `fsync` is False: the caller then
+    must), and return (the file's tree digest, see `ckpt.digest`; each tensor's sha256).
 
     Refuses to overwrite (`O_EXCL`: a nonce clash is a bug). On any error the partial file is left for the
     caller's cleanup (the save removes its whole in-flight folder) and the first error is raised once every
@@ -118,20 +122,22 @@ def write_layout(path: Path, lay: Layout, threads: int | None = None) -> tuple[s
     """
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        views = [memoryview(lay.header)] + [byte_view(p.tensor) for p in lay.placed]
-        # The file's hash first: one sequential pass, the longest job. Then writes and tensor hashes taken
-        # in turn, so the disk is busy from the start and no large hash is left to run alone at the end.
-        jobs: list[tuple[object, Callable[[], object]]] = [(_FILE, lambda: _sha256(views))]
+        # The largest tensors' hashes first, each beside a write, so the disk is busy from the start and no
+        # large hash is left to run alone at the end.
         writes = [(None, lambda o=offset, b=bufs: _pwritev_all(fd, o, b)) for offset, bufs in _write_ops(lay)]
-        hashes = [((p.name,), lambda v=byte_view(p.tensor): _sha256([v]))
+        hashes = [(p.name, lambda v=byte_view(p.tensor): _sha256([v]))
                   for p in sorted(lay.placed, key=lambda p: p.start - p.end)]  # fmt: skip
+        jobs: list[tuple[object, Callable[[], object]]] = []
         for i in range(max(len(writes), len(hashes))):
-            jobs += writes[i : i + 1] + hashes[i : i + 1]
+            jobs += hashes[i : i + 1] + writes[i : i + 1]
         results = _run(jobs, threads or io_threads())
-        os.fsync(fd)
+        if fsync:
+            os.fsync(fd)
     finally:
         os.close(fd)
-    return str(results[_FILE]), {p.name: str(results[(p.name,)]) for p in lay.placed}
+    tensor_sha = {p.name: str(results[p.name]) for p in lay.placed}
+    header_sha = hashlib.sha256(lay.header).hexdigest()
+    return tree_digest(header_sha, (tensor_sha[p.name] for p in lay.placed)), tensor_sha
 
 
 def _run(jobs: list[tuple[object, Callable[[], object]]], threads: int) -> dict[object, object]:
@@ -207,3 +213,31 @@ def hash_file(path: Path, start: int = 0, end: int | None = None) -> str:
     if errors:
         raise errors[0]
     return h.hexdigest()
+
+
+def hash_ranges(path: Path, ranges: list[tuple[int, int]]) -> list[str]:
+    """sha256 of each byte range [start, end) of `path`, in order. Ranges that together span at most
+    `READ_CHUNK` bytes are read with one call and hashed from memory (a file's small tensors), a larger one
+    by `hash_file`'s overlapped reads. Callers group ranges by neighbourhood (`range_jobs`)."""
+    if not ranges:
+        return []
+    lo, hi = min(s for s, _ in ranges), max(e for _, e in ranges)
+    if len(ranges) == 1 and hi - lo > READ_CHUNK:
+        return [hash_file(path, lo, hi)]
+    with open(path, "rb", buffering=0) as f:
+        f.seek(lo)
+        data = f.read(hi - lo)
+    view = memoryview(data)
+    return [hashlib.sha256(view[s - lo : e - lo]).hexdigest() for s, e in ranges]
+
+
+def range_jobs(ranges: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+    """`ranges` (sorted by start) in groups for `hash_ranges`: neighbours spanning at most `READ_CHUNK`
+    bytes together, and every larger range alone."""
+    groups: list[list[tuple[int, int]]] = []
+    for r in ranges:
+        if groups and r[1] - groups[-1][0][0] <= READ_CHUNK:  # the group, with r, still fits one read
+            groups[-1].append(r)
+        else:
+            groups.append([r])
+    return groups

@@ -1,4 +1,4 @@
-"""One shard file: tensors -> safetensors file, fsynced, with its sha256 and tensor index.
+"""One shard file: tensors -> safetensors file, with its digest (`ckpt.digest`) and tensor index.
 
 The bytes are those `safetensors.torch.save` produces (`ckpt.st_layout` places them), written straight
 from the tensors' memory by `ckpt.shard_io`, which hashes the same memory in parallel: the sha256s are of
@@ -52,16 +52,18 @@ def prepare(tensors: Any, fname: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def write_shard(path: Path, tensors: dict[str, torch.Tensor],
-                threads: int | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Write `tensors` (from `prepare`) to the new file `path` and fsync it.
+def write_shard(path: Path, tensors: dict[str, torch.Tensor], threads: int | None = None,
+                fsync: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Write `tensors` (from `prepare`) to the new file `path` and fsync it (unless `fsync` is False: then
+    the caller must, before anything refers to the file).
 
-    Returns the file record `{sha256, size}` and `{tensor: {file, dtype, shape, sha256}}`, the per-tensor
-    hash being over that tensor's bytes in the file. `threads`: see `ckpt.shard_io.io_threads`.
+    Returns the file record `{sha256, size}` (`sha256`: the file's tree digest, `ckpt.digest`) and
+    `{tensor: {file, dtype, shape, sha256}}`, the per-tensor hash being the sha256 of that tensor's bytes in
+    the file. `threads`: see `ckpt.shard_io.io_threads`.
     """
     # "format": "pt" is the metadata transformers and safetensors' own loaders expect from PyTorch files.
     lay = layout(tensors, metadata={"format": "pt"})
-    file_sha, tensor_sha = write_layout(path, lay, threads)
+    file_sha, tensor_sha = write_layout(path, lay, threads, fsync=fsync)
     records = {
         p.name: {"file": path.name, "dtype": TORCH_NAME[st_dtype(p.tensor.dtype)], "shape": list(p.tensor.shape),
                  "sha256": tensor_sha[p.name]}

@@ -186,7 +186,7 @@ def _prove_tensors(report: ValidationReport, ck: Checkpoint, cfg: Config, traine
                 report.add(Check(stage, name + suffix, False, "missing from the checkpoint"))
             elif got.dtype != torch.float32:
                 report.add(Check(stage, name + suffix, False, f"restored as {got.dtype}, not float32"))
-            elif not torch.equal(got.cpu(), want):
+            elif not _equal(got, want):
                 diff = (got.cpu() - want).abs().max().item()
                 report.add(Check(stage, name + suffix, False, f"differs from the checkpoint (max |diff| {diff:.3e})"))
             else:
@@ -198,9 +198,15 @@ def _prove_tensors(report: ValidationReport, ck: Checkpoint, cfg: Config, traine
             why = f"quantized param != {storage.recipe.name} quantization of its master"
             report.add(Check("param", name, ok, "" if ok else why))
             continue
-        cast = entry["master"].to(p.dtype)
-        ok = torch.equal(p.cpu(), cast.cpu())
+        ok = _equal(p, entry["master"].to(p.dtype))  # on the device: no host copies
         report.add(Check("param", name, ok, "" if ok else f"param != master cast to {p.dtype}"))
+
+
+def _equal(live: torch.Tensor, saved: torch.Tensor) -> bool:
+    """`live` (on the run's device) equals `saved` (read on the host) bit for bit as torch.equal tells. Compared
+    on the device: one host-to-device copy of the saved tensor instead of a device-to-host copy of the live one
+    and a host comparison on the rank's one CPU thread (at the reference size, tens of GB per rank)."""
+    return torch.equal(live, saved.to(live.device))
 
 
 def _prove_weights(report: ValidationReport, ck: Checkpoint, cfg: Config, trainer: Trainer) -> None:
@@ -210,12 +216,12 @@ def _prove_weights(report: ValidationReport, ck: Checkpoint, cfg: Config, traine
     report.add(Check("master", "-", True, f"{why}; nothing to compare, masters rebuilt from the weights"))
     expected, state, params = _restored(ck, cfg, trainer)
     for name in sorted(state):
-        want, master = expected.get(name), state[name]["master"].cpu()
+        want, master = expected.get(name), state[name]["master"]
         if want is None:
             report.add(Check("weight", name, False, "missing from the checkpoint"))
             continue
-        if not torch.equal(master, want.float()):
-            diff = (master - want.float()).abs().max().item()
+        if not _equal(master, want.float()):
+            diff = (master.cpu() - want.float()).abs().max().item()
             report.add(Check("weight", name, False, f"restored master != checkpoint weight (max |diff| {diff:.3e})"))
             continue
         storage = quantized_storage_of(params[name])
@@ -223,8 +229,8 @@ def _prove_weights(report: ValidationReport, ck: Checkpoint, cfg: Config, traine
             ok = storage.matches_master(params[name], state[name]["master"])
             report.add(Check("weight", name, ok, "" if ok else f"param != {storage.recipe.name} quantization"))
             continue
-        p = params[name].detach().cpu()
-        ok = torch.equal(p, want.float().to(p.dtype))
+        p = params[name].detach()
+        ok = _equal(p, want.float().to(p.dtype))
         report.add(Check("weight", name, ok, "" if ok else f"param != checkpoint weight cast to {p.dtype}"))
 
 

@@ -2,10 +2,12 @@
 
 A background save of the reference model on 2 H100s took 22 s per save against 4.2 s for a plain writer of
 the same bytes (docs/benchmarks.md, issue 21). This times, on a synthetic shard shaped like one rank's files
-(a few large fp32 tensors and many small ones), each part `ckpt.shard_io.write_layout` overlaps: the file's
-one sequential sha256, the per-tensor sha256s on the thread pool, the chunked writes alone, the fsync; then
-`write_shard` as the save runs it, and the two files of a rank one after the other as `save_checkpoint`
-writes them. No assertion; a table.
+(a few large fp32 tensors and many small ones), each part `ckpt.shard_io.write_layout` overlaps: a whole-file
+sha256 in one sequential pass (what formats 1-2 recorded, for comparison: format 3 no longer computes it),
+the per-tensor sha256s on the thread pool (format 3's whole hashing), the chunked writes alone, the fsync;
+then `write_shard` as the save runs it, the two files of a rank as `save_checkpoint` writes them (one after
+the other, then fsynced side by side), and a plain writer of the same bytes (one `write` and an fsync per
+file: the bench's floor). No assertion; a table.
 
 Run: PYTHONPATH=. python3 scripts/probes/save_parts.py --dir /path/on/the/disk [--gb 6.4] [--threads N]
 """
@@ -21,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from ckpt.durable import fsync_files
 from ckpt.shard_io import _pwritev_all, _run, _write_ops, byte_view, io_threads
 from ckpt.shards import prepare, write_shard
 from ckpt.st_layout import layout
@@ -72,7 +75,7 @@ def main() -> None:
         for v in views:
             h.update(v)
 
-    rows.append(("file sha256, one sequential pass", timed(file_hash)))
+    rows.append(("whole-file sha256, one pass (format 1-2 only)", timed(file_hash)))
     jobs = [((p.name,), lambda v=byte_view(p.tensor): hashlib.sha256(v).hexdigest()) for p in lay.placed]
     rows.append(("tensor sha256s on the pool", timed(lambda: _run(jobs, threads))))
 
@@ -93,10 +96,20 @@ def main() -> None:
     small = prepare(shard(args.gb / 6, 1), "model")
 
     def two_files() -> None:
-        write_shard(work / "model.safetensors", small, threads)
-        write_shard(work / "optim.safetensors", tensors, threads)
+        write_shard(work / "model.safetensors", small, threads, fsync=False)
+        write_shard(work / "optim.safetensors", tensors, threads, fsync=False)
+        fsync_files([work / "model.safetensors", work / "optim.safetensors"])
 
-    rows.append(("a rank's two files, one after the other", timed(two_files)))
+    rows.append(("a rank's two files, as the save writes them", timed(two_files)))
+    blobs = {n: (work / n).read_bytes() for n in ("model.safetensors", "optim.safetensors")}
+
+    def plain() -> None:
+        for n, data in blobs.items():
+            with open(work / f"plain-{n}", "wb", buffering=0) as f:
+                f.write(data)
+                os.fsync(f.fileno())
+
+    rows.append(("the same two files, plain writer (floor)", timed(plain)))
     for name, s in rows:
         size = gb * (1 + 1 / 6) if "two files" in name else gb
         rate = "" if name.startswith("  ") else f"{size / s:6.2f} GB/s"

@@ -54,3 +54,13 @@ def save_simple(root: Path, step: int, seed: int = 0, **kwargs: Any) -> Path:
     optim = {"decoder.layers.0.mlp.experts.linear_fc1.weight.exp_avg": torch.full((4, 16, 8), float(seed))}
     files = {"model-00000.safetensors": model, "optim-00000.safetensors": optim}
     return save_checkpoint(root, step, files, make_meta(consumed_samples=step * 32), **kwargs)
+
+
+def whole_file_digests(step_dir: Path, manifest: dict[str, Any]) -> None:
+    """Turn `manifest` (of `step_dir`) into what formats 1-2 recorded for the same files: each file's sha256
+    over the whole file, no `file_digest` (ckpt/digest.py). The caller sets `format_version` (and reseals)."""
+    import hashlib
+
+    manifest.pop("file_digest", None)
+    for fname, rec in manifest["files"].items():
+        rec["sha256"] = hashlib.sha256((step_dir / fname).read_bytes()).hexdigest()

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
+from ckpt_fixtures import whole_file_digests
 from typer.testing import CliRunner
 
 from ckpt import open_checkpoint, verify_checkpoint
@@ -128,6 +129,7 @@ def test_a_format_1_manifest_loads_with_a_warning(saved: Path, tmp_path: Path) -
     def as_format_1(m: dict[str, Any]) -> None:  # what moectl wrote before the digest existed
         m.pop(DIGEST_KEY)
         m["format_version"] = 1
+        whole_file_digests(step, m)  # and before files got their tree digest (format 3)
 
     _edit(step, as_format_1)
     assert verify_checkpoint(step) == []

@@ -10,6 +10,7 @@ from trainer.observer import SilentObserver
 from safetensors.torch import load_file, save
 
 from moectl.core.config.load import overridden
+from ckpt.digest import tree_digest
 from ckpt.seal import seal
 from trainer.validation import validate_checkpoint
 from moectl.core.config.load import load_config
@@ -92,13 +93,15 @@ def test_master_edited_with_its_hashes_updated_is_caught_by_the_probe(ckpt_dir, 
     data = save(tensors, metadata={"format": "pt"})
     (d / fname).write_bytes(data)
     # Forge every hash so integrity passes: only the probe can tell.
-    manifest["files"][fname].update(sha256=hashlib.sha256(data).hexdigest(), size=len(data))
     n = int.from_bytes(data[:8], "little")
     header = json.loads(data[8 : 8 + n])
     for tname, info in header.items():
         if tname != "__metadata__":
             b, e = info["data_offsets"]
             manifest["tensors"][tname]["sha256"] = hashlib.sha256(data[8 + n + b : 8 + n + e]).hexdigest()
+    spans = sorted((info["data_offsets"], t) for t, info in header.items() if t != "__metadata__")
+    tree = tree_digest(hashlib.sha256(data[: 8 + n]).hexdigest(), (manifest["tensors"][t]["sha256"] for _, t in spans))
+    manifest["files"][fname].update(sha256=tree, size=len(data))  # the file's digest (format 3, ckpt/digest.py)
     (d / "manifest.json").write_text(json.dumps(manifest))
     # The manifest's own digest (ckpt/seal.py) notices the edited hashes...
     assert {c.stage for c in validate_checkpoint(d).failures()} == {"integrity"}
