@@ -69,9 +69,10 @@ def _value(t: Any, usage: str) -> torch.Tensor:
     return t.float()
 
 
-def general_grouped_gemm(A, B, out, quantization_params, out_dtype, layout="TN", m_splits=None, gelu=False,  # type: ignore[no-untyped-def]
-                         grad=False, accumulate=False, bias=None, use_bias=False, use_split_accumulator=False,
-                         D_dtype=None, single_output=False):  # fmt: skip
+def general_grouped_gemm(  # type: ignore[no-untyped-def]
+    A, B, out, quantization_params, out_dtype, layout="TN", m_splits=None, gelu=False, grad=False, accumulate=False,
+    bias=None, use_bias=False, use_split_accumulator=False, D_dtype=None, single_output=False,
+):  # fmt: skip
     assert len(A) == len(B) == len(quantization_params) and not gelu
     transa, transb = layout[0] == "T", layout[1] == "T"
     fp8 = [isinstance(t, FakeFloat8) for t in (*A, *B)]

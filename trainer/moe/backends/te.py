@@ -156,7 +156,8 @@ class TEBackend:
         if fp8 is not None and need_grad:  # wgrad reads only the columnwise copies of x and a
             fp8.keep_columnwise(x_ops)
             fp8.keep_columnwise(a_ops)
-        ctx.h_TH, ctx.x_ops, ctx.a_ops, ctx.w1_ops, ctx.w2_ops, ctx.scales_T = h_TH, x_ops, a_ops, w1_ops, w2_ops, scales_T
+        ctx.h_TH, ctx.x_ops, ctx.a_ops, ctx.scales_T = h_TH, x_ops, a_ops, scales_T
+        ctx.w1_ops, ctx.w2_ops = w1_ops, w2_ops
         return y_TD, ctx
 
     def _fp8_operands(self, precision: Any, m_splits: list[int], device: torch.device) -> gemm.Fp8Operands:
@@ -228,8 +229,8 @@ class TEBackend:
                 w_dtype = torch.float32 if fp8 is not None else dtype  # a recipe's weight grads are fp32
                 dw2_EDF = torch.empty(ctx.w_shapes[1], dtype=w_dtype, device=device)
                 dw1_EHD = torch.empty(ctx.w_shapes[0], dtype=w_dtype, device=device)
-                gemm.wgrad(te, ctx.a_ops, dy_ops, list(dw2_EDF.unbind(0)), m, accumulate=False, split_accumulator=split_acc)
-                gemm.wgrad(te, ctx.x_ops, dh_ops, list(dw1_EHD.unbind(0)), m, accumulate=False, split_accumulator=split_acc)
+                gemm.wgrad(te, ctx.a_ops, dy_ops, list(dw2_EDF.unbind(0)), m, False, split_acc)
+                gemm.wgrad(te, ctx.x_ops, dh_ops, list(dw1_EHD.unbind(0)), m, False, split_acc)
             db1_EH, db2_ED = expert_math.bias_grads_scaled(ctx.b1_EH, ctx.b2_ED, probs, ctx.counts_E, dy, dh_TH)
             return dw1_EHD, db1_EH, dw2_EDF, db2_ED
 

@@ -94,7 +94,8 @@ class Fp8Operands:
 
     def activation(self, x_TX: torch.Tensor, m_splits: list[int], columnwise: bool) -> list[Any]:
         """x (or fc2's input a) per token group, e4m3; the columnwise copy only when a backward follows."""
-        return self.te.tex.split_quantize(x_TX.contiguous(), m_splits, self._quantizers(len(m_splits), self.fwd_dtype, columnwise))
+        quantizers = self._quantizers(len(m_splits), self.fwd_dtype, columnwise)
+        return self.te.tex.split_quantize(x_TX.contiguous(), m_splits, quantizers)
 
     def weight(self, w_EOI: torch.Tensor, columnwise: bool) -> list[Any]:
         """A grouped weight, one scale per expert (rows of `[E * out, in]` split by expert), e4m3."""
@@ -105,7 +106,8 @@ class Fp8Operands:
 
     def grad(self, g_TX: torch.Tensor, m_splits: list[int]) -> list[Any]:
         """An output grad per token group, both copies (rowwise: dgrad, columnwise: wgrad)."""
-        return self.te.tex.split_quantize(g_TX.contiguous(), m_splits, self._quantizers(len(m_splits), self.grad_dtype, True))
+        quantizers = self._quantizers(len(m_splits), self.grad_dtype, True)
+        return self.te.tex.split_quantize(g_TX.contiguous(), m_splits, quantizers)
 
     @staticmethod
     def keep_columnwise(operands: list[Any]) -> None:
