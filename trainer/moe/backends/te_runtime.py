@@ -73,3 +73,22 @@ def check_version(version: str) -> None:
             "test_te_backend_gpu.py checks them)",
             stacklevel=3,
         )
+
+
+def describe(recipe_name: Optional[str], activation: str) -> str:
+    """One line for the run's banner: which expert GEMMs Transformer Engine runs, and in what precision
+    (no TE import: the version comes from package metadata until the backend has loaded TE)."""
+    from moectl.core.rules import probe_te
+
+    found = probe_te()
+    version = _LOADED.version if _LOADED is not None else (found.version if found else "not installed")
+    kernel = {"swiglu": "tex.scaled_swiglu", "quick_geglu": "tex.scaled_clamped_swiglu"}.get(activation, "tex.scaled_srelu")
+    gemms = (
+        "in fp8 (Float8CurrentScaling per expert: fprop, dgrad and wgrad in TE's fp8 GEMMs)"
+        if recipe_name == "tensorwise"
+        else "in the model dtype"
+    )
+    return (
+        f"experts: moe.backend=te, Transformer Engine {version}: fc1/fc2 grouped GEMMs through "
+        f"general_grouped_gemm {gemms}, probs * {activation} through {kernel}"
+    )

@@ -247,3 +247,10 @@ def test_version_pin():
         te_runtime.check_version("2.20.0.dev0+abc")
     with pytest.warns(UserWarning, match="written against Transformer Engine 2.20.2; found 2.21.0"):
         te_runtime.check_version("2.21.0")
+
+
+def test_banner_line_says_which_gemms_te_runs():
+    line = te_runtime.describe("tensorwise", "swiglu")
+    assert "general_grouped_gemm in fp8" in line and "tex.scaled_swiglu" in line
+    assert "in the model dtype" in te_runtime.describe(None, "quick_geglu")
+    assert "tex.scaled_clamped_swiglu" in te_runtime.describe(None, "quick_geglu")
