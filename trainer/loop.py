@@ -301,6 +301,11 @@ class Trainer:
             )
         # Say which GEMMs run native and which are emulated: a run never pretends.
         lines.append("  " + describe(self.model.recipe, self.rt.device))  # begins "precision: ..."
+        if cfg.moe.backend == "te":  # the expert GEMMs are TE's, not the recipe's kernels above
+            from trainer.moe.backends.te_runtime import describe as describe_te
+
+            recipe = self.model.recipe
+            lines.append("  " + describe_te(recipe.name if recipe is not None else None, cfg.moe.activation))
         if self.graph is not None:
             lines.append(
                 f"  cuda_graph{'' if cfg.train.cuda_graph else ' (null: on for this config)'}: the first step eager, "

@@ -9,8 +9,12 @@ Paths (all compute the same function, y = probs * fc2(swiglu(fc1(x))), bf16 on C
     compile  the same function under torch.compile (default mode)
     grouped  moectl's `grouped` backend (trainer/moe/backends/grouped.py)
     fused    moectl's `fused` backend (trainer/moe/backends/fused.py: Triton activation with probs)
+    te       moectl's `te` backend (trainer/moe/backends/te.py: Transformer Engine's grouped GEMMs and
+             row-scaled SwiGLU); only on CUDA with TE installed, else a note says why (moectl/bench/te_paths.py)
 plus the fp8 columns of `grouped_mlp_fp8` (FP8_PATHS: moectl's fused backend under the fp8 tensorwise and
-rowwise recipes, `torch._scaled_grouped_mm` unfused, torchao's MoE fp8 path; compared with `fused`, bf16),
+rowwise recipes, `torch._scaled_grouped_mm` unfused, torchao's MoE fp8 path, and the `te` backend under the
+fp8 tensorwise recipe; compared with `fused`, bf16). `fused_vs_te` and `fp8_tensorwise_vs_te` are TE's time
+over ours (> 1: ours faster),
 and the ceiling: a dense size^3 bf16 matmul measured at the start of the run, against which every number
 is also given as a percentage; the same matmul is timed again inside every row's interleaved rounds
 (`dense_row_tflops`), which shows how much the device itself slowed down while the row was measured.
@@ -45,10 +49,11 @@ import torch.nn.functional as F
 
 from moectl.bench import grouped_mlp_fp8 as fp8
 from moectl.bench.backend_function import BackendFunction
+from moectl.bench import te_paths
 from moectl.bench.oom import OutOfMemory, free, oom_message
 from moectl.bench.timing import SUSTAINED_SECONDS, dense_ceiling_tflops, dense_matmul, interleaved_ms, queued_ms, sustained_ms
 
-PATHS = ("loop", "eager", "compile", "grouped", "fused")  # bf16 (fp32 in --quick on CPU)
+PATHS = ("loop", "eager", "compile", "grouped", "fused", "te")  # bf16 (fp32 in --quick on CPU)
 FP8_PATHS = fp8.FP8_PATHS
 ALL_PATHS = PATHS + FP8_PATHS
 
@@ -291,7 +296,8 @@ def _base_row(shape: Shape, topk: int, permute: bool, backward: bool) -> dict[st
 def _error_row(shape: Shape, topk: int, permute: bool, backward: bool, error: str) -> dict[str, Any]:
     """A row whose shape could not be measured: every number None, the reason in `error`."""
     row = _base_row(shape, topk, permute, backward)
-    row.update(error=error, queued_host_behind=[], dense_row_tflops=None, fused_vs_eager=None, fused_vs_compile=None)
+    row.update(error=error, queued_host_behind=[], dense_row_tflops=None, fused_vs_eager=None, fused_vs_compile=None,
+               fused_vs_te=None, fp8_tensorwise_vs_te=None)  # fmt: skip
     for path in ALL_PATHS:
         for suffix in ("ms", "queued_ms", "sustained_ms", "sustained_mhz", "sustained_watts", "ms_min", "ms_max",
                        "tflops", "pct_ceiling", "error", "rel_err", "mode", "vs_fused", "queued_vs_fused",
@@ -338,7 +344,10 @@ def _bench_inputs(
         compiled = torch.compile(eager_expert_mlp, dynamic=False)
     paths = []
     for path in cfg.paths:
-        ok, why = fp8.available(path, device) if path in FP8_PATHS else (True, "")
+        if path in te_paths.TE_PATHS:
+            ok, why = te_paths.available(path, device)
+        else:
+            ok, why = fp8.available(path, device) if path in FP8_PATHS else (True, "")
         if ok:
             paths.append(path)
         else:
@@ -396,9 +405,11 @@ def _bench_inputs(
                 row[f"{path}_tflops"] = tflops
                 row[f"{path}_pct_ceiling"] = None if tflops is None else 100.0 * tflops / ceiling
                 row[f"{path}_error"] = path_errors.get(path)
-            for base in ("eager", "compile"):
+            for base in ("eager", "compile", "te"):
                 ok = row["fused_ms"] is not None and row[f"{base}_ms"] is not None
                 row[f"fused_vs_{base}"] = row[f"{base}_ms"] / row["fused_ms"] if ok else None
+            ok = row["fp8_tensorwise_ms"] is not None and row["te_fp8_tensorwise_ms"] is not None
+            row["fp8_tensorwise_vs_te"] = row["te_fp8_tensorwise_ms"] / row["fp8_tensorwise_ms"] if ok else None
             for path in FP8_PATHS:  # speed-up over our bf16 fused path (> 1: the fp8 path is faster)
                 for regime in ("", "_queued", "_sustained"):  # per call, host ahead after a rest, steady state
                     base, this = row[f"fused{regime}_ms"], row[f"{path}{regime}_ms"]

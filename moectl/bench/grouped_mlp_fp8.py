@@ -16,6 +16,9 @@ Paths (all compute y = probs * fc2(swiglu(fc1(x))) with fc1/fc2 as fp8 grouped G
                        replaced by an fp8 rowwise `torch._scaled_grouped_mm` autograd function (`Fp8RowwiseGroupedMM`
                        below: eager rowwise quantization, pow2 scales, fast accumulation in the 2d x 3d GEMMs as
                        torchao does), eager silu*mul between, probs in fp32: unfused
+    te_fp8_tensorwise  moectl's `te` backend (Transformer Engine) under the same tensorwise recipe, run as TE's
+                       Float8CurrentScaling quantizers and fp8 grouped GEMMs; weights quantized every call
+                       (moectl/bench/te_paths.py says where it runs)
     torchao_rowwise    torchao's MoE fp8 training path: `torchao.prototype.moe_training.
                        _to_fp8_rowwise_then_scaled_grouped_mm` for fc1 and fc2 (Triton quantization kernels),
                        eager silu*mul, probs in fp32; only where torchao imports (it needs CUDA and torch >= 2.11)
@@ -33,15 +36,16 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from moectl.bench import te_paths
 from moectl.bench.backend_function import BackendFunction
 
 FP8_PATHS = (
     "fp8_tensorwise", "fp8_tensorwise_pq", "fp8_tensorwise_pq_fa", "fp8_delayed_pq_fa", "fp8_rowwise",
-    "sgmm_rowwise", "torchao_rowwise",
+    "sgmm_rowwise", "torchao_rowwise", "te_fp8_tensorwise",
 )  # fmt: skip
 RECIPE_OF = {
     "fp8_tensorwise": "tensorwise", "fp8_tensorwise_pq": "tensorwise", "fp8_tensorwise_pq_fa": "tensorwise",
-    "fp8_delayed_pq_fa": "delayed", "fp8_rowwise": "rowwise",
+    "fp8_delayed_pq_fa": "delayed", "fp8_rowwise": "rowwise", "te_fp8_tensorwise": "tensorwise",
 }  # fmt: skip
 PRE_QUANTIZED = ("fp8_tensorwise_pq", "fp8_tensorwise_pq_fa", "fp8_delayed_pq_fa")  # weights quantized once
 FAST_ACCUM_BACKWARD = ("fp8_tensorwise_pq_fa", "fp8_delayed_pq_fa")
@@ -53,6 +57,7 @@ LABELS = {
     "fp8_rowwise": "ours fp8\nrowwise",
     "sgmm_rowwise": "_scaled_grouped_mm\nrowwise, unfused",
     "torchao_rowwise": "torchao fp8\nrowwise",
+    "te_fp8_tensorwise": "TE fp8\ntensorwise",
 }
 E4M3_MAX = 448.0
 
@@ -187,6 +192,8 @@ def recipe_for(path: str) -> Any:
 
 def recipe_mode(path: str, device: torch.device) -> str:
     """'native' when every grouped GEMM of the path's recipe has a native kernel on `device`, else 'emulated'."""
+    if path == "te_fp8_tensorwise":
+        return "native"  # TE's own fp8 GEMMs (the column runs only where TE does)
     if path in RECIPE_OF:
         gemms = recipe_for(path).native_gemms(device)
         return "native" if all(gemms[f"grouped.{g}"] for g in ("fprop", "dgrad", "wgrad")) else "emulated"
@@ -213,7 +220,7 @@ def expert_fn(path: str, inp: Any, spec: Any) -> tuple[Callable[..., torch.Tenso
 
     recipe = recipe_for(path)
     delayed = recipe.name == "delayed"
-    backend = get_backend("fused", inp.x_TD.device)
+    backend = get_backend("te" if path == "te_fp8_tensorwise" else "fused", inp.x_TD.device)
     given: dict[str, Any] = {}
     if path in PRE_QUANTIZED:  # quantized once, outside the timed calls (fp8 param gather's weights)
         given = {"fc1": _prequantize(recipe, w1), "fc2": _prequantize(recipe, w2)}
@@ -244,6 +251,8 @@ def _prequantize(recipe: Any, w: torch.Tensor) -> Any:
 
 def available(path: str, device: torch.device) -> tuple[bool, str]:
     """Whether `path` can run on `device`, and if not, why (said in the table's notes)."""
+    if path in te_paths.TE_PATHS:
+        return te_paths.available(path, device)
     if path == "torchao_rowwise":
         if device.type != "cuda":
             return False, "torchao fp8 rowwise: not run on cpu (torchao's MoE fp8 path needs CUDA)"

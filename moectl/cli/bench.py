@@ -19,11 +19,13 @@ app.add_typer(bench_app, name="bench")
 
 _GROUPED_MLP_HELP = (
     "Routed-expert MLP throughput (GEMM TFLOP/s, forward and forward+backward): per-expert loop, "
-    "torch._grouped_mm + eager SwiGLU, the same under torch.compile, moectl's grouped and fused backends, "
+    "torch._grouped_mm + eager SwiGLU, the same under torch.compile, moectl's grouped, fused and te (Transformer "
+    "Engine, where installed) backends, "
     "against a dense matmul ceiling measured in the same run; with and without permute/unpermute. fp8 columns "
     "(a second table): moectl's fused backend under the fp8 tensorwise (weights quantized every call, or once as "
     "under fp8 param gather) and rowwise recipes, torch._scaled_grouped_mm rowwise unfused, and torchao's MoE fp8 "
-    "path where torchao imports; emulated where the device has no native fp8 grouped GEMM (the table says so)."
+    "path where torchao imports, and the te backend under fp8 tensorwise; emulated where the device has no native "
+    "fp8 grouped GEMM (the table says so)."
     + examples(
         "moectl bench grouped-mlp --json runs/bench.json",
         "moectl bench grouped-mlp --shape 32,4096,1536,1024 --no-permute",
@@ -69,11 +71,12 @@ def render(result: Any, console: Console) -> None:
     table.add_column("dense\nsame rounds", justify="right")
     table.add_column("fused/\neager", justify="right")
     table.add_column("fused/\ncompile", justify="right")
+    table.add_column("fused/\nte", justify="right")
     for row in result.rows:
         dense = "-" if row["dense_row_tflops"] is None else f"{row['dense_row_tflops']:.3g}"
         table.add_row(
             f"{row['experts']},{row['hidden']},{row['ffn']},{row['tokens_per_expert']}", row["pass"] + (" +perm" if row["permute"] else ""), *(_cell(row, p, meta.get("paths")) for p in PATHS),
-            dense, _ratio(row["fused_vs_eager"]), _ratio(row["fused_vs_compile"]),
+            dense, _ratio(row["fused_vs_eager"]), _ratio(row["fused_vs_compile"]), _ratio(row.get("fused_vs_te")),
         )  # fmt: skip
     console.print(table)
     render_fp8(result, console)
@@ -140,12 +143,14 @@ def render_fp8(result: Any, console: Console) -> None:
         table.add_column(LABELS[p], justify="right")
     table.add_column("ours rw /\nsgmm rw", justify="right")
     table.add_column("ours rw /\ntorchao", justify="right")
+    table.add_column("ours tw /\nTE tw", justify="right")
     for row in result.rows:
         cells = [f"{row['experts']},{row['hidden']},{row['ffn']},{row['tokens_per_expert']}",
                  row["pass"] + (" +perm" if row["permute"] else ""), _fp8_cell(row, "fused")]
         for p in ran:
             cells.append(_fp8_cell(row, p))
-        cells += [_ratio(row.get("fp8_rowwise_vs_sgmm_rowwise")), _ratio(row.get("fp8_rowwise_vs_torchao_rowwise"))]
+        cells += [_ratio(row.get("fp8_rowwise_vs_sgmm_rowwise")), _ratio(row.get("fp8_rowwise_vs_torchao_rowwise")),
+                  _ratio(row.get("fp8_tensorwise_vs_te"))]  # fmt: skip
         table.add_row(*cells)
     console.print(table)
     for path, prof in getattr(result, "profiles", {}).items():
@@ -170,9 +175,9 @@ def grouped_mlp(
     ] = None,
     path: Annotated[
         Optional[list[str]],
-        typer.Option("--path", help="Only these paths: loop, eager, compile, grouped, fused, fp8_tensorwise, "
+        typer.Option("--path", help="Only these paths: loop, eager, compile, grouped, fused, te, fp8_tensorwise, "
                      "fp8_tensorwise_pq, fp8_tensorwise_pq_fa, fp8_delayed_pq_fa, fp8_rowwise, sgmm_rowwise, "
-                     "torchao_rowwise (repeatable)."),
+                     "torchao_rowwise, te_fp8_tensorwise (repeatable)."),
     ] = None,
     no_fp8: Annotated[bool, typer.Option("--no-fp8", help="Skip the fp8 columns.")] = False,
     profile: Annotated[

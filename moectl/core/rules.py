@@ -20,7 +20,8 @@ Newton-Schulz needs sm80+), MOE055 (compile: `train.compile=regional` on the CPU
 compiler inductor builds with), MOE056 (hardware: the per-rank memory estimate fits the GPU memory given
 with `--gpu-memory`), MOE057 (parallel: `parallel.distributed_timeout_minutes` is positive), MOE058-060
 (CUDA graphs: one expert-parallel rank, a backend that keeps token counts on the device, fp32 main grads),
-MOE061 (retired: emulated GEMMs under CUDA graphs capture now).
+MOE061 (retired: emulated GEMMs under CUDA graphs capture now), MOE062 (moe: what the `te` expert backend
+runs: bf16/fp32 or fp8 tensorwise, no fp8/fp4 param gather).
 
 Environment rules (Transformer Engine, device) probe lazily and cheaply: TE is looked up through
 `importlib.util.find_spec` and package metadata, never imported; torch is imported only when a GPU
@@ -43,7 +44,7 @@ Megatron-LM argument checks with no moectl rule, and why (numbered as in the sur
   distributed optimizer, so "param gather needs an FSDP or the distributed optimizer" became MOE004.
 - 4 "fp4 needs TE >= 2.7", `fp8_param`/`fp4_param`, custom recipes, `first_last_layers_bf16`,
   `fp8_output_proj`: moectl's recipes are its own (native torch GEMMs or exact emulation), not TE's;
-  TE is only the optional `te` expert backend (MOE022); low-precision storage is implied by param gather.
+  TE is only the optional `te` expert backend (MOE022, MOE062); low-precision storage is implied by param gather.
 - 5 (runtime) grouped MXFP8 without the reuse buffer raises in Megatron because of TE's GroupedTensor;
   moectl's staging buffer works either way, so only the memory warning (MOE009) is kept.
 - 10 non-Adam optimizers flip the distributed optimizer to layer-wise, checkpoint formats, fp16: moectl
@@ -66,7 +67,7 @@ Megatron-LM argument checks with no moectl rule, and why (numbered as in the sur
 - 25 `bias_dropout_fusion`, `moe_apply_probs_on_input`, interleave-without-fused-kernel warning: no such
   options, and every moectl backend reads the interleaved layout.
 - 27 interleave + expert TP (no TP); TE < 2.17 + CUDA graphs + cached FP8 weights in module GroupedLinear
-  (TE #3051): the `te` backend uses TE's op-fuser GroupedLinear, which re-quantizes every forward.
+  (TE #3051): the `te` backend quantizes the weights in every forward and caches none.
 """
 
 from __future__ import annotations
@@ -93,7 +94,9 @@ from moectl.core.summary import human_bytes, memory
 
 Severity = Literal["error", "warning"]
 
-TE_MIN_VERSION = (2, 14)
+#: The `te` expert backend calls TE internals (trainer/moe/backends/te_runtime.py): written against 2.20.2.
+TE_MIN_VERSION = (2, 20)
+TE_PINNED_VERSION = "2.20.2"
 BYTE_LEVEL_VOCAB = 256
 
 
@@ -866,24 +869,85 @@ def single_grouped_bias_needs_add_bias(c: Context) -> Iterator[_Hit]:
         )
 
 
-@rule("MOE022", "moe", "error", ["moe.backend", "transformer_engine"], "backend te needs Transformer Engine >= 2.14")
+@rule(
+    "MOE022", "moe", "error|warning", ["moe.backend", "transformer_engine"], "backend te needs Transformer Engine 2.20"
+)
 def te_backend_needs_transformer_engine(c: Context) -> Iterator[_Hit]:
-    """The `te` expert backend runs Transformer Engine's op-fuser GroupedLinear + SwiGLU, which need
-    TE >= 2.14 with its PyTorch part. This is an environment rule: it reports what this machine has
-    (found through package metadata, without importing TE, which takes seconds)."""
+    """The `te` expert backend (trainer/moe/backends/te.py) runs Transformer Engine's grouped GEMMs
+    (`general_grouped_gemm`, what `te.GroupedLinear` runs), its row-scaled GLU kernels and its FP8
+    current-scaling quantizers. Those are TE internals, written against TE 2.20.2: an older TE or one
+    without its PyTorch part is an error, a newer one a warning (the functions may have changed; the GPU
+    tests of the backend say whether they did). This is an environment rule: it reports what this machine
+    has (found through package metadata, without importing TE, which takes seconds)."""
     if c.cfg.moe.backend != "te":
         return
     te = c.env.te
     want = ".".join(map(str, TE_MIN_VERSION))
-    fix = f"pip install 'transformer-engine[pytorch]>={want}' (or moectl[te]), or set moe.backend=auto"
+    fix = f"install Transformer Engine {TE_PINNED_VERSION} (docs/te_setup.md), or set moe.backend=auto"
     if te is None:
-        yield _Hit(f"moe.backend=te needs Transformer Engine >= {want}; found: not installed", fix)
+        yield _Hit(f"moe.backend=te needs Transformer Engine >= {want}; found: not installed", fix, severity="error")
         return
     found = parse_version(te.version)
     if found is None or found < TE_MIN_VERSION:
-        yield _Hit(f"moe.backend=te needs Transformer Engine >= {want}; found: {te.describe()}", fix)
+        yield _Hit(f"moe.backend=te needs Transformer Engine >= {want}; found: {te.describe()}", fix, severity="error")
     elif not te.has_pytorch:
-        yield _Hit(f"moe.backend=te needs Transformer Engine's PyTorch part; found: {te.describe()}", fix)
+        yield _Hit(f"moe.backend=te needs Transformer Engine's PyTorch part; found: {te.describe()}", fix, severity="error")
+    elif found > TE_MIN_VERSION:
+        yield _Hit(
+            f"moe.backend=te was written against Transformer Engine {TE_PINNED_VERSION}; found: {te.describe()}, "
+            "whose internal grouped-GEMM and activation functions may differ",
+            f"run tests/trainer/moe/backends/test_te_backend_gpu.py on this machine, or install {TE_PINNED_VERSION}",
+            severity="warning",
+        )
+
+
+#: What the `te` backend's fp8 path runs: moectl's tensorwise recipe as TE's Float8CurrentScaling.
+TE_FP8_RECIPES = ("tensorwise",)
+
+
+@rule(
+    "MOE062",
+    "moe",
+    "error",
+    [
+        "moe.backend", "mixed_precision.fp8", "mixed_precision.fp8_recipe", "mixed_precision.fp4",
+        "mixed_precision.fp8_param_gather", "mixed_precision.fp4_param_gather",
+    ],
+    "backend te runs bf16/fp32 or fp8 tensorwise, without param gather",
+)  # fmt: skip
+def te_backend_precision(c: Context) -> Iterator[_Hit]:
+    """The `te` expert backend maps moectl's fp8 `tensorwise` recipe (current per-tensor scaling, one scale
+    per expert and token group, E4M3 or E5M2 grads under `hybrid`) onto TE's Float8CurrentScaling
+    quantizers, which is the same recipe. The others are not mapped: `delayed` (moectl keeps its own amax
+    histories, TE keeps its own), `rowwise` (no TE equivalent), `blockwise`, `mxfp8` and `nvfp4` (TE has
+    them, but not checked against moectl's here; mxfp8 and nvfp4 need Blackwell for native TE GEMMs). fp8
+    and fp4 param gather publish moectl's own quantized weights, which TE's GEMMs cannot read; the
+    backend quantizes the bf16 weights itself in every forward."""
+    if c.cfg.moe.backend != "te" or c.moe_layers == 0:
+        return
+    mp = c.cfg.mixed_precision
+    fix = "set moe.backend=fused (every recipe), or mixed_precision.fp8_recipe=tensorwise"
+    if mp.fp8 is not None and mp.fp8_recipe not in TE_FP8_RECIPES:
+        yield _Hit(
+            f"moe.backend=te runs fp8 only as tensorwise (TE's Float8CurrentScaling); got "
+            f"mixed_precision.fp8_recipe={mp.fp8_recipe}",
+            fix,
+            keys=("moe.backend", "mixed_precision.fp8", "mixed_precision.fp8_recipe"),
+        )
+    if mp.fp4 is not None:
+        yield _Hit(
+            f"moe.backend=te has no fp4 path; got mixed_precision.fp4={mp.fp4}",
+            "set moe.backend=fused, or mixed_precision.fp4=null",
+            keys=("moe.backend", "mixed_precision.fp4"),
+        )
+    for key in ("fp8_param_gather", "fp4_param_gather"):
+        if getattr(mp, key):
+            yield _Hit(
+                f"moe.backend=te with mixed_precision.{key}=true: the gathered weights are moectl's quantized "
+                "tensors, which TE's GEMMs cannot read",
+                f"set mixed_precision.{key}=false (the te backend quantizes the weights itself), or moe.backend=fused",
+                keys=("moe.backend", f"mixed_precision.{key}"),
+            )
 
 
 @rule(
@@ -1185,10 +1249,14 @@ def cuda_graph_needs_local_experts(c: Context) -> Iterator[_Hit]:
 @rule("MOE059", "cuda_graph", "error", ["train.cuda_graph", "moe.backend"], "CUDA graphs need a grouped expert backend")
 def cuda_graph_needs_grouped_backend(c: Context) -> Iterator[_Hit]:
     """The `loop` backend slices each expert's rows with counts read on the host (a sync a graph cannot
-    hold); `fused` (what `auto` picks on CUDA) and `grouped` keep the counts on the device."""
-    if c.cfg.train.cuda_graph and c.moe_layers > 0 and c.cfg.moe.backend == "loop":
+    hold), and so does `te` (Transformer Engine's grouped GEMM takes its per-expert row counts as host
+    integers, `m_splits`, as TE's GroupedLinear does); `fused` (what `auto` picks on CUDA) and `grouped`
+    keep the counts on the device."""
+    backend = c.cfg.moe.backend
+    if c.cfg.train.cuda_graph and c.moe_layers > 0 and backend in ("loop", "te"):
+        what = "the per-expert loop" if backend == "loop" else "Transformer Engine's grouped GEMM (m_splits)"
         yield _Hit(
-            "train.cuda_graph=true with moe.backend=loop: the per-expert loop reads token counts on the host",
+            f"train.cuda_graph=true with moe.backend={backend}: {what} reads token counts on the host",
             "set moe.backend=auto (fused on CUDA) or grouped, or train.cuda_graph=false",
         )
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import torch
+
 from typer.testing import CliRunner
 
 from moectl.bench.grouped_mlp import PATHS, QUICK_SHAPES
@@ -37,6 +39,19 @@ def test_quick_bench_writes_json_with_every_column(tmp_path):
         assert row["fused_queued_ms"] is None and row["queued_host_behind"] == []
         assert row["fused_sustained_ms"] is None  # so is the steady-state one
         assert row["fused_vs_eager"] == row["eager_ms"] / row["fused_ms"]
+        # the Transformer Engine column: CUDA only, so empty here, and the notes say why
+        assert row["te_tflops"] is None and row["fused_vs_te"] is None and row["fp8_tensorwise_vs_te"] is None
+    assert any(n.startswith("te: not run on cpu") for n in data["notes"])
+
+
+def test_te_columns_say_why_they_do_not_run(monkeypatch):
+    from moectl.bench import te_paths
+
+    assert te_paths.available("te", torch.device("cpu"))[0] is False
+    te_paths._te_import_error.cache_clear()
+    monkeypatch.setattr(te_paths, "_te_import_error", lambda: "moe.backend=te could not import Transformer Engine")
+    ok, why = te_paths.available("te_fp8_tensorwise", torch.device("cuda"))
+    assert not ok and "could not import" in why and "gpu_te_setup.sh" in why
 
 
 def test_bad_shape_is_a_one_line_usage_error():

@@ -201,3 +201,25 @@ def bias_grads(dh_TH: Tensor, dz_TD: Tensor, tokens_per_expert_E: Tensor, b1_EH:
     db1_EH = None if b1_EH is None else segment_sum(dh_TH, tokens_per_expert_E).to(b1_EH.dtype)
     db2_ED = None if b2_ED is None else segment_sum(dz_TD, tokens_per_expert_E).to(b2_ED.dtype)
     return db1_EH, db2_ED
+
+
+def bias_grads_scaled(b1_EH: OptTensor, b2_ED: OptTensor, probs_T: OptTensor, tokens_per_expert_E: Tensor,
+                      dy_TD: Tensor, dh_TH: Tensor) -> tuple[OptTensor, OptTensor]:
+    """(db1, db2) of y = probs * (fc2(act(h)) + b2) from dy (the grad of y) and dh (of h + b1): y holds
+    p * b2, so b2's grad sums p * dy (in fp32: the probs stay unrounded). For backends that apply the probs
+    inside the MLP (fused, te), whose dz is never formed."""
+    dy_scaled = dy_TD if probs_T is None or b2_ED is None else dy_TD.float() * probs_T.float()[:, None]
+    return bias_grads(dh_TH, dy_scaled, tokens_per_expert_E, b1_EH, b2_ED)
+
+
+def dprobs_with_b2(b2_ED: OptTensor, probs_T: OptTensor, expert_T: OptTensor, dy_TD: Tensor,
+                   dprobs_T: OptTensor) -> OptTensor:
+    """dprobs with p * b2's share added: y also holds p * b2, so d/dp gains dy . b2[expert] (fp32 math, in
+    probs' dtype). `dprobs_T` is the MLP's own share (sum_f da * act(h))."""
+    if b2_ED is not None:
+        if expert_T is None:
+            raise ValueError("a bias needs expert_T, the expert index of every row")
+        if dprobs_T is not None and probs_T is not None:
+            b2_rows = b2_ED.float().index_select(0, expert_T.long())
+            dprobs_T = (dprobs_T.float() + (dy_TD.float() * b2_rows).sum(1)).to(probs_T.dtype)
+    return dprobs_T

@@ -86,7 +86,9 @@ class MoEConfig:
         None, "Store fc1 rows as blocks [gate(I), up(I), ...] of this size instead of [gate; up]; null = contiguous."
     )
     backend: Literal["auto", "loop", "grouped", "fused", "te"] = doc(
-        "auto", "Expert MLP kernels: loop (reference), grouped (torch._grouped_mm), fused (Triton), te."
+        "auto",
+        "Expert MLP kernels: loop (reference), grouped (torch._grouped_mm), fused (Triton), te (Transformer Engine "
+        "2.20's grouped GEMMs and SwiGLU kernel; CUDA, bf16/fp32 or fp8 tensorwise: MOE022, MOE040, MOE062).",
     )
     router_padding_for_quantization: bool = doc(
         False,

@@ -23,7 +23,7 @@ from moectl.core.rules import RETIRED, RULES, Device, Environment, TEInstall, Vi
 
 REPO = Path(__file__).resolve().parents[3]
 NO_MACHINE = Environment(te=None, device=None)
-TE_OK = TEInstall("2.14.0", has_pytorch=True)
+TE_OK = TEInstall("2.20.2", has_pytorch=True)
 
 BF16 = ["mixed_precision.bf16=true"]
 FP8 = [*BF16, "mixed_precision.fp8=e4m3"]
@@ -212,9 +212,34 @@ CASES = [
         "MOE022",
         ["moe.backend=te"],
         ["moe.backend=te"],
-        env=Environment(te=TEInstall("2.13.0", True), device=None),
-        pass_env=Environment(te=TEInstall("2.14.0", True), device=None),
+        env=Environment(te=TEInstall("2.19.0", True), device=None),
+        pass_env=Environment(te=TEInstall("2.20.0", True), device=None),
         name="too-old",
+    ),
+    Case(
+        "MOE022",
+        ["moe.backend=te"],
+        ["moe.backend=te"],
+        env=Environment(te=TEInstall("2.21.0", True), device=None),
+        pass_env=Environment(te=TEInstall("2.20.2", True), device=None),
+        severity="warning",
+        name="newer-than-pinned",
+    ),
+    Case(
+        "MOE062",
+        ["moe.backend=te", *FP8, "mixed_precision.fp8_recipe=mxfp8"],
+        ["moe.backend=te", *FP8, "mixed_precision.fp8_recipe=tensorwise"],
+        env=Environment(te=TE_OK, device=None),
+        name="recipe",
+    ),
+    Case("MOE062", ["moe.backend=te", *FP4], ["moe.backend=fused", *FP4], env=Environment(te=TE_OK, device=None),
+         name="fp4"),
+    Case(
+        "MOE062",
+        ["moe.backend=te", *FP8, "mixed_precision.fp8_param_gather=true"],
+        ["moe.backend=te", *FP8, "mixed_precision.fp8_param_gather=false"],
+        env=Environment(te=TE_OK, device=None),
+        name="param-gather",
     ),
     Case("MOE023", ["moe.aux_loss_coeff=-0.01"], ["moe.aux_loss_coeff=0"], name="aux"),
     Case("MOE023", ["moe.z_loss_coeff=-1e-3"], ["moe.z_loss_coeff=0"], name="z"),
@@ -436,6 +461,9 @@ CASES = [
          ["train.cuda_graph=true", *DROP_AND_PAD], world=2, pass_world=2),
     Case("MOE059", ["train.cuda_graph=true", *DROP_AND_PAD, "moe.backend=loop"],
          ["train.cuda_graph=true", *DROP_AND_PAD, "moe.backend=grouped"]),
+    Case("MOE059", ["train.cuda_graph=true", *DROP_AND_PAD, "moe.backend=te"],
+         ["train.cuda_graph=true", *DROP_AND_PAD, "moe.backend=fused"], env=Environment(te=TE_OK, device=None),
+         name="te"),
     Case("MOE060", ["train.cuda_graph=true", *DROP_AND_PAD, "optimizer.optimizer=sgd"],
          ["train.cuda_graph=true", *DROP_AND_PAD]),
     Case(
@@ -572,13 +600,13 @@ def test_te_rule_reports_what_it_found() -> None:
         return [v.message for v in hits(run(["moe.backend=te"], env=Environment(te=te, device=None)), "MOE022")]
 
     assert "not installed" in te_message(None)[0]
-    assert "2.13.0" in te_message(TEInstall("2.13.0", True))[0]
-    assert "PyTorch" in te_message(TEInstall("2.15.1", False))[0]
+    assert "2.19.0" in te_message(TEInstall("2.19.0", True))[0]
+    assert "PyTorch" in te_message(TEInstall("2.20.1", False))[0]
     assert "unknown version" in te_message(TEInstall(None, True))[0]
-    assert te_message(TEInstall("2.14.0.dev0+abc", True)) == []
-    assert te_message(TEInstall("3.0", True)) == []
-    v = hits(run(["moe.backend=te"], env=Environment(te=TEInstall("2.13.0", True), device=None)), "MOE022")[0]
-    assert v.keys == {"moe.backend": "te", "transformer_engine": "transformer_engine 2.13.0"}
+    assert te_message(TEInstall("2.20.0.dev0+abc", True)) == []
+    assert "written against Transformer Engine 2.20.2; found: transformer_engine 3.0" in te_message(TEInstall("3.0", True))[0]
+    v = hits(run(["moe.backend=te"], env=Environment(te=TEInstall("2.19.0", True), device=None)), "MOE022")[0]
+    assert v.keys == {"moe.backend": "te", "transformer_engine": "transformer_engine 2.19.0"}
 
 
 def test_hardware_rule_is_silent_without_a_known_device() -> None:

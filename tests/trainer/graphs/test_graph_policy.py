@@ -36,6 +36,7 @@ HOPPER = (9, 0)
         ([*BF16, "moe.capacity_factor=1.0"], CUDA, HOPPER, False),  # drops but does not pad
         ([*BF16, *PAD, "parallel.expert_model_parallel_size=2"], CUDA, HOPPER, False),
         ([*BF16, *PAD, "moe.backend=loop"], CUDA, HOPPER, False),
+        ([*BF16, *PAD, "moe.backend=te"], CUDA, HOPPER, False),  # TE's m_splits are host ints (MOE059)
         ([*BF16, *PAD, "optimizer.optimizer=muon"], CUDA, HOPPER, True),  # measured: 1.12x (dropless) and bitwise
         ([*BF16, *PAD, "optimizer.optimizer=sgd"], CUDA, HOPPER, False),  # MOE060
         ([*FP8, *PAD, "mixed_precision.fp8_recipe=mxfp8"], CUDA, HOPPER, False),  # replays bitwise; not timed

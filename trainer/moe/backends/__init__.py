@@ -25,14 +25,17 @@ Shapes (torchtitan-style suffixes; logical shapes):
 Low precision: a backend with a recipe path also takes `forward(..., spec, precision=ExpertPrecision)`
 (`trainer/moe/expert_precision.py`): fc1 and fc2 then run through the recipe's quantized (grouped) GEMMs, weight grads
 come back fp32, and every expert segment must be a multiple of `recipe.align_size` rows. `loop`, `grouped`
-and `fused` have one; `GroupedMLP` refuses a recipe for a backend without (`supports_precision`).
+and `fused` have one; `te` has one for the fp8 tensorwise recipe only (MOE062); `GroupedMLP` refuses a
+recipe for a backend without (`supports_precision`).
 
 Dtypes: weights and x share one dtype; probs may be fp32 (the router's). Prob scaling and dprobs are
 computed in fp32 and the output is cast back to x's dtype, so bf16 runs do not round the probs.
 
 Backends by name (`get_backend`): `loop` (reference, `loop.py`), `grouped` (torch._grouped_mm, `grouped.py`),
-`fused` (grouped GEMMs around one fused activation kernel, `fused.py`, imported on first use), `auto` (->
-`fused` on CUDA, else `grouped`; see `_resolve_auto`). The math they share is `trainer/moe/expert_math.py`;
+`fused` (grouped GEMMs around one fused activation kernel, `fused.py`, imported on first use), `te`
+(Transformer Engine's grouped GEMMs and row-scaled activation kernel, `te.py`: CUDA only, TE imported when
+the backend is built, never at package import), `auto` (-> `fused` on CUDA, else `grouped`; see
+`_resolve_auto`). The math they share is `trainer/moe/expert_math.py`;
 `quantized.py` is the loop and grouped backends under a low-precision recipe.
 A registry target is a class or factory; it is called as `target(device)` when it takes an argument, else as
 `target()`, and must return an object with `name`, `forward`, `backward`.
@@ -113,6 +116,7 @@ _REGISTRY: dict[str, Any] = {
     "loop": "trainer.moe.backends.loop:LoopBackend",
     "grouped": "trainer.moe.backends.grouped:GroupedBackend",
     "fused": "trainer.moe.backends.fused:FusedBackend",
+    "te": "trainer.moe.backends.te:TEBackend",
 }
 
 

@@ -295,34 +295,8 @@ class FusedBackend:
         return dx_TD, dprobs_T, wgrad
 
 
-def _bias_only(
-    b1_EH: torch.Tensor | None,
-    b2_ED: torch.Tensor | None,
-    probs_T: torch.Tensor | None,
-    tokens_per_expert_E: torch.Tensor,
-    dy_TD: torch.Tensor,
-    dh_TH: torch.Tensor,
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(db1, db2): per-expert bias grads. y = ... + p * b2, so b2's grad sums p * dy (in fp32: the probs stay
-    unrounded)."""
-    dy_scaled = dy_TD if probs_T is None or b2_ED is None else dy_TD.float() * probs_T.float()[:, None]
-    return bias_grads(dh_TH, dy_scaled, tokens_per_expert_E, b1_EH, b2_ED)
-
-
-def _dprobs_with_b2(
-    b2_ED: torch.Tensor | None,
-    probs_T: torch.Tensor | None,
-    expert_T: torch.Tensor | None,
-    dy_TD: torch.Tensor,
-    dprobs_T: torch.Tensor | None,
-) -> torch.Tensor | None:
-    """dprobs with p * b2's share added: y also holds p * b2, so d/dp gains dy . b2[expert]."""
-    if b2_ED is not None:
-        assert expert_T is not None
-        if dprobs_T is not None and probs_T is not None:
-            b2_rows = b2_ED.float().index_select(0, expert_T.long())
-            dprobs_T = (dprobs_T.float() + (dy_TD.float() * b2_rows).sum(1)).to(probs_T.dtype)
-    return dprobs_T
+_bias_only = expert_math.bias_grads_scaled  # (db1, db2): the math is expert_math's, shared with the te backend
+_dprobs_with_b2 = expert_math.dprobs_with_b2
 
 
 def _bias_grads(

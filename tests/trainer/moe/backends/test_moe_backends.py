@@ -149,6 +149,8 @@ def test_backend_registry_and_errors():
     assert get_backend("auto", "cpu").name == "grouped"
     assert get_backend("loop", torch.device("cpu")).name == "loop"
     with pytest.raises(MoectlError, match="not available"):
+        get_backend("no_such_backend", "cpu")
+    with pytest.raises(MoectlError, match="CUDA kernels"):  # te: Transformer Engine's kernels, CUDA only
         get_backend("te", "cpu")
     eb.register_backend("missing", "trainer.kernels.no_such_backend_module:Backend")
     try:
