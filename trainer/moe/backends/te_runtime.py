@@ -3,7 +3,12 @@
 TE is optional and heavy to import (seconds, and it touches CUDA), so nothing imports it at package import:
 `load_te()` does, once, when the first `te` backend is built. torch is imported before TE on purpose:
 `libtransformer_engine.so` needs NCCL, which torch's wheel preloads and TE does not (docs/te_setup.md:
-importing TE first failed with `libnccl.so.2: cannot open shared object file`).
+importing TE first failed with `libnccl.so.2: cannot open shared object file`). And TE loads cuDNN from the
+system before Python packages, where torch loaded its own (pip) cuDNN: on the device machines, whose system
+cuDNN is another build, a process that had not yet used cuDNN failed the import with `libcudnn_cnn.so.9:
+undefined symbol ... version libcudnn_graph.so.9` (one cuDNN's pieces bound to the other's). So, unless the
+user chose one (`CUDNN_HOME`/`CUDNN_PATH`), every library of torch's cuDNN package is loaded globally first, as
+TE itself does where no CUDA toolkit is installed, so the names resolve to torch's cuDNN whatever TE finds.
 
 Pinned: TE 2.20 (written against 2.20.2's source). The backend calls what TE's own `GroupedLinear` calls
 (`cpp_extensions.general_grouped_gemm`, `tex.split_quantize`, the row-scaled GLU kernels,
@@ -14,6 +19,9 @@ one warned about: here at first use, and before the run by rule MOE022 (package 
 
 from __future__ import annotations
 
+import ctypes
+import glob
+import os
 import warnings
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -46,7 +54,30 @@ def load_te() -> TE:
     return _LOADED
 
 
+def _use_torchs_cudnn() -> None:
+    """Load torch's pip cuDNN libraries globally before TE looks for cuDNN (see the module docstring)."""
+    if os.environ.get("CUDNN_HOME") or os.environ.get("CUDNN_PATH"):
+        return
+    try:
+        import nvidia.cudnn as cudnn_pkg  # the nvidia-cudnn-cu* wheel torch depends on
+    except ImportError:
+        return
+    libs = [p for root in getattr(cudnn_pkg, "__path__", []) for p in glob.glob(os.path.join(root, "lib", "libcudnn*.so*"))]
+    pending = sorted(libs, key=lambda p: (os.path.basename(p).startswith("libcudnn.so"), p))  # the shim last
+    while pending:  # a library whose dependencies are not loaded yet fails; retry it after the others
+        failed = []
+        for path in pending:
+            try:
+                ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            except OSError:
+                failed.append(path)
+        if len(failed) == len(pending):
+            return  # nothing more loads: leave the rest to TE's own search
+        pending = failed
+
+
 def _import_te() -> TE:
+    _use_torchs_cudnn()
     try:
         import transformer_engine
         import transformer_engine.pytorch  # noqa: F401  (loads the extension; registers its quantizers)
