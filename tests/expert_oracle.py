@@ -70,3 +70,33 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     den = b64.norm().item()
     num = (a64 - b64).norm().item()
     return num / den if den else num
+
+
+def random_problem(activation: str, counts: list[int], with_bias: bool, with_probs: bool, seed: int,
+                   d: int = 16, f: int = 24) -> tuple[torch.Tensor | None, ...]:
+    """`(x, w1, b1, w2, b2, probs, dy)` of an expert MLP on the CPU in fp32: `counts` rows per expert."""
+    g = torch.Generator().manual_seed(seed)
+    e, t = len(counts), sum(counts)
+    h = f if activation == "squared_relu" else 2 * f
+    x = torch.randn(t, d, generator=g)
+    w1 = torch.randn(e, h, d, generator=g) / d**0.5
+    w2 = torch.randn(e, d, f, generator=g) / f**0.5
+    b1 = torch.randn(e, h, generator=g) if with_bias else None
+    b2 = torch.randn(e, d, generator=g) if with_bias else None
+    probs = torch.rand(t, generator=g) + 0.1 if with_probs else None
+    dy = torch.randn(t, d, generator=g)
+    return x, w1, b1, w2, b2, probs, dy
+
+
+def oracle_grads(x, w1, b1, w2, b2, counts, probs, dy, activation, interleave):  # type: ignore[no-untyped-def]
+    """`(y, [dx, dw1, db1, dw2, db2, dprobs])`: the per-expert loop under autograd in fp32 on the same
+    (maybe bf16-valued) inputs; None where an input is None, zeros where it gets no grad."""
+    leaves = [None if t is None else t.detach().float().requires_grad_() for t in (x, w1, b1, w2, b2, probs)]
+    y = loop_expert_mlp(*leaves[:5], counts, leaves[5], activation, interleave)
+    live = [t for t in leaves if t is not None]
+    got = iter(torch.autograd.grad(y, live, dy.float(), allow_unused=True))
+    grads = []
+    for t in leaves:
+        g = None if t is None else next(got)
+        grads.append(None if t is None else (torch.zeros_like(t) if g is None else g))
+    return y.detach(), grads

@@ -9,27 +9,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from expert_oracle import loop_expert_mlp, rel_err
+from expert_oracle import loop_expert_mlp, random_problem, rel_err
 from moectl.core.config.schema import MoEConfig
 from moectl.core.errors import MoectlError
 from trainer.moe.backends.fused import FusedBackend
 
 ACTS = ["swiglu", "quick_geglu", "squared_relu"]
 COUNTS = [5, 0, 11, 3, 0, 9]  # uneven, with empty experts (one in the middle, one before the last)
-
-
-def _problem(activation, counts, with_bias, with_probs, seed, d=16, f=24):
-    g = torch.Generator().manual_seed(seed)
-    e, t = len(counts), sum(counts)
-    h = f if activation == "squared_relu" else 2 * f
-    x = torch.randn(t, d, generator=g)
-    w1 = torch.randn(e, h, d, generator=g) / d**0.5
-    w2 = torch.randn(e, d, f, generator=g) / f**0.5
-    b1 = torch.randn(e, h, generator=g) if with_bias else None
-    b2 = torch.randn(e, d, generator=g) if with_bias else None
-    probs = torch.rand(t, generator=g) + 0.1 if with_probs else None
-    dy = torch.randn(t, d, generator=g)
-    return x, w1, b1, w2, b2, probs, dy
 
 
 def _loop_grads(x, w1, b1, w2, b2, counts, probs, dy, activation, interleave):
@@ -55,7 +41,7 @@ def test_fused_matches_per_expert_loop(activation, interleave, with_bias, with_p
     if interleave and activation == "squared_relu":
         pytest.skip("interleave applies to gated activations only")
     seed = ACTS.index(activation) * 100 + (interleave or 0) * 10 + 2 * with_bias + with_probs
-    x, w1, b1, w2, b2, probs, dy = _problem(activation, COUNTS, with_bias, with_probs, seed)
+    x, w1, b1, w2, b2, probs, dy = random_problem(activation, COUNTS, with_bias, with_probs, seed)
     spec = SimpleNamespace(activation=activation, glu_interleave_size=interleave, ffn_size=w2.shape[2])
     backend = FusedBackend("cpu")
     y, ctx = backend.forward(x, w1, b1, w2, b2, torch.tensor(COUNTS), probs, spec)
@@ -76,7 +62,7 @@ def test_fused_matches_per_expert_loop(activation, interleave, with_bias, with_p
 
 
 def test_no_rows_at_all():
-    x, w1, b1, w2, b2, probs, dy = _problem("swiglu", [0, 0, 0], True, True, seed=7)
+    x, w1, b1, w2, b2, probs, dy = random_problem("swiglu", [0, 0, 0], True, True, seed=7)
     spec = SimpleNamespace(activation="swiglu", glu_interleave_size=None)
     y, ctx = FusedBackend().forward(x, w1, b1, w2, b2, torch.tensor([0, 0, 0]), probs, spec)
     assert y.shape == (0, 16)
@@ -89,7 +75,7 @@ def test_no_rows_at_all():
 def test_expanded_grad_is_accepted():
     """autograd hands a stride-0 grad for y.sum(); torch._grouped_mm would reject it as is."""
     counts = [3, 4, 5]
-    x, w1, b1, w2, b2, probs, _ = _problem("swiglu", counts, False, True, seed=3)
+    x, w1, b1, w2, b2, probs, _ = random_problem("swiglu", counts, False, True, seed=3)
     spec = SimpleNamespace(activation="swiglu", glu_interleave_size=None)
     y, ctx = FusedBackend().forward(x, w1, b1, w2, b2, torch.tensor(counts), probs, spec)
     dy = torch.ones(1, 1).expand_as(y)
@@ -101,11 +87,11 @@ def test_expanded_grad_is_accepted():
 
 
 def test_counts_must_cover_every_row_and_sizes_must_align():
-    x, w1, b1, w2, b2, probs, _ = _problem("swiglu", [4, 4], False, False, seed=1)
+    x, w1, b1, w2, b2, probs, _ = random_problem("swiglu", [4, 4], False, False, seed=1)
     spec = SimpleNamespace(activation="swiglu", glu_interleave_size=None)
     with pytest.raises(ValueError, match="must equal the rows of x"):
         FusedBackend().forward(x, w1, b1, w2, b2, torch.tensor([4, 3]), probs, spec)
-    x, w1, b1, w2, b2, probs, _ = _problem("swiglu", [4, 4], False, False, seed=1, d=10, f=24)
+    x, w1, b1, w2, b2, probs, _ = random_problem("swiglu", [4, 4], False, False, seed=1, d=10, f=24)
     with pytest.raises(MoectlError, match="multiples of 4"):
         FusedBackend().forward(x, w1, b1, w2, b2, torch.tensor([4, 4]), probs, spec)
 

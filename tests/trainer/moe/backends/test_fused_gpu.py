@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from expert_oracle import loop_expert_mlp, rel_err
+from expert_oracle import loop_expert_mlp, oracle_grads, rel_err
 from trainer.moe import expert_math
 from trainer.moe.backends.fused import FusedBackend
 
@@ -95,19 +95,6 @@ def _problem(activation, counts, with_bias, with_probs, dtype, d=256, f=384):
     return x, w1, b1, w2, b2, probs, dy
 
 
-def _oracle(x, w1, b1, w2, b2, counts, probs, dy, activation, interleave):
-    """Per-expert loop under autograd in fp32 on the same (bf16-valued) inputs."""
-    leaves = [None if t is None else t.detach().float().requires_grad_() for t in (x, w1, b1, w2, b2, probs)]
-    y = loop_expert_mlp(*leaves[:5], counts, leaves[5], activation, interleave)
-    live = [t for t in leaves if t is not None]
-    got = iter(torch.autograd.grad(y, live, dy.float(), allow_unused=True))
-    grads = []
-    for t in leaves:
-        g = None if t is None else next(got)
-        grads.append(None if t is None else (torch.zeros_like(t) if g is None else g))
-    return y.detach(), grads
-
-
 @pytest.mark.parametrize("activation", ACTS)
 @pytest.mark.parametrize("interleave", [None, 64])
 @pytest.mark.parametrize("with_bias", [False, True])
@@ -124,7 +111,7 @@ def test_fused_bf16_matches_loop(activation, interleave, with_bias, with_probs, 
     torch.full((64 << 20,), float("nan"), device="cuda")
     y, ctx = backend.forward(x, w1, b1, w2, b2, counts_E, probs, spec)
     grads = backend.backward(ctx, dy)
-    y_ref, grads_ref = _oracle(x, w1, b1, w2, b2, COUNTS, probs, dy, activation, interleave)
+    y_ref, grads_ref = oracle_grads(x, w1, b1, w2, b2, COUNTS, probs, dy, activation, interleave)
     _finite(y, *grads)
     assert y.dtype == torch.bfloat16
     assert rel_err(y, y_ref) < 1e-2
@@ -165,7 +152,7 @@ def test_fused_fp32_on_cuda_matches_loop():
     spec = SimpleNamespace(activation="swiglu", glu_interleave_size=None)
     y, ctx = FusedBackend().forward(x, w1, b1, w2, b2, torch.tensor(COUNTS, device="cuda"), probs, spec)
     grads = FusedBackend().backward(ctx, dy)
-    y_ref, grads_ref = _oracle(x, w1, b1, w2, b2, COUNTS, probs, dy, "swiglu", None)
+    y_ref, grads_ref = oracle_grads(x, w1, b1, w2, b2, COUNTS, probs, dy, "swiglu", None)
     assert rel_err(y, y_ref) < 1e-3  # TF32-level: CUDA matmuls may run fp32 on tensor cores
     for got, want in zip(grads, grads_ref):
         assert rel_err(got, want) < 1e-3

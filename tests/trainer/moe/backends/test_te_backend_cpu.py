@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from expert_oracle import deinterleave_index, rel_err
+from expert_oracle import deinterleave_index, random_problem, rel_err
 from fake_te import fake_te
 from moectl.core.config.schema import MoEConfig
 from moectl.core.errors import MoectlError
@@ -37,20 +37,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 ACTS = ["swiglu", "quick_geglu", "squared_relu"]
 COUNTS = [5, 0, 11, 3, 0, 9]  # uneven, with empty experts (one in the middle, one before the last)
 D, F = 16, 64  # F = 64: interleave 32 (TE reads it natively) and 8 (converted to halves first) both divide it
-
-
-def _problem(activation, counts, with_bias, with_probs, seed):
-    g = torch.Generator().manual_seed(seed)
-    e, t = len(counts), sum(counts)
-    h = F if activation == "squared_relu" else 2 * F
-    x = torch.randn(t, D, generator=g)
-    w1 = torch.randn(e, h, D, generator=g) / D**0.5
-    w2 = torch.randn(e, D, F, generator=g) / F**0.5
-    b1 = torch.randn(e, h, generator=g) if with_bias else None
-    b2 = torch.randn(e, D, generator=g) if with_bias else None
-    probs = torch.rand(t, generator=g) + 0.1 if with_probs else None
-    dy = torch.randn(t, D, generator=g)
-    return x, w1, b1, w2, b2, probs, dy
 
 
 def _spec(activation, interleave):
@@ -74,7 +60,7 @@ def test_te_matches_fused(activation, interleave, with_bias, with_probs):
     if interleave and activation == "squared_relu":
         pytest.skip("interleave applies to gated activations only")
     seed = ACTS.index(activation) * 100 + (interleave or 0) + 2 * with_bias + with_probs
-    x, w1, b1, w2, b2, probs, dy = _problem(activation, COUNTS, with_bias, with_probs, seed)
+    x, w1, b1, w2, b2, probs, dy = random_problem(activation, COUNTS, with_bias, with_probs, seed, d=D, f=F)
     spec = _spec(activation, interleave)
     counts = torch.tensor(COUNTS)
     y, ctx = TEBackend("cpu", te=fake_te()).forward(x, w1, b1, w2, b2, counts, probs, spec)
@@ -88,7 +74,7 @@ def test_te_matches_fused(activation, interleave, with_bias, with_probs):
 
 
 def test_delayed_wgrad_and_main_grad_accumulation_are_the_plain_backward():
-    x, w1, b1, w2, b2, probs, dy = _problem("swiglu", COUNTS, True, True, 7)
+    x, w1, b1, w2, b2, probs, dy = random_problem("swiglu", COUNTS, True, True, 7, d=D, f=F)
     spec, counts = _spec("swiglu", 32), torch.tensor(COUNTS)
     backend = TEBackend("cpu", te=fake_te())
     assert supports_delayed_wgrad(backend) and supports_wgrad_into(backend) and supports_precision(backend)
@@ -110,7 +96,7 @@ def test_delayed_wgrad_and_main_grad_accumulation_are_the_plain_backward():
 
 
 def test_no_rows_at_all():
-    x, w1, b1, w2, b2, probs, dy = _problem("swiglu", [0, 0, 0], True, True, 3)
+    x, w1, b1, w2, b2, probs, dy = random_problem("swiglu", [0, 0, 0], True, True, 3, d=D, f=F)
     backend = TEBackend("cpu", te=fake_te())
     y, ctx = backend.forward(x, w1, b1, w2, b2, torch.zeros(3, dtype=torch.long), probs, _spec("swiglu", None))
     dx, dw1, db1, dw2, db2, dprobs = backend.backward(ctx, dy)
@@ -127,7 +113,7 @@ def test_fp8_tensorwise_matches_fused(fmt, interleave):
     recipe = TensorwiseRecipe(fmt)
     a = recipe.align_size
     counts = [2 * a, 0, a, 3 * a]
-    x, w1, b1, w2, b2, probs, dy = _problem("swiglu", counts, True, True, 11)
+    x, w1, b1, w2, b2, probs, dy = random_problem("swiglu", counts, True, True, 11, d=D, f=F)
     spec, counts_t = _spec("swiglu", interleave), torch.tensor(counts)
     backend = TEBackend("cpu", te=fake_te())
     y, ctx = backend.forward(x, w1, b1, w2, b2, counts_t, probs, spec, precision=ExpertPrecision(recipe))
@@ -148,14 +134,14 @@ def test_fp8_tensorwise_matches_fused(fmt, interleave):
 
 
 def test_fp8_refusals():
-    x, w1, b1, w2, b2, probs, _ = _problem("swiglu", [16, 16], False, True, 5)
+    x, w1, b1, w2, b2, probs, _ = random_problem("swiglu", [16, 16], False, True, 5, d=D, f=F)
     backend, spec = TEBackend("cpu", te=fake_te()), _spec("swiglu", None)
     with pytest.raises(MoectlError, match="tensorwise"):
         backend.forward(x, w1, b1, w2, b2, torch.tensor([16, 16]), probs, spec, precision=ExpertPrecision(DelayedRecipe()))
     given = ExpertPrecision(TensorwiseRecipe(), quantized_weights={"fc1": object(), "fc2": None})  # type: ignore[dict-item]
     with pytest.raises(MoectlError, match="param gather"):
         backend.forward(x, w1, b1, w2, b2, torch.tensor([16, 16]), probs, spec, precision=given)
-    x2, w1, b1, w2, b2, probs2, _ = _problem("swiglu", [8, 24], False, True, 5)
+    x2, w1, b1, w2, b2, probs2, _ = random_problem("swiglu", [8, 24], False, True, 5, d=D, f=F)
     with pytest.raises(ValueError, match="multiple of 16"):
         backend.forward(x2, w1, b1, w2, b2, torch.tensor([8, 24]), probs2, spec, precision=ExpertPrecision(TensorwiseRecipe()))
 

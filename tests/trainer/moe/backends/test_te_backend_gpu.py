@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from cli_helpers import REPO, TINY, cli_env
-from expert_oracle import loop_expert_mlp, rel_err
+from expert_oracle import oracle_grads, rel_err
 from moectl.core.config.schema import MoEConfig
 from trainer.main_grad import attach_main_grads
 from trainer.moe.backends.fused import FusedBackend
@@ -72,19 +72,6 @@ def _spec(activation, interleave):
     return SimpleNamespace(activation=activation, glu_interleave_size=interleave, ffn_size=F)
 
 
-def _oracle(x, w1, b1, w2, b2, counts, probs, dy, activation, interleave):
-    """Per-expert loop under autograd in fp32 on the same (bf16-valued) inputs."""
-    leaves = [None if t is None else t.detach().float().requires_grad_() for t in (x, w1, b1, w2, b2, probs)]
-    y = loop_expert_mlp(*leaves[:5], counts, leaves[5], activation, interleave)
-    live = [t for t in leaves if t is not None]
-    got = iter(torch.autograd.grad(y, live, dy.float(), allow_unused=True))
-    grads = []
-    for t in leaves:
-        g = None if t is None else next(got)
-        grads.append(None if t is None else (torch.zeros_like(t) if g is None else g))
-    return [y.detach(), *grads[:5], grads[5]]
-
-
 def _run(backend, x, w1, b1, w2, b2, counts, probs, dy, spec, precision=None):
     kw = {} if precision is None else {"precision": precision}
     y, ctx = backend.forward(x, w1, b1, w2, b2, torch.tensor(counts, device="cuda"), probs, spec, **kw)
@@ -109,7 +96,8 @@ def test_te_bf16_matches_fused_and_the_loop(te_backend, activation, interleave, 
     torch.full((64 << 20,), float("nan"), device="cuda")  # poison freed blocks: an unwritten row shows as NaN
     got = _run(te_backend, x, w1, b1, w2, b2, COUNTS, probs, dy, spec)
     fused = _run(FusedBackend("cuda"), x, w1, b1, w2, b2, COUNTS, probs, dy, spec)
-    ref = _oracle(x, w1, b1, w2, b2, COUNTS, probs, dy, activation, interleave)
+    y_ref, grads_ref = oracle_grads(x, w1, b1, w2, b2, COUNTS, probs, dy, activation, interleave)
+    ref = [y_ref, *grads_ref]
     _finite(*got)
     for name, a, b, r in zip(NAMES, got, fused, ref):
         if r is None:
