@@ -110,6 +110,10 @@ class BenchConfig:
     rounds: int = 5
     sustained_seconds: float = SUSTAINED_SECONDS  # per path and round of the steady-state column (0: none)
     sustained_rounds: int = 3
+    # The steady-state regime (6 s per path by default) was 85% of a default run, which then outlasted a
+    # 10-minute device call (ninth session): by default it runs on the rows training runs, fwd+bwd without the
+    # bench's own permute; `sustained_every_row` restores it everywhere.
+    sustained_every_row: bool = False
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
     dtype: torch.dtype = torch.bfloat16
     ceiling_size: int = 8192
@@ -377,7 +381,8 @@ def _bench_inputs(
                     continue
                 calls[path] = _step(fn, inp, weights, permute, backward, dy)
             path_errors.update(_probe(calls, device))
-            timed = _time_row(calls, dense, cfg, device)
+            steady = cfg.sustained_every_row or (backward and not permute)
+            timed = _time_row(calls, dense, cfg, device, steady)
             if isinstance(timed, str):  # the row's timing itself ran out of memory
                 free(device)
                 rows.append(_error_row(shape, topk, permute, backward, timed))
@@ -451,16 +456,18 @@ def _bench_inputs(
 
 
 def _time_row(
-    calls: dict[str, Callable[[], object]], dense: Callable[[], object], cfg: BenchConfig, device: torch.device
+    calls: dict[str, Callable[[], object]], dense: Callable[[], object], cfg: BenchConfig, device: torch.device,
+    steady: bool = True,
 ) -> Any:
-    """The three timing regimes of one row's paths, or the out-of-memory message if they ran out."""
+    """The three timing regimes of one row's paths (the steady state only where `steady`), or the
+    out-of-memory message if they ran out."""
     calls = {**calls, "dense": dense}  # the ceiling again, in the same rounds: what the device gives right now
     rounds = max(1, min(cfg.rounds, cfg.iters))
     try:
         samples = interleaved_ms(calls, device, cfg.warmup, rounds, -(-cfg.iters // rounds))
         paths_only = {k: v for k, v in calls.items() if k != "dense"}
         queued, behind = queued_ms(paths_only, device, rounds, -(-cfg.iters // rounds))
-        sustained, states = sustained_ms(paths_only, device, cfg.sustained_rounds, cfg.sustained_seconds)
+        sustained, states = sustained_ms(paths_only, device, cfg.sustained_rounds, cfg.sustained_seconds if steady else 0.0)
     except OutOfMemory as e:
         return oom_message(e)
     return samples, queued, behind, sustained, states

@@ -194,6 +194,11 @@ def grouped_mlp(
         typer.Option("--sustained-seconds", min=0.0, help="Seconds of back-to-back calls per path and round of the "
                      "steady-state column (CUDA; 0 skips it). Default 2."),
     ] = None,
+    sustained_every_row: Annotated[
+        bool,
+        typer.Option("--sustained-every-row", help="Measure the steady state on every row, not only the fwd+bwd "
+                     "rows without permute (the default; the regime takes most of a run's time)."),
+    ] = False,
 ) -> None:
     from moectl.bench import grouped_mlp as gm
 
@@ -221,6 +226,7 @@ def grouped_mlp(
     cfg.iters = iters or cfg.iters
     cfg.warmup = cfg.warmup if warmup is None else warmup
     cfg.sustained_seconds = cfg.sustained_seconds if sustained is None else sustained
+    cfg.sustained_every_row = sustained_every_row
     console = Console()
     result = gm.run(cfg, log=lambda line: console.print(line, style="dim", highlight=False))
     render(result, console)
