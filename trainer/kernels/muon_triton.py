@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 BLOCK = 4096  # elements per program: every slice of the shipped shapes is a multiple (checked by `fits`)
+# Offsets are int64 throughout: one grouped expert weight may hold more than 2^31 elements (256 x 7168 x 2048).
 
 
 def fits(slice_elems: int) -> bool:
@@ -56,14 +57,14 @@ def _blend_kernel(g_ptr, m_ptr, out_ptr, sumsq_ptr, slice0, coef, beta, NESTEROV
     u = u.to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + offs, u)
     uf = u.to(tl.float32)
-    tl.atomic_add(sumsq_ptr + slice0 + (pid * BLOCK) // SLICE, tl.sum(uf * uf, axis=0))
+    tl.atomic_add(sumsq_ptr + slice0 + (pid.to(tl.int64) * BLOCK) // SLICE, tl.sum(uf * uf, axis=0))
 
 
 @triton.jit
 def _normalize_kernel(x_ptr, sumsq_ptr, eps, SLICE: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    norm = tl.sqrt(tl.load(sumsq_ptr + (pid * BLOCK) // SLICE)) + eps
+    norm = tl.sqrt(tl.load(sumsq_ptr + (pid.to(tl.int64) * BLOCK) // SLICE)) + eps
     x = tl.load(x_ptr + offs).to(tl.float32) / norm
     tl.store(x_ptr + offs, x.to(x_ptr.dtype.element_ty))
 
