@@ -11,8 +11,9 @@ one allocation of the exact total, page-locked once (pinning gigabytes takes sec
 and lock every page; torch's per-tensor pinned buffers also rounded each up to a power of two, nearly
 doubling what was pinned). It is allocated before the first save (`reserve_for`, which a training run
 calls at start-up: `trainer.checkpointing.saver.RunCheckpointer.reserve`), else by the first save, and
-reused by every later one, reallocated only when a save needs more bytes than it holds. Reuse is safe because at most one save is in flight
-(`ckpt.async_save`): the next `stage` waits until the writer that reads these buffers has finished.
+reused by every later one, reallocated only when a save needs more bytes than it holds. Reuse is safe
+because at most one save is in flight (`ckpt.async_save`): the next `stage` waits until the writer that
+reads these buffers has finished.
 """
 
 from __future__ import annotations

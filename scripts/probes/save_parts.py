@@ -1,13 +1,14 @@
 """Probe: where one rank's checkpoint write goes, part by part, on this machine's disk and cores.
 
-A background save of the reference model on 2 H100s took 22 s per save against 4.2 s for a plain writer of
-the same bytes (docs/benchmarks.md, issue 21). This times, on a synthetic shard shaped like one rank's files
-(a few large fp32 tensors and many small ones), each part `ckpt.shard_io.write_layout` overlaps: a whole-file
-sha256 in one sequential pass (what formats 1-2 recorded, for comparison: format 3 no longer computes it),
-the per-tensor sha256s on the thread pool (format 3's whole hashing), the in-order writes alone (writeback started per chunk), the fsync;
-then `write_shard` as the save runs it, the two files of a rank as `save_checkpoint` writes them (one after
-the other, then fsynced side by side), and a plain writer of the same bytes (one `write` and an fsync per
-file: the bench's floor). No assertion; a table.
+A background save of the reference model on 2 H100s took 22 s per save against 4.2 s for a plain writer
+(docs/benchmarks.md, issue 21; that writer wrote only the first 2 GiB of each file, see `write_all`).
+This times, on a synthetic shard shaped like one rank's files (a few large fp32 tensors and many small
+ones), each part `ckpt.shard_io.write_layout` overlaps: a whole-file sha256 in one sequential pass (what
+formats 1-2 recorded, for comparison: format 3 no longer computes it), the per-tensor sha256s on the
+thread pool (format 3's whole hashing), the in-order writes alone (writeback started per chunk), the
+fsync; then `write_shard` as the save runs it, the two files of a rank as `save_checkpoint` writes them
+(one after the other, then fsynced side by side), and a plain writer of the same bytes (sequential writes
+and an fsync per file: the bench's floor). No assertion; a table.
 
 Run: PYTHONPATH=. python3 scripts/probes/save_parts.py --dir /path/on/the/disk [--gb 6.4] [--threads N]
 """

@@ -167,3 +167,30 @@ def test_writeback_is_asked_where_it_works_and_dropped_where_refused(tmp_path: P
     finally:
         os.close(r)
         os.close(w)
+
+
+def test_a_write_failing_mid_file_fails_the_save_and_leaves_latest_on_the_previous_step(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    import errno
+
+    from ckpt import save_checkpoint
+    from ckpt.save import CheckpointSaveError
+    from ckpt_fixtures import make_meta
+
+    files = {"model-00000.safetensors": mixed_tensors(1)}
+    save_checkpoint(tmp_path, 1, files, make_meta())
+    monkeypatch.setattr(shard_io, "CHUNK", 128)
+    calls = {"n": 0}
+    real = shard_io._pwritev_all
+
+    def failing(fd: int, offset: int, bufs: list) -> None:
+        calls["n"] += 1
+        if calls["n"] == 3:  # the disk fills up part-way through the file
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(fd, offset, bufs)
+
+    monkeypatch.setattr(shard_io, "_pwritev_all", failing)
+    with pytest.raises(CheckpointSaveError, match="No space left on device"):
+        save_checkpoint(tmp_path, 2, {"model-00000.safetensors": mixed_tensors(2)}, make_meta())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000001"]  # nothing of step 2
+    assert (tmp_path / "latest").read_text() == "step_00000001\n"
