@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from ckpt import find_latest, names
 from ckpt.async_save import AsyncCheckpointer, SaveOutcome
+from ckpt.host_copy import HEADROOM, on_host  # memory left free after staging
 from ckpt.inspect import format_bytes
 from ckpt.save import CheckpointSaveError, save_checkpoint
 from ckpt.staging import host_memory_available
@@ -41,7 +42,6 @@ from trainer.checkpointing.save import checkpoint_parts
 from trainer.engine.protocol import Engine
 from trainer.parallel.groups import ParallelState, collective_timeout_s
 
-HEADROOM = 2 << 30  # host memory left free after staging: the rest of the process and the page cache need some
 BACKGROUND, SYNCHRONOUS = "background", "synchronous"
 
 
@@ -135,7 +135,12 @@ class RunCheckpointer:
                 return reports
         group = self._writer.group if self._writer is not None else self._training_group()
         phases: dict[str, float] = {}
-        path = save_checkpoint(self.root, step, files, meta, group=group, keep_last=keep_last, phases=phases)
+        t1 = time.perf_counter()
+        with on_host(files) as staged:  # on CUDA: one page-locked copy, where memory allows (ckpt/host_copy.py)
+            copy_s = time.perf_counter() - t1
+            path = save_checkpoint(self.root, step, staged, meta, group=group, keep_last=keep_last, phases=phases)
+            del staged
+        phases["prepare_s"] += copy_s
         self.last_committed = path
         nbytes = sum(t.numel() * t.element_size() for ts in files.values() for t in ts.values())
         shown = "" if self.why_not else why  # the banner said why already
