@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,7 @@ class SaveOutcome:
     blocking_s: float
     background_s: float
     nbytes: int  # bytes this rank wrote (its tensors' data)
+    phases: dict[str, float] = field(default_factory=dict)  # background_s by part (`ckpt.save.PHASES`)
 
     @property
     def ok(self) -> bool:
@@ -85,12 +86,13 @@ class AsyncCheckpointer:
         t0 = time.perf_counter()
         path: Path | None = None
         error: BaseException | None = None
+        phases: dict[str, float] = {}
         try:
-            path = save_checkpoint(root, step, staged, meta, group=self.group, keep_last=keep_last)
+            path = save_checkpoint(root, step, staged, meta, group=self.group, keep_last=keep_last, phases=phases)
         except BaseException as e:  # noqa: BLE001 - handed to the training thread, which reports it
             error = e
         with self._lock:
-            self._outcome = SaveOutcome(step, path, error, blocking_s, time.perf_counter() - t0, nbytes)
+            self._outcome = SaveOutcome(step, path, error, blocking_s, time.perf_counter() - t0, nbytes, phases)
 
     def failed(self) -> bool:
         """The save in flight has finished, and failed (known on this rank without waiting)."""

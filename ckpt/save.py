@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
+import time
 import warnings
 from pathlib import Path
 from typing import Any, Callable
@@ -75,6 +76,7 @@ def save_checkpoint(
     group: Any = None,
     keep_last: int | None = None,
     precondition: Callable[[], None] | None = None,
+    phases: dict[str, float] | None = None,
 ) -> Path:
     """Save one checkpoint collectively; every rank of `group` must call it. Returns `root/step_N`.
 
@@ -85,12 +87,16 @@ def save_checkpoint(
     after the commit (rank 0 only). `precondition`, called on each rank once its files are durable and
     before the vote, must return for the save to commit (convert: its source verified meanwhile); what it
     raises fails the save on every rank like a write error. Raises `CheckpointSaveError` on every rank if
-    any rank failed.
+    any rank failed. `phases`, when given, receives this rank's seconds per part (`PHASES`), so a slow save
+    can be told apart: copying tensors to the host, writing and hashing, the final fsync, then to the verdict
+    (`precondition`, and waiting for the slowest rank), and the commit (rank 0's, which the others await).
     """
+    clock = _Phases(phases)
     comm = comm_for(group)
     root = Path(root)
     # Agree on the in-flight folder first: a collective that cannot fail for local reasons.
     nonce = f"{broadcast_int(comm, secrets.randbits(62)):016x}"
+    clock.lap("vote_s")  # waiting for every rank to start
     tmp: Path | None = None
     # Everything in `status` must be JSON, or this rank would fail inside the vote and the others hang.
     step_json = step if isinstance(step, int) else repr(step)
@@ -101,14 +107,19 @@ def save_checkpoint(
         _check_args(comm, final, tensors_by_file, meta, keep_last)
         tmp.mkdir(parents=True, exist_ok=True)
         for i, fname in enumerate(sorted(tensors_by_file)):
+            tensors = prepare(tensors_by_file[fname], fname)  # on a device: the copies to the host
+            clock.lap("prepare_s")
             # Not fsynced one by one: the next file's writes and hashes go on while the disk flushes this one.
-            rec, trecs = write_shard(tmp / fname, prepare(tensors_by_file[fname], fname), fsync=False)
+            rec, trecs = write_shard(tmp / fname, tensors, fsync=False)
+            del tensors
+            clock.lap("write_s")
             status["files"][fname] = {**rec, "rank": comm.global_rank}
             status["tensors"].update(trecs)
             if i == 0:
                 faults.check("write", comm.global_rank, step)
         fsync_files([tmp / fname for fname in tensors_by_file])
         fsync_dir(tmp)
+        clock.lap("fsync_s")
         faults.check("finalize", comm.global_rank, step)
         if precondition is not None:
             precondition()
@@ -116,6 +127,7 @@ def save_checkpoint(
         status = {**status, "error": describe(e), "files": {}, "tensors": {}}
 
     statuses = all_gather_json(comm, status)
+    clock.lap("vote_s")
     failures = _verdict(statuses)
     if failures:
         if comm.rank == 0 and tmp is not None:
@@ -127,9 +139,29 @@ def save_checkpoint(
     if comm.rank == 0:
         outcome = _commit(root, step, tmp, meta, statuses, keep_last)
     outcome = broadcast_json(comm, outcome)
+    clock.lap("commit_s")
     if outcome["error"]:
         raise CheckpointSaveError(step, root, {statuses[0]["rank"]: outcome["error"]}, outcome["committed"])
     return root / names.step_dir_name(step)
+
+
+PHASES = ("prepare_s", "write_s", "fsync_s", "vote_s", "commit_s")
+
+
+class _Phases:
+    """Seconds since the last lap, added to a named phase of the caller's dict (nothing when there is none)."""
+
+    def __init__(self, out: dict[str, float] | None) -> None:
+        self.out = out
+        self.t = time.perf_counter()
+        if out is not None:
+            out.update({k: 0.0 for k in PHASES})
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        if self.out is not None:
+            self.out[phase] += now - self.t
+        self.t = now
 
 
 def _check_args(comm: Comm, final: Path, tensors_by_file: Any, meta: Any, keep_last: Any) -> None:

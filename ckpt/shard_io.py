@@ -1,13 +1,16 @@
-"""Moving shard bytes between memory and disk at disk speed: parallel writes and hashes, no copies.
+"""Moving shard bytes between memory and disk at disk speed: parallel hashes, sequential writes, no copies.
 
-Writing a file (`write_layout`): the tensors' own memory is written where `ckpt.st_layout` placed it, in
-chunks of `CHUNK` bytes gathered with `pwritev` (one system call per chunk however many small tensors it
-spans, and no staging copy), while other threads compute every tensor's sha256 from the same memory. The
-file's digest is the sha256 tree of `ckpt.digest` over the header's and the tensors' digests, so every
-byte is hashed once and no hash runs over a whole file: the longest is the largest tensor's. `hashlib`
-and file writes release the GIL, so the threads run in parallel on as many cores as `io_threads()` gives.
-(Until format 3 the file's own sha256 was a second, sequential pass over all its bytes: the long pole of
-a large save.)
+Writing a file (`write_layout`): one thread writes the tensors' own memory where `ckpt.st_layout` placed
+it, in file order, in chunks of `CHUNK` bytes gathered with `pwritev` (one system call per chunk however
+many small tensors it spans, and no staging copy), starting each chunk's writeback as soon as it is written
+(`ckpt.writeback`: the disk flushes while the rest is copied, instead of all of it in the final fsync);
+meanwhile the other threads compute every tensor's sha256 from the same memory. One writer, not several:
+Linux filesystems serialise buffered writes to one file under its inode lock, so more writer threads copy
+no faster and only queue on the lock and reorder the file's writes. The file's digest is the sha256 tree of
+`ckpt.digest` over the header's and the tensors' digests, so every byte is hashed once and no hash runs
+over a whole file: the longest is the largest tensor's. `hashlib` and file writes release the GIL, so the
+threads run in parallel on as many cores as `io_threads()` gives. (Until format 3 the file's own sha256
+was a second, sequential pass over all its bytes: the long pole of a large save.)
 
 Reading hashes back (`hash_file`, `hash_ranges`): one thread reads 8 MiB chunks into three reused buffers
 while the caller's thread hashes the previous one, so the time is the slower of the disk and the hash, not
@@ -28,6 +31,7 @@ import torch
 
 from ckpt.digest import tree_digest
 from ckpt.st_layout import Layout
+from ckpt.writeback import Writeback
 
 CHUNK = 32 << 20  # bytes per write call: large sequential I/O, and enough chunks to spread over the threads
 READ_CHUNK = 8 << 20  # bytes per read: well past the kernel's readahead, yet 16 files verified at once hold
@@ -97,6 +101,14 @@ def _write_ops(lay: Layout) -> list[tuple[int, list[memoryview]]]:
     return ops
 
 
+def _write_in_order(fd: int, lay: Layout) -> None:
+    """Write the whole file front to back, starting each chunk's writeback once it is in the page cache."""
+    writeback = Writeback(fd)
+    for offset, bufs in _write_ops(lay):
+        _pwritev_all(fd, offset, bufs)
+        writeback.kick(offset, sum(len(b) for b in bufs))
+
+
 def _pwritev_all(fd: int, offset: int, bufs: list[memoryview]) -> None:
     """Write every buffer at `offset` onwards, resuming after short writes."""
     while bufs:
@@ -122,15 +134,12 @@ def write_layout(path: Path, lay: Layout, threads: int | None = None, fsync: boo
     """
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        # The largest tensors' hashes first, each beside a write, so the disk is busy from the start and no
-        # large hash is left to run alone at the end.
-        writes = [(None, lambda o=offset, b=bufs: _pwritev_all(fd, o, b)) for offset, bufs in _write_ops(lay)]
-        hashes = [(p.name, lambda v=byte_view(p.tensor): _sha256([v]))
-                  for p in sorted(lay.placed, key=lambda p: p.start - p.end)]  # fmt: skip
-        jobs: list[tuple[object, Callable[[], object]]] = []
-        for i in range(max(len(writes), len(hashes))):
-            jobs += hashes[i : i + 1] + writes[i : i + 1]
-        results = _run(jobs, threads or io_threads())
+        # The writer first, so the disk is busy from the start; then the hashes, largest first, so no large
+        # hash is left to run alone at the end. The writer has a thread of its own beside the hashers.
+        jobs: list[tuple[object, Callable[[], object]]] = [(None, lambda: _write_in_order(fd, lay))]
+        jobs += [(p.name, lambda v=byte_view(p.tensor): _sha256([v]))
+                 for p in sorted(lay.placed, key=lambda p: p.start - p.end)]  # fmt: skip
+        results = _run(jobs, (threads or io_threads()) + 1)
         if fsync:
             os.fsync(fd)
     finally:

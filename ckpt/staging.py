@@ -9,16 +9,18 @@ it is ordinary memory (plain copies: there is no device to copy from).
 All of a rank's tensors live in one `ckpt.host_arena.HostArena`, each an aligned view at its own offset:
 one allocation of the exact total, page-locked once (pinning gigabytes takes seconds: the OS must fault in
 and lock every page; torch's per-tensor pinned buffers also rounded each up to a power of two, nearly
-doubling what was pinned). It is allocated by the first save and reused by every later one, reallocated
-only when a save needs more bytes than it holds. Reuse is safe because at most one save is in flight
-(`ckpt.async_save`): the next `stage` waits until the writer that reads these buffers has finished.
+doubling what was pinned). It is allocated before the first save (`reserve_for`, which a training run
+calls at start-up: `trainer.checkpointing.saver.RunCheckpointer.reserve`), else by the first save, and
+reused by every later one, reallocated only when a save needs more bytes than it holds. Reuse is safe
+because at most one save is in flight (`ckpt.async_save`): the next `stage` waits until the writer that
+reads these buffers has finished.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ckpt.host_arena import HostArena, aligned
+from ckpt.host_arena import HostArena, aligned, touch
 from ckpt.shard_io import io_threads
 
 Files = dict[str, dict[str, torch.Tensor]]
@@ -59,6 +61,16 @@ class HostStaging:
         if not self._fits(nbytes, pin):
             self.release()
             self._arena = HostArena(nbytes, pin, threads=io_threads())
+
+    def reserve_for(self, files: Files) -> None:
+        """Allocate now the buffers `stage(files)` will use, sized by the same rule (`staged_size`), and fault in
+        their pages, so that a later `stage` of tensors of these shapes and dtypes only copies. Page-locked
+        buffers are faulted in and locked as they are made; plain ones are touched here."""
+        pin = _on_device(files)
+        held = self._arena
+        self.reserve(staged_size(files), pin)
+        if self._arena is not held and self._arena is not None and not pin:
+            touch(self._arena.buffer, io_threads())
 
     def stage(self, files: Files) -> Files:
         """Copy every tensor of `files` into the host buffers and return the copies, in the same structure.

@@ -389,6 +389,7 @@ class Trainer:
                     observer.log(f"  resumed from {self.resumed_from} at step {start}")
                 if self.weights_only:
                     observer.log(f"  loaded model weights only from {self.resumed_from}: fresh optimizer state")
+                self._reserve_save_buffers(observer, writer)
                 with observer.running(tc.train_iters, start):
                     self._loop(signals, observer, writer, result, state)
         except Exception as e:
@@ -408,6 +409,19 @@ class Trainer:
             if lock is not None:
                 lock.release()
         return result
+
+    def _reserve_save_buffers(self, observer: RunObserver, writer: MetricsWriter | None) -> None:
+        """A run that will save in the background takes its host buffers now, not at its first save: the
+        cost moves to start-up (one log line and record). Nothing when no save will happen."""
+        save_every = self.cfg.checkpoint.save_interval
+        if not save_every or self.start_step >= self.cfg.train.train_iters:
+            return
+        reserved = self.checkpointer.reserve(self.start_step)
+        if reserved is None:
+            return
+        observer.log(reserved.line())
+        if writer is not None:
+            writer.write(reserved.record())
 
     def _as_failure(self, e: Exception, step: int | None) -> MoectlError | None:
         """A backend's lost-peer or timeout error as a one-line `CollectiveFailure`; None for anything else."""

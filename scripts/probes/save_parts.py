@@ -1,13 +1,14 @@
 """Probe: where one rank's checkpoint write goes, part by part, on this machine's disk and cores.
 
-A background save of the reference model on 2 H100s took 22 s per save against 4.2 s for a plain writer of
-the same bytes (docs/benchmarks.md, issue 21). This times, on a synthetic shard shaped like one rank's files
-(a few large fp32 tensors and many small ones), each part `ckpt.shard_io.write_layout` overlaps: a whole-file
-sha256 in one sequential pass (what formats 1-2 recorded, for comparison: format 3 no longer computes it),
-the per-tensor sha256s on the thread pool (format 3's whole hashing), the chunked writes alone, the fsync;
-then `write_shard` as the save runs it, the two files of a rank as `save_checkpoint` writes them (one after
-the other, then fsynced side by side), and a plain writer of the same bytes (one `write` and an fsync per
-file: the bench's floor). No assertion; a table.
+A background save of the reference model on 2 H100s took 22 s per save against 4.2 s for a plain writer
+(docs/benchmarks.md, issue 21; that writer wrote only the first 2 GiB of each file, see `write_all`).
+This times, on a synthetic shard shaped like one rank's files (a few large fp32 tensors and many small
+ones), each part `ckpt.shard_io.write_layout` overlaps: a whole-file sha256 in one sequential pass (what
+formats 1-2 recorded, for comparison: format 3 no longer computes it), the per-tensor sha256s on the
+thread pool (format 3's whole hashing), the in-order writes alone (writeback started per chunk), the
+fsync; then `write_shard` as the save runs it, the two files of a rank as `save_checkpoint` writes them
+(one after the other, then fsynced side by side), and a plain writer of the same bytes (sequential writes
+and an fsync per file: the bench's floor). No assertion; a table.
 
 Run: PYTHONPATH=. python3 scripts/probes/save_parts.py --dir /path/on/the/disk [--gb 6.4] [--threads N]
 """
@@ -24,7 +25,8 @@ from pathlib import Path
 import torch
 
 from ckpt.durable import fsync_files
-from ckpt.shard_io import _pwritev_all, _run, _write_ops, byte_view, io_threads
+from moectl.bench.ckpt_bench import write_all
+from ckpt.shard_io import _run, _write_in_order, byte_view, io_threads
 from ckpt.shards import prepare, write_shard
 from ckpt.st_layout import layout
 
@@ -82,14 +84,14 @@ def main() -> None:
     def writes_only(path: Path) -> None:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            _run([(None, lambda o=offset, b=bufs: _pwritev_all(fd, o, b)) for offset, bufs in _write_ops(lay)], threads)
+            _write_in_order(fd, lay)
             t0 = time.perf_counter()
             os.fsync(fd)
             rows.append(("  of which fsync", time.perf_counter() - t0))
         finally:
             os.close(fd)
 
-    rows.append(("chunked writes + fsync, no hashing", timed(lambda: writes_only(work / "w.bin"))))
+    rows.append(("in-order writes + fsync, no hashing", timed(lambda: writes_only(work / "w.bin"))))
     drop_cache(work / "w.bin")
     whole = timed(lambda: write_shard(work / "a.safetensors", tensors, threads))
     rows.append(("write_shard (all of it, as the save runs it)", whole))
@@ -106,7 +108,7 @@ def main() -> None:
     def plain() -> None:
         for n, data in blobs.items():
             with open(work / f"plain-{n}", "wb", buffering=0) as f:
-                f.write(data)
+                write_all(f, memoryview(data))  # one write() stops at 2 GiB: loop, as the bench's floor does
                 os.fsync(f.fileno())
 
     rows.append(("the same two files, plain writer (floor)", timed(plain)))

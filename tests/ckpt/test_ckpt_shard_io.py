@@ -123,3 +123,74 @@ def test_a_dtype_or_layout_the_format_cannot_hold_is_named_before_any_write() ->
         prepare({"c": torch.zeros(2, dtype=torch.complex128)}, "model-00000.safetensors")
     with pytest.raises(ValueError, match="'s' is a torch.sparse_coo tensor"):
         prepare({"s": torch.ones(2).to_sparse()}, "model-00000.safetensors")
+
+
+def test_one_writer_writes_the_file_front_to_back_and_starts_its_writeback(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    # Buffered writes to one file are serialised by the filesystem: one writer, in file order, and every
+    # chunk handed to writeback as soon as it is written; the bytes are still exactly safetensors'.
+    from ckpt import writeback
+
+    monkeypatch.setattr(shard_io, "CHUNK", 256)
+    writes: list[tuple[int, int]] = []
+    real_pwritev = os.pwritev
+
+    def pwritev(fd: int, bufs: list, offset: int) -> int:
+        n = real_pwritev(fd, bufs, offset)
+        writes.append((offset, n))
+        return n
+
+    kicked: list[tuple[int, int]] = []
+    monkeypatch.setattr(shard_io.os, "pwritev", pwritev)
+    monkeypatch.setattr(writeback.Writeback, "kick", lambda self, o, n: kicked.append((o, n)))
+    tensors = prepare(mixed_tensors(5), "model-00000.safetensors")
+    write_shard(tmp_path / "model-00000.safetensors", tensors, threads=4)
+    assert (tmp_path / "model-00000.safetensors").read_bytes() == st_save(tensors, metadata={"format": "pt"})
+    assert len(writes) > 3 and [o for o, _ in writes] == sorted(o for o, _ in writes)
+    assert all(a + n == b for (a, n), (b, _) in zip(writes, writes[1:]))  # contiguous, no gaps, no reorder
+    assert kicked == writes
+
+
+def test_writeback_is_asked_where_it_works_and_dropped_where_refused(tmp_path: Path) -> None:
+    from ckpt.writeback import Writeback
+
+    with open(tmp_path / "f", "wb", buffering=0) as f:
+        f.write(b"x" * 10_000)
+        wb = Writeback(f.fileno())
+        wb.kick(0, 10_000)  # a regular file on Linux: accepted (elsewhere a no-op)
+        assert wb.enabled == (os.uname().sysname == "Linux")
+    r, w = os.pipe()
+    try:
+        wb = Writeback(w)
+        wb.kick(0, 1)  # a pipe: the kernel refuses (ESPIPE); never asked again
+        assert not wb.enabled
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_a_write_failing_mid_file_fails_the_save_and_leaves_latest_on_the_previous_step(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    import errno
+
+    from ckpt import save_checkpoint
+    from ckpt.save import CheckpointSaveError
+    from ckpt_fixtures import make_meta
+
+    files = {"model-00000.safetensors": mixed_tensors(1)}
+    save_checkpoint(tmp_path, 1, files, make_meta())
+    monkeypatch.setattr(shard_io, "CHUNK", 128)
+    calls = {"n": 0}
+    real = shard_io._pwritev_all
+
+    def failing(fd: int, offset: int, bufs: list) -> None:
+        calls["n"] += 1
+        if calls["n"] == 3:  # the disk fills up part-way through the file
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(fd, offset, bufs)
+
+    monkeypatch.setattr(shard_io, "_pwritev_all", failing)
+    with pytest.raises(CheckpointSaveError, match="No space left on device"):
+        save_checkpoint(tmp_path, 2, {"model-00000.safetensors": mixed_tensors(2)}, make_meta())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000001"]  # nothing of step 2
+    assert (tmp_path / "latest").read_text() == "step_00000001\n"

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -31,16 +31,17 @@ import torch.distributed as dist
 
 from ckpt import find_latest, names
 from ckpt.async_save import AsyncCheckpointer, SaveOutcome
+from ckpt.host_copy import HEADROOM, on_host  # memory left free after staging
 from ckpt.inspect import format_bytes
 from ckpt.save import CheckpointSaveError, save_checkpoint
 from ckpt.staging import host_memory_available
 from moectl.core.config.schema import Config
 from moectl.core.errors import CheckpointError
+from trainer.checkpointing.reservation import Reservation
 from trainer.checkpointing.save import checkpoint_parts
 from trainer.engine.protocol import Engine
 from trainer.parallel.groups import ParallelState, collective_timeout_s
 
-HEADROOM = 2 << 30  # host memory left free after staging: the rest of the process and the page cache need some
 BACKGROUND, SYNCHRONOUS = "background", "synchronous"
 
 
@@ -56,12 +57,13 @@ class SaveReport:
     nbytes: int  # tensor bytes this rank wrote
     waited_s: float = 0.0  # part of blocking_s spent waiting for the previous save
     why: str = ""  # why a save that could have been in the background was not
+    phases: dict[str, float] = field(default_factory=dict)  # this rank's seconds per part (`ckpt.save.PHASES`)
 
     def record(self) -> dict[str, Any]:
         """The `metrics.jsonl` record of this save."""
         return {"step": self.step, "checkpoint": self.path.name, "save_mode": self.mode,
                 "save_blocking_s": self.blocking_s, "save_background_s": self.background_s,
-                "save_bytes": self.nbytes, "save_waited_s": self.waited_s}  # fmt: skip
+                "save_bytes": self.nbytes, "save_waited_s": self.waited_s, "save_phases": self.phases}  # fmt: skip
 
     def line(self) -> str:
         """The run's log line for this save."""
@@ -94,6 +96,25 @@ class RunCheckpointer:
         return "checkpoints: in the background (checkpoint.async_save); training blocks only for the host copy"
 
     # --- saving -------------------------------------------------------------------------------------
+    def reserve(self, step: int) -> Reservation | None:
+        """At start-up, before training step `step + 1`: allocate (on CUDA: page-lock) the host buffers of
+        the background saves now, so that the first save only copies (`ckpt.staging.HostStaging.reserve_for`).
+        Sized by the very `checkpoint_parts` a save calls, so the first save fits them exactly. Collective
+        (one gather of the logical state, and the commit group is made here); every rank calls it, and only
+        when the run will save. None when this run does not save in the background."""
+        if self.why_not:
+            return None
+        t0 = time.perf_counter()
+        files, _ = checkpoint_parts(step, self.cfg, self.engine, self.pstate, 0.0, self.carried)
+        writer = self._background_writer()
+        why = self._memory_shortfall(writer, files)
+        if not why:
+            writer.staging.reserve_for(files)
+        del files  # the gathered state: only its shapes were needed
+        if why:
+            return Reservation(step, 0, time.perf_counter() - t0, "", why)
+        return Reservation(step, writer.staging.nbytes, time.perf_counter() - t0, writer.staging.how)
+
     def save(self, step: int, probe_loss: Callable[[], float]) -> list[SaveReport]:
         """Save the state after `step` steps (collective). Returns the reports of what committed meanwhile:
         the previous background save if it had not been reported yet, and this save if it was synchronous
@@ -113,11 +134,18 @@ class RunCheckpointer:
                 self._waited[step] = waited
                 return reports
         group = self._writer.group if self._writer is not None else self._training_group()
-        path = save_checkpoint(self.root, step, files, meta, group=group, keep_last=keep_last)
+        phases: dict[str, float] = {}
+        t1 = time.perf_counter()
+        with on_host(files) as staged:  # on CUDA: one page-locked copy, where memory allows (ckpt/host_copy.py)
+            copy_s = time.perf_counter() - t1
+            path = save_checkpoint(self.root, step, staged, meta, group=group, keep_last=keep_last, phases=phases)
+            del staged
+        phases["prepare_s"] += copy_s
         self.last_committed = path
         nbytes = sum(t.numel() * t.element_size() for ts in files.values() for t in ts.values())
         shown = "" if self.why_not else why  # the banner said why already
-        reports.append(SaveReport(step, path, SYNCHRONOUS, time.perf_counter() - t0, 0.0, nbytes, waited, shown))
+        reports.append(SaveReport(step, path, SYNCHRONOUS, time.perf_counter() - t0, 0.0, nbytes, waited, shown,
+                                  phases))  # fmt: skip
         return reports
 
     def _background_writer(self) -> AsyncCheckpointer:
@@ -207,7 +235,7 @@ class RunCheckpointer:
         self.last_committed = outcome.path
         waited = self._waited.pop(outcome.step, 0.0)
         return SaveReport(outcome.step, outcome.path, BACKGROUND, outcome.blocking_s, outcome.background_s,
-                          outcome.nbytes, waited)
+                          outcome.nbytes, waited, phases=outcome.phases)
 
 
 def _why_not_background(cfg: Config, world: int) -> str:
