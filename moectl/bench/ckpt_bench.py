@@ -37,6 +37,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from ckpt.durable import fsync_dir
 from moectl.bench.result import RowsResult
 from moectl.bench.train_shrink import quick_overrides
 from moectl.core.config.load import load_config
@@ -156,7 +157,7 @@ def raw_copy(paths: list[Path], dst: Path) -> int:
                 write_all(out, view[:n])
                 total += n
             os.fsync(out.fileno())
-    _fsync_dir(dst)
+    fsync_dir(dst)
     return total
 
 
@@ -177,7 +178,7 @@ def plain_write(blobs: dict[str, bytes], dst: Path) -> None:
         with open(dst / name, "wb", buffering=0) as f:
             write_all(f, memoryview(data))
             os.fsync(f.fileno())
-    _fsync_dir(dst)
+    fsync_dir(dst)
 
 
 def write_all(f: Any, view: memoryview) -> None:
@@ -188,14 +189,6 @@ def write_all(f: Any, view: memoryview) -> None:
         if not n:
             raise OSError(f"write returned {n} at byte {pos} of {len(view)}")
         pos += n
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # --- the measurements ---------------------------------------------------------------------------------
