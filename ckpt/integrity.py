@@ -29,12 +29,13 @@ from typing import Any, Callable
 
 from ckpt import manifest, names
 from ckpt import problems as P
-from ckpt.digest import tree_digest, uses_tree
+from ckpt.digest import uses_tree
 from ckpt.discovery import is_step_dir, resolve_load_path
 from ckpt.problems import Problem
 from ckpt.seal import seal_problem
-from ckpt.shard_io import hash_file, hash_ranges, io_threads, range_jobs
+from ckpt.shard_io import hash_file, io_threads, range_jobs
 from ckpt.st_header import TORCH_NAME, Header, read_header
+from ckpt.verify_tree import hash_jobs, pieces, tree_problems
 from moectl.core.errors import CheckpointError
 
 _PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".pkl", ".pickle", ".ckpt", ".distcp")
@@ -186,8 +187,8 @@ def _check_tree_files(step_dir: Path, listed: dict[str, Any], by_file: dict[str,
             continue
         _, header, hashable = checked[fname]
         if hashable and header is not None:
-            jobs += [(fname, group) for group in range_jobs(_pieces(header))]
-    hashed, failed = _hash_jobs(step_dir, jobs)
+            jobs += [(fname, group) for group in range_jobs(pieces(header))]
+    hashed, failed = hash_jobs(step_dir, jobs)
     found: list[Problem] = []
     for fname, (probs, header, hashable) in checked.items():
         found += probs
@@ -197,57 +198,8 @@ def _check_tree_files(step_dir: Path, listed: dict[str, Any], by_file: dict[str,
             found.append(Problem(P.SHA256, fname, None, "differs from the saved file: its header no longer parses "
                                                         "as written, so its tensors' bytes cannot be told apart"))  # fmt: skip
         elif hashable and header is not None:
-            found += _tree_problems(fname, header, hashed, listed[fname], by_file[fname])
+            found += tree_problems(fname, header, hashed, listed[fname], by_file[fname])
     return found
-
-
-def _pieces(header: Header) -> list[tuple[int, int]]:
-    """The byte ranges the tree digest hashes: the header, then every tensor, in file order."""
-    return [(0, header.data_start)] + [(e.start, e.end) for e in sorted(header.entries.values(), key=lambda e: e.start)]
-
-
-def _hash_jobs(step_dir: Path, jobs: list[tuple[str, list[tuple[int, int]]]]
-               ) -> tuple[dict[tuple[str, int, int], str], dict[str, Problem]]:  # fmt: skip
-    """sha256 of every (file, ranges) job on the I/O threads, largest first: by (file, start, end), and a
-    problem for each file that could not be read."""
-    order = sorted(jobs, key=lambda j: j[1][0][0] - j[1][-1][1])  # longest span first: no long hash left last
-
-    def run(job: tuple[str, list[tuple[int, int]]]) -> tuple[str, list[tuple[int, int]], list[str] | OSError]:
-        fname, ranges = job
-        try:
-            return fname, ranges, hash_ranges(step_dir / fname, ranges)
-        except OSError as e:
-            return fname, ranges, e
-
-    workers = max(1, min(len(order), io_threads()))
-    if workers == 1:
-        results = [run(j) for j in order]
-    else:
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="moectl-ckpt-verify") as pool:
-            results = list(pool.map(run, order))
-    hashed: dict[tuple[str, int, int], str] = {}
-    failed: dict[str, Problem] = {}
-    for fname, ranges, out in results:
-        if isinstance(out, OSError):
-            failed.setdefault(fname, Problem(P.UNREADABLE, fname, None, f"cannot be read: {out.strerror or out}"))
-            continue
-        for (start, end), sha in zip(ranges, out):
-            hashed[(fname, start, end)] = sha
-    return hashed, failed
-
-
-def _tree_problems(fname: str, header: Header, hashed: dict[tuple[str, int, int], str], frec: dict[str, Any],
-                   expected: dict[str, Any]) -> list[Problem]:  # fmt: skip
-    """A hashed format 3 file against its records: each tensor whose bytes changed, or the file's digest."""
-    entries = sorted(header.entries.values(), key=lambda e: e.start)
-    sha = {e.name: hashed[(fname, e.start, e.end)] for e in entries}
-    changed = [t for t in sorted(set(expected) & set(sha)) if sha[t] != expected[t]["sha256"]]
-    if changed:
-        return [Problem(P.SHA256, fname, t, "bytes differ from the saved ones (sha256 mismatch)") for t in changed]
-    if tree_digest(hashed[(fname, 0, header.data_start)], (sha[e.name] for e in entries)) != frec["sha256"]:
-        return [Problem(P.SHA256, fname, None, "sha256 differs from the manifest although every tensor's bytes match: "
-                                               "the file's header or the manifest was changed")]  # fmt: skip
-    return []
 
 
 def _check_file(path: Path, frec: dict[str, Any], expected: dict[str, Any]) -> list[Problem]:
