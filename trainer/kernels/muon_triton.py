@@ -6,15 +6,16 @@ scaled update of the fp32 master. As torch ops that is seven passes over fp32 an
 lerp, norm, div, mul_, add_): 44 bytes per element, about 37 ms per step of the 1.83B reference model on an
 H100 against the iteration's 70 ms of GEMMs (profile in docs/benchmarks.md). Here it is three passes:
 
-- `blend_`: reads grad and momentum (fp32), writes the momentum and the blend (in the batch's dtype) and adds
-  each slice's sum of squares of the rounded blend into `sumsq` (fp32 atomics): 14 B/element;
+- `blend_`: reads grad and momentum (fp32), writes the momentum and the blend (in the batch's dtype) and each
+  block's sum of squares of the rounded blend (`slice_sums` adds a slice's blocks with one torch reduction:
+  no atomics, so a step is bit-reproducible, as the graph == eager and dp tests require): 14 B/element;
 - `normalize_`: divides each slice of the batch by `sqrt(sumsq) + eps` in place: 4 B/element (bf16);
 - `apply_`: `master = master * decay + alpha * ortho`: 10 B/element.
 
 Same formulas as the torch path, in fp32 registers, with torch's `lerp` branch (`w < 0.5: a + w (b - a)`, else
 `b - (b - a)(1 - w)`); the grad is multiplied by the clip coefficient first, as `sharded_base.clipped` does (not
 written back: nothing reads a Muon grad after the step). Not bitwise the torch path: the sum of squares is
-accumulated in another order and kept in fp32 where `vector_norm` of a bf16 batch rounds the norm to bf16
+accumulated in another (fixed) order and kept in fp32 where `vector_norm` of a bf16 batch rounds the norm to bf16
 (tested within a stated tolerance, tests/trainer/kernels/test_muon_triton.py).
 
 Imported lazily on CUDA only; importing it needs Triton.
@@ -44,8 +45,8 @@ def _lerp(a, b, w):
 
 
 @triton.jit
-def _blend_kernel(g_ptr, m_ptr, out_ptr, sumsq_ptr, slice0, coef, beta, NESTEROV: tl.constexpr,
-                  SLICE: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+def _blend_kernel(g_ptr, m_ptr, out_ptr, partial_ptr, block0, coef, beta, NESTEROV: tl.constexpr,
+                  BLOCK: tl.constexpr):  # fmt: skip
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     g = tl.load(g_ptr + offs).to(tl.float32) * coef
@@ -57,7 +58,7 @@ def _blend_kernel(g_ptr, m_ptr, out_ptr, sumsq_ptr, slice0, coef, beta, NESTEROV
     u = u.to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + offs, u)
     uf = u.to(tl.float32)
-    tl.atomic_add(sumsq_ptr + slice0 + (pid.to(tl.int64) * BLOCK) // SLICE, tl.sum(uf * uf, axis=0))
+    tl.store(partial_ptr + block0 + pid, tl.sum(uf * uf, axis=0))
 
 
 @triton.jit
@@ -76,18 +77,26 @@ def _apply_kernel(p_ptr, o_ptr, decay, alpha, BLOCK: tl.constexpr):
     tl.store(p_ptr + offs, p + alpha * tl.load(o_ptr + offs).to(tl.float32))
 
 
-def blend_(grad: torch.Tensor, momentum: torch.Tensor, out: torch.Tensor, sumsq: torch.Tensor, first_slice: int,
+def blend_(grad: torch.Tensor, momentum: torch.Tensor, out: torch.Tensor, partials: torch.Tensor, first_block: int,
            *, coef: float, beta: float, nesterov: bool) -> None:
     """`momentum.lerp_(grad * coef, 1 - beta)`; `out` = the Nesterov blend (or the momentum) in its dtype;
-    `sumsq[first_slice + s] +=` the sum of squares of slice s of `out`. All contiguous, of one element count
-    that is whole slices of `out`'s trailing `[m, n]` (`fits`)."""
+    `partials[first_block + b]` = the sum of squares of block b of `out` (BLOCK elements; `slice_sums` turns
+    them into per-slice sums). All contiguous, of one element count that is whole slices of `out`'s trailing
+    `[m, n]` (`fits`)."""
     n, slice_elems = out.numel(), out.shape[-2] * out.shape[-1]
     if not (grad.is_contiguous() and momentum.is_contiguous() and out.is_contiguous()):
         raise ValueError("Muon's fused blend needs contiguous grad, momentum and output")
     if grad.numel() != n or momentum.numel() != n or momentum.dtype != torch.float32 or not fits(slice_elems):
         raise ValueError(f"Muon's fused blend: {grad.numel()}/{momentum.numel()}/{n} elements, slices of {slice_elems}")
-    _blend_kernel[(n // BLOCK,)](grad, momentum, out, sumsq, first_slice, coef, beta, NESTEROV=nesterov,
-                                 SLICE=slice_elems, BLOCK=BLOCK, num_warps=8)  # fmt: skip
+    if partials.dtype != torch.float32 or first_block + n // BLOCK > partials.numel():
+        raise ValueError(f"Muon's fused blend: {partials.numel()} partial sums, blocks {first_block}+{n // BLOCK}")
+    _blend_kernel[(n // BLOCK,)](grad, momentum, out, partials, first_block, coef, beta, NESTEROV=nesterov,
+                                 BLOCK=BLOCK, num_warps=8)  # fmt: skip
+
+
+def slice_sums(partials: torch.Tensor, slice_elems: int) -> torch.Tensor:
+    """Per-slice sums of squares from `blend_`'s per-block partials (fp32; a fixed-order torch reduction)."""
+    return partials.view(-1, slice_elems // BLOCK).sum(dim=1)
 
 
 def normalize_(X: torch.Tensor, sumsq: torch.Tensor, eps: float) -> None:

@@ -135,16 +135,19 @@ def muon_step_(matrices: Sequence[MuonMatrix], *, lr: float, momentum: float, ne
         batch = (m, n) if len(run) == 1 and len(run[0].shape) == 2 else (sum(mat.slices for mat in run), m, n)
         X = torch.empty(batch, dtype=compute_dtype, device=run[0].master.device)
         fused = fused_elementwise(run, compute_dtype)
-        sumsq = torch.zeros(X.numel() // (m * n), dtype=torch.float32, device=X.device) if fused else None
+        partials = None  # per-block sums of squares of the blends (fused path)
+        if fused:
+            partials = torch.empty(X.numel() // _kernels().BLOCK, dtype=torch.float32, device=X.device)
         at = 0
         for mat in run:
             slot = X if X.dim() == 2 else X[at:at + mat.slices]
             if fused:
-                _kernels().blend_(mat.grad, mat.momentum, slot, sumsq, at, coef=grad_scale, beta=momentum,
-                                   nesterov=nesterov)  # fmt: skip
+                _kernels().blend_(mat.grad, mat.momentum, slot, partials, at * (m * n) // _kernels().BLOCK,
+                                  coef=grad_scale, beta=momentum, nesterov=nesterov)  # fmt: skip
             else:
                 _blend(mat, slot, grad_scale, momentum, nesterov)
             at += mat.slices
+        sumsq = None if partials is None else _kernels().slice_sums(partials, m * n)
         O = orthogonalize_(X, ns_steps, sumsq)
         at = 0
         for mat in run:
