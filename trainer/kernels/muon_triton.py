@@ -13,7 +13,7 @@ H100 against the iteration's 70 ms of GEMMs (profile in docs/benchmarks.md). Her
 - `apply_`: `master = master * decay + alpha * ortho`: 10 B/element.
 
 Same formulas as the torch path, in fp32 registers, with torch's `lerp` branch (`w < 0.5: a + w (b - a)`, else
-`b - (b - a)(1 - w)`); the grad is multiplied by the clip coefficient first, as `sharded_base.clipped` does (not
+`b - (b - a)(1 - w)`); the grad is multiplied by the clip coefficient first, as `grad_norm.clipped` does (not
 written back: nothing reads a Muon grad after the step). Not bitwise the torch path: the sum of squares is
 accumulated in another (fixed) order and kept in fp32 where `vector_norm` of a bf16 batch rounds the norm to bf16
 (tested within a stated tolerance, tests/trainer/kernels/test_muon_triton.py).

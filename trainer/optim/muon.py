@@ -101,7 +101,8 @@ def orthogonalize_(X: torch.Tensor, steps: int, sumsq: Optional[torch.Tensor] = 
 
     fp32: the reference iteration; any other dtype: the fused baddbmm chain (see the module docstring), on the
     matrices' own orientation. `sumsq`: each slice's sum of squares, already computed (fp32, one per slice of a
-    contiguous `X`, by `kernels/muon_triton.blend_`); the normalisation then runs as one fused kernel.
+    contiguous `X`, from `kernels/muon_triton.blend_` and `slice_sums`); the normalisation then runs as one fused
+    kernel.
     """
     if steps < 1:
         raise ValueError(f"Newton-Schulz needs at least one step, got {steps}")

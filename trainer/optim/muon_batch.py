@@ -125,7 +125,7 @@ def muon_step_(matrices: Sequence[MuonMatrix], *, lr: float, momentum: float, ne
                max_batch_elements: int = MAX_BATCH_ELEMENTS) -> None:
     """One Muon step in place on every matrix's master and momentum.
 
-    `grad_scale`: the clip coefficient the grads are multiplied by first (`sharded_base.clipped`: in place
+    `grad_scale`: the clip coefficient the grads are multiplied by first (`grad_norm.clipped`: in place
     on the torch path; the fused kernels scale on the fly and leave the grads as they were).
     """
     decay = 1 - lr * weight_decay

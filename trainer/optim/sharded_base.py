@@ -37,7 +37,7 @@ from trainer.distributed.bucket import Bucket
 from trainer.distributed.bucket_group import BucketGroup, GradSyncError
 from trainer.distributed.ddp import DistributedModel
 from trainer.distributed.param_sync import Action
-from trainer.optim.grad_norm import GradVerdict, clip_coefficient, clipped, global_grad_verdict, local_sq_sum
+from trainer.optim.grad_norm import GradVerdict, clip_coefficient, global_grad_verdict, local_sq_sum
 from trainer.optim.logical_state import gather_logical_state
 from trainer.optim.step_result import NonFiniteGradError, StepResult
 
