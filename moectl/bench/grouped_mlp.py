@@ -467,7 +467,8 @@ def _time_row(
         samples = interleaved_ms(calls, device, cfg.warmup, rounds, -(-cfg.iters // rounds))
         paths_only = {k: v for k, v in calls.items() if k != "dense"}
         queued, behind = queued_ms(paths_only, device, rounds, -(-cfg.iters // rounds))
-        sustained, states = sustained_ms(paths_only, device, cfg.sustained_rounds, cfg.sustained_seconds if steady else 0.0)
+        seconds = cfg.sustained_seconds if steady else 0.0
+        sustained, states = sustained_ms(paths_only, device, cfg.sustained_rounds, seconds)
     except OutOfMemory as e:
         return oom_message(e)
     return samples, queued, behind, sustained, states

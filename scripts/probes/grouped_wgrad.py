@@ -6,6 +6,8 @@ Run: python3 scripts/probes/grouped_wgrad.py
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from trainer.kernels.grouped_wgrad_triton import grouped_wgrad_accumulate_, grouped_wgrad_accumulate_tma_
@@ -50,25 +52,25 @@ def main() -> None:
         base.add_(torch._grouped_mm(a.t(), b, offs=offs32))
         for cfg in CONFIGS:
             c = torch.zeros(E, M, N, device=dev)
-            try:
-                grouped_wgrad_accumulate_(c, c_offs, a, b, offs, M, N, config=cfg)
-                err = float((c - base).abs().max() / base.abs().max())
-                ms = timed(lambda: grouped_wgrad_accumulate_(c, c_offs, a, b, offs, M, N, config=cfg))
-                print(f"{name}: triton {cfg}  {ms:7.3f} ms  {flops / ms / 1e9:6.0f} TFLOP/s  rel err vs bf16 path {err:.1e}")
-            except Exception as e:  # noqa: BLE001 - a probe reports what failed
-                print(f"{name}: triton {cfg}  failed: {type(e).__name__}: {str(e)[:100]}")
+            _report(f"{name}: triton {cfg}", c, base, flops,
+                    lambda: grouped_wgrad_accumulate_(c, c_offs, a, b, offs, M, N, config=cfg))  # noqa: B023
         rows = torch.arange(E, device=dev, dtype=torch.int64) * M
         for cfg in TMA_CONFIGS:
             c = torch.zeros(E, M, N, device=dev)
             c_RN = c.view(E * M, N)
-            try:
-                grouped_wgrad_accumulate_tma_(c_RN, rows, a, b, offs, M, N, config=cfg)
-                err = float((c - base).abs().max() / base.abs().max())
-                ms = timed(lambda: grouped_wgrad_accumulate_tma_(c_RN, rows, a, b, offs, M, N, config=cfg))
-                print(f"{name}: triton TMA {cfg}  {ms:7.3f} ms  {flops / ms / 1e9:6.0f} TFLOP/s  rel err vs bf16 path {err:.1e}")
-            except Exception as e:  # noqa: BLE001 - a probe reports what failed
-                print(f"{name}: triton TMA {cfg}  failed: {type(e).__name__}: {str(e)[:100]}")
+            _report(f"{name}: triton TMA {cfg}", c, base, flops,
+                    lambda: grouped_wgrad_accumulate_tma_(c_RN, rows, a, b, offs, M, N, config=cfg))  # noqa: B023
 
+
+def _report(label: str, c: torch.Tensor, base: torch.Tensor, flops: int, run: Callable[[], object]) -> None:
+    """Run once into `c` (checked against `base`), then time it; or say what failed."""
+    try:
+        run()
+        err = float((c - base).abs().max() / base.abs().max())
+        ms = timed(run)
+        print(f"{label}  {ms:7.3f} ms  {flops / ms / 1e9:6.0f} TFLOP/s  rel err vs bf16 path {err:.1e}")
+    except Exception as e:  # noqa: BLE001 - a probe reports what failed
+        print(f"{label}  failed: {type(e).__name__}: {str(e)[:100]}")
 
 if __name__ == "__main__":
     main()

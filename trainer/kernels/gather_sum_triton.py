@@ -35,7 +35,9 @@ def _gather_sum_kernel(src_ptr, idx_ptr, out_ptr, T, D, rows, stride_src, stride
 def gather_sum(src_XD: torch.Tensor, index_N: torch.Tensor, topk: int) -> torch.Tensor:
     """`[N / K, D]`: row t the fp32 sum of `src_XD[index_N[t*K + k]]` over k (index X: a zero row), rounded once."""
     if src_XD.dim() != 2 or src_XD.stride(1) != 1 or index_N.dim() != 1 or index_N.numel() % topk:
-        raise ValueError(f"gather_sum: src {tuple(src_XD.shape)} (row-major 2-D), index {tuple(index_N.shape)}, K={topk}")
+        raise ValueError(
+            f"gather_sum: src {tuple(src_XD.shape)} (row-major 2-D), index {tuple(index_N.shape)}, K={topk}"
+        )
     T, D = index_N.numel() // topk, src_XD.shape[1]
     out = torch.empty(T, D, dtype=src_XD.dtype, device=src_XD.device)
     if T == 0 or D == 0:

@@ -62,7 +62,8 @@ def _use_torchs_cudnn() -> None:
         import nvidia.cudnn as cudnn_pkg  # the nvidia-cudnn-cu* wheel torch depends on
     except ImportError:
         return
-    libs = [p for root in getattr(cudnn_pkg, "__path__", []) for p in glob.glob(os.path.join(root, "lib", "libcudnn*.so*"))]
+    roots = getattr(cudnn_pkg, "__path__", [])
+    libs = [p for root in roots for p in glob.glob(os.path.join(root, "lib", "libcudnn*.so*"))]
     pending = sorted(libs, key=lambda p: (os.path.basename(p).startswith("libcudnn.so"), p))  # the shim last
     while pending:  # a library whose dependencies are not loaded yet fails; retry it after the others
         failed = []
