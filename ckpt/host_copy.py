@@ -22,11 +22,22 @@ from ckpt.staging import Files, HostStaging, _on_device, host_memory_available, 
 HEADROOM = 2 << 30  # memory left to the rest of the process and the page cache (as for background saves)
 
 
+def memory_shortfall(nbytes: int) -> str:
+    """Why `nbytes` more host memory per rank on this node cannot be held on top of what is in use ('' when it
+    can, or when the available memory is unknown). The one rule of synchronous and background saves."""
+    free = host_memory_available() if nbytes else None
+    if free is None:
+        return ""
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    if nbytes * ranks_here + HEADROOM <= free:
+        return ""
+    return (f"the host copy needs {nbytes / 2**30:.1f} GiB x {ranks_here} rank(s) on this node and "
+            f"{free / 2**30:.1f} GiB is available")
+
+
 def fits_in_memory(nbytes: int) -> bool:
     """Whether `nbytes` per rank on this node can be held on top of what is in use (True where unknown)."""
-    free = host_memory_available()
-    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-    return free is None or nbytes * ranks_here + HEADROOM <= free
+    return not memory_shortfall(nbytes)
 
 
 @contextmanager

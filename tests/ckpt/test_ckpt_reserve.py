@@ -80,9 +80,9 @@ def test_a_saving_run_reports_its_reservation_once_and_a_run_without_saves_reser
 
 
 def test_no_reservation_where_host_memory_is_short_and_the_line_says_why(tmp_path: Path, monkeypatch: Any) -> None:
-    import trainer.checkpointing.saver as saver_mod
+    from ckpt import host_copy
 
-    monkeypatch.setattr(saver_mod, "host_memory_available", lambda: 1 << 20)
+    monkeypatch.setattr(host_copy, "host_memory_available", lambda: 1 << 20)
     t = _trainer(tmp_path)
     saver = RunCheckpointer(t.cfg, t.engine, t.rt.pstate, tmp_path / "ck")
     reserved = saver.reserve(0)

@@ -15,12 +15,12 @@ every rank the same verdict).
 
 "Where it works": one process, or several with gloo available (every torch build on Linux has it), and
 enough free host memory for this rank's share on top of what is in use (`MemAvailable`, times the
-ranks on the node, plus `HEADROOM`). Otherwise that save is synchronous and its line says why.
+ranks on the node, plus `ckpt.host_copy.HEADROOM`: `memory_shortfall`). Otherwise that save is synchronous
+and its line says why.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -31,10 +31,9 @@ import torch.distributed as dist
 
 from ckpt import find_latest, names
 from ckpt.async_save import AsyncCheckpointer, SaveOutcome
-from ckpt.host_copy import HEADROOM, on_host  # memory left free after staging
+from ckpt.host_copy import memory_shortfall, on_host
 from ckpt.inspect import format_bytes
 from ckpt.save import CheckpointSaveError, save_checkpoint
-from ckpt.staging import host_memory_available
 from moectl.core.config.schema import Config
 from moectl.core.errors import CheckpointError
 from trainer.checkpointing.reservation import Reservation
@@ -107,7 +106,7 @@ class RunCheckpointer:
         t0 = time.perf_counter()
         files, _ = checkpoint_parts(step, self.cfg, self.engine, self.pstate, 0.0, self.carried)
         writer = self._background_writer()
-        why = self._memory_shortfall(writer, files)
+        why = memory_shortfall(writer.staging.new_bytes(files))
         if not why:
             writer.staging.reserve_for(files)
         del files  # the gathered state: only its shapes were needed
@@ -128,7 +127,7 @@ class RunCheckpointer:
         why = self.why_not
         if not why:
             writer = self._background_writer()
-            why = self._memory_shortfall(writer, files)
+            why = memory_shortfall(writer.staging.new_bytes(files))
             if not why:
                 writer.start(self.root, step, files, meta, keep_last=keep_last, blocking_since=t0)
                 self._waited[step] = waited
@@ -159,20 +158,6 @@ class RunCheckpointer:
 
     def _training_group(self) -> Any:
         return self.pstate.dp.pg if self.pstate is not None and self.world > 1 else None
-
-    def _memory_shortfall(self, writer: AsyncCheckpointer, files: dict) -> str:
-        """Why this save cannot be copied to host memory ('' when it can)."""
-        need = writer.staging.new_bytes(files)
-        if not need:
-            return ""
-        free = host_memory_available()
-        if free is None:
-            return ""
-        ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        if need * ranks_here + HEADROOM <= free:
-            return ""
-        return (f"the host copy needs {need / 2**30:.1f} GiB x {ranks_here} rank(s) on this node and "
-                f"{free / 2**30:.1f} GiB is available")
 
     # --- outcomes -------------------------------------------------------------------------------------
     def failed(self) -> bool:
