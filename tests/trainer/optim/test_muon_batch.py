@@ -44,30 +44,44 @@ def conditioned(m: int, n: int, decades: float, gen: torch.Generator) -> tuple[t
     return U @ torch.diag(S) @ V.T, U, V, S
 
 
+RANDOM_SHAPES = [(128, 256), (256, 128), (4, 128, 128), (3, 64, 192)]
+
+
+def _track_random(device: str, dtype: torch.dtype, tol: float, gen: torch.Generator) -> None:
+    """Newton-Schulz in `dtype` within `tol` (relative Frobenius, per slice) of fp32 on random matrices."""
+    for shape in RANDOM_SHAPES:
+        G = torch.randn(shape, generator=gen).to(device)
+        o32, o16 = newton_schulz(G, 5), newton_schulz(G, 5, dtype)
+        assert o16.dtype == dtype and o16.shape == G.shape
+        err = (o16.float() - o32).norm(dim=(-2, -1)) / o32.norm(dim=(-2, -1))
+        assert float(err.max()) <= tol, (shape, err)
+
+
+def _track_conditioned(device: str, dtype: torch.dtype, tol: float, gen: torch.Generator, decades: float,
+                       sizes: list[tuple[int, int]]) -> None:
+    """In `dtype` against fp32 on ill-conditioned matrices: within `tol` on the directions bf16 resolves, every
+    entry in G's singular bases within `NOISE_ENTRY_TOL` (see the module docstring)."""
+    for m, n in sizes:
+        G, U, V, S = conditioned(m, n, decades, gen)
+        o32 = newton_schulz(G.to(device), 5).cpu()
+        o16 = newton_schulz(G.to(device), 5, dtype).float().cpu()
+        diff, core = U.T @ (o16 - o32) @ V, U.T @ o32 @ V
+        r = int((S >= RESOLVED * S[0]).sum())
+        resolved = float(diff[:r, :r].norm() / core[:r, :r].norm())
+        assert resolved <= tol, (m, n, r, resolved)
+        assert float(diff.abs().max()) <= NOISE_ENTRY_TOL, (m, n, float(diff.abs().max()))
+
+
 @pytest.mark.parametrize("device", ["cpu", *CUDA])
 def test_bf16_tracks_fp32_on_random_matrices(device: str) -> None:
-    gen = torch.Generator().manual_seed(0)
-    for shape in [(128, 256), (256, 128), (4, 128, 128), (3, 64, 192)]:
-        G = torch.randn(shape, generator=gen).to(device)
-        o32, o16 = newton_schulz(G, 5), newton_schulz(G, 5, torch.bfloat16)
-        assert o16.dtype == torch.bfloat16 and o16.shape == G.shape
-        err = (o16.float() - o32).norm(dim=(-2, -1)) / o32.norm(dim=(-2, -1))
-        assert float(err.max()) <= RANDOM_TOL, (shape, err)
+    _track_random(device, torch.bfloat16, RANDOM_TOL, torch.Generator().manual_seed(0))
 
 
 @pytest.mark.parametrize("device", ["cpu", *CUDA])
 @pytest.mark.parametrize("decades", [3, 6])
 def test_bf16_tracks_fp32_on_ill_conditioned_matrices(device: str, decades: int) -> None:
     gen = torch.Generator().manual_seed(1)
-    for m, n in [(128, 256), (256, 128), (128, 128)]:
-        G, U, V, S = conditioned(m, n, decades, gen)
-        o32 = newton_schulz(G.to(device), 5).cpu()
-        o16 = newton_schulz(G.to(device), 5, torch.bfloat16).float().cpu()
-        diff, core = U.T @ (o16 - o32) @ V, U.T @ o32 @ V
-        r = int((S >= RESOLVED * S[0]).sum())
-        resolved = float(diff[:r, :r].norm() / core[:r, :r].norm())
-        assert resolved <= RANDOM_TOL, (m, n, r, resolved)
-        assert float(diff.abs().max()) <= NOISE_ENTRY_TOL, (m, n, float(diff.abs().max()))
+    _track_conditioned(device, torch.bfloat16, RANDOM_TOL, gen, decades, [(128, 256), (256, 128), (128, 128)])
 
 
 FP16_TOL = 0.008  # fp16's folded chain: 2^-11 roundings, ~4x under bf16's (measured <= 0.0045, CPU)
@@ -77,20 +91,8 @@ FP16_TOL = 0.008  # fp16's folded chain: 2^-11 roundings, ~4x under bf16's (meas
 def test_fp16_tracks_fp32_closer_than_bf16(device: str) -> None:
     """The fp16 chain (a folded into B's diagonal, no copy of X) on random and ill-conditioned matrices."""
     gen = torch.Generator().manual_seed(8)
-    for shape in [(128, 256), (256, 128), (4, 128, 128), (3, 64, 192)]:
-        G = torch.randn(shape, generator=gen).to(device)
-        o32, o16 = newton_schulz(G, 5), newton_schulz(G, 5, torch.float16)
-        assert o16.dtype == torch.float16 and o16.shape == G.shape
-        err = (o16.float() - o32).norm(dim=(-2, -1)) / o32.norm(dim=(-2, -1))
-        assert float(err.max()) <= FP16_TOL, (shape, err)
-    for m, n in [(128, 256), (256, 128)]:
-        G, U, V, S = conditioned(m, n, 6, gen)
-        o32 = newton_schulz(G.to(device), 5).cpu()
-        o16 = newton_schulz(G.to(device), 5, torch.float16).float().cpu()
-        diff, core = U.T @ (o16 - o32) @ V, U.T @ o32 @ V
-        r = int((S >= RESOLVED * S[0]).sum())
-        assert float(diff[:r, :r].norm() / core[:r, :r].norm()) <= FP16_TOL
-        assert float(diff.abs().max()) <= NOISE_ENTRY_TOL
+    _track_random(device, torch.float16, FP16_TOL, gen)
+    _track_conditioned(device, torch.float16, FP16_TOL, gen, 6, [(128, 256), (256, 128)])
 
 
 def _matrices(gen: torch.Generator, shapes: list[tuple[int, ...]]) -> list[MuonMatrix]:
