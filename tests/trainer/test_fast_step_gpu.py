@@ -38,6 +38,11 @@ PLAIN = ["train.cuda_graph=false", "moe.backend=grouped", "parallel.gradient_acc
 
 
 def _losses(overrides: list[str], run_dir: Path) -> tuple[list[float], bool]:
+    # A fresh Dynamo cache, as a `moectl train` process starts with. The compiled regions' code objects are
+    # shared by every model of the process: after other GPU tests compiled them at other shapes, Dynamo
+    # recompiled `lm_loss` with dynamic shapes here, and a guard of that entry failed at the capture, so
+    # inductor compiled inside the capture and copied a CPU tensor there (seen on an H100, tenth session).
+    torch._dynamo.reset()
     cfg = load_config("configs/tiny.yaml", [*BASE, *overrides, f"run_dir={run_dir}"])
     trainer = Trainer(cfg, SilentObserver())
     losses = [float(trainer.train_step(step)["loss"]) for step in range(STEPS)]

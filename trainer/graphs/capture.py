@@ -117,7 +117,11 @@ class MicroBatchGraph:
         torch.cuda.empty_cache()
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph):
+            # A compiled region whose guards fail here would compile inside the capture, and inductor's
+            # compile copies host tensors to the device, which a capture refuses. Such a region runs its
+            # eager code into the graph instead (seen on an H100 when an earlier model of the same process
+            # had left Dynamo entries with dynamic shapes whose guard failed at the capture).
+            with torch.compiler.set_stance("eager_on_recompile"), torch.cuda.graph(graph):
                 parts = self.loss_fn(self.tokens, self.targets)
                 (parts.total / self.n_micro).backward()
         except RuntimeError as e:
