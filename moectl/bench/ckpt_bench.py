@@ -57,6 +57,7 @@ class CkptBenchConfig:
     folder: Optional[Path] = None  # default: <the config's run_dir>/bench_ckpt
     quick: bool = False
     keep: bool = False  # leave the synchronous save on disk afterwards
+    saves_only: bool = False  # skip the tools and their raw reads (a scale table's cheap rows)
 
 
 class CkptBenchResult(RowsResult):
@@ -321,6 +322,11 @@ def run(bench: CkptBenchConfig, cfg: Config, meta: dict[str, Any], log: Log = la
         cold_start()
         return out
 
+    if bench.saves_only:
+        result.notes.append("--saves-only: the tools (inspect, convert, validate) and the raw reads were skipped")
+        if not bench.keep:
+            _on_rank0(lambda: shutil.rmtree(folder))
+        return result
     t = _on_rank0(tools)
     log("ckpt validate (every rank)")
     _barrier()

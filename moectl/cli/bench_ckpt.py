@@ -75,6 +75,10 @@ def ckpt(
     quick: Annotated[
         bool, typer.Option("--quick", help="The config's structure shrunk to a tiny CPU model: a CI smoke test.")
     ] = False,
+    saves_only: Annotated[
+        bool, typer.Option("--saves-only", help="Measure the saves and the plain writer only (no inspect, convert, "
+                           "validate or raw reads): the cheap rows of a table across sizes and rank counts.")
+    ] = False,
 ) -> None:
     from moectl.cli.launch import launch_local, reexec_args, under_torchrun
 
@@ -91,12 +95,14 @@ def ckpt(
     world = int(os.environ.get("WORLD_SIZE", "1")) if under_torchrun() else 1
     rank0 = int(os.environ.get("RANK", "0")) == 0
     console = make_console(quiet=not rank0)
-    bench = cb.CkptBenchConfig(config=config, sets=list(set_ or []), folder=folder, quick=quick, keep=keep)
+    bench = cb.CkptBenchConfig(config=config, sets=list(set_ or []), folder=folder, quick=quick, keep=keep,
+                                saves_only=saves_only)
     cfg = cb.bench_config(bench, world)
     refuse_on_rule_errors(cfg, world, console)
     device = pick_device(cfg.train.device, int(os.environ.get("LOCAL_RANK", "0")))
     meta: dict[str, Any] = {
-        "config": str(config), "sets": bench.sets, "quick": quick, "folder": str(Path(cfg.run_dir).parent),
+        "config": str(config), "sets": bench.sets, "quick": quick, "saves_only": saves_only,
+        "folder": str(Path(cfg.run_dir).parent),
         "world_size": world, "device": device.type, "torch": torch.__version__,
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "host": cb.host_meta(Path(cfg.run_dir).parent),

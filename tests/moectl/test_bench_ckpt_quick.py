@@ -62,6 +62,19 @@ def test_quick_run_through_the_cli(tmp_path: Path) -> None:
     assert not (tmp_path / "b").exists()  # removed unless --keep
 
 
+def test_saves_only_measures_the_saves_and_skips_the_tools(tmp_path: Path) -> None:
+    out = tmp_path / "ckpt.json"
+    res = CliRunner().invoke(app, ["bench", "ckpt", str(TINY), "--quick", "--saves-only", "--set",
+                                   "data.source=synthetic", "--dir", str(tmp_path / "b"), "--json", str(out)])  # fmt: skip
+    assert res.exit_code == 0, res.output
+    data = json.loads(out.read_text())
+    measures = {r["measure"] for r in data["rows"]}
+    assert {"plain sequential write (floor)", "save, synchronous", "save, background (second save): total"} <= measures
+    assert not any(m.startswith(("ckpt ", "raw ")) for m in measures), measures
+    assert data["meta"]["saves_only"] is True and any("--saves-only" in n for n in data["notes"])
+    assert not (tmp_path / "b").exists()
+
+
 def _two_ranks(rank: int, world_size: int, folder: str) -> Any:
     from moectl.bench import ckpt_bench as cb
 
