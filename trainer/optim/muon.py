@@ -29,8 +29,11 @@ each step into three batched GEMMs, `A = X X^T`, `B = baddbmm(A, A, A, beta=b, a
 one rounding to bf16, where the unfused form rounds `A`, `c A`, `(c A) A`, `b A` and their sum separately
 (half the error against the fp32 iteration, measured, and no elementwise kernels between the GEMMs).
 A tall slice iterates from the right (`A = X^T X`, `X = a X + X B`), so every tensor stays contiguous.
+On CUDA, where the slices tile, the same chain runs on Triton GEMMs instead (`kernels/ns_gemm_triton.py`:
+the symmetric products computed once, the scaled input read in the epilogue, so nothing is copied; bf16
+and fp16 alike, no fold); the cuBLAS chain below is the fallback and `MOECTL_TRITON_NS=0` selects it.
 
-`float16` (an option, not the default): the same chain with `a` folded into B's diagonal, `X = (a I + B) X`,
+`float16` (an option, not the default): on cuBLAS, the same chain with `a` folded into B's diagonal, `X = (a I + B) X`,
 one `bmm` without the input copy `baddbmm` makes of X (cuBLAS accumulates into its output, so torch first
 copies the added tensor there: 16 ms of a reference-model step on an H100). In bf16 that fold doubles the
 error (the diagonal `a + B_ii`, up to 3.4, rounds at 2^-7 absolute), so bf16 keeps the copy. fp16 keeps 11
@@ -58,6 +61,7 @@ equal (tested), which is what makes the two expert layouts train alike.
 from __future__ import annotations
 
 import math
+import os
 from typing import Optional
 
 import torch
@@ -65,6 +69,7 @@ import torch
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_EPS = 1e-7
 MOONLIGHT_RMS = 0.2
+TRITON_NS_ENV = "MOECTL_TRITON_NS"
 
 
 COMPUTE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -140,6 +145,10 @@ def _iterate_fused(X: torch.Tensor, steps: int, tall: bool) -> torch.Tensor:
     a, b, c = NS_COEFFICIENTS
     shape = X.shape
     X = X.reshape(-1, *shape[-2:])  # baddbmm takes one batch dim (a view for the [E, m, n] params Muon has)
+    if _use_triton(X):
+        from trainer.kernels import ns_gemm_triton
+
+        return ns_gemm_triton.iterate(X, steps, NS_COEFFICIENTS, tall).reshape(shape)
     fold = X.dtype == torch.float16  # a I + B in fp16 (see the module docstring)
     for _ in range(steps):
         A = torch.bmm(X.mT, X) if tall else torch.bmm(X, X.mT)
@@ -150,6 +159,16 @@ def _iterate_fused(X: torch.Tensor, steps: int, tall: bool) -> torch.Tensor:
         else:
             X = torch.baddbmm(X, X, B, beta=a) if tall else torch.baddbmm(X, B, X, beta=a)
     return X.reshape(shape)
+
+
+def _use_triton(X: torch.Tensor) -> bool:
+    """Whether the Triton Newton-Schulz GEMMs (`kernels/ns_gemm_triton.py`) run this `[B, m, n]` batch: on
+    CUDA, where its slices tile exactly, unless `MOECTL_TRITON_NS=0` keeps cuBLAS."""
+    if not X.is_cuda or os.environ.get(TRITON_NS_ENV, "1") == "0":
+        return False
+    from trainer.kernels import ns_gemm_triton
+
+    return ns_gemm_triton.fits(min(X.shape[-2:]), max(X.shape[-2:]))
 
 
 def glu_split_shape(shape: torch.Size | tuple[int, ...]) -> torch.Size:

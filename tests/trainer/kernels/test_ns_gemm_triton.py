@@ -1,0 +1,91 @@
+"""Muon's Triton Newton-Schulz GEMMs (trainer/kernels/ns_gemm_triton.py) against torch's products.
+
+GPU tests (marked `gpu`). Each kernel against the fp32 product of the same bf16 inputs: one rounding of the
+fp32 result to bf16 (2^-9 relative) plus fp32 accumulation in another order, so within 2^-8 of the result's
+scale; the Gram outputs exactly symmetric (the mirror tile stores the same rounded values). The whole
+iteration within the bf16 tolerance of the fp32 iteration (0.025, tests/trainer/optim/test_muon_batch.py) at
+the reference model's slice shapes, tall ones on the transposed views, and bit-reproducible run to run. A
+wrong tile mapping, a missing mirror store or a transposed operand errs by O(1).
+
+CPU test: never selected off CUDA.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trainer.optim import muon
+
+gpu = pytest.mark.gpu
+RANDOM_TOL = 0.025
+ROUNDING = 2.0**-8
+
+
+def test_not_selected_off_cuda() -> None:
+    assert not muon._use_triton(torch.zeros(2, 128, 256, dtype=torch.bfloat16))
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    err = float((got.float() - want).abs().max() / want.abs().max())
+    assert err <= ROUNDING, err
+
+
+@gpu
+@pytest.mark.parametrize("strided", [False, True])
+def test_gram_is_the_symmetric_product(strided: bool) -> None:
+    from trainer.kernels import ns_gemm_triton as K
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(3, 384, 256, device="cuda", generator=gen, dtype=torch.bfloat16)
+    y = x.mT if strided else x.mT.contiguous()  # [3, 256, 384]: a tall slice's transposed view, or contiguous
+    out = torch.empty(3, y.shape[1], y.shape[1], device="cuda", dtype=torch.bfloat16)
+    K.gram_(y, out)
+    _close(out, y.float() @ y.float().mT)
+    assert torch.equal(out, out.mT)
+    c = out / out.abs().max()
+    out2 = torch.empty_like(out)
+    K.gram_(c, out2, alpha=2.0315, beta=-4.775, c=c)
+    _close(out2, -4.775 * c.float() + 2.0315 * c.float() @ c.float())
+    assert torch.equal(out2, out2.mT)
+
+
+@gpu
+def test_axpby_is_the_product_plus_the_scaled_input_on_strided_views() -> None:
+    from trainer.kernels import ns_gemm_triton as K
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    l = torch.randn(2, 256, 256, device="cuda", generator=gen).to(torch.bfloat16)
+    l = (l + l.mT) / 2
+    wide = torch.randn(2, 256, 512, device="cuda", generator=gen).to(torch.bfloat16)
+    tall_t = torch.randn(2, 512, 256, device="cuda", generator=gen).to(torch.bfloat16).mT  # strided [2, 256, 512]
+    for r, out in ((wide, torch.empty_like(wide)), (tall_t, torch.empty_like(tall_t.mT).mT)):
+        K.axpby_(l, r, out, 3.4445)
+        _close(out, l.float() @ r.float() + 3.4445 * r.float())
+
+
+@gpu
+@pytest.mark.parametrize("shape", [(4, 1024, 2048), (4, 2048, 1024), (2, 3072, 2048)])
+def test_the_iteration_tracks_fp32_and_is_reproducible(shape: tuple[int, int, int]) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    G = torch.randn(shape, device="cuda", generator=gen)
+    X = G.to(torch.bfloat16)
+    assert muon._use_triton(X)
+    o32 = muon.newton_schulz(G, 5)
+    o16 = muon.newton_schulz(X, 5, torch.bfloat16)
+    again = muon.newton_schulz(X, 5, torch.bfloat16)
+    assert o16.shape == G.shape and o16.is_contiguous()
+    err = (o16.float() - o32).norm(dim=(-2, -1)) / o32.norm(dim=(-2, -1))
+    assert float(err.max()) <= RANDOM_TOL, err
+    assert torch.equal(o16, again)
+
+
+@gpu
+def test_the_switch_keeps_cublas(monkeypatch: pytest.MonkeyPatch) -> None:
+    X = torch.randn(2, 256, 512, device="cuda").to(torch.bfloat16)
+    tri = muon.newton_schulz(X, 5, torch.bfloat16)
+    monkeypatch.setenv(muon.TRITON_NS_ENV, "0")
+    assert not muon._use_triton(X)
+    cub = muon.newton_schulz(X, 5, torch.bfloat16)
+    assert not torch.equal(tri, cub)  # another kernel, other roundings, the same result within bf16
+    assert float((tri.float() - cub.float()).norm() / cub.float().norm()) <= RANDOM_TOL
