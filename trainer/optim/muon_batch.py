@@ -35,6 +35,7 @@ nothing once one GEMM fills the device.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Sequence
 
@@ -47,6 +48,7 @@ from trainer.optim.muon import glu_halves, glu_split_shape, muon_lr_scale, ortho
 
 #: elements per Newton-Schulz batch (2^28: 512 MiB per batch-sized tensor in bf16)
 MAX_BATCH_ELEMENTS = 1 << 28
+OVERLAP_ENV = "MOECTL_MUON_OVERLAP"
 
 
 @dataclass(frozen=True)
@@ -127,14 +129,86 @@ def muon_step_(matrices: Sequence[MuonMatrix], *, lr: float, momentum: float, ne
 
     `grad_scale`: the clip coefficient the grads are multiplied by first (`grad_norm.clipped`: in place
     on the torch path; the fused kernels scale on the fly and leave the grads as they were).
+
+    On CUDA the batches form a pipeline over two streams: while batch i's Newton-Schulz GEMMs run on the
+    current stream, a side stream applies batch i-1's update and blends batch i+1 (memory-bound work under
+    compute-bound GEMMs). Every kernel sees the same inputs as in sequence, so the bits are the same;
+    `MOECTL_MUON_OVERLAP=0` runs the batches in sequence.
     """
-    decay = 1 - lr * weight_decay
-    for run in batches(matrices, max_batch_elements):
+    step = _Step(lr, momentum, nesterov, ns_steps, weight_decay, compute_dtype, grad_scale)
+    runs = list(batches(matrices, max_batch_elements))
+    if not runs:
+        return
+    if not _overlaps(runs):
+        for run in runs:
+            X, sumsq, fused = step.prepare(run)
+            step.apply(run, orthogonalize_(X, ns_steps, sumsq), fused)
+        return
+    main = torch.cuda.current_stream()
+    side = _side_stream(main.device)
+    side.wait_stream(main)  # the grads, momenta and masters as the step found them
+
+    def prepare_on_side(run: list[MuonMatrix]) -> tuple[torch.Tensor, Optional[torch.Tensor], bool, torch.cuda.Event]:
+        with torch.cuda.stream(side):
+            X, sumsq, fused = step.prepare(run)
+            ready = side.record_event()
+        for t in (X, sumsq):  # made on the side stream, used on the main one: not reused before main is done
+            if t is not None:
+                t.record_stream(main)
+        return X, sumsq, fused, ready
+
+    nxt = prepare_on_side(runs[0])
+    for i, run in enumerate(runs):
+        X, sumsq, fused, ready = nxt
+        main.wait_event(ready)
+        O = orthogonalize_(X, ns_steps, sumsq)
+        done = main.record_event()
+        O.record_stream(side)
+        if i + 1 < len(runs):
+            nxt = prepare_on_side(runs[i + 1])  # queued on the side stream ahead of this batch's apply
+        with torch.cuda.stream(side):
+            side.wait_event(done)
+            step.apply(run, O, fused)
+        del X, sumsq, O
+    main.wait_stream(side)  # the masters are read next (bf16 publish, param gather)
+
+
+_SIDE: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """One side stream per device for Muon's elementwise work, made on first use."""
+    if device not in _SIDE:
+        _SIDE[device] = torch.cuda.Stream(device)
+    return _SIDE[device]
+
+
+def _overlaps(runs: list[list[MuonMatrix]]) -> bool:
+    """Whether the batches run as the two-stream pipeline: on CUDA, more than one batch, not switched off."""
+    return (len(runs) > 1 and runs[0][0].master.device.type == "cuda"
+            and os.environ.get(OVERLAP_ENV, "1") != "0")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _Step:
+    """The hyperparameters of one Muon step, and its per-batch work before and after Newton-Schulz."""
+
+    lr: float
+    momentum: float
+    nesterov: bool
+    ns_steps: int
+    weight_decay: float
+    compute_dtype: torch.dtype
+    grad_scale: float
+
+    def prepare(self, run: list[MuonMatrix]) -> tuple[torch.Tensor, Optional[torch.Tensor], bool]:
+        """Momentum EMA and Nesterov blend of every matrix of `run` into one new batch X; returns (X, each
+        slice's sum of squares where the fused kernels computed them, whether they ran)."""
         m, n = run[0].shape[-2:]
         # A lone 2-D matrix stays 2-D: exactly `muon_update_`'s GEMMs (see the module docstring).
         batch = (m, n) if len(run) == 1 and len(run[0].shape) == 2 else (sum(mat.slices for mat in run), m, n)
-        X = torch.empty(batch, dtype=compute_dtype, device=run[0].master.device)
-        fused = fused_elementwise(run, compute_dtype)
+        X = torch.empty(batch, dtype=self.compute_dtype, device=run[0].master.device)
+        fused = fused_elementwise(run, self.compute_dtype)
         partials = None  # per-block sums of squares of the blends (fused path)
         if fused:
             partials = torch.empty(X.numel() // _kernels().BLOCK, dtype=torch.float32, device=X.device)
@@ -143,17 +217,21 @@ def muon_step_(matrices: Sequence[MuonMatrix], *, lr: float, momentum: float, ne
             slot = X if X.dim() == 2 else X[at:at + mat.slices]
             if fused:
                 _kernels().blend_(mat.grad, mat.momentum, slot, partials, at * (m * n) // _kernels().BLOCK,
-                                  coef=grad_scale, beta=momentum, nesterov=nesterov)  # fmt: skip
+                                  coef=self.grad_scale, beta=self.momentum, nesterov=self.nesterov)  # fmt: skip
             else:
-                _blend(mat, slot, grad_scale, momentum, nesterov)
+                _blend(mat, slot, self.grad_scale, self.momentum, self.nesterov)
             at += mat.slices
         sumsq = None if partials is None else _kernels().slice_sums(partials, m * n)
-        O = orthogonalize_(X, ns_steps, sumsq)
+        return X, sumsq, fused
+
+    def apply(self, run: list[MuonMatrix], O: torch.Tensor, fused: bool) -> None:
+        """Weight decay and the scaled orthogonalised update `O` (the batch's result) of every matrix of `run`."""
+        decay = 1 - self.lr * self.weight_decay
         at = 0
         for mat in run:
             ortho = O if O.dim() == 2 else O[at:at + mat.slices]
             at += mat.slices
-            alpha = -lr * muon_lr_scale(mat.shape)
+            alpha = -self.lr * muon_lr_scale(mat.shape)
             if fused:
                 _kernels().apply_(mat.master, ortho, decay=decay, alpha=alpha)
                 continue
@@ -164,7 +242,7 @@ def muon_step_(matrices: Sequence[MuonMatrix], *, lr: float, momentum: float, ne
                 ortho = whole
             else:
                 ortho = ortho.reshape(mat.master.shape)  # a view, maybe transposed
-            if weight_decay != 0:
+            if self.weight_decay != 0:
                 mat.master.mul_(decay)
             mat.master.add_(ortho, alpha=alpha)
 

@@ -229,3 +229,26 @@ def test_tall_slices_iterate_from_the_right_as_the_transposed_wide_ones() -> Non
     wide = newton_schulz(G.mT.contiguous(), 5, torch.bfloat16).mT
     assert tall.is_contiguous()
     torch.testing.assert_close(tall.float(), wide.float(), rtol=0.02, atol=0.01)
+
+
+@pytest.mark.gpu
+def test_the_two_stream_pipeline_gives_the_sequential_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Batch i's Newton-Schulz beside batch i-1's update and batch i+1's blend on a side stream: every kernel
+    reads what it read in sequence (a missing wait would let a blend or an update read a half-written batch,
+    or the allocator hand a live batch to the other stream), so masters and momenta are bitwise equal."""
+    from trainer.optim import muon_batch
+
+    gen = torch.Generator().manual_seed(5)
+    shapes = [(4, 256, 512), (4, 256, 512), (2, 512, 256), (3, 256, 512), (256, 512), (2, 512, 256)]
+    mats = [MuonMatrix(*(torch.randn(s, generator=gen).cuda() for _ in range(3))) for s in shapes]
+    ref = _clone(mats)
+    kw = dict(lr=0.02, momentum=0.95, nesterov=True, ns_steps=5, weight_decay=0.1, compute_dtype=torch.bfloat16,
+              grad_scale=0.5, max_batch_elements=1 << 20)  # fmt: skip
+    assert muon_batch._overlaps(list(batches(mats, 1 << 20)))
+    for _ in range(3):
+        muon_step_(mats, **kw)  # type: ignore[arg-type]
+    monkeypatch.setenv(muon_batch.OVERLAP_ENV, "0")
+    for _ in range(3):
+        muon_step_(ref, **kw)  # type: ignore[arg-type]
+    for m, r in zip(mats, ref):
+        assert torch.equal(m.master, r.master) and torch.equal(m.momentum, r.momentum)
