@@ -177,7 +177,8 @@ def grouped_mlp(
         Optional[list[str]],
         typer.Option("--path", help="Only these paths: loop, eager, compile, grouped, fused, te, fp8_tensorwise, "
                      "fp8_tensorwise_pq, fp8_tensorwise_pq_fa, fp8_delayed_pq_fa, fp8_rowwise, sgmm_rowwise, "
-                     "torchao_rowwise, te_fp8_tensorwise (repeatable)."),
+                     "torchao_rowwise, te_fp8_tensorwise (repeatable). Default: eager, compile, grouped, fused, te, "
+                     "fp8_tensorwise, fp8_tensorwise_pq_fa, torchao_rowwise, te_fp8_tensorwise; --quick runs all."),
     ] = None,
     no_fp8: Annotated[bool, typer.Option("--no-fp8", help="Skip the fp8 columns.")] = False,
     profile: Annotated[
