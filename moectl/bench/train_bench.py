@@ -203,11 +203,15 @@ def run_column(cfg: Config, column: Column, bench: TrainBenchConfig, log: Log) -
 
 
 def add_ratios(rows: list[dict[str, Any]]) -> None:
-    """`ours_speedup` on every row: ours' tokens/s over this row's (> 1: ours is faster)."""
+    """On every row: `ours_speedup`, ours' tokens/s over this row's (> 1: ours is faster), and `vs_first`, this
+    row's tokens/s over the first column's (`--column adam --column muon`: Muon's fraction of Adam's speed)."""
     ours = next((r for r in rows if r["column"] == "ours" and r.get("tokens_per_s")), None)
+    first = rows[0] if rows and rows[0].get("tokens_per_s") else None
     for r in rows:
         ok = ours is not None and r.get("tokens_per_s")
         r["ours_speedup"] = ours["tokens_per_s"] / r["tokens_per_s"] if ok else None  # type: ignore[index]
+        ok = first is not None and r.get("tokens_per_s")
+        r["vs_first"] = r["tokens_per_s"] / first["tokens_per_s"] if ok else None  # type: ignore[index]
 
 
 def run(bench: TrainBenchConfig, configs: list[Config], meta: dict[str, Any], log: Log = lambda s: None) -> TrainBenchResult:

@@ -12,6 +12,8 @@
                        asked for by name only, since it needs a static expert input (MOE034)
     eager              ours with `train.cuda_graph=false`: the A/B partner of `ours` where `ours` captures
                        (train.cuda_graph null turns graphs on for bf16 dropless and drop-and-pad configs)
+    adam, muon         ours with `optimizer.optimizer` set: Muon's speed against AdamW's in one run (issue 22:
+                       `--column adam --column muon`: muon's speed-up is over adam), by name only
 The peer columns set `train.cuda_graph=false`: they are what a plain engine gives.
 
 A column is nothing but `--set` overrides applied after the user's, so every column runs the real trainer
@@ -50,6 +52,8 @@ COLUMNS: dict[str, Column] = {
         ),
         Column("cuda-graph", ("train.cuda_graph=true",), "ours, micro-batches replayed from a CUDA graph", False),
         Column("eager", ("train.cuda_graph=false",), "ours, every micro-batch launched eagerly", False),
+        Column("adam", ("optimizer.optimizer=adam",), "ours, AdamW for every param", False),
+        Column("muon", ("optimizer.optimizer=muon",), "ours, Muon for the matrices (AdamW for the rest)", False),
     )
 }
 

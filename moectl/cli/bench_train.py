@@ -57,6 +57,7 @@ def _rows(result: Any) -> list[tuple[str, list[str]]]:
         line("tokens/s per GPU", lambda r: f"{r['tokens_per_s_per_gpu']:,.0f}"),
         line("MFU", lambda r: _fmt(None if r["mfu"] is None else 100 * r["mfu"], ".1f", "%")),
         line("ours / this (tokens/s)", lambda r: _fmt(r.get("ours_speedup"), ".2f", "x")),
+        line("this / first column (tokens/s)", lambda r: _fmt(r.get("vs_first"), ".3f", "x")),
         line("step ms median (min-max)", lambda r: f"{r['step_ms']:.1f} ({r['step_ms_min']:.1f}-{r['step_ms_max']:.1f})"),
         line("peak memory", lambda r: _fmt(r["peak_mem_gib"], ".1f", " GiB")),
         line("warm-up s (compile)", lambda r: f"{r['warmup_s']:.1f}"),

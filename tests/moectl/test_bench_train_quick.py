@@ -108,3 +108,17 @@ def test_two_ranks_report_the_job_and_per_gpu_rates():
     assert rank0["model"]["tokens_per_step"] == 2 * 2 * 2 * 64  # 2 micro-batches of 2 sequences per rank
     assert rank0["tokens_per_s_per_gpu"] == pytest.approx(rank0["tokens_per_s"] / 2)
     assert rank0["losses"] == rank1["losses"]  # the loss is averaged over data-parallel ranks
+
+
+def test_the_optimizer_columns_set_the_optimizer_and_nothing_else():
+    bench = tb.TrainBenchConfig(config=TINY, sets=["optimizer.optimizer=sgd"])
+    for name in ("muon", "adam"):
+        cfg = tb.column_config(bench, COLUMNS[name])
+        ours = tb.column_config(bench, COLUMNS["ours"])
+        assert cfg.optimizer.optimizer == name and ours.optimizer.optimizer == "sgd"  # the column beats --set
+        assert (cfg.train, cfg.moe, cfg.model) == (ours.train, ours.moe, ours.model)
+    rows = [{"column": "adam", "tokens_per_s": 200.0}, {"column": "muon", "tokens_per_s": 157.0}]
+    tb.add_ratios(rows)
+    assert [r["vs_first"] for r in rows] == [1.0, 157.0 / 200.0] and rows[1]["ours_speedup"] is None
+    # table order: adam first, so muon's row says its fraction of adam's speed
+    assert [c.name for c in pick(["muon", "adam"])] == ["adam", "muon"] and "muon" not in [c.name for c in pick(None)]
