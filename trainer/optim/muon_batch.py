@@ -135,7 +135,7 @@ def muon_step_(matrices: Sequence[MuonMatrix], *, lr: float, momentum: float, ne
     compute-bound GEMMs). Every kernel sees the same inputs as in sequence, so the bits are the same;
     `MOECTL_MUON_OVERLAP=0` runs the batches in sequence.
     """
-    step = _Step(lr, momentum, nesterov, ns_steps, weight_decay, compute_dtype, grad_scale)
+    step = _Step(lr, momentum, nesterov, weight_decay, compute_dtype, grad_scale)
     runs = list(batches(matrices, max_batch_elements))
     if not runs:
         return
@@ -191,12 +191,11 @@ def _overlaps(runs: list[list[MuonMatrix]]) -> bool:
 
 @dataclass(frozen=True)
 class _Step:
-    """The hyperparameters of one Muon step, and its per-batch work before and after Newton-Schulz."""
+    """The elementwise hyperparameters of one Muon step, and its per-batch work before and after Newton-Schulz."""
 
     lr: float
     momentum: float
     nesterov: bool
-    ns_steps: int
     weight_decay: float
     compute_dtype: torch.dtype
     grad_scale: float
