@@ -45,6 +45,7 @@ from moectl.core.facts import GluRows
 from trainer.kernels import has_triton
 from trainer.optim.grad_norm import clipped
 from trainer.optim.muon import glu_halves, glu_split_shape, muon_lr_scale, orthogonalize_
+from trainer.streams import side_stream
 
 #: elements per Newton-Schulz batch (2^28: 512 MiB per batch-sized tensor in bf16)
 MAX_BATCH_ELEMENTS = 1 << 28
@@ -145,7 +146,7 @@ def muon_step_(matrices: Sequence[MuonMatrix], *, lr: float, momentum: float, ne
             step.apply(run, orthogonalize_(X, ns_steps, sumsq), fused)
         return
     main = torch.cuda.current_stream()
-    side = _side_stream(main.device)
+    side = side_stream(main.device, "muon")
     side.wait_stream(main)  # the grads, momenta and masters as the step found them
 
     def prepare_on_side(run: list[MuonMatrix]) -> tuple[torch.Tensor, Optional[torch.Tensor], bool, torch.cuda.Event]:
@@ -171,16 +172,6 @@ def muon_step_(matrices: Sequence[MuonMatrix], *, lr: float, momentum: float, ne
             step.apply(run, O, fused)
         del X, sumsq, O
     main.wait_stream(side)  # the masters are read next (bf16 publish, param gather)
-
-
-_SIDE: dict[torch.device, torch.cuda.Stream] = {}
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """One side stream per device for Muon's elementwise work, made on first use."""
-    if device not in _SIDE:
-        _SIDE[device] = torch.cuda.Stream(device)
-    return _SIDE[device]
 
 
 def _overlaps(runs: list[list[MuonMatrix]]) -> bool:

@@ -54,6 +54,7 @@ from trainer.moe.expert_precision import qlinear_forward, quantize_output_grad
 from trainer.precision.groups import TokenGroups
 from trainer.precision.quantize import triton_fast_path
 from trainer.precision.recipes import TensorwiseRecipe
+from trainer.streams import side_stream
 
 WgradTargets = tuple[list[torch.Tensor], list[torch.Tensor]]  # fc1's and fc2's per-expert fp32 grad targets
 Grads = tuple[
@@ -91,17 +92,6 @@ def _kernels(device: torch.device) -> Any:
 
         return glu_triton
     return _Reference
-
-
-_SIDE_STREAMS: dict[int, "torch.cuda.Stream"] = {}
-
-
-def _side_stream(device: torch.device) -> "torch.cuda.Stream":
-    """One extra stream per GPU for the weight-grad GEMMs (made once, reused: streams are not free)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SIDE_STREAMS:
-        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
-    return _SIDE_STREAMS[index]
 
 
 @contextlib.contextmanager
@@ -242,7 +232,7 @@ class FusedBackend:
         )
         # Weight grads come out contiguous in [E, out, in]: the transposed operand order (x^T dh)^T is up to
         # 5% faster for some shapes, but hands back a transposed grad that costs a full copy downstream.
-        side = _side_stream(x.device) if self.overlap_wgrad and x.is_cuda else None
+        side = side_stream(x.device, "wgrad") if self.overlap_wgrad and x.is_cuda else None
         dw1_EHD = dw2_EDF = None
         with _on_side(side):
             if wgrad_into is None:
@@ -391,7 +381,7 @@ def _backward_quantized(ctx: QuantizedFusedCtx, dy_TD: torch.Tensor, overlap_wgr
         w2 = torch.zeros(ctx.w_shapes[1], dtype=torch.float32, device=h.device)
         return torch.zeros_like(ctx.x_TD), w1, zeros(ctx.b1_EH), w2, zeros(ctx.b2_ED), zeros(probs)
     dy = dy_TD.to(h.dtype).contiguous()
-    side = _side_stream(h.device) if overlap_wgrad and h.is_cuda else None
+    side = side_stream(h.device, "wgrad") if overlap_wgrad and h.is_cuda else None
     kernels = _kernels(h.device)
     amax_dy, amax_dh = _amax_slots(kernels, fc2, dy, fc2.groups)
     g2 = quantize_output_grad(fc2, dy, _as_amax(amax_dy))
