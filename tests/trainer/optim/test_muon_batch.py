@@ -89,7 +89,8 @@ FP16_TOL = 0.008  # fp16's folded chain: 2^-11 roundings, ~4x under bf16's (meas
 
 @pytest.mark.parametrize("device", ["cpu", *CUDA])
 def test_fp16_tracks_fp32_closer_than_bf16(device: str) -> None:
-    """The fp16 chain (a folded into B's diagonal, no copy of X) on random and ill-conditioned matrices."""
+    """The fp16 chain on random and ill-conditioned matrices: on cuBLAS (the CPU) with a folded into B's diagonal,
+    on CUDA the Triton GEMMs where the slices tile (no fold: the scaled input is added in the epilogue)."""
     gen = torch.Generator().manual_seed(8)
     _track_random(device, torch.float16, FP16_TOL, gen)
     _track_conditioned(device, torch.float16, FP16_TOL, gen, 6, [(128, 256), (256, 128)])
