@@ -14,14 +14,25 @@ H100 (docs/benchmarks.md). Two facts cut the work:
 `B X` is an ordinary product (`axpby_`). Every kernel takes strides, so a tall slice, which iterates from the
 right (`X = a X + X B`), runs as the transposed views (`X^T = a X^T + B X^T`, B symmetric): nothing is copied.
 
-A program owns one output tile of one batch slice; the reduction runs over K in BLOCK_K steps in a fixed
+The first step can also take each slice's normalisation (`scale`, `1 / (|X| + eps)`) in its epilogues: with
+`X' = s X`, `A = s^2 X X^T` and the next X is `s (a X + B X)`, so Muon's pass that divides X by its norm is
+gone (`muon.orthogonalize_` with the blend's sums of squares), and `X / |X|` is never rounded to bf16.
+
+Two kernel families, the same sums in the same order (bitwise equal on an H100, measured): on Hopper and
+later the operands arrive by TMA (`_gram_kernel_tma`, `_axpby_kernel_tma`: a tall slice's transposed view is
+read as its own storage and transposed in shared memory); elsewhere, or for other layouts, pointer loads. A
+program owns one output tile of one batch slice; the reduction runs over K in BLOCK_K steps in a fixed
 order, so results are reproducible run to run (no autotuning either: a resumed run must pick the same
 kernel, or it would not be bitwise). The sizes are compile-time constants: a model has a handful. Shapes
-must tile exactly (`fits`); the caller keeps cuBLAS otherwise (`MOECTL_TRITON_NS=0` keeps it always).
+must tile exactly (`fits`); the caller keeps cuBLAS otherwise (`MOECTL_TRITON_NS=0` keeps it always,
+`MOECTL_NS_TMA=0` the pointer kernels).
 
-Measured on an H100, the reference model's four shape groups, 5 steps: 68.2 ms against cuBLAS's 89.5 ms
-(copies included); the kernels run at ~470-500 TFLOP/s of the FLOPs they do, cuBLAS's GEMMs at ~690, so the
-gain is the skipped tiles and copies, not a faster GEMM. Imported lazily on CUDA only; needs Triton.
+Measured on an H100, the reference model's four shape groups, 5 steps: cuBLAS 89.3 ms (copies included),
+pointer kernels 68.2-70.3 ms, TMA 65.2-65.9 ms. Of the gate/up group's products, per step: `X X^T` at 516
+TFLOP/s of the FLOPs done (931 counted as the full product, cuBLAS's full product 788), `b A + c A A` at 443
+(787), `a X + B X` at 601 (cuBLAS's bare `B X` 711, its baddbmm with the copy 418). A persistent variant
+(one program per SM walking the tiles, the next tile's loads issued under the epilogue) measured no faster
+(65.5 ms) and was dropped. Imported lazily on CUDA only; needs Triton.
 """
 
 from __future__ import annotations
@@ -38,6 +49,9 @@ BLOCK_MN = 128  # the Gram's square output tiles (the mirror of tile (i, j) is t
 # H100 at the reference model's shapes (docs/benchmarks.md, tenth session)
 GRAM_CONFIG = (4, 3, 64)
 AXPBY_CONFIG = (8, 3, 64, 256)
+# the same for the TMA kernels (Hopper and later), from a sweep of 14 configs (docs/benchmarks.md, eleventh session)
+GRAM_TMA_CONFIG = (4, 3, 64)
+AXPBY_TMA_CONFIG = (8, 4, 64, 256)
 
 
 def _config(name: str, default: tuple[int, ...]) -> tuple[int, ...]:
@@ -51,9 +65,13 @@ def _config(name: str, default: tuple[int, ...]) -> tuple[int, ...]:
 
 def fits(m: int, n: int) -> bool:
     """Whether a wide `[m, n]` slice (m <= n) tiles exactly into the kernels' blocks."""
-    gram_k = _config("GRAM", GRAM_CONFIG)[2]
-    _, _, axpby_k, axpby_n = _config("AXPBY", AXPBY_CONFIG)
-    return m % BLOCK_MN == 0 and m % gram_k == 0 and n % gram_k == 0 and m % axpby_k == 0 and n % axpby_n == 0
+    for gram, axpby in ((("GRAM", GRAM_CONFIG), ("AXPBY", AXPBY_CONFIG)),
+                        (("GRAM_TMA", GRAM_TMA_CONFIG), ("AXPBY_TMA", AXPBY_TMA_CONFIG))):  # fmt: skip
+        gram_k = _config(*gram)[2]
+        _, _, axpby_k, axpby_n = _config(*axpby)
+        if m % BLOCK_MN or m % gram_k or n % gram_k or m % axpby_k or n % axpby_n:
+            return False
+    return True
 
 
 @lru_cache(maxsize=None)
@@ -64,8 +82,9 @@ def _upper_tiles(tiles: int, device: torch.device) -> torch.Tensor:
 
 
 @triton.jit
-def _gram_kernel(y_ptr, c_ptr, out_ptr, pairs_ptr, K: tl.constexpr, sy_b, sy_m, sy_k, sc_b, sc_m, sc_n, so_b,
-                 so_m, so_n, alpha, beta, HAS_C: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+def _gram_kernel(y_ptr, c_ptr, out_ptr, s_ptr, pairs_ptr, K: tl.constexpr, sy_b, sy_m, sy_k, sc_b, sc_m, sc_n, so_b,
+                 so_m, so_n, alpha, beta, HAS_C: tl.constexpr, HAS_S: tl.constexpr, BLOCK: tl.constexpr,
+                 BLOCK_K: tl.constexpr):  # fmt: skip
     pid = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     ti = tl.load(pairs_ptr + 2 * pid)
@@ -82,6 +101,9 @@ def _gram_kernel(y_ptr, c_ptr, out_ptr, pairs_ptr, K: tl.constexpr, sy_b, sy_m, 
         a_ptrs += BLOCK_K * sy_k
         b_ptrs += BLOCK_K * sy_k
     acc = acc * alpha
+    if HAS_S:  # the slice's normalisation folded in: (s X)(s X)^T
+        sb = tl.load(s_ptr + b)
+        acc = acc * (sb * sb)
     if HAS_C:
         acc += beta * tl.load(c_ptr + b * sc_b + rm[:, None] * sc_m + rn[None, :] * sc_n).to(tl.float32)
     val = acc.to(out_ptr.dtype.element_ty)
@@ -92,8 +114,9 @@ def _gram_kernel(y_ptr, c_ptr, out_ptr, pairs_ptr, K: tl.constexpr, sy_b, sy_m, 
 
 
 @triton.jit
-def _axpby_kernel(l_ptr, r_ptr, out_ptr, N: tl.constexpr, K: tl.constexpr, sl_b, sl_m, sl_k, sr_b, sr_k, sr_n, so_b,
-                  so_m, so_n, alpha, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+def _axpby_kernel(l_ptr, r_ptr, out_ptr, s_ptr, N: tl.constexpr, K: tl.constexpr, sl_b, sl_m, sl_k, sr_b, sr_k, sr_n,
+                  so_b, so_m, so_n, alpha, HAS_S: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr):  # fmt: skip
     pid = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     tiles_n = N // BLOCK_N
@@ -109,45 +132,168 @@ def _axpby_kernel(l_ptr, r_ptr, out_ptr, N: tl.constexpr, K: tl.constexpr, sl_b,
         a_ptrs += BLOCK_K * sl_k
         b_ptrs += BLOCK_K * sr_k
     acc += alpha * tl.load(r + rm[:, None] * sr_k + rn[None, :] * sr_n).to(tl.float32)  # R's rows are L's cols
+    if HAS_S:  # s (L R + alpha R): R unnormalised, L from the scaled Grams
+        acc = acc * tl.load(s_ptr + b)
     tl.store(out_ptr + b * so_b + rm[:, None] * so_m + rn[None, :] * so_n, acc.to(out_ptr.dtype.element_ty))
 
 
-def gram_(y: torch.Tensor, out: torch.Tensor, alpha: float = 1.0, beta: float = 0.0,
-          c: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-    """`out = alpha * y @ y.mT + beta * c` for `[B, m, k]` `y` (any strides) into `[B, m, m]` `out`.
+try:  # Triton >= 3.3: host-side TMA descriptors
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older Triton: the pointer kernels only
+    TensorDescriptor = None
+
+
+@triton.jit
+def _gram_kernel_tma(y_desc, c_desc, out_desc, s_ptr, pairs_ptr, M: tl.constexpr, K: tl.constexpr, alpha, beta,
+                     HAS_C: tl.constexpr, HAS_S: tl.constexpr, TRANS_Y: tl.constexpr, BLOCK: tl.constexpr,
+                     BLOCK_K: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
+    # y's storage as rows: `[B*M, K]` (TRANS_Y false) or, for the transposed view of a tall slice, `[B*K, M]`;
+    # c and out `[B*M, M]`. The sums run in the pointer kernel's order (K ascending).
+    pid = tl.program_id(0)
+    b = tl.program_id(1)
+    i0 = tl.load(pairs_ptr + 2 * pid) * BLOCK
+    j0 = tl.load(pairs_ptr + 2 * pid + 1) * BLOCK
+    acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
+    if TRANS_Y:
+        for kk in tl.range(0, K // BLOCK_K, num_stages=STAGES):
+            r = b * K + kk * BLOCK_K
+            acc = tl.dot(y_desc.load([r, i0]).T, y_desc.load([r, j0]), acc)
+    else:
+        for kk in tl.range(0, K // BLOCK_K, num_stages=STAGES):
+            acc = tl.dot(y_desc.load([b * M + i0, kk * BLOCK_K]), y_desc.load([b * M + j0, kk * BLOCK_K]).T, acc)
+    acc = acc * alpha
+    if HAS_S:  # the slice's normalisation folded in: (s X)(s X)^T
+        sb = tl.load(s_ptr + b)
+        acc = acc * (sb * sb)
+    if HAS_C:
+        acc += beta * c_desc.load([b * M + i0, j0]).to(tl.float32)
+    val = acc.to(out_desc.dtype)
+    out_desc.store([b * M + i0, j0], val)
+    if i0 != j0:  # the mirror tile, the same rounded values
+        out_desc.store([b * M + j0, i0], val.T)
+
+
+@triton.jit
+def _axpby_kernel_tma(l_desc, r_desc, e_desc, out_desc, s_ptr, M: tl.constexpr, N: tl.constexpr, alpha,
+                      HAS_S: tl.constexpr, TRANS_R: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
+    # l `[B*M, M]`; r's and out's storage as rows: `[B*M, N]`, or `[B*N, M]` for a tall slice's transposed view
+    # (TRANS_R); e reads r's epilogue tile (another box shape), out is stored the way r is laid out.
+    pid = tl.program_id(0)
+    b = tl.program_id(1)
+    tiles_n = N // BLOCK_N
+    m0 = (pid // tiles_n) * BLOCK
+    n0 = (pid % tiles_n) * BLOCK_N
+    acc = tl.zeros((BLOCK, BLOCK_N), dtype=tl.float32)
+    if TRANS_R:
+        for kk in tl.range(0, M // BLOCK_K, num_stages=STAGES):
+            acc = tl.dot(l_desc.load([b * M + m0, kk * BLOCK_K]), r_desc.load([b * N + n0, kk * BLOCK_K]).T, acc)
+        acc += alpha * e_desc.load([b * N + n0, m0]).T.to(tl.float32)
+        if HAS_S:
+            acc = acc * tl.load(s_ptr + b)
+        out_desc.store([b * N + n0, m0], acc.to(out_desc.dtype).T)
+    else:
+        for kk in tl.range(0, M // BLOCK_K, num_stages=STAGES):
+            acc = tl.dot(l_desc.load([b * M + m0, kk * BLOCK_K]), r_desc.load([b * M + kk * BLOCK_K, n0]), acc)
+        acc += alpha * e_desc.load([b * M + m0, n0]).to(tl.float32)
+        if HAS_S:
+            acc = acc * tl.load(s_ptr + b)
+        out_desc.store([b * M + m0, n0], acc.to(out_desc.dtype))
+
+
+def _rows(t: torch.Tensor) -> tuple[torch.Tensor, bool] | None:
+    """A `[B, p, q]` operand's storage as a 2-D row-major matrix, and whether `t` is its transposed view:
+    `([B*p, q], False)` for a contiguous `t`, `([B*q, p], True)` for the `.mT` of a contiguous tensor."""
+    if t.is_contiguous():
+        return t.reshape(-1, t.shape[-1]), False
+    if t.mT.is_contiguous():
+        return t.mT.reshape(-1, t.shape[-2]), True
+    return None
+
+
+def _tma_ok(*ts: torch.Tensor) -> bool:
+    """Whether the TMA kernels take these operands: Hopper or later, each contiguous or a contiguous `.mT`."""
+    if TensorDescriptor is None or os.environ.get("MOECTL_NS_TMA", "1") == "0":
+        return False
+    t0 = ts[0]
+    if t0.device.type != "cuda" or torch.cuda.get_device_capability(t0.device)[0] < 9:
+        return False
+    return all(_rows(t) is not None and t.data_ptr() % 16 == 0 for t in ts)
+
+
+def gram_(y: torch.Tensor, out: torch.Tensor, alpha: float = 1.0, beta: float = 0.0, c: torch.Tensor | None = None,
+          scale: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """`out = alpha * s^2 * y @ y.mT + beta * c` for `[B, m, k]` `y` (any strides) into `[B, m, m]` `out`.
 
     The result is exactly symmetric. `c` must be symmetric (it is read on and above the diagonal only).
+    `scale`: an fp32 `[B]` factor `s` per slice (the normalisation of a slice not yet normalised); else 1.
     """
     batch, m, k = y.shape
+    cc = c if c is not None else out  # not read without HAS_C
+    ss = scale if scale is not None else _no_scale(y.device)  # not read without HAS_S
+    pairs = _upper_tiles(m // BLOCK_MN, y.device)
+    flags = dict(HAS_C=c is not None, HAS_S=scale is not None, BLOCK=BLOCK_MN)
+    if out.is_contiguous() and cc.is_contiguous() and _tma_ok(y, cc, out):
+        warps, stages, block_k = _config("GRAM_TMA", GRAM_TMA_CONFIG)
+        assert out.shape == (batch, m, m) and m % BLOCK_MN == 0 and k % block_k == 0, (tuple(y.shape), tuple(out.shape))
+        y_rows, trans = _rows(y)
+        descs = (TensorDescriptor.from_tensor(y_rows, [block_k, BLOCK_MN] if trans else [BLOCK_MN, block_k]),
+                 TensorDescriptor.from_tensor(cc.reshape(-1, m), [BLOCK_MN, BLOCK_MN]),
+                 TensorDescriptor.from_tensor(out.reshape(-1, m), [BLOCK_MN, BLOCK_MN]))  # fmt: skip
+        tuning = dict(TRANS_Y=trans, BLOCK_K=block_k, STAGES=stages, num_warps=warps, num_stages=stages)
+        _gram_kernel_tma[(pairs.shape[0], batch)](*descs, ss, pairs, m, k, alpha, beta, **flags, **tuning)
+        return out
     warps, stages, block_k = _config("GRAM", GRAM_CONFIG)
     assert out.shape == (batch, m, m) and m % BLOCK_MN == 0 and k % block_k == 0, (tuple(y.shape), tuple(out.shape))
-    pairs = _upper_tiles(m // BLOCK_MN, y.device)
-    cc = c if c is not None else out  # not read without HAS_C
     _gram_kernel[(pairs.shape[0], batch)](
-        y, cc, out, pairs, k, *y.stride(), *cc.stride(), *out.stride(), alpha, beta, HAS_C=c is not None,
-        BLOCK=BLOCK_MN, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
+        y, cc, out, ss, pairs, k, *y.stride(), *cc.stride(), *out.stride(), alpha, beta, **flags, BLOCK_K=block_k,
+        num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
 
 
-def axpby_(l: torch.Tensor, r: torch.Tensor, out: torch.Tensor, alpha: float) -> torch.Tensor:
-    """`out = l @ r + alpha * r` for `[B, m, m]` `l` and `[B, m, n]` `r` (any strides; `out` must not alias `r`)."""
+def axpby_(l: torch.Tensor, r: torch.Tensor, out: torch.Tensor, alpha: float,
+           scale: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """`out = s * (l @ r + alpha * r)` for `[B, m, m]` `l` and `[B, m, n]` `r` (any strides; `out` must not alias
+    `r`); `scale`: an fp32 `[B]` factor `s` per slice, else 1."""
     batch, m, n = r.shape
-    warps, stages, block_k, block_n = _config("AXPBY", AXPBY_CONFIG)
+    ss = scale if scale is not None else _no_scale(r.device)
     assert l.shape == (batch, m, m) and out.shape == r.shape, (tuple(l.shape), tuple(r.shape))
+    if l.is_contiguous() and _tma_ok(l, r, out) and _rows(r)[1] == _rows(out)[1]:
+        warps, stages, block_k, block_n = _config("AXPBY_TMA", AXPBY_TMA_CONFIG)
+        assert m % BLOCK_MN == 0 and m % block_k == 0 and n % block_n == 0, (tuple(l.shape), tuple(r.shape))
+        (r_rows, trans), (o_rows, _) = _rows(r), _rows(out)
+        tile = [block_n, BLOCK_MN] if trans else [BLOCK_MN, block_n]
+        descs = (TensorDescriptor.from_tensor(l.reshape(-1, m), [BLOCK_MN, block_k]),
+                 TensorDescriptor.from_tensor(r_rows, [block_n, block_k] if trans else [block_k, block_n]),
+                 TensorDescriptor.from_tensor(r_rows, tile), TensorDescriptor.from_tensor(o_rows, tile))  # fmt: skip
+        tuning = dict(HAS_S=scale is not None, TRANS_R=trans, BLOCK=BLOCK_MN, BLOCK_N=block_n, BLOCK_K=block_k,
+                      STAGES=stages, num_warps=warps, num_stages=stages)  # fmt: skip
+        _axpby_kernel_tma[((m // BLOCK_MN) * (n // block_n), batch)](*descs, ss, m, n, alpha, **tuning)
+        return out
+    warps, stages, block_k, block_n = _config("AXPBY", AXPBY_CONFIG)
     assert m % BLOCK_MN == 0 and m % block_k == 0 and n % block_n == 0, (tuple(l.shape), tuple(r.shape))
     _axpby_kernel[((m // BLOCK_MN) * (n // block_n), batch)](
-        l, r, out, n, m, *l.stride(), *r.stride(), *out.stride(), alpha, BLOCK=BLOCK_MN, BLOCK_N=block_n,
-        BLOCK_K=block_k, num_warps=warps, num_stages=stages,
+        l, r, out, ss, n, m, *l.stride(), *r.stride(), *out.stride(), alpha, HAS_S=scale is not None,
+        BLOCK=BLOCK_MN, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
 
 
-def iterate(x: torch.Tensor, steps: int, coefficients: tuple[float, float, float], tall: bool) -> torch.Tensor:
+@lru_cache(maxsize=None)
+def _no_scale(device: torch.device) -> torch.Tensor:
+    """A one-element fp32 tensor passed where a kernel's optional `scale` is absent (never read)."""
+    return torch.ones(1, dtype=torch.float32, device=device)
+
+
+def iterate(x: torch.Tensor, steps: int, coefficients: tuple[float, float, float], tall: bool,
+            scale: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """`steps` quintic steps on `[B, rows, cols]` `x` (consumed), as `muon._iterate_fused` runs them with cuBLAS.
 
     A tall slice (rows > cols) runs on the transposed views. Returns a tensor of `x`'s shape and strides
-    (`x` itself or its one ping-pong buffer).
+    (`x` itself or its one ping-pong buffer). `scale`: fp32 `[B]`, each slice's normalisation `1 / (|X| + eps)`
+    when `x` is not yet normalised: the first step's products take it in their epilogues (`X' = s X`, so
+    `A = s^2 X X^T` and `X'' = s (a X + B X)`), which saves the pass over X that normalising first costs.
     """
     a, b, c = coefficients
     cur, nxt = x, torch.empty_like(x)
@@ -156,8 +302,9 @@ def iterate(x: torch.Tensor, steps: int, coefficients: tuple[float, float, float
     A = torch.empty(batch, m, m, dtype=x.dtype, device=x.device)
     B = torch.empty_like(A)
     for _ in range(steps):
-        gram_(wide(cur), A)
+        gram_(wide(cur), A, scale=scale)
         gram_(A, B, alpha=c, beta=b, c=A)
-        axpby_(B, wide(cur), wide(nxt), a)
+        axpby_(B, wide(cur), wide(nxt), a, scale=scale)
         cur, nxt = nxt, cur
+        scale = None
     return cur

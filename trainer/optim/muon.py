@@ -107,11 +107,15 @@ def orthogonalize_(X: torch.Tensor, steps: int, sumsq: Optional[torch.Tensor] = 
     fp32: the reference iteration; any other dtype: the fused baddbmm chain (see the module docstring), on the
     matrices' own orientation. `sumsq`: each slice's sum of squares, already computed (fp32, one per slice of a
     contiguous `X`, from `kernels/muon_triton.blend_` and `slice_sums`); the normalisation then runs as one fused
-    kernel.
+    kernel, or, on the Triton GEMMs, inside the first step's products (`ns_gemm_triton.iterate`).
     """
     if steps < 1:
         raise ValueError(f"Newton-Schulz needs at least one step, got {steps}")
     tall = X.size(-2) > X.size(-1)
+    folds = X.dtype != torch.float32 and X.is_contiguous() and _use_triton(X.reshape(-1, *X.shape[-2:]))
+    if sumsq is not None and folds:  # the Triton GEMMs take 1 / (|X| + eps) in the first step: no pass over X
+        scale = sumsq.sqrt().add_(NS_EPS).reciprocal_()
+        return _iterate_fused(X, steps, tall, scale)
     if sumsq is not None:
         from trainer.kernels import muon_triton
 
@@ -135,12 +139,13 @@ def _iterate_reference(X: torch.Tensor, steps: int) -> torch.Tensor:
     return X
 
 
-def _iterate_fused(X: torch.Tensor, steps: int, tall: bool) -> torch.Tensor:
+def _iterate_fused(X: torch.Tensor, steps: int, tall: bool, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The quintic steps as three batched GEMMs each, the scaled additions in the GEMM epilogue.
 
     A tall `[M, m]` slice (M > m) iterates from the right, `A = X^T X`, `X = a X + X B`: the same product as
     transposing, iterating and transposing back (A and B are symmetric), with every tensor contiguous in the
-    slice's own orientation, so nothing downstream reads a transposed result.
+    slice's own orientation, so nothing downstream reads a transposed result. `scale` (Triton path only): each
+    slice's normalisation, not yet applied to X (`ns_gemm_triton.iterate`).
     """
     a, b, c = NS_COEFFICIENTS
     shape = X.shape
@@ -148,7 +153,8 @@ def _iterate_fused(X: torch.Tensor, steps: int, tall: bool) -> torch.Tensor:
     if _use_triton(X):
         from trainer.kernels import ns_gemm_triton
 
-        return ns_gemm_triton.iterate(X, steps, NS_COEFFICIENTS, tall).reshape(shape)
+        return ns_gemm_triton.iterate(X, steps, NS_COEFFICIENTS, tall, scale).reshape(shape)
+    assert scale is None, "only the Triton GEMMs fold the normalisation in"
     fold = X.dtype == torch.float16  # a I + B in fp16 (see the module docstring)
     for _ in range(steps):
         A = torch.bmm(X.mT, X) if tall else torch.bmm(X, X.mT)

@@ -5,7 +5,8 @@ fp32 result to bf16 (2^-9 relative) plus fp32 accumulation in another order, so 
 scale; the Gram outputs exactly symmetric (the mirror tile stores the same rounded values). The whole
 iteration within the bf16 tolerance of the fp32 iteration (0.025, tests/trainer/optim/test_muon_batch.py) at
 the reference model's slice shapes, tall ones on the transposed views, and bit-reproducible run to run. A
-wrong tile mapping, a missing mirror store or a transposed operand errs by O(1).
+wrong tile mapping, a missing mirror store or a transposed operand errs by O(1). Each runs twice on Hopper:
+with the TMA kernels (the default there) and with the pointer kernels (`MOECTL_NS_TMA=0`, every other GPU).
 
 CPU test: never selected off CUDA.
 """
@@ -26,6 +27,18 @@ def test_not_selected_off_cuda() -> None:
     assert not muon._use_triton(torch.zeros(2, 128, 256, dtype=torch.bfloat16))
 
 
+KERNELS = {"pointer": "0", "tma": "1"}
+
+
+@pytest.fixture(params=list(KERNELS))
+def kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test on each kernel family: pointer loads or TMA (the choice is made per call)."""
+    monkeypatch.setenv("MOECTL_NS_TMA", KERNELS[request.param])
+    if request.param != "pointer" and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA needs compute capability 9.0")
+    return request.param
+
+
 def _close(got: torch.Tensor, want: torch.Tensor) -> None:
     err = float((got.float() - want).abs().max() / want.abs().max())
     assert err <= ROUNDING, err
@@ -33,7 +46,7 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
 
 @gpu
 @pytest.mark.parametrize("strided", [False, True])
-def test_gram_is_the_symmetric_product(strided: bool) -> None:
+def test_gram_is_the_symmetric_product(strided: bool, kernels: str) -> None:
     from trainer.kernels import ns_gemm_triton as K
 
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -51,7 +64,7 @@ def test_gram_is_the_symmetric_product(strided: bool) -> None:
 
 
 @gpu
-def test_axpby_is_the_product_plus_the_scaled_input_on_strided_views() -> None:
+def test_axpby_is_the_product_plus_the_scaled_input_on_strided_views(kernels: str) -> None:
     from trainer.kernels import ns_gemm_triton as K
 
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -66,7 +79,7 @@ def test_axpby_is_the_product_plus_the_scaled_input_on_strided_views() -> None:
 
 @gpu
 @pytest.mark.parametrize("shape", [(4, 1024, 2048), (4, 2048, 1024), (2, 3072, 2048)])
-def test_the_iteration_tracks_fp32_and_is_reproducible(shape: tuple[int, int, int]) -> None:
+def test_the_iteration_tracks_fp32_and_is_reproducible(shape: tuple[int, int, int], kernels: str) -> None:
     gen = torch.Generator(device="cuda").manual_seed(2)
     G = torch.randn(shape, device="cuda", generator=gen)
     X = G.to(torch.bfloat16)
@@ -89,3 +102,22 @@ def test_the_switch_keeps_cublas(monkeypatch: pytest.MonkeyPatch) -> None:
     cub = muon.newton_schulz(X, 5, torch.bfloat16)
     assert not torch.equal(tri, cub)  # another kernel, other roundings, the same result within bf16
     assert float((tri.float() - cub.float()).norm() / cub.float().norm()) <= RANDOM_TOL
+
+
+@gpu
+@pytest.mark.parametrize("tall", [False, True])
+def test_the_normalisation_folds_into_the_first_step(tall: bool, kernels: str) -> None:
+    """Scaling the first step's products by each slice's 1 / (|X| + eps) is normalising X first: equal within
+    the bf16 roundings the fold skips (X / |X| is never rounded), for slices of very different norms."""
+    from trainer.kernels import ns_gemm_triton as K
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    shape = (3, 512, 256) if tall else (3, 256, 512)
+    G = torch.randn(shape, device="cuda", generator=gen) * torch.tensor([1e-3, 1.0, 50.0], device="cuda")[:, None, None]
+    X = G.to(torch.bfloat16)
+    norm = X.float().norm(dim=(-2, -1))
+    first = K.iterate((X / (norm + muon.NS_EPS)[:, None, None]).to(torch.bfloat16), 5, muon.NS_COEFFICIENTS, tall)
+    folded = K.iterate(X.clone(), 5, muon.NS_COEFFICIENTS, tall, (norm + muon.NS_EPS).reciprocal())
+    err = (folded.float() - first.float()).norm(dim=(-2, -1)) / first.float().norm(dim=(-2, -1))
+    assert float(err.max()) <= RANDOM_TOL, err
+    assert folded.stride() == X.stride()
