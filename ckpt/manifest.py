@@ -6,7 +6,7 @@ Plain JSON only. Layout (format version 3):
     file_digest                                      # "sha256-tree": what files.*.sha256 is (ckpt/digest.py)
     consumed_samples, config, expert_layout,         # the caller's `meta`, checked by `check_meta`
     glu_interleave_size, recipe, world, sampler,
-    rng, probe[, train_state][, hf]
+    rng, probe[, train_state][, hf][, scaling]
     files:   {name: {sha256, size, rank}}            # every data file; `rank` = the rank that wrote it
     tensors: {name: {file, dtype, shape, sha256}}    # every tensor; dtype as torch names it
     manifest_sha256                                  # over all the fields above (ckpt/seal.py)
@@ -46,8 +46,9 @@ META_REQUIRED = (
     "consumed_samples", "config", "expert_layout", "glu_interleave_size", "recipe", "world", "sampler", "rng", "probe",
 )  # fmt: skip
 # hf: the config.json / generation_config.json an import-hf checkpoint came from (ckpt/hf_config.py),
-# carried through training and convert so export writes them back.
-META_OPTIONAL = ("train_state", "hf")
+# carried through training and convert so export writes them back. scaling: delayed fp8 scaling's amax
+# windows (trainer/checkpointing/scaling_state.py), so a resumed fp8 run quantizes as the saved one would.
+META_OPTIONAL = ("train_state", "hf", "scaling")
 _OWN_KEYS = ("format", "format_version", "step", "writer", "files", "tensors")
 _SHA_RE = re.compile(r"^[0-9a-f]{64}$")
 _TORCH_DTYPES = frozenset(TORCH_NAME.values())
@@ -70,7 +71,7 @@ def check_meta(meta: Any) -> list[str]:
     g = meta.get("glu_interleave_size")
     if g is not None and not (_uint(g) and g > 0):
         errs.append(f"meta glu_interleave_size must be a positive int or None, got {g!r}")
-    for k in ("config", "recipe", "sampler", "rng", "probe", "train_state", "hf"):
+    for k in ("config", "recipe", "sampler", "rng", "probe", "train_state", "hf", "scaling"):
         if k in meta and not isinstance(meta[k], dict):
             errs.append(f"meta {k} must be a dict, got {type(meta[k]).__name__}")
     world = meta.get("world")

@@ -15,6 +15,7 @@ from ckpt.logical import (
 from ckpt.reader import open_checkpoint
 from moectl.core.config.schema import Config
 from moectl.core.errors import CheckpointError
+from trainer.checkpointing.scaling_state import restore_scaling
 from trainer.parallel.groups import ParallelState
 from trainer.engine.protocol import Engine
 
@@ -79,6 +80,8 @@ def load_training_checkpoint(path: str | Path, cfg: Config, model: nn.Module, en
             "load a checkpoint of this model, or set checkpoint.no_load_optim=true to skip optimizer state",
         )
     step = int(ck.meta.get("train_state", {}).get("optimizer_step", ck.step)) if load_optim else None
+    if load_optim:  # before the masters: loading stages them, which reads the windows (scaling_state.py)
+        restore_scaling(model, ck.meta, pstate)
     engine.load_logical_state(params, step=step)
     restore_rng(ck.meta)
     return Restored(step=ck.step, consumed_samples=int(ck.meta.get("consumed_samples", 0)), path=ck.path,

@@ -11,6 +11,7 @@ from ckpt.logical import flatten_state, globalize, rank_files, training_meta
 from ckpt.save import save_checkpoint
 from ckpt.staging import Files
 from moectl.core.config.schema import Config
+from trainer.checkpointing.scaling_state import META_KEY as SCALING_KEY, export_scaling
 from trainer.parallel.groups import ParallelState
 from trainer.engine.protocol import Engine
 
@@ -25,6 +26,9 @@ def checkpoint_parts(step: int, cfg: Config, engine: Engine, pstate: Optional[Pa
     world = pstate.world_size if pstate is not None else 1
     rank = pstate.rank if pstate is not None else 0
     meta = training_meta(cfg, step, tensors, world, probe_loss, optimizer_step=engine.step_count, carried=carried)
+    scaling = export_scaling(engine.model, pstate)  # delayed scaling's windows (collective)
+    if scaling is not None:
+        meta[SCALING_KEY] = scaling
     return rank_files(tensors, rank, world), meta
 
 

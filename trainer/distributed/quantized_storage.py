@@ -263,6 +263,9 @@ class PerTensorFP8Storage(QuantizedParamStorage):
         self._bucket_of: dict[nn.Parameter, "Bucket"] = {}
         #: delayed scaling: one weight amax history per site owner (module), one entry per expert
         self.histories: dict[Any, AmaxHistory] = {}
+        #: delayed scaling restored from a checkpoint: per owner, the encode scales that quantized the saved
+        #: masters; the next staging (the load's) uses them instead of recording the same amax twice
+        self.pending_scales: dict[Any, torch.Tensor] = {}
 
     @property
     def key(self) -> str:
@@ -330,24 +333,42 @@ class PerTensorFP8Storage(QuantizedParamStorage):
             by_owner.setdefault(self.site(p).owner, []).append(p)
         out = {}
         for owner, params in by_owner.items():
-            site0 = self.site(params[0])
-            if site0.expert is not None:
-                params = sorted(params, key=lambda q: self.site(q).expert)  # type: ignore[arg-type, return-value]
-                if len(params) != site0.num_experts:
-                    raise ValueError("delayed scaling: every expert of a per-expert layer must be in one storage")
+            params = self.owner_params(owner, params)
             vec = torch.cat([amax[p] for p in params])
-            shape = (vec.numel(),) if (site0.expert is not None or params[0].dim() == 3) else ()
+            shape = self.history_shape(params)
             hist = self.histories.get(owner)
             if hist is None:
                 length = self.recipe.history_len  # type: ignore[attr-defined]
                 hist = self.histories[owner] = AmaxHistory(length, self.fmt.max, shape)
-            scale = hist.current_scale(vec.device).clone().reshape(-1)
-            hist.record(vec.reshape(shape))
+            pending = self.pending_scales.pop(owner, None)
+            if pending is not None:  # the load's staging of restored masters: as the saved run staged them
+                scale = pending.to(vec.device, torch.float32).reshape(-1)
+            else:
+                scale = hist.current_scale(vec.device).clone().reshape(-1)
+                hist.record(vec.reshape(shape))
             at = 0
             for p in params:
                 out[p] = scale[at:at + self.slots(p)]
                 at += self.slots(p)
         return out
+
+    def owner_params(self, owner: Any, params: Optional[list[nn.Parameter]] = None) -> list[nn.Parameter]:
+        """The params sharing `owner`'s delayed history (all of them when `params` is None), in its entries'
+        order: a per-expert layer's experts by index."""
+        if params is None:
+            params = [p for p in self.sites if self.site(p).owner is owner]
+        site0 = self.site(params[0])
+        if site0.expert is not None:
+            params = sorted(params, key=lambda q: self.site(q).expert)  # type: ignore[arg-type, return-value]
+            if len(params) != site0.num_experts:
+                raise ValueError("delayed scaling: every expert of a per-expert layer must be in one storage")
+        return params
+
+    def history_shape(self, params: list[nn.Parameter]) -> tuple[int, ...]:
+        """The shape of the delayed history `owner_params` share: one entry per expert, else a scalar."""
+        if self.site(params[0]).expert is not None or params[0].dim() == 3:
+            return (sum(self.slots(p) for p in params),)
+        return ()
 
     # ---- staging and post-processing ----------------------------------------------------------------
     def stage(self, bucket: "Bucket", lo: int, hi: int, master: torch.Tensor) -> None:

@@ -69,6 +69,10 @@ class DistributedEngine:
     def step_count(self) -> int:
         return self.optimizer.step_count
 
+    @property
+    def model(self) -> nn.Module:
+        return self.dmodel.module
+
     def state_keys(self, name: str) -> tuple[str, ...]:
         return self.optimizer.state_keys(name)
 

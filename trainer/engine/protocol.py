@@ -11,12 +11,18 @@ import contextlib
 from typing import Protocol
 
 import torch
+from torch import nn
 
 from trainer.optim.step_result import StepResult
 
 
 class Engine(Protocol):
     """What the loop and checkpoints need from the optimizer side."""
+
+    @property
+    def model(self) -> nn.Module:
+        """The single-device model it trains (checkpoints read its fp8 scaling windows there)."""
+        ...
 
     def zero_grad(self) -> None: ...
 

@@ -1,0 +1,92 @@
+"""Delayed fp8 scaling's amax windows travel with a checkpoint (trainer/checkpointing/scaling_state.py).
+
+Without them a resumed run started from empty windows (scale 1 for every operand) and left the
+uninterrupted run's path at its first step: N steps straight must equal K steps + save + a fresh Trainer +
+N-K steps bit for bit, with the windows (history and scale of every operand, and with fp8 param gather the
+storage's weight windows) equal at the end. On CPU the fp8 recipes run by exact emulation.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckpt import open_checkpoint
+from moectl.core.config.load import load_config
+from trainer.checkpointing.scaling_state import META_KEY, _encode, _fit, local_entries, restore_scaling
+from trainer.loop import Trainer
+from trainer.observer import SilentObserver
+from trainer.validation import validate_checkpoint
+
+FAST = [
+    "model.num_layers=2", "model.hidden_size=32", "model.num_attention_heads=2", "model.num_query_groups=1",
+    "model.seq_length=16", "model.ffn_hidden_size=32", "model.moe_layer_freq=[1,0]", "moe.num_experts=4",
+    "moe.ffn_hidden_size=32", "train.micro_batch_size=2", "train.global_batch_size=4", "data.source=synthetic",
+    "train.eval_interval=null", "optimizer.lr_warmup_iters=0", "mixed_precision.bf16=true",
+    "mixed_precision.fp8=e4m3", "mixed_precision.fp8_recipe=delayed", "logging.jsonl=false", "train.device=cpu",
+]
+GATHER = ["mixed_precision.fp8_param_gather=true"]
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+
+def trainer(run_dir: Path, *extra: str) -> Trainer:
+    return Trainer(load_config(None, [*FAST, f"run_dir={run_dir}", *extra]), SilentObserver())
+
+
+def windows(t: Trainer) -> dict[str, dict[str, torch.Tensor]]:
+    return local_entries(t.model)
+
+
+@pytest.mark.parametrize("variant", ["grouped", "loop", "param_gather"])
+def test_a_resumed_delayed_scaling_run_equals_the_uninterrupted_one(tmp_path: Path, variant: str) -> None:
+    extra = {"grouped": ["moe.backend=grouped"], "loop": ["moe.backend=loop"],
+             "param_gather": ["moe.backend=grouped", *GATHER]}[variant]  # fmt: skip
+    straight = trainer(tmp_path, *extra, "train.train_iters=4", "checkpoint.save_interval=2")
+    full = straight.run().losses
+    ck = open_checkpoint(tmp_path / "checkpoints" / "step_00000002")
+    saved = ck.meta[META_KEY]
+    assert any(n.endswith(".input") for n in saved) and any(n.endswith(".grad") for n in saved)
+    if variant == "loop":  # the per-expert loop keeps one window per expert: fc1.<e>
+        assert "decoder.layers.0.mlp.experts.fc1.3.input" in saved
+    if variant == "param_gather":  # the storage's weight windows, with the scales the masters were staged with
+        assert "used" in saved["decoder.layers.0.mlp.experts.linear_fc1.gathered"]
+    resumed = trainer(tmp_path, *extra, "train.train_iters=4",
+                      "checkpoint.load=" + str(tmp_path / "checkpoints" / "step_00000002"))  # fmt: skip
+    again = resumed.run().losses
+    assert again == full[2:]  # exact floats
+    want, got = windows(straight), windows(resumed)
+    assert want.keys() == got.keys() and want
+    for name in want:
+        for field in want[name]:
+            assert torch.equal(got[name][field], want[name][field]), (name, field)
+    if variant == "param_gather":
+        report = validate_checkpoint(ck.path)
+        assert report.ok, report.failures()
+
+
+def test_restore_sets_the_saved_windows_and_skips_what_does_not_fit(tmp_path: Path) -> None:
+    t = trainer(tmp_path, "moe.backend=grouped", "train.train_iters=2", "checkpoint.save_interval=2")
+    t.run()
+    meta = open_checkpoint(tmp_path / "checkpoints").meta
+    fresh = trainer(tmp_path / "fresh", "moe.backend=grouped", "train.train_iters=2")
+    assert not windows(fresh)  # no window is made before the first use
+    assert restore_scaling(fresh.model, meta, None) == len(meta[META_KEY]) > 0
+    for name, entry in windows(t).items():
+        assert torch.equal(windows(fresh)[name]["history"], entry["history"]), name
+    # a checkpoint without windows (another recipe, an older moectl) leaves the fresh ones
+    other = trainer(tmp_path / "other", "moe.backend=grouped", "train.train_iters=2")
+    assert restore_scaling(other.model, {}, None) == 0 and not windows(other)
+    # an entry of another shape (another expert count, say) is skipped, the rest restored
+    name = next(n for n in meta[META_KEY] if ".experts." in n)
+    bad = dict(meta[META_KEY])
+    bad[name] = {f: _encode(torch.ones([1] * len(v["shape"]))) for f, v in bad[name].items()}
+    assert restore_scaling(other.model, {META_KEY: bad}, None) == len(bad) - 1
+
+
+def test_a_window_of_another_length_keeps_the_newest_entries() -> None:
+    saved = torch.arange(6.0).reshape(3, 2)  # newest first
+    assert torch.equal(_fit(saved, 2), saved[:2])
+    assert torch.equal(_fit(saved, 5), torch.cat((saved, torch.zeros(2, 2))))
