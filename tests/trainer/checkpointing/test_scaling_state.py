@@ -4,6 +4,12 @@ Without them a resumed run started from empty windows (scale 1 for every operand
 uninterrupted run's path at its first step: N steps straight must equal K steps + save + a fresh Trainer +
 N-K steps bit for bit, with the windows (history and scale of every operand, and with fp8 param gather the
 storage's weight windows) equal at the end. On CPU the fp8 recipes run by exact emulation.
+
+Two gloo ranks with expert parallelism (ep=2, dp=2 for the dense layers): every rank gets back its own
+experts' windows exactly (gathered into global expert order on save, sliced on load), and the dense layers'
+per-rank windows come back as their element-wise max (history) and min (scale) over the ranks, on both. The
+grouped backend keeps one window per expert in one entry; the per-expert loop one entry per expert,
+renumbered to global indices.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from dist_helpers import run_distributed
 
 from ckpt import open_checkpoint
 from moectl.core.config.load import load_config
@@ -90,3 +97,50 @@ def test_a_window_of_another_length_keeps_the_newest_entries() -> None:
     saved = torch.arange(6.0).reshape(3, 2)  # newest first
     assert torch.equal(_fit(saved, 2), saved[:2])
     assert torch.equal(_fit(saved, 5), torch.cat((saved, torch.zeros(2, 2))))
+
+
+EP = ["parallel.expert_model_parallel_size=2", "train.train_iters=3"]
+
+
+def _as_bytes(t: Trainer) -> dict[str, tuple[list[int], bytes]]:
+    return {f"{n}/{f}": (list(v.shape), v.numpy().tobytes()) for n, e in local_entries(t.model).items()
+            for f, v in e.items()}  # fmt: skip
+
+
+def _save_then_load(rank: int, world: int, root: str, backend: str) -> tuple[dict, dict, list[float]]:
+    extra = [*EP, f"moe.backend={backend}", f"run_dir={root}"]
+    t = Trainer(load_config(None, [*FAST, *extra]), SilentObserver())
+    for step in range(2):
+        t.train_step(step)
+    t.save(2)
+    before = _as_bytes(t)
+    u = Trainer(load_config(None, [*FAST, *extra, f"checkpoint.load={root}/checkpoints"]), SilentObserver())
+    after = _as_bytes(u)
+    losses = u.run().losses  # and the run goes on from them
+    return before, after, losses
+
+
+def _tensor(shape_bytes: tuple[list[int], bytes]) -> torch.Tensor:
+    shape, raw = shape_bytes
+    return torch.frombuffer(bytearray(raw), dtype=torch.float32).reshape(shape)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["grouped", "loop"])
+def test_expert_parallel_windows_come_back_to_their_ranks(tmp_path, backend: str) -> None:
+    results = run_distributed(_save_then_load, root=str(tmp_path), backend=backend)
+    (before0, after0, losses0), (before1, after1, losses1) = results
+    assert len(losses0) == len(losses1) == 1 and all(torch.isfinite(torch.tensor(losses0 + losses1)))
+    for before, after in ((before0, after0), (before1, after1)):
+        assert before.keys() == after.keys() and before
+    experts = [k for k in before0 if ".experts." in k]
+    dense = [k for k in before0 if ".experts." not in k]
+    assert experts and dense
+    for k in experts:  # each rank's own experts (loop: local names; grouped: local columns), exactly
+        assert after0[k] == before0[k] and after1[k] == before1[k], k
+    assert any(before0[k] != before1[k] for k in experts)  # the ranks hold different experts' windows
+    for k in dense:
+        a, b = _tensor(before0[k]), _tensor(before1[k])
+        want = torch.maximum(a, b) if k.endswith("/history") else torch.minimum(a, b)
+        assert torch.equal(_tensor(after0[k]), want) and torch.equal(_tensor(after1[k]), want), k
+    assert any(before0[k] != before1[k] for k in dense if k.endswith("/history"))  # the ranks saw other tokens
