@@ -101,7 +101,8 @@ def test_fused_step_is_bit_reproducible() -> None:
 @gpu
 @needs_kernels
 @pytest.mark.parametrize("nesterov", [True, False])
-def test_fused_step_tracks_the_torch_step(monkeypatch: pytest.MonkeyPatch, nesterov: bool) -> None:
+@pytest.mark.parametrize("apply_in_gemm", [False, True])
+def test_fused_step_tracks_the_torch_step(monkeypatch: pytest.MonkeyPatch, nesterov: bool, apply_in_gemm: bool) -> None:
     # wide and tall grouped weights sharing a trailing shape with 2-D ones, and a lone tall 2-D matrix
     shapes = [(128, 256), (3, 128, 256), (128, 256), (2, 512, 128), (512, 128), (1024, 64)]
     mats = _mats(shapes, "cuda", seed=1)
@@ -110,6 +111,8 @@ def test_fused_step_tracks_the_torch_step(monkeypatch: pytest.MonkeyPatch, neste
     grads = [m.grad.clone() for m in mats]
     hp = dict(lr=0.02, momentum=0.95, nesterov=nesterov, ns_steps=5, weight_decay=0.1, grad_scale=0.5)
     assert all(fused_elementwise([m], torch.bfloat16) for m in mats)
+    # with the switch on, the batches of several slices update their masters in the last GEMM (offset table)
+    monkeypatch.setenv(muon_batch.APPLY_IN_GEMM_ENV, "1" if apply_in_gemm else "0")
     muon_step_(mats, compute_dtype=torch.bfloat16, **hp)  # type: ignore[arg-type]
     monkeypatch.setattr(muon_batch, "fused_elementwise", lambda run, dtype: False)
     muon_step_(torch_bf16, compute_dtype=torch.bfloat16, **hp)  # type: ignore[arg-type]
