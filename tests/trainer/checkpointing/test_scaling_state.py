@@ -74,6 +74,20 @@ def test_a_resumed_delayed_scaling_run_equals_the_uninterrupted_one(tmp_path: Pa
         assert report.ok, report.failures()
 
 
+@pytest.mark.parametrize("gather", [False, True])
+def test_the_windows_survive_a_layout_conversion(tmp_path: Path, gather: bool) -> None:
+    """`ckpt convert` to per-expert weights carries the windows (the meta), and a per-expert run resumed from it
+    continues the single-grouped run bit for bit: the experts' windows are per module, not per layout."""
+    from ckpt.convert import convert_checkpoint
+
+    extra = ["moe.backend=grouped", *(GATHER if gather else [])]
+    full = trainer(tmp_path / "a", *extra, "train.train_iters=4", "checkpoint.save_interval=2").run().losses
+    convert_checkpoint(tmp_path / "a" / "checkpoints" / "step_00000002", tmp_path / "conv", layout="per-expert")
+    resumed = trainer(tmp_path / "b", *extra, "moe.single_grouped_weight=false", "train.train_iters=4",
+                      f"checkpoint.load={tmp_path / 'conv'}").run().losses  # fmt: skip
+    assert resumed == full[2:]
+
+
 def test_restore_sets_the_saved_windows_and_skips_what_does_not_fit(tmp_path: Path) -> None:
     t = trainer(tmp_path, "moe.backend=grouped", "train.train_iters=2", "checkpoint.save_interval=2")
     t.run()
