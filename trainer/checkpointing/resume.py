@@ -80,8 +80,9 @@ def load_training_checkpoint(path: str | Path, cfg: Config, model: nn.Module, en
             "load a checkpoint of this model, or set checkpoint.no_load_optim=true to skip optimizer state",
         )
     step = int(ck.meta.get("train_state", {}).get("optimizer_step", ck.step)) if load_optim else None
-    if load_optim:  # before the masters: loading stages them, which reads the windows (scaling_state.py)
-        restore_scaling(model, ck.meta, pstate)
+    # The fp8 windows are the model's quantizers' state, restored with any load (TE loads its fp8 meta with the
+    # module); before the masters: loading stages them, which reads the windows (scaling_state.py)
+    restore_scaling(model, ck.meta, pstate, masters_restored=masters_from_ckpt)
     engine.load_logical_state(params, step=step)
     restore_rng(ck.meta)
     return Restored(step=ck.step, consumed_samples=int(ck.meta.get("consumed_samples", 0)), path=ck.path,

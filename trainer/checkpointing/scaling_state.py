@@ -18,9 +18,16 @@ Entries, by name:
 The histories of activations and grads are per rank (each rank sees its own tokens). A checkpoint holds one
 value per name: expert entries gathered over the expert-parallel group into global expert order, then the
 element-wise max of the histories and min of the scales over every rank (the most conservative window; the
-run's own when the ranks agree, as on one rank). Loading slices this rank's experts, keeps the newest `L`
-entries (zeros where the saved window is shorter), and creates the states not made yet (they are made on
-first use). A checkpoint without the meta (another recipe, an older moectl) leaves the fresh windows.
+run's own when the ranks agree, as on one rank). Which windows have an expert axis is decided by module type
+(`GroupedMLP`, `GroupedLinearParams`), the same on every rank.
+
+Loading (any load of a checkpoint that has them, with or without optimizer state: they are the model's
+quantizers' state): slices this rank's experts; converts between the grouped backends' form and the
+per-expert loop's when the run changed backend, and makes only the states of the form it uses; keeps the
+newest `L` entries (zeros where the saved window is shorter); recomputes each scale from the window with
+this run's format (a `hybrid` checkpoint resumed as `e4m3` gets e4m3 grad scales; the same format gives the
+saved scales bit for bit); and creates the states not made yet (they are made on first use). A checkpoint
+without the meta (another recipe, an older moectl) leaves the fresh windows.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from trainer.kernels.fp8_scale import scale_from_amax
 from trainer.parallel.groups import ParallelState
 from trainer.precision.recipes.delayed import AmaxHistory, DelayedRecipe, DelayedState
 
@@ -91,9 +99,16 @@ def _n_local(model: nn.Module) -> int:
     return next((m.num_local_experts for m in model.modules() if isinstance(m, GroupedMLP)), 1)
 
 
-def _expert_axis(name: str, history: torch.Tensor) -> bool:
-    """Whether a window's last axis counts experts (a grouped layer's or gathered weights' per-expert entries)."""
-    return ".experts." in f".{name}." and history.dim() > 1
+def _expert_modules(model: nn.Module) -> tuple[str, ...]:
+    """Names of the modules whose windows have one entry per expert (grouped experts, their weight holders)."""
+    from trainer.moe.experts import GroupedLinearParams, GroupedMLP
+
+    return tuple(n for n, m in model.named_modules() if isinstance(m, (GroupedMLP, GroupedLinearParams)))
+
+
+def _expert_axis(name: str, history: torch.Tensor, expert_modules: tuple[str, ...]) -> bool:
+    """Whether a window's last axis counts experts: a non-scalar window of an expert module."""
+    return history.dim() > 1 and any(name.startswith(m + ".") for m in expert_modules)
 
 
 def _global_name(name: str, ep_rank: int, n_local: int) -> str:
@@ -155,7 +170,7 @@ def export_scaling(model: nn.Module, pstate: Optional[ParallelState]) -> Optiona
     world when torch.distributed runs (every rank calls it and gets the same value)."""
     multi = pstate is not None and pstate.world_size > 1 and dist.is_initialized()
     ep = pstate.ep if multi else None  # type: ignore[union-attr]
-    ep_rank, n_local = (ep.rank if ep is not None else 0), _n_local(model)
+    ep_rank, n_local, experts = (ep.rank if ep is not None else 0), _n_local(model), _expert_modules(model)
     entries = {_global_name(n, ep_rank, n_local): e for n, e in local_entries(model).items()}
     if multi:
         # One list of names on every rank (a per-expert loop's states differ by ep rank), so the collectives
@@ -168,7 +183,7 @@ def export_scaling(model: nn.Module, pstate: Optional[ParallelState]) -> Optiona
         device = pstate.device  # type: ignore[union-attr]
         for n in sorted(union):
             entry = entries.get(n) or {f: torch.full(s, _NEUTRAL[f], device=device) for f, s in union[n].items()}
-            if ep is not None and ep.size > 1 and _expert_axis(n, entry["history"]):  # [.., E_local] -> [.., E]
+            if ep is not None and ep.size > 1 and _expert_axis(n, entry["history"], experts):  # [.., E_loc] -> [.., E]
                 entry = {f: _all_gather_last(entry[f], ep.pg, ep.size) for f in sorted(entry)}
             for f in sorted(entry):
                 dist.all_reduce(entry[f], op=_REDUCE[f])
@@ -187,65 +202,106 @@ def _fit(saved: torch.Tensor, length: int) -> torch.Tensor:
     return torch.cat((saved, pad))
 
 
-def _local_key(rest: str, ep_rank: int, n_local: int) -> Optional[str]:
-    """The state key of a saved name's tail below its module (`fc1.input` -> `fc1`, `fc1.5.grad` -> `fc1.<local
-    index>`), or None for another rank's expert or a name of another kind."""
-    parts = rest.split(".")
-    if len(parts) == 3 and _LOOP_KEY.match(f"{parts[0]}.{parts[1]}") and parts[2] in _ROLES:
-        e = int(parts[1]) - ep_rank * n_local
-        return f"{parts[0]}.{e}" if 0 <= e < n_local else None
-    return parts[0] if len(parts) == 2 and parts[1] in _ROLES else None
+def _decode_entry(fields: dict[str, Any]) -> Entry:
+    return {f: _decode(v) for f, v in fields.items()}
 
 
-def restore_scaling(model: nn.Module, meta: dict[str, Any], pstate: Optional[ParallelState]) -> int:
+def _expert_windows(saved: dict[str, Any], name: str, loop: bool, n_experts: int) -> dict[str, Entry]:
+    """A GroupedMLP's saved windows in the form its backend keeps them, in global expert order: one window per
+    `fc`/role with an expert axis (grouped backends), or one per expert (`fc1.<e>`, the per-expert loop),
+    whichever form the checkpoint has (a run may switch backends)."""
+    out: dict[str, Entry] = {}
+    for fc in ("fc1", "fc2"):
+        for role in _ROLES:
+            whole = saved.get(f"{name}.{fc}.{role}")
+            per = [saved.get(f"{name}.{fc}.{e}.{role}") for e in range(n_experts)]
+            if whole is not None:
+                entry = _decode_entry(whole)
+                if not loop:
+                    out[f"{name}.{fc}.{role}"] = entry
+                elif entry["scale"].shape == (n_experts,):
+                    for e in range(n_experts):
+                        out[f"{name}.{fc}.{e}.{role}"] = {f: t[..., e].contiguous() for f, t in entry.items()}
+            elif all(p is not None for p in per):
+                entries = [_decode_entry(p) for p in per]
+                if loop:
+                    out.update({f"{name}.{fc}.{e}.{role}": entries[e] for e in range(n_experts)})
+                elif all(x["scale"].dim() == 0 for x in entries):
+                    out[f"{name}.{fc}.{role}"] = {f: torch.stack([x[f] for x in entries], dim=-1) for f in entries[0]}
+    return out
+
+
+def _put(h: AmaxHistory, entry: Entry, device: torch.device) -> bool:
+    """Set one window; the scale is recomputed from the fitted window with this run's format (a checkpoint of
+    another fp8 format or window length keeps only its amaxes), the saved one kept where the window has no
+    finite amax yet (as `AmaxHistory.record` keeps its scale), 1 where that is not finite either."""
+    if tuple(entry["scale"].shape) != tuple(h.shape):
+        return False
+    history = _fit(entry["history"], h.length)
+    window = history.amax(dim=0)
+    saved = torch.where(torch.isfinite(entry["scale"]), entry["scale"], torch.ones_like(entry["scale"]))
+    keep = (window == 0) | ~torch.isfinite(window)
+    h.history = history.to(device)
+    h.scale = torch.where(keep, saved, scale_from_amax(window, h.fmax)).to(device)
+    return True
+
+
+def restore_scaling(model: nn.Module, meta: dict[str, Any], pstate: Optional[ParallelState],
+                    masters_restored: bool = True) -> int:  # fmt: skip
     """Set `model`'s delayed-scaling windows from a checkpoint's meta (`META_KEY`) before its masters are loaded
-    (the load stages them: see the module docstring); returns how many windows were set. Entries of modules
-    the model does not have, or of another shape, are skipped."""
+    (the load stages them: see the module docstring); returns how many windows were set. `masters_restored`:
+    the masters the load stages are the saved ones, so a storage quantizes them with the scales the saved run
+    used (else it records their amaxes as usual). Entries of modules the model does not have, or of another
+    shape, are skipped."""
+    from trainer.moe.experts import GroupedMLP
+
     saved: dict[str, Any] = meta.get(META_KEY) or {}
     if not saved:
         return 0
     ep = pstate.ep if pstate is not None else None
     ep_size, ep_rank = (ep.size, ep.rank) if ep is not None else (1, 0)
-    n_local = _n_local(model)
+    n_local, experts = _n_local(model), _expert_modules(model)
 
-    def fields(gname: str) -> Entry:
-        entry = {f: _decode(v) for f, v in saved[gname].items()}
-        if ep_size > 1 and _expert_axis(gname, entry["history"]):
-            entry = {f: t[..., ep_rank * n_local:(ep_rank + 1) * n_local] for f, t in entry.items()}
+    def local(gname: str, entry: Entry) -> Entry:  # this rank's experts of a window with an expert axis
+        if ep_size > 1 and _expert_axis(gname, entry["history"], experts):
+            return {f: t[..., ep_rank * n_local:(ep_rank + 1) * n_local] for f, t in entry.items()}
         return entry
-
-    def put(h: AmaxHistory, entry: Entry, device: torch.device) -> bool:
-        if tuple(entry["scale"].shape) != tuple(h.shape):
-            return False
-        h.history = _fit(entry["history"], h.length).to(device)
-        h.scale = entry["scale"].to(device)
-        return True
 
     restored = 0
     for name, m, states in _module_states(model):
         device = next(m.parameters()).device
-        below = [n[len(name) + 1:] for n in saved if n.startswith(name + ".")]
-        keys = set(states) | {_local_key(rest, ep_rank, n_local) for rest in below}
-        for key in sorted(k for k in keys if k is not None):
-            if key not in states:  # a GroupedMLP state made on first use: make it now
-                states[key] = m.recipe.new_state(None if _LOOP_KEY.match(key) else m.num_local_experts)
+        if not isinstance(m, GroupedMLP):  # a Linear: one state
             for role in _ROLES:
-                gname = _global_name(_join(name, key, role), ep_rank, n_local)
-                if gname in saved and put(getattr(states[key], role), fields(gname), device):
+                gname = _join(name, role)
+                if gname in saved and _put(getattr(states[""], role), _decode_entry(saved[gname]), device):
                     restored += 1
-    names = {m: n for n, m in model.named_modules()}
+            continue
+        loop = m.backend(device).name == "loop"
+        windows = _expert_windows(saved, name, loop, n_local * ep_size)
+        keys = [f"{fc}.{e}" for fc in ("fc1", "fc2") for e in range(n_local)] if loop else ["fc1", "fc2"]
+        for key in keys:
+            names = {role: _global_name(_join(name, key, role), ep_rank, n_local) for role in _ROLES}
+            if not any(g in windows for g in names.values()):
+                continue
+            if key not in states:  # made on first use: make it now, in the form this backend uses
+                states[key] = m.recipe.new_state(None if loop else m.num_local_experts)
+            for role, gname in names.items():
+                if gname in windows and _put(getattr(states[key], role), local(gname, windows[gname]), device):
+                    restored += 1
+    names_of = {m: n for n, m in model.named_modules()}
     for storage in _storages(model):
         for owner in _owners(storage):
-            gname = _join(names.get(owner, "?"), _GATHERED)
+            gname = _join(names_of.get(owner, "?"), _GATHERED)
             if gname not in saved:
                 continue
             params = storage.owner_params(owner)
             h = storage.histories.get(owner)
             if h is None:
                 h = AmaxHistory(storage.recipe.history_len, storage.fmt.max, storage.history_shape(params))
-            entry = fields(gname)
-            if put(h, entry, params[0].device):
+            entry = local(gname, _decode_entry(saved[gname]))
+            if _put(h, entry, params[0].device):
                 storage.histories[owner] = h
-                storage.pending_scales[owner] = entry["used"].to(params[0].device)
+                if masters_restored:
+                    storage.pending_scales[owner] = entry["used"].to(params[0].device)
                 restored += 1
     return restored

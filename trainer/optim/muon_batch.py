@@ -40,7 +40,6 @@ nothing once one GEMM fills the device.
 from __future__ import annotations
 
 import os
-import weakref
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Sequence
 
@@ -262,22 +261,21 @@ class _Step:
             mat.master.add_(ortho, alpha=alpha)
 
 
-_TABLES: dict[tuple[Any, ...], tuple["weakref.ref[torch.Tensor]", torch.Tensor]] = {}
+_OFFSETS: dict[tuple[Any, ...], torch.Tensor] = {}
 
 
 def _master_table(masters: tuple[torch.Tensor, ...], slice_elems: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The lowest-addressed master and each batch slice's element offset from it (int64, on the device): where
-    the last Newton-Schulz product writes each slice's update. Made once per set of masters (they do not
-    move), so a captured step reads a table made before the capture; held weakly (freed masters drop out)."""
+    the last Newton-Schulz product writes each slice's update. The offsets are a function of the masters'
+    addresses and sizes (the masters do not move, though their views are made anew each step): made once,
+    so a captured step reads a table made before the capture."""
+    base = min(masters, key=lambda t: t.data_ptr())
     key = tuple((t.data_ptr(), t.numel()) for t in masters) + (slice_elems,)
-    hit = _TABLES.get(key)
-    base = hit[0]() if hit is not None else None
-    if hit is None or base is None:
-        base = min(masters, key=lambda t: t.data_ptr())
+    if key not in _OFFSETS:
         offsets = [(t.data_ptr() - base.data_ptr()) // t.element_size() + k * slice_elems
                    for t in masters for k in range(t.numel() // slice_elems)]  # fmt: skip
-        hit = _TABLES[key] = (weakref.ref(base), torch.tensor(offsets, dtype=torch.int64, device=base.device))
-    return base, hit[1]
+        _OFFSETS[key] = torch.tensor(offsets, dtype=torch.int64, device=base.device)
+    return base, _OFFSETS[key]
 
 
 def _blend(mat: MuonMatrix, slot: torch.Tensor, grad_scale: float, momentum: float, nesterov: bool) -> None:

@@ -107,6 +107,72 @@ def test_restore_sets_the_saved_windows_and_skips_what_does_not_fit(tmp_path: Pa
     assert restore_scaling(other.model, {META_KEY: bad}, None) == len(bad) - 1
 
 
+def _saved_windows(path: Path) -> dict[str, dict[str, torch.Tensor]]:
+    from trainer.checkpointing.scaling_state import _decode_entry
+
+    return {n: _decode_entry(e) for n, e in open_checkpoint(path).meta[META_KEY].items()}
+
+
+@pytest.mark.parametrize("load", [["checkpoint.no_load_optim=true"],
+                                  ["checkpoint.no_load_optim=true", "checkpoint.load_main_params_from_ckpt=true"]])
+def test_the_windows_come_back_without_the_optimizer_state(tmp_path: Path, load: list[str]) -> None:
+    """They are the model's quantizers' state, not the optimizer's (TE loads its fp8 meta with the module)."""
+    trainer(tmp_path, "moe.backend=grouped", "train.train_iters=2", "checkpoint.save_interval=2").run()
+    saved = _saved_windows(tmp_path / "checkpoints")
+    t = trainer(tmp_path / "r", "moe.backend=grouped", "train.train_iters=4", *load,
+                f"checkpoint.load={tmp_path / 'checkpoints'}")  # fmt: skip
+    got = windows(t)
+    assert got.keys() == saved.keys()
+    for name in saved:
+        assert torch.equal(got[name]["history"], saved[name]["history"]), name
+
+
+@pytest.mark.parametrize("saved_backend, resumed_backend", [("loop", "grouped"), ("grouped", "loop")])
+def test_a_resume_on_the_other_expert_backend_keeps_the_windows(tmp_path: Path, saved_backend: str,
+                                                               resumed_backend: str) -> None:  # fmt: skip
+    """The per-expert loop keeps a window per expert (`fc1.<e>`), the grouped backends one per fc with an expert
+    axis: a resume on the other backend gets the same windows in its own form, and makes no state of the
+    other form (a later save would carry stale windows)."""
+    trainer(tmp_path, f"moe.backend={saved_backend}", "train.train_iters=2", "checkpoint.save_interval=2").run()
+    saved = _saved_windows(tmp_path / "checkpoints")
+    t = trainer(tmp_path / "r", f"moe.backend={resumed_backend}", "train.train_iters=4",
+                f"checkpoint.load={tmp_path / 'checkpoints'}")  # fmt: skip
+    experts = t.model.decoder.layers[0].mlp.experts
+    got = windows(t)
+    for fc in ("fc1", "fc2"):
+        for role in ("input", "weight", "grad"):
+            whole = f"decoder.layers.0.mlp.experts.{fc}.{role}"
+            per = [f"decoder.layers.0.mlp.experts.{fc}.{e}.{role}" for e in range(4)]
+            if resumed_backend == "grouped":
+                assert torch.equal(got[whole]["history"], torch.stack([saved[n]["history"] for n in per], dim=-1))
+            else:
+                for e, n in enumerate(per):
+                    assert torch.equal(got[n]["history"], saved[whole]["history"][..., e]), n
+    want_keys = {"fc1", "fc2"} if resumed_backend == "grouped" else {f"fc{i}.{e}" for i in (1, 2) for e in range(4)}
+    assert set(experts.recipe_states) == want_keys
+
+
+def test_a_resume_in_another_fp8_format_recomputes_the_scales(tmp_path: Path) -> None:
+    """A `hybrid` checkpoint (e5m2 grads, largest value 57344) resumed as `e4m3` (448): the grads' scales come
+    from the saved amaxes and this run's format, not the saved e5m2 scales (128x too large for e4m3)."""
+    trainer(tmp_path, "moe.backend=grouped", "mixed_precision.fp8=hybrid", "train.train_iters=2",
+            "checkpoint.save_interval=2").run()  # fmt: skip
+    saved = _saved_windows(tmp_path / "checkpoints")
+    t = trainer(tmp_path / "r", "moe.backend=grouped", "train.train_iters=4",
+                f"checkpoint.load={tmp_path / 'checkpoints'}")  # fmt: skip
+    got = windows(t)
+    grads = [n for n in saved if n.endswith(".grad")]
+    assert grads
+    for n in grads:
+        window = saved[n]["history"].amax(dim=0)
+        assert (window > 0).all(), n
+        assert torch.allclose(got[n]["scale"], 448.0 / window), n
+        assert torch.allclose(saved[n]["scale"], 57344.0 / window), n
+    for n in saved:  # e4m3 operands: the saved scales, bit for bit
+        if not n.endswith(".grad"):
+            assert torch.equal(got[n]["scale"], saved[n]["scale"]), n
+
+
 def test_a_window_of_another_length_keeps_the_newest_entries() -> None:
     saved = torch.arange(6.0).reshape(3, 2)  # newest first
     assert torch.equal(_fit(saved, 2), saved[:2])
