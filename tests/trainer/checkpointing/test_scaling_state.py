@@ -14,6 +14,7 @@ renumbered to global indices.
 
 from __future__ import annotations
 
+import base64
 from pathlib import Path
 
 import pytest
@@ -108,9 +109,11 @@ def test_restore_sets_the_saved_windows_and_skips_what_does_not_fit(tmp_path: Pa
 
 
 def _saved_windows(path: Path) -> dict[str, dict[str, torch.Tensor]]:
-    from trainer.checkpointing.scaling_state import _decode_entry
+    """The checkpoint's windows, decoded here (base64 fp32 bytes and a shape, docs/checkpoint.md)."""
+    def decode(v: dict) -> torch.Tensor:
+        return torch.frombuffer(bytearray(base64.b64decode(v["data"])), dtype=torch.float32).reshape(v["shape"])
 
-    return {n: _decode_entry(e) for n, e in open_checkpoint(path).meta[META_KEY].items()}
+    return {n: {f: decode(v) for f, v in e.items()} for n, e in open_checkpoint(path).meta[META_KEY].items()}
 
 
 @pytest.mark.parametrize("load", [["checkpoint.no_load_optim=true"],
