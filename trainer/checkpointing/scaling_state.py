@@ -168,6 +168,8 @@ def _all_gather_last(t: torch.Tensor, group: Any, size: int) -> torch.Tensor:
 def export_scaling(model: nn.Module, pstate: Optional[ParallelState]) -> Optional[dict[str, Any]]:
     """The checkpoint's `scaling` meta of `model` (None without delayed-scaling windows). Collective over the
     world when torch.distributed runs (every rank calls it and gets the same value)."""
+    if not any(True for _ in _module_states(model)) and not _storages(model):
+        return None  # no delayed scaling in this run (the config's choice, so every rank returns here)
     multi = pstate is not None and pstate.world_size > 1 and dist.is_initialized()
     ep = pstate.ep if multi else None  # type: ignore[union-attr]
     ep_rank, n_local, experts = (ep.rank if ep is not None else 0), _n_local(model), _expert_modules(model)

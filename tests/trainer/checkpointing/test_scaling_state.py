@@ -176,6 +176,13 @@ def test_a_resume_in_another_fp8_format_recomputes_the_scales(tmp_path: Path) ->
             assert torch.equal(got[n]["scale"], saved[n]["scale"]), n
 
 
+def test_a_run_without_delayed_scaling_saves_no_windows(tmp_path: Path) -> None:
+    t = trainer(tmp_path, "moe.backend=grouped", "mixed_precision.fp8_recipe=tensorwise", "train.train_iters=1",
+                "checkpoint.save_interval=1")  # fmt: skip
+    t.run()
+    assert META_KEY not in open_checkpoint(tmp_path / "checkpoints").meta
+
+
 def test_a_window_of_another_length_keeps_the_newest_entries() -> None:
     saved = torch.arange(6.0).reshape(3, 2)  # newest first
     assert torch.equal(_fit(saved, 2), saved[:2])
