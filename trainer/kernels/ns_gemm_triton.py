@@ -214,11 +214,10 @@ def _axpby_kernel_tma(l_desc, r_desc, e_desc, out_desc, s_ptr, M: tl.constexpr, 
 @triton.jit
 def _axpby_apply_kernel_tma(l_desc, r_desc, e_desc, s_ptr, p_ptr, p_offs_ptr, M: tl.constexpr, N: tl.constexpr,
                             alpha, decay, p_alpha, HAS_S: tl.constexpr, TRANS_R: tl.constexpr, BLOCK: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                            OUT_DTYPE: tl.constexpr):  # fmt: skip
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
     # `_axpby_kernel_tma`, but the result updates slice b's fp32 master (at p_ptr + p_offs[b], laid out as the
-    # result would be) instead of being stored: `master = master * decay + p_alpha * X`, X rounded to
-    # OUT_DTYPE first, as `muon_triton.apply_` reads it. A kernel of its own, so the measured one is untouched.
+    # result would be) instead of being stored: `master = master * decay + p_alpha * X`, X rounded to its own
+    # dtype (r's) first, as `muon_triton.apply_` reads it. A kernel of its own, so the measured one is untouched.
     pid = tl.program_id(0)
     b = tl.program_id(1)
     tiles_n = N // BLOCK_N
@@ -242,7 +241,7 @@ def _axpby_apply_kernel_tma(l_desc, r_desc, e_desc, s_ptr, p_ptr, p_offs_ptr, M:
     if HAS_S:
         acc = acc * tl.load(s_ptr + b)
     master = tl.load(ptrs) * decay
-    tl.store(ptrs, master + p_alpha * acc.to(OUT_DTYPE).to(tl.float32))
+    tl.store(ptrs, master + p_alpha * acc.to(e_desc.dtype).to(tl.float32))
 
 
 def _rows(t: torch.Tensor) -> tuple[torch.Tensor, bool] | None:
@@ -296,9 +295,6 @@ def gram_(y: torch.Tensor, out: torch.Tensor, alpha: float = 1.0, beta: float = 
     return out
 
 
-_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
-
-
 @dataclass(frozen=True)
 class MasterUpdate:
     """Muon's update of the fp32 masters, done by the last `B X` instead of storing X (`axpby_`'s `apply`):
@@ -335,7 +331,7 @@ def axpby_(l: torch.Tensor, r: torch.Tensor, out: torch.Tensor, alpha: float, sc
             _axpby_kernel_tma[grid](*descs, ss, m, n, alpha, **tuning)
         else:
             _axpby_apply_kernel_tma[grid](*descs[:3], ss, apply.base, apply.offsets, m, n, alpha, apply.decay,
-                                          apply.alpha, OUT_DTYPE=_TL_DTYPES[out.dtype], **tuning)  # fmt: skip
+                                          apply.alpha, **tuning)  # fmt: skip
         return out
     if apply is not None:
         raise ValueError("the master update runs in the TMA kernel only: check `applies` first")
@@ -351,8 +347,7 @@ def axpby_(l: torch.Tensor, r: torch.Tensor, out: torch.Tensor, alpha: float, sc
 def applies(x: torch.Tensor, tall: bool) -> bool:
     """Whether `iterate` of `[B, rows, cols]` `x` can update the masters in its last product (`MasterUpdate`):
     the TMA kernels take its layout, and its slices tile into the update's blocks."""
-    wide = x.mT if tall else x
-    m, n = wide.shape[-2:]
+    n = (x.mT if tall else x).shape[-1]
     return x.dim() == 3 and x.is_contiguous() and _tma_ok(x) and n % _config("AXPBY_APPLY", AXPBY_APPLY_CONFIG)[3] == 0
 
 

@@ -230,13 +230,11 @@ class _Step:
         fused kernels run and the Triton GEMMs can (`muon.updates_masters`); else None."""
         if os.environ.get(APPLY_IN_GEMM_ENV, "0") != "1" or not fused or not updates_masters(X, sumsq):
             return None
-        scales = {muon_lr_scale(mat.shape) for mat in run}
-        if len(scales) != 1:
-            return None
         from trainer.kernels.ns_gemm_triton import MasterUpdate
 
         base, offsets = _master_table(tuple(mat.master for mat in run), X.shape[-2] * X.shape[-1])
-        return MasterUpdate(base, offsets, decay=1 - self.lr * self.weight_decay, alpha=-self.lr * scales.pop())
+        alpha = -self.lr * muon_lr_scale(run[0].shape)  # a batch's matrices share their trailing shape
+        return MasterUpdate(base, offsets, decay=1 - self.lr * self.weight_decay, alpha=alpha)
 
     def apply(self, run: list[MuonMatrix], O: torch.Tensor, fused: bool) -> None:
         """Weight decay and the scaled orthogonalised update `O` (the batch's result) of every matrix of `run`."""
