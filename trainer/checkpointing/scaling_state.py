@@ -297,12 +297,8 @@ def restore_scaling(model: nn.Module, meta: dict[str, Any], pstate: Optional[Par
             if gname not in saved:
                 continue
             params = storage.owner_params(owner)
-            h = storage.histories.get(owner)
-            if h is None:
-                h = AmaxHistory(storage.recipe.history_len, storage.fmt.max, storage.history_shape(params))
             entry = local(gname, _decode_entry(saved[gname]))
-            if _put(h, entry, params[0].device):
-                storage.histories[owner] = h
+            if _put(storage.owner_history(owner, params), entry, params[0].device):
                 if masters_restored:
                     storage.pending_scales[owner] = entry["used"].to(params[0].device)
                 restored += 1

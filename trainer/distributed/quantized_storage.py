@@ -335,17 +335,13 @@ class PerTensorFP8Storage(QuantizedParamStorage):
         for owner, params in by_owner.items():
             params = self.owner_params(owner, params)
             vec = torch.cat([amax[p] for p in params])
-            shape = self.history_shape(params)
-            hist = self.histories.get(owner)
-            if hist is None:
-                length = self.recipe.history_len  # type: ignore[attr-defined]
-                hist = self.histories[owner] = AmaxHistory(length, self.fmt.max, shape)
+            hist = self.owner_history(owner, params)
             pending = self.pending_scales.pop(owner, None)
             if pending is not None:  # the load's staging of restored masters: as the saved run staged them
                 scale = pending.to(vec.device, torch.float32).reshape(-1)
             else:
                 scale = hist.current_scale(vec.device).clone().reshape(-1)
-                hist.record(vec.reshape(shape))
+                hist.record(vec.reshape(hist.shape))
             at = 0
             for p in params:
                 out[p] = scale[at:at + self.slots(p)]
@@ -364,11 +360,14 @@ class PerTensorFP8Storage(QuantizedParamStorage):
                 raise ValueError("delayed scaling: every expert of a per-expert layer must be in one storage")
         return params
 
-    def history_shape(self, params: list[nn.Parameter]) -> tuple[int, ...]:
-        """The shape of the delayed history `owner_params` share: one entry per expert, else a scalar."""
-        if self.site(params[0]).expert is not None or params[0].dim() == 3:
-            return (sum(self.slots(p) for p in params),)
-        return ()
+    def owner_history(self, owner: Any, params: list[nn.Parameter]) -> AmaxHistory:
+        """The delayed history `owner_params` share, made on first use: one entry per expert, else a scalar."""
+        if owner not in self.histories:
+            per_expert = self.site(params[0]).expert is not None or params[0].dim() == 3
+            shape = (sum(self.slots(p) for p in params),) if per_expert else ()
+            length = self.recipe.history_len  # type: ignore[attr-defined]
+            self.histories[owner] = AmaxHistory(length, self.fmt.max, shape)
+        return self.histories[owner]
 
     # ---- staging and post-processing ----------------------------------------------------------------
     def stage(self, bucket: "Bucket", lo: int, hi: int, master: torch.Tensor) -> None:
