@@ -18,12 +18,6 @@ The first step can also take each slice's normalisation (`scale`, `1 / (|X| + ep
 `X' = s X`, `A = s^2 X X^T` and the next X is `s (a X + B X)`, so Muon's pass that divides X by its norm is
 gone (`muon.orthogonalize_` with the blend's sums of squares), and `X / |X|` is never rounded to bf16.
 
-The last step can also update Muon's fp32 masters instead of writing X (`MasterUpdate`, TMA kernels only):
-each slice's master is found through a table of offsets from the lowest-addressed one (a batch spans
-params), and the epilogue does what `muon_triton.apply_` would with the bf16 X, saving X's write, its read
-and one pass over the masters. Checked in Triton's interpreter (equal to iterate-then-apply); not yet
-compiled or timed on a GPU, so `muon_batch` uses it only under `MOECTL_MUON_APPLY_IN_GEMM=1`.
-
 Two kernel families, the same sums in the same order (bitwise equal on an H100, measured): on Hopper and
 later the operands arrive by TMA (`_gram_kernel_tma`, `_axpby_kernel_tma`: a tall slice's transposed view is
 read as its own storage and transposed in shared memory); elsewhere, or for other layouts, pointer loads. A
@@ -44,7 +38,6 @@ TFLOP/s of the FLOPs done (931 counted as the full product, cuBLAS's full produc
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
@@ -59,9 +52,6 @@ AXPBY_CONFIG = (8, 3, 64, 256)
 # the same for the TMA kernels (Hopper and later), from a sweep of 14 configs (docs/benchmarks.md, eleventh session)
 GRAM_TMA_CONFIG = (4, 3, 64)
 AXPBY_TMA_CONFIG = (8, 4, 64, 256)
-# the last B X when it updates the masters: half as wide, so the fp32 master tile fits in registers beside
-# the accumulator
-AXPBY_APPLY_CONFIG = (8, 3, 64, 128)
 
 
 def _config(name: str, default: tuple[int, ...]) -> tuple[int, ...]:
@@ -211,39 +201,6 @@ def _axpby_kernel_tma(l_desc, r_desc, e_desc, out_desc, s_ptr, M: tl.constexpr, 
         out_desc.store([b * M + m0, n0], acc.to(out_desc.dtype))
 
 
-@triton.jit
-def _axpby_apply_kernel_tma(l_desc, r_desc, e_desc, s_ptr, p_ptr, p_offs_ptr, M: tl.constexpr, N: tl.constexpr,
-                            alpha, decay, p_alpha, HAS_S: tl.constexpr, TRANS_R: tl.constexpr, BLOCK: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
-    # `_axpby_kernel_tma`, but the result updates slice b's fp32 master (at p_ptr + p_offs[b], laid out as the
-    # result would be) instead of being stored: `master = master * decay + p_alpha * X`, X rounded to its own
-    # dtype (r's) first, as `muon_triton.apply_` reads it. A kernel of its own, so the measured one is untouched.
-    pid = tl.program_id(0)
-    b = tl.program_id(1)
-    tiles_n = N // BLOCK_N
-    m0 = (pid // tiles_n) * BLOCK
-    n0 = (pid % tiles_n) * BLOCK_N
-    acc = tl.zeros((BLOCK, BLOCK_N), dtype=tl.float32)
-    for kk in tl.range(0, M // BLOCK_K, num_stages=STAGES):
-        if TRANS_R:
-            acc = tl.dot(l_desc.load([b * M + m0, kk * BLOCK_K]), r_desc.load([b * N + n0, kk * BLOCK_K]).T, acc)
-        else:
-            acc = tl.dot(l_desc.load([b * M + m0, kk * BLOCK_K]), r_desc.load([b * M + kk * BLOCK_K, n0]), acc)
-    rm = (m0 + tl.arange(0, BLOCK)).to(tl.int64)
-    rn = (n0 + tl.arange(0, BLOCK_N)).to(tl.int64)
-    base = p_ptr + tl.load(p_offs_ptr + b)
-    if TRANS_R:
-        acc += alpha * e_desc.load([b * N + n0, m0]).T.to(tl.float32)
-        ptrs = base + rn[None, :] * M + rm[:, None]
-    else:
-        acc += alpha * e_desc.load([b * M + m0, n0]).to(tl.float32)
-        ptrs = base + rm[:, None] * N + rn[None, :]
-    if HAS_S:
-        acc = acc * tl.load(s_ptr + b)
-    master = tl.load(ptrs) * decay
-    tl.store(ptrs, master + p_alpha * acc.to(e_desc.dtype).to(tl.float32))
-
-
 def _rows(t: torch.Tensor) -> tuple[torch.Tensor, bool] | None:
     """A `[B, p, q]` operand's storage as a 2-D row-major matrix, and whether `t` is its transposed view:
     `([B*p, q], False)` for a contiguous `t`, `([B*q, p], True)` for the `.mT` of a contiguous tensor."""
@@ -295,29 +252,15 @@ def gram_(y: torch.Tensor, out: torch.Tensor, alpha: float = 1.0, beta: float = 
     return out
 
 
-@dataclass(frozen=True)
-class MasterUpdate:
-    """Muon's update of the fp32 masters, done by the last `B X` instead of storing X (`axpby_`'s `apply`):
-    slice b of the batch is the master at `base`'s data + `offsets[b]` elements (int64 `[B]`, on the device),
-    laid out as the batch's slice (the master's rows in order); `master = master * decay + alpha * X`."""
-
-    base: torch.Tensor
-    offsets: torch.Tensor
-    decay: float
-    alpha: float
-
-
-def axpby_(l: torch.Tensor, r: torch.Tensor, out: torch.Tensor, alpha: float, scale: torch.Tensor | None = None,
-           apply: MasterUpdate | None = None) -> torch.Tensor:  # fmt: skip
+def axpby_(l: torch.Tensor, r: torch.Tensor, out: torch.Tensor, alpha: float,
+           scale: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """`out = s * (l @ r + alpha * r)` for `[B, m, m]` `l` and `[B, m, n]` `r` (any strides; `out` must not alias
-    `r`); `scale`: an fp32 `[B]` factor `s` per slice, else 1. `apply` (TMA kernels only: `applies`): update the
-    masters with the result instead of writing `out`."""
+    `r`); `scale`: an fp32 `[B]` factor `s` per slice, else 1."""
     batch, m, n = r.shape
     ss = scale if scale is not None else _no_scale(r.device)
     assert l.shape == (batch, m, m) and out.shape == r.shape, (tuple(l.shape), tuple(r.shape))
     if l.is_contiguous() and _tma_ok(l, r, out) and _rows(r)[1] == _rows(out)[1]:
-        warps, stages, block_k, block_n = _config("AXPBY_APPLY" if apply else "AXPBY_TMA",
-                                                  AXPBY_APPLY_CONFIG if apply else AXPBY_TMA_CONFIG)  # fmt: skip
+        warps, stages, block_k, block_n = _config("AXPBY_TMA", AXPBY_TMA_CONFIG)
         assert m % BLOCK_MN == 0 and m % block_k == 0 and n % block_n == 0, (tuple(l.shape), tuple(r.shape))
         (r_rows, trans), (o_rows, _) = _rows(r), _rows(out)
         tile = [block_n, BLOCK_MN] if trans else [BLOCK_MN, block_n]
@@ -326,15 +269,8 @@ def axpby_(l: torch.Tensor, r: torch.Tensor, out: torch.Tensor, alpha: float, sc
                  TensorDescriptor.from_tensor(r_rows, tile), TensorDescriptor.from_tensor(o_rows, tile))  # fmt: skip
         tuning = dict(HAS_S=scale is not None, TRANS_R=trans, BLOCK=BLOCK_MN, BLOCK_N=block_n, BLOCK_K=block_k,
                       STAGES=stages, num_warps=warps, num_stages=stages)  # fmt: skip
-        grid = ((m // BLOCK_MN) * (n // block_n), batch)
-        if apply is None:
-            _axpby_kernel_tma[grid](*descs, ss, m, n, alpha, **tuning)
-        else:
-            _axpby_apply_kernel_tma[grid](*descs[:3], ss, apply.base, apply.offsets, m, n, alpha, apply.decay,
-                                          apply.alpha, **tuning)  # fmt: skip
+        _axpby_kernel_tma[((m // BLOCK_MN) * (n // block_n), batch)](*descs, ss, m, n, alpha, **tuning)
         return out
-    if apply is not None:
-        raise ValueError("the master update runs in the TMA kernel only: check `applies` first")
     warps, stages, block_k, block_n = _config("AXPBY", AXPBY_CONFIG)
     assert m % BLOCK_MN == 0 and m % block_k == 0 and n % block_n == 0, (tuple(l.shape), tuple(r.shape))
     _axpby_kernel[((m // BLOCK_MN) * (n // block_n), batch)](
@@ -344,13 +280,6 @@ def axpby_(l: torch.Tensor, r: torch.Tensor, out: torch.Tensor, alpha: float, sc
     return out
 
 
-def applies(x: torch.Tensor, tall: bool) -> bool:
-    """Whether `iterate` of `[B, rows, cols]` `x` can update the masters in its last product (`MasterUpdate`):
-    the TMA kernels take its layout, and its slices tile into the update's blocks."""
-    n = (x.mT if tall else x).shape[-1]
-    return x.dim() == 3 and x.is_contiguous() and _tma_ok(x) and n % _config("AXPBY_APPLY", AXPBY_APPLY_CONFIG)[3] == 0
-
-
 @lru_cache(maxsize=None)
 def _no_scale(device: torch.device) -> torch.Tensor:
     """A one-element fp32 tensor passed where a kernel's optional `scale` is absent (never read)."""
@@ -358,14 +287,13 @@ def _no_scale(device: torch.device) -> torch.Tensor:
 
 
 def iterate(x: torch.Tensor, steps: int, coefficients: tuple[float, float, float], tall: bool,
-            scale: torch.Tensor | None = None, apply: MasterUpdate | None = None) -> torch.Tensor | None:  # fmt: skip
+            scale: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """`steps` quintic steps on `[B, rows, cols]` `x` (consumed), as `muon._iterate_fused` runs them with cuBLAS.
 
     A tall slice (rows > cols) runs on the transposed views. Returns a tensor of `x`'s shape and strides
     (`x` itself or its one ping-pong buffer). `scale`: fp32 `[B]`, each slice's normalisation `1 / (|X| + eps)`
     when `x` is not yet normalised: the first step's products take it in their epilogues (`X' = s X`, so
     `A = s^2 X X^T` and `X'' = s (a X + B X)`), which saves the pass over X that normalising first costs.
-    `apply` (where `applies`): the last product updates the masters instead of writing X; returns None.
     """
     a, b, c = coefficients
     cur, nxt = x, torch.empty_like(x)
@@ -373,10 +301,10 @@ def iterate(x: torch.Tensor, steps: int, coefficients: tuple[float, float, float
     batch, m, _ = wide(x).shape
     A = torch.empty(batch, m, m, dtype=x.dtype, device=x.device)
     B = torch.empty_like(A)
-    for i in range(steps):
+    for _ in range(steps):
         gram_(wide(cur), A, scale=scale)
         gram_(A, B, alpha=c, beta=b, c=A)
-        axpby_(B, wide(cur), wide(nxt), a, scale=scale, apply=apply if i == steps - 1 else None)
+        axpby_(B, wide(cur), wide(nxt), a, scale=scale)
         cur, nxt = nxt, cur
         scale = None
-    return None if apply is not None else cur
+    return cur

@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
@@ -101,16 +101,13 @@ def newton_schulz(G: torch.Tensor, steps: int, compute_dtype: torch.dtype = torc
     return orthogonalize_(G.to(compute_dtype, copy=True), steps)
 
 
-def orthogonalize_(X: torch.Tensor, steps: int, sumsq: Optional[torch.Tensor] = None,
-                   apply: Optional[Any] = None) -> Optional[torch.Tensor]:
+def orthogonalize_(X: torch.Tensor, steps: int, sumsq: Optional[torch.Tensor] = None) -> torch.Tensor:
     """`newton_schulz` of `X` in its own dtype, consuming `X` (it is normalised in place; the caller owns it).
 
     fp32: the reference iteration; any other dtype: the fused baddbmm chain (see the module docstring), on the
     matrices' own orientation. `sumsq`: each slice's sum of squares, already computed (fp32, one per slice of a
     contiguous `X`, from `kernels/muon_triton.blend_` and `slice_sums`); the normalisation then runs as one fused
-    kernel, or, on the Triton GEMMs, inside the first step's products (`ns_gemm_triton.iterate`). `apply`: an
-    `ns_gemm_triton.MasterUpdate`, where `updates_masters` says so: the last product updates the masters
-    instead of returning the result (None is returned).
+    kernel, or, on the Triton GEMMs, inside the first step's products (`ns_gemm_triton.iterate`).
     """
     if steps < 1:
         raise ValueError(f"Newton-Schulz needs at least one step, got {steps}")
@@ -118,9 +115,7 @@ def orthogonalize_(X: torch.Tensor, steps: int, sumsq: Optional[torch.Tensor] = 
     folds = X.dtype != torch.float32 and X.is_contiguous() and _use_triton(X.reshape(-1, *X.shape[-2:]))
     if sumsq is not None and folds:  # the Triton GEMMs take 1 / (|X| + eps) in the first step: no pass over X
         scale = sumsq.sqrt().add_(NS_EPS).reciprocal_()
-        return _iterate_fused(X, steps, tall, scale, apply)
-    if apply is not None:
-        raise ValueError("only the Triton Newton-Schulz GEMMs update the masters: check `updates_masters` first")
+        return _iterate_fused(X, steps, tall, scale)
     if sumsq is not None:
         from trainer.kernels import muon_triton
 
@@ -144,14 +139,13 @@ def _iterate_reference(X: torch.Tensor, steps: int) -> torch.Tensor:
     return X
 
 
-def _iterate_fused(X: torch.Tensor, steps: int, tall: bool, scale: Optional[torch.Tensor] = None,
-                   apply: Optional[Any] = None) -> Any:
+def _iterate_fused(X: torch.Tensor, steps: int, tall: bool, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The quintic steps as three batched GEMMs each, the scaled additions in the GEMM epilogue.
 
     A tall `[M, m]` slice (M > m) iterates from the right, `A = X^T X`, `X = a X + X B`: the same product as
     transposing, iterating and transposing back (A and B are symmetric), with every tensor contiguous in the
-    slice's own orientation, so nothing downstream reads a transposed result. `scale` and `apply` (Triton path
-    only): each slice's normalisation, not yet applied to X, and the master update (`ns_gemm_triton.iterate`).
+    slice's own orientation, so nothing downstream reads a transposed result. `scale` (Triton path only): each
+    slice's normalisation, not yet applied to X (`ns_gemm_triton.iterate`).
     """
     a, b, c = NS_COEFFICIENTS
     shape = X.shape
@@ -159,9 +153,8 @@ def _iterate_fused(X: torch.Tensor, steps: int, tall: bool, scale: Optional[torc
     if _use_triton(X):
         from trainer.kernels import ns_gemm_triton
 
-        out = ns_gemm_triton.iterate(X, steps, NS_COEFFICIENTS, tall, scale, apply)
-        return None if out is None else out.reshape(shape)
-    assert scale is None and apply is None, "only the Triton GEMMs fold the normalisation and the update in"
+        return ns_gemm_triton.iterate(X, steps, NS_COEFFICIENTS, tall, scale).reshape(shape)
+    assert scale is None, "only the Triton GEMMs fold the normalisation in"
     fold = X.dtype == torch.float16  # a I + B in fp16 (see the module docstring)
     for _ in range(steps):
         A = torch.bmm(X.mT, X) if tall else torch.bmm(X, X.mT)
@@ -172,16 +165,6 @@ def _iterate_fused(X: torch.Tensor, steps: int, tall: bool, scale: Optional[torc
         else:
             X = torch.baddbmm(X, X, B, beta=a) if tall else torch.baddbmm(X, B, X, beta=a)
     return X.reshape(shape)
-
-
-def updates_masters(X: torch.Tensor, sumsq: Optional[torch.Tensor]) -> bool:
-    """Whether `orthogonalize_(X, steps, sumsq, apply=...)` updates the masters in its last product: a
-    contiguous low-precision `[B, m, n]` batch with its sums of squares, on the Triton GEMMs' TMA kernels."""
-    if sumsq is None or X.dtype == torch.float32 or X.dim() != 3 or not X.is_contiguous() or not _use_triton(X):
-        return False
-    from trainer.kernels import ns_gemm_triton
-
-    return ns_gemm_triton.applies(X, X.size(-2) > X.size(-1))
 
 
 def _use_triton(X: torch.Tensor) -> bool:

@@ -28,10 +28,6 @@ whole weight is gathered into the slot (one copy) and the result scattered back 
 (one copy). Momentum, weight decay and update run on the whole weight either way, so each half gets the
 bits the existing single-matrix iteration gives it alone (CPU, tested).
 
-With `MOECTL_MUON_APPLY_IN_GEMM=1` (off until measured on a GPU), a batch of several slices on the Triton
-GEMMs' TMA kernels updates its masters in the last Newton-Schulz product (`_Step.master_update`,
-`ns_gemm_triton.MasterUpdate`) instead of returning X for `apply`.
-
 A batch holds at most `MAX_BATCH_ELEMENTS` elements (a larger single matrix goes alone): the iteration
 keeps about four batch-sized tensors alive (X, the Gram matrices A and B, the next X), and batching gains
 nothing once one GEMM fills the device.
@@ -48,15 +44,12 @@ import torch
 from moectl.core.facts import GluRows
 from trainer.kernels import has_triton
 from trainer.optim.grad_norm import clipped
-from trainer.optim.muon import glu_halves, glu_split_shape, muon_lr_scale, orthogonalize_, updates_masters
+from trainer.optim.muon import glu_halves, glu_split_shape, muon_lr_scale, orthogonalize_
 from trainer.streams import side_stream
 
 #: elements per Newton-Schulz batch (2^28: 512 MiB per batch-sized tensor in bf16)
 MAX_BATCH_ELEMENTS = 1 << 28
 OVERLAP_ENV = "MOECTL_MUON_OVERLAP"
-#: "1": the last Newton-Schulz product updates the masters (`_Step.master_update`). Off by default: written and
-#: checked in Triton's interpreter, not yet compiled or timed on a GPU (docs/design.md, Muon)
-APPLY_IN_GEMM_ENV = "MOECTL_MUON_APPLY_IN_GEMM"
 
 
 @dataclass(frozen=True)
@@ -150,9 +143,7 @@ def muon_step_(matrices: Sequence[MuonMatrix], *, lr: float, momentum: float, ne
     if not _overlaps(runs):
         for run in runs:
             X, sumsq, fused = step.prepare(run)
-            O = orthogonalize_(X, ns_steps, sumsq, step.master_update(run, X, sumsq, fused))
-            if O is not None:  # else the last GEMM updated the masters
-                step.apply(run, O, fused)
+            step.apply(run, orthogonalize_(X, ns_steps, sumsq), fused)
         return
     main = torch.cuda.current_stream()
     side = side_stream(main.device, "muon")
@@ -171,15 +162,14 @@ def muon_step_(matrices: Sequence[MuonMatrix], *, lr: float, momentum: float, ne
     for i, run in enumerate(runs):
         X, sumsq, fused, ready = nxt
         main.wait_event(ready)
-        O = orthogonalize_(X, ns_steps, sumsq, step.master_update(run, X, sumsq, fused))
+        O = orthogonalize_(X, ns_steps, sumsq)
         done = main.record_event()
+        O.record_stream(side)
         if i + 1 < len(runs):
             nxt = prepare_on_side(runs[i + 1])  # queued on the side stream ahead of this batch's apply
-        if O is not None:  # else the last GEMM updated the masters, on this stream
-            O.record_stream(side)
-            with torch.cuda.stream(side):
-                side.wait_event(done)
-                step.apply(run, O, fused)
+        with torch.cuda.stream(side):
+            side.wait_event(done)
+            step.apply(run, O, fused)
         del X, sumsq, O
     main.wait_stream(side)  # the masters are read next (bf16 publish, param gather)
 
@@ -224,18 +214,6 @@ class _Step:
         sumsq = None if partials is None else _kernels().slice_sums(partials, m * n)
         return X, sumsq, fused
 
-    def master_update(self, run: list[MuonMatrix], X: torch.Tensor, sumsq: Optional[torch.Tensor],
-                      fused: bool) -> Optional[Any]:  # fmt: skip
-        """`apply`'s work as the last Newton-Schulz product's epilogue (`ns_gemm_triton.MasterUpdate`), where the
-        fused kernels run and the Triton GEMMs can (`muon.updates_masters`); else None."""
-        if os.environ.get(APPLY_IN_GEMM_ENV, "0") != "1" or not fused or not updates_masters(X, sumsq):
-            return None
-        from trainer.kernels.ns_gemm_triton import MasterUpdate
-
-        base, offsets = _master_table(tuple(mat.master for mat in run), X.shape[-2] * X.shape[-1])
-        alpha = -self.lr * muon_lr_scale(run[0].shape)  # a batch's matrices share their trailing shape
-        return MasterUpdate(base, offsets, decay=1 - self.lr * self.weight_decay, alpha=alpha)
-
     def apply(self, run: list[MuonMatrix], O: torch.Tensor, fused: bool) -> None:
         """Weight decay and the scaled orthogonalised update `O` (the batch's result) of every matrix of `run`."""
         decay = 1 - self.lr * self.weight_decay
@@ -257,23 +235,6 @@ class _Step:
             if self.weight_decay != 0:
                 mat.master.mul_(decay)
             mat.master.add_(ortho, alpha=alpha)
-
-
-_OFFSETS: dict[tuple[Any, ...], torch.Tensor] = {}
-
-
-def _master_table(masters: tuple[torch.Tensor, ...], slice_elems: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The lowest-addressed master and each batch slice's element offset from it (int64, on the device): where
-    the last Newton-Schulz product writes each slice's update. The offsets are a function of the masters'
-    addresses and sizes (the masters do not move, though their views are made anew each step): made once,
-    so a captured step reads a table made before the capture."""
-    base = min(masters, key=lambda t: t.data_ptr())
-    key = tuple((t.data_ptr(), t.numel()) for t in masters) + (slice_elems,)
-    if key not in _OFFSETS:
-        offsets = [(t.data_ptr() - base.data_ptr()) // t.element_size() + k * slice_elems
-                   for t in masters for k in range(t.numel() // slice_elems)]  # fmt: skip
-        _OFFSETS[key] = torch.tensor(offsets, dtype=torch.int64, device=base.device)
-    return base, _OFFSETS[key]
 
 
 def _blend(mat: MuonMatrix, slot: torch.Tensor, grad_scale: float, momentum: float, nesterov: bool) -> None:

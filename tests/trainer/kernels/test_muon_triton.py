@@ -101,8 +101,7 @@ def test_fused_step_is_bit_reproducible() -> None:
 @gpu
 @needs_kernels
 @pytest.mark.parametrize("nesterov", [True, False])
-@pytest.mark.parametrize("apply_in_gemm", [False, True])
-def test_fused_step_tracks_the_torch_step(monkeypatch: pytest.MonkeyPatch, nesterov: bool, apply_in_gemm: bool) -> None:
+def test_fused_step_tracks_the_torch_step(monkeypatch: pytest.MonkeyPatch, nesterov: bool) -> None:
     # wide and tall grouped weights sharing a trailing shape with 2-D ones, and a lone tall 2-D matrix
     shapes = [(128, 256), (3, 128, 256), (128, 256), (2, 512, 128), (512, 128), (1024, 64)]
     mats = _mats(shapes, "cuda", seed=1)
@@ -111,15 +110,7 @@ def test_fused_step_tracks_the_torch_step(monkeypatch: pytest.MonkeyPatch, neste
     grads = [m.grad.clone() for m in mats]
     hp = dict(lr=0.02, momentum=0.95, nesterov=nesterov, ns_steps=5, weight_decay=0.1, grad_scale=0.5)
     assert all(fused_elementwise([m], torch.bfloat16) for m in mats)
-    # with the switch on, the batches of several slices update their masters in the last GEMM (offset table)
-    monkeypatch.setenv(muon_batch.APPLY_IN_GEMM_ENV, "1" if apply_in_gemm else "0")
-    if apply_in_gemm and torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("the update in the GEMM runs in the TMA kernels: compute capability 9.0")
-    tables = []
-    table = muon_batch._master_table
-    monkeypatch.setattr(muon_batch, "_master_table", lambda *a: tables.append(a) or table(*a))
     muon_step_(mats, compute_dtype=torch.bfloat16, **hp)  # type: ignore[arg-type]
-    assert bool(tables) == apply_in_gemm  # the switch took the path (the two batches of several slices)
     monkeypatch.setattr(muon_batch, "fused_elementwise", lambda run, dtype: False)
     muon_step_(torch_bf16, compute_dtype=torch.bfloat16, **hp)  # type: ignore[arg-type]
     muon_step_(torch_fp32, compute_dtype=torch.float32, **hp)  # type: ignore[arg-type]

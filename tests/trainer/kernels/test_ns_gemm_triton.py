@@ -121,37 +121,3 @@ def test_the_normalisation_folds_into_the_first_step(tall: bool, kernels: str) -
     err = (folded.float() - first.float()).norm(dim=(-2, -1)) / first.float().norm(dim=(-2, -1))
     assert float(err.max()) <= RANDOM_TOL, err
     assert folded.stride() == X.stride()
-
-
-@gpu
-@pytest.mark.parametrize("tall", [False, True])
-def test_the_last_product_updates_the_masters_as_apply_does(tall: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`iterate(..., apply=MasterUpdate)` writes `master * decay + alpha * X` into each slice's master (two
-    masters, in separate allocations, covering the batch) instead of returning X: the values the unfused
-    iteration and `muon_triton.apply_` give, to fp32 rounding (a fused multiply-add may round once less)."""
-    from trainer.kernels import muon_triton
-    from trainer.kernels import ns_gemm_triton as K
-
-    monkeypatch.setenv("MOECTL_NS_TMA", "1")  # B X in the update's tiles at every step: the same X bits both ways
-    monkeypatch.setenv("MOECTL_NS_AXPBY_TMA", ",".join(map(str, K.AXPBY_APPLY_CONFIG)))
-    if torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("the master update runs in the TMA kernel: compute capability 9.0")
-    gen = torch.Generator(device="cuda").manual_seed(4)
-    shape = (3, 256, 128) if tall else (3, 128, 256)
-    X = torch.randn(shape, device="cuda", generator=gen).to(torch.bfloat16)
-    norm = X.float().norm(dim=(-2, -1))
-    scale = (norm + muon.NS_EPS).reciprocal()
-    masters = [torch.randn(n, *shape[1:], device="cuda", generator=gen).squeeze(0) for n in (2, 1)]
-    assert K.applies(X, tall)
-    O = K.iterate(X.clone(), 5, muon.NS_COEFFICIENTS, tall, scale)
-    want = [m.clone() for m in masters]
-    muon_triton.apply_(want[0], O[:2].contiguous(), decay=0.998, alpha=-0.02)
-    muon_triton.apply_(want[1], O[2].contiguous(), decay=0.998, alpha=-0.02)
-    base = min(masters, key=lambda t: t.data_ptr())
-    slice_elems = shape[1] * shape[2]
-    offsets = [(masters[0].data_ptr() - base.data_ptr()) // 4 + k * slice_elems for k in range(2)]
-    offsets.append((masters[1].data_ptr() - base.data_ptr()) // 4)
-    update = K.MasterUpdate(base, torch.tensor(offsets, device="cuda"), decay=0.998, alpha=-0.02)
-    assert K.iterate(X.clone(), 5, muon.NS_COEFFICIENTS, tall, scale, update) is None
-    for got, ref in zip(masters, want):
-        torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-7)
