@@ -1169,15 +1169,27 @@ def head_dim_even_for_rope(c: Context) -> Iterator[_Hit]:
 # -------------------------------------------------------------------------------------------- CUDA graphs
 
 
+def device_offset_recipe(cfg: Config) -> bool:
+    """Whether the experts' grouped GEMMs read their per-expert row split on the device: bf16/fp16 ones
+    (`torch._grouped_mm`) and fp8 e4m3 with per-tensor or per-row scales (`torch._scaled_grouped_mm`, every
+    pass native). The other recipes (fp8 hybrid's e5m2 grads, blockwise, mxfp8, fp4) run some grouped GEMM
+    emulated, segment by segment, with the split read on the host."""
+    mp = cfg.mixed_precision
+    if mp.fp4:
+        return False
+    return not mp.fp8 or (mp.fp8 == "e4m3" and mp.fp8_recipe in ("tensorwise", "delayed", "rowwise"))
+
+
 def static_expert_rows(cfg: Config) -> bool:
-    """Whether every MoE layer's expert input has a row count fixed by the config (what a CUDA graph needs,
-    MOE034): drop-and-pad, or dropless experts without an fp8/fp4 recipe (the rows are the T*K routings;
-    the grouped GEMMs read the per-expert split from device offsets). Elsewhere the dispatcher sizes the
+    """Whether every MoE layer's expert input has a row count fixed by the config and a per-expert split the
+    GEMMs read on the device (what a CUDA graph needs, MOE034): drop-and-pad (every split is the capacity),
+    or dropless experts (T*K routings plus a static bound on the alignment padding) whose recipe's grouped
+    GEMMs take device offsets (`device_offset_recipe`). With drops and no padding the dispatcher sizes the
     input with a host sync."""
-    m, mp = cfg.moe, cfg.mixed_precision
+    m = cfg.moe
     if m.capacity_factor is not None:
         return m.pad_expert_input_to_capacity
-    return not (mp.fp8 or mp.fp4)
+    return device_offset_recipe(cfg)
 
 
 @rule(
@@ -1185,20 +1197,21 @@ def static_expert_rows(cfg: Config) -> bool:
     "cuda_graph",
     "error",
     ["train.cuda_graph", "moe.capacity_factor", "moe.pad_expert_input_to_capacity", "mixed_precision.fp8",
-     "mixed_precision.fp4"],
-    "an MoE model under CUDA graphs needs a static number of expert input rows",
+     "mixed_precision.fp8_recipe", "mixed_precision.fp4"],
+    "an MoE model under CUDA graphs needs a static number of expert input rows, split on the device",
 )
 def cuda_graph_needs_static_expert_rows(c: Context) -> Iterator[_Hit]:
-    """A CUDA graph replays fixed shapes and launches with no host syncs. The expert input has a static
-    row count in two cases: drop-and-pad (every expert padded to its capacity), and dropless experts
-    without a low-precision recipe, whose rows are exactly the T*K routings, split among experts by
-    device-side offsets the grouped GEMMs read on the GPU. A capacity without padding drops a
-    data-dependent number of routings, and an fp8/fp4 recipe pads each expert's segment to its block
-    alignment: both size the expert input with a device-to-host sync. (Megatron captures MoE layers only
-    with drop-and-pad; moectl's grouped GEMMs take their group offsets on the device, which lifts that
-    for dropless bf16 on sm90/sm100, where `torch._grouped_mm` keeps them there. Its fallback for fp32
-    params and older GPUs reads them on the host: the capture then fails with one line naming the place,
-    and `train.cuda_graph: null` does not try.)"""
+    """A CUDA graph replays fixed shapes and launches with no host syncs. The expert input is static in two
+    cases: drop-and-pad (every expert padded to its capacity), and dropless experts, whose rows are the T*K
+    routings plus alignment padding bounded by `align - 1` rows per expert (the dispatcher sizes the input
+    to the bound: trainer/moe/dispatch.py), split among experts by device-side offsets that the grouped
+    GEMMs read on the GPU. A capacity without padding drops a data-dependent number of routings (a host
+    sync sizes the input), and a recipe with an emulated grouped GEMM (fp8 hybrid's e5m2 grads, blockwise,
+    mxfp8, fp4) slices each expert's segment at offsets read on the host. (Megatron captures MoE layers
+    only with drop-and-pad; moectl's grouped GEMMs take their group offsets on the device, which lifts that
+    for dropless bf16 and fp8 e4m3 on sm90/sm100, where `torch._grouped_mm` and `torch._scaled_grouped_mm`
+    keep them there. Their fallback for fp32 params and older GPUs reads them on the host: the capture
+    then fails with one line naming the place, and `train.cuda_graph: null` does not try.)"""
     m, mp = c.cfg.moe, c.cfg.mixed_precision
     if not c.cfg.train.cuda_graph or c.moe_layers == 0 or static_expert_rows(c.cfg):
         return
@@ -1210,12 +1223,14 @@ def cuda_graph_needs_static_expert_rows(c: Context) -> Iterator[_Hit]:
             "train.cuda_graph=false",
         )
     else:
-        culprit = f"mixed_precision.fp8={mp.fp8}" if mp.fp8 else f"mixed_precision.fp4={mp.fp4}"
+        culprit = (
+            f"mixed_precision.fp4={mp.fp4}" if mp.fp4 else f"mixed_precision.fp8={mp.fp8} with fp8_recipe={mp.fp8_recipe}"
+        )
         yield _Hit(
-            f"train.cuda_graph=true with dropless experts (moe.capacity_factor=null) and {culprit} (each "
-            "expert's rows are padded to the recipe's block alignment: a data-dependent row count)",
-            "set moe.capacity_factor (e.g. 1.25) and moe.pad_expert_input_to_capacity=true, or "
-            "train.cuda_graph=false",
+            f"train.cuda_graph=true with dropless experts (moe.capacity_factor=null) and {culprit} (a grouped "
+            "GEMM of that recipe runs emulated, expert by expert, at row offsets read on the host)",
+            "set moe.capacity_factor (e.g. 1.25) and moe.pad_expert_input_to_capacity=true, or use "
+            "mixed_precision.fp8=e4m3 with fp8_recipe tensorwise, delayed or rowwise, or train.cuda_graph=false",
         )
 
 

@@ -17,9 +17,10 @@ from pinned tensors refreshed before the step. Python that runs during the forwa
 layers' statistics) runs once, at capture: the layers' `stats` are pointed back at the graph's outputs
 after each replay, so metrics read the replayed values.
 
-Shapes must be static: drop-and-pad experts, or dropless ones without an fp8/fp4 recipe, whose T*K rows
-are split among experts by device offsets (MOE034); one expert-parallel rank (MOE058); a backend that
-reads no counts on the host (MOE059). The first step runs eagerly (compiles, autotuning, lazily built
+Shapes must be static: drop-and-pad experts, or dropless ones, whose T*K rows (plus alignment padding
+sized to its static bound under a recipe) are split among experts by device offsets, where the recipe's
+grouped GEMMs read them there (MOE034: bf16, fp8 e4m3 tensorwise, delayed, rowwise); one expert-parallel
+rank (MOE058); a backend that reads no counts on the host (MOE059). The first step runs eagerly (compiles, autotuning, lazily built
 state); the capture happens at the first micro-batch of the next step, on a private memory pool.
 """
 

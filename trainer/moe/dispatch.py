@@ -12,14 +12,17 @@ expert input (kept routings grouped by expert, each expert's segment padded).
   expert to exactly C rows (rounded up to `align`): P = E * C is static, no host sync.
 - Alignment (`align`): each expert's segment is padded with zero rows of prob 0 to a multiple of `align`
   (quantized grouped GEMMs need 16/32-row groups). A prob-0 row's output is 0 and its grads are 0, so
-  padding changes neither outputs nor weight grads.
+  padding changes neither outputs nor weight grads. Dropless, the padded total is data-dependent but
+  bounded: at most `align - 1` rows per expert. P is that bound (rounded down to a multiple of `align`) and
+  the slack goes to the last expert as more padding, so the shape is static (no host sync; what a CUDA
+  graph needs) at a cost of at most E * (align - 1) zero rows, one expert's worth of extra tiles.
 - Combine: each kept routing's output row (already scaled by its prob inside the expert MLP) goes back to
   its `[T, K]` slot, and the K slots of a token are summed in a fixed order: no atomics, so the result is
   deterministic on every device.
 - Rows move by gathers in both directions, forward and backward (`permute.py`): one gather builds x_PD,
   padding included, and its backward sums each token's K row grads; no scatter-add anywhere.
 
-Host syncs: only to size P when it is data-dependent (alignment padding without pad-to-capacity, or drops).
+Host syncs: only to size P when routings are dropped (a capacity without pad-to-capacity).
 `LocalDispatcher` is the one-device dispatcher; an expert-parallel all-to-all dispatcher keeps its interface.
 """
 
@@ -95,6 +98,11 @@ class LocalDispatcher:
         assert self.capacity_factor is not None
         return -(-capacity(self.capacity_factor, T, K, self.num_experts) // self.align) * self.align
 
+    def dropless_rows(self, T: int, K: int) -> int:
+        """P for dropless experts: T*K routings plus at most `align - 1` padding rows per expert, rounded down
+        to a multiple of `align` (the padded total is one, so it never exceeds this)."""
+        return (T * K + self.num_experts * (self.align - 1)) // self.align * self.align
+
     def dispatch(
         self, x_TD: torch.Tensor, router_out: RouterOutput, flush: Optional[Callable[[], None]] = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, DispatchPlan]:
@@ -130,6 +138,10 @@ class LocalDispatcher:
             assert C_pad is not None
             rows_E = torch.full((E,), C_pad, dtype=torch.int64, device=dev)
             P = C_pad * E  # static: no host sync
+        elif self.align > 1 and self.capacity_factor is None:
+            P = self.dropless_rows(T, K)
+            rows_E = _round_up(counts_E, self.align)
+            rows_E[-1] += P - rows_E.sum()  # the slack: padding of the last expert, still a multiple of align
         elif self.align > 1:
             rows_E = _round_up(counts_E, self.align)
             P = int(rows_E.sum())  # host sync: P is data-dependent

@@ -284,13 +284,20 @@ CASES = [
     # CUDA graphs
     Case(
         "MOE034",
-        ["train.cuda_graph=true", "mixed_precision.bf16=true", "mixed_precision.fp8=e4m3"],
-        ["train.cuda_graph=true", "mixed_precision.bf16=true", "mixed_precision.fp8=e4m3", *DROP_AND_PAD],
-        name="dropless-fp8",
+        ["train.cuda_graph=true", "mixed_precision.bf16=true", "mixed_precision.fp8=hybrid"],
+        ["train.cuda_graph=true", "mixed_precision.bf16=true", "mixed_precision.fp8=hybrid", *DROP_AND_PAD],
+        name="dropless-fp8-emulated",
     ),
     Case(
         "MOE034",
-        ["train.cuda_graph=true", "mixed_precision.bf16=true", "mixed_precision.fp8=e4m3"],
+        ["train.cuda_graph=true", "mixed_precision.bf16=true", "mixed_precision.fp8=e4m3",
+         "mixed_precision.fp8_recipe=mxfp8"],
+        ["train.cuda_graph=true", "mixed_precision.bf16=true", "mixed_precision.fp8=e4m3"],  # native grouped
+        name="dropless-fp8-device-offsets",
+    ),
+    Case(
+        "MOE034",
+        ["train.cuda_graph=true", "mixed_precision.bf16=true", "mixed_precision.fp8=hybrid"],
         ["train.cuda_graph=true", "mixed_precision.bf16=true"],  # bf16 dropless: T*K rows, device offsets
         name="dropless-bf16",
     ),

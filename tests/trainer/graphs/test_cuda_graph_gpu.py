@@ -5,7 +5,7 @@ on the real `Trainer`. Recorded: after every micro-batch, the LM and aux losses 
 `main_grad`; after every step, the params, the fp32 masters and Adam moments, the published quantized
 weights (rowwise and columnwise bytes and scales: the fp8 weight caches) and the eval loss. The graph run
 (step 1 eager, steps 2-4 replayed) must equal the eager run bit for bit, with bf16, fp8 tensorwise and fp8
-param gather in both expert layouts, bf16 dropless experts in both layouts, fp8 delayed, rowwise and
+param gather in both expert layouts, bf16 and fp8 dropless experts in both layouts, fp8 delayed, rowwise and
 blockwise scaling, `fp8: hybrid`, MXFP8 (with param gather, and on the grouped backend), NVFP4 and Muon.
 The emulated GEMMs among them (Hopper has no MXFP8/NVFP4/blockwise GEMMs) split their token groups by the
 dispatcher's equal drop-and-pad rows, known on the host, so nothing is read from the device in the capture.
@@ -54,6 +54,9 @@ VARIANTS = {
     "bf16-dropless": DROPLESS,
     "bf16-dropless-per-expert": [*DROPLESS, "moe.single_grouped_weight=false"],
     "fp8": FP8,
+    # dropless fp8: the input sized to its static bound, the slack padded into the last expert
+    "fp8-dropless": [*FP8, *DROPLESS],
+    "fp8-dropless-per-expert": [*FP8, *DROPLESS, "moe.single_grouped_weight=false"],
     "fp8-param-gather": [*FP8, "mixed_precision.fp8_param_gather=true"],
     "fp8-param-gather-per-expert": [*FP8, "mixed_precision.fp8_param_gather=true", "moe.single_grouped_weight=false"],
     # beyond what `train.cuda_graph: null` turns on (there only `true` captures them)

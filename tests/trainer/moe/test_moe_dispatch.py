@@ -26,13 +26,39 @@ def test_permutation_is_stable_by_expert_and_padding_is_zero_with_prob_zero():
     )
     x = torch.arange(5.0)[:, None].repeat(1, D) + 1  # row t is all (t + 1)
     x_PD, rows_E, probs_P, plan = LocalDispatcher(4, align=4).dispatch(x, ro)
-    assert plan.tokens_per_expert_E.tolist() == [4, 0, 4, 2] and rows_E.tolist() == [4, 0, 4, 4]
-    # expert 0: tokens 0,1,3,4 in token order; expert 2: tokens 0,1,2,3; expert 3: tokens 2,4 then 2 pad rows
-    assert x_PD[:, 0].tolist() == [1, 2, 4, 5, 1, 2, 3, 4, 3, 5, 0, 0]
-    assert probs_P.tolist() == pytest.approx([0.4, 0.7, 0.9, 0.2, 0.6, 0.3, 0.5, 0.1, 0.5, 0.8, 0, 0])
+    # dropless: P is the static bound (10 routings + 3 pad rows for each of 4 experts -> 20), the slack
+    # beyond each expert's own padding (12 rows) goes to the last expert
+    assert plan.tokens_per_expert_E.tolist() == [4, 0, 4, 2] and rows_E.tolist() == [4, 0, 4, 12]
+    # expert 0: tokens 0,1,3,4 in token order; expert 2: tokens 0,1,2,3; expert 3: tokens 2,4 then 10 pad rows
+    assert x_PD[:, 0].tolist() == [1, 2, 4, 5, 1, 2, 3, 4, 3, 5] + [0] * 10
+    assert probs_P.tolist() == pytest.approx([0.4, 0.7, 0.9, 0.2, 0.6, 0.3, 0.5, 0.1, 0.5, 0.8] + [0] * 10)
     no_pad = LocalDispatcher(4).dispatch(x, ro)
     assert no_pad[0][:, 0].tolist() == [1, 2, 4, 5, 1, 2, 3, 4, 3, 5]
     assert not no_pad[3].padded and torch.equal(no_pad[3].src_P, no_pad[3].order_R)  # x_PD: the sorted routings
+
+
+@pytest.mark.parametrize("align", [2, 4, 16])
+def test_dropless_aligned_rows_are_static_and_every_segment_stays_aligned(align: int) -> None:
+    # a CUDA graph replays one shape: P must not depend on the routing, and each expert's segment must stay a
+    # multiple of `align` (quantized grouped GEMMs), the last one included after it takes the slack
+    T, K, E = 37, 3, 5
+    disp = LocalDispatcher(E, align=align)
+    shapes = set()
+    for seed, skew in [(0, 0.0), (1, 4.0), (2, 50.0)]:  # balanced to one expert taking nearly everything
+        g = torch.Generator().manual_seed(seed)
+        scores = torch.rand(T, E, generator=g) + skew * (torch.arange(E) == 1)
+        probs, idx = scores.softmax(-1).topk(K, dim=-1)
+        counts = torch.bincount(idx.flatten(), minlength=E)
+        ro = RouterOutput(probs, idx, counts, torch.zeros(()), torch.zeros(()))
+        x = torch.randn(T, D, generator=g)
+        x_PD, rows_E, probs_P, plan = disp.dispatch(x, ro)
+        shapes.add(x_PD.shape[0])
+        assert x_PD.shape[0] == plan.num_rows == int(rows_E.sum()) == disp.dropless_rows(T, K)
+        assert bool((rows_E % align == 0).all()) and bool((rows_E >= counts).all())
+        assert bool((rows_E[:-1] - counts[:-1] < align).all())  # only the last expert takes the slack
+        y = disp.combine(x_PD * probs_P[:, None], plan)
+        torch.testing.assert_close(y, x * probs.sum(-1, keepdim=True))
+    assert len(shapes) == 1
 
 
 @pytest.mark.parametrize("kw", [{}, {"align": 8}, {"capacity_factor": 0.75, "align": 4},
