@@ -73,7 +73,7 @@ RULES: tuple[Rule, ...] = (
          within=r"^(c10d::|nccl:|gloo:)|record_param_comms"),
     Rule("attention", kernel=r"flash|fmha|attention|sdpa|cudnn", within=r"scaled_dot_product|_attention"),
     Rule("grouped_gemm", op=r"^aten::_(scaled_)?grouped_mm$",
-         kernel=r"grouped_?(gemm|mm)|GroupProblemShape|^_wgrad_kernel(_tma)?$"),  # the last: the experts' fused wgrad
+         kernel=r"grouped_?(gemm|mm)|GroupProblemShape|^_(fp8_)?wgrad_kernel(_tma)?$"),  # the last: fused expert wgrads
     Rule("gemm", op=r"^aten::(mm|addmm|bmm|baddbmm|_scaled_mm|_addmm_activation|linear|matmul)$",
          kernel=r"gemm|nvjet|xmma|cutlass|cublas|gemv|^triton_tem_"),
     Rule("quantize", kernel=r"quant|amax|fp8|fp4|e4m3|e5m2|_mx_|_transpose_kernel"),

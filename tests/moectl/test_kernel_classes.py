@@ -15,6 +15,7 @@ GROUPED = ("void cutlass::device_kernel<at::cuda::detail::enable_3x_kernel_for_s
 CASES = [
     ("_wgrad_kernel", (), "moe.experts", "grouped_gemm"),  # trainer/kernels/grouped_wgrad_triton.py
     ("_wgrad_kernel_tma", (), "moe.experts", "grouped_gemm"),  # its TMA variant (Hopper)
+    ("_fp8_wgrad_kernel_tma", (), "moe.experts", "grouped_gemm"),  # trainer/kernels/fp8_wgrad_triton.py
     # (kernel name, ops innermost first, region, category)
     ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTN", ("aten::mm", "aten::matmul", "aten::linear"), "attention",
      "dense_gemm"),

@@ -47,13 +47,25 @@ def accumulate_grouped_wgrad_(targets: Sequence[torch.Tensor], a_TM: torch.Tenso
     if offs_E is None:
         offs_E = torch.cumsum(tokens_per_expert_E.to(a_TM.device), 0)
     a_TM, b_TN = a_TM.contiguous(), b_TN.contiguous()
-    layout = _layout_of(targets)
-    if layout.rows is not None and _tma_fits(a_TM, b_TN, M, N):
-        # built per call, never cached: a cached view would keep a freed grad buffer's storage alive
-        matrix = targets[layout.low].as_strided((layout.num_rows, N), (N, 1))
-        kernels.grouped_wgrad_accumulate_tma_(matrix, layout.rows, a_TM, b_TN, offs_E, M, N)
+    rows = rows_view(targets)
+    if rows is not None and _tma_fits(a_TM, b_TN, M, N):
+        kernels.grouped_wgrad_accumulate_tma_(*rows, a_TM, b_TN, offs_E, M, N)
     else:
-        kernels.grouped_wgrad_accumulate_(base, layout.offsets, a_TM, b_TN, offs_E, M, N)
+        kernels.grouped_wgrad_accumulate_(base, _layout_of(targets).offsets, a_TM, b_TN, offs_E, M, N)
+
+
+def rows_view(targets: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The E fp32 `[M, N]` targets as one `[R, N]` matrix and each one's first row in it (int64, on the device),
+    what the TMA kernels write through; None where they are not whole rows of one allocation (or not on CUDA)."""
+    M, N = targets[0].shape
+    for t in targets:
+        if t.dtype != torch.float32 or tuple(t.shape) != (M, N) or t.stride() != (N, 1):
+            raise ValueError("grouped wgrad targets must be contiguous fp32 [M, N] matrices of one shape")
+    layout = _layout_of(targets)
+    if layout.rows is None:
+        return None
+    # built per call, never cached: a cached view would keep a freed grad buffer's storage alive
+    return targets[layout.low].as_strided((layout.num_rows, N), (N, 1)), layout.rows
 
 
 @dataclass(frozen=True)

@@ -228,9 +228,9 @@ class _ExpertMLPFunction(torch.autograd.Function):
     @staticmethod
     def _wgrad_into(ctx: Any) -> Optional[tuple[list[torch.Tensor], list[torch.Tensor]]]:
         """Where the backend accumulates the weight grads itself (gradient-accumulation fusion, a backend that
-        can, no recipe, fp32 main_grads), or None: the grads then come back and are routed."""
+        can, fp32 main_grads; under a recipe too), or None: the grads then come back and are routed."""
         w1, _, w2, _ = ctx.groups
-        if not (ctx.module.gradient_accumulation_fusion and ctx.precision is None and supports_wgrad_into(ctx.backend)):
+        if not (ctx.module.gradient_accumulation_fusion and supports_wgrad_into(ctx.backend)):
             return None
         t1, t2 = ctx.module.linear_fc1.wgrad_targets(w1), ctx.module.linear_fc2.wgrad_targets(w2)
         return (t1, t2) if t1 is not None and t2 is not None else None

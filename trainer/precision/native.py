@@ -168,6 +168,33 @@ def grouped_mm_2d2d(g: QuantizedTensor, x: QuantizedTensor, fast_accum: bool = F
     return zero_empty_groups_(out, g.groups.offsets)
 
 
+def grouped_wgrad_accumulate_(g: QuantizedTensor, x: QuantizedTensor, targets: list[torch.Tensor],
+                              fast_accum: bool = False) -> bool:
+    """targets[e] += dW[e], the weight grad `grouped_mm_2d2d` would return, summed in fp32 and added into the
+    fp32 `[O, D]` targets in one Triton kernel (`trainer/kernels/fp8_wgrad_triton.py`): gradient-accumulation
+    fusion, no bf16 grad written, read and added. Whether it ran: it takes e4m3 per-tensor copies (one scale
+    per token group) on Hopper or later, targets that are whole rows of one allocation, and 128-row tiles
+    of each grad; elsewhere the caller computes dW and adds it."""
+    if g.groups is None or g.scheme.kind != "tensor" or x.scheme.kind != "tensor" or not g.device.type == "cuda":
+        return False
+    qg, qx = g.copy("columnwise"), x.copy("columnwise")
+    if not (qg.data.dtype == qx.data.dtype == torch.float8_e4m3fn and has_triton()):
+        return False
+    from trainer.kernels import fp8_wgrad_triton as kernel  # lazy: needs Triton
+    from trainer.kernels.grouped_wgrad import rows_view
+
+    if not kernel.fits(qg.data, qx.data, qg.data.shape[0]):
+        return False
+    rows = rows_view(targets)
+    if rows is None:
+        return False
+    G = g.groups.count
+    sg, sx = qg.scale.reshape(-1).float(), qx.scale.reshape(-1).float()
+    sg, sx = (s if s.numel() == G else s.expand(G).contiguous() for s in (sg, sx))
+    kernel.fp8_grouped_wgrad_accumulate_tma_(*rows, qg.data, qx.data, g.groups.offsets, sg, sx, fast_accum=fast_accum)
+    return True
+
+
 def zero_empty_groups_(out_GXY: torch.Tensor, offsets_G: torch.Tensor) -> torch.Tensor:
     """Zero `out[g]` in place for every group g without rows (offsets: cumulative ends, on the device; no
     host sync): a Triton kernel touching only those slabs on CUDA, a masked fill (one full pass) elsewhere."""

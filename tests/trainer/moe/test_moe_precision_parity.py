@@ -278,3 +278,24 @@ def test_experts_told_their_equal_rows_compute_the_same_bits(backend: str, name:
     assert_equal(got, want)
     with pytest.raises(ValueError, match="do not make"):
         real(torch.zeros(sum(counts), D), torch.tensor(counts), None, rows_each=counts[0] + 1)
+
+
+@pytest.mark.parametrize("name", ["tensorwise", "delayed", "mxfp8"])
+def test_fused_backend_adds_recipe_wgrads_into_main_grad_as_routing_would(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # gradient-accumulation fusion under a recipe: the fused backend adds the weight grads into main_grad
+    # itself (on Hopper inside the fp8 kernel; here, emulated, the product then one add), bitwise what the
+    # grads routed through autograd add up to over two steps
+    from trainer.moe.backends import fused as fused_backend
+
+    calls: list[int] = []
+    real = fused_backend.grouped_wgrad_accumulate_
+    monkeypatch.setattr(fused_backend, "grouped_wgrad_accumulate_", lambda *a: calls.append(1) or real(*a))
+    counts = counts_for(RECIPES[name]())
+    routed = run(build("fused", RECIPES[name](), grouped=True), counts)
+    assert not calls
+    for grouped in (True, False):
+        into = run(build("fused", RECIPES[name](), grouped=grouped, fuse=True), counts, fuse=True)
+        assert_equal(routed, into)
+    assert len(calls) == 8  # fc1 and fc2, two steps, two layouts: the backend's own accumulation ran

@@ -28,7 +28,9 @@ or exact emulation) around the same fused activation kernel. fc2's input a = pro
 quantized in forward and its columnwise copy kept for dw2 (recomputing it in backward would quantize it
 twice, and record delayed scaling's amax twice), so under a recipe backward does not recompute a. The
 probs sit inside fc2's quantized input here (outside it in the loop/grouped backends), so fused and grouped
-agree within the recipe's rounding, not bitwise. The weight-grad GEMMs run on the main stream.
+agree within the recipe's rounding, not bitwise. With `wgrad_into` the weight grads are added into the fp32
+targets: by the fp8 kernel that sums in fp32 and adds in its epilogue where it applies (e4m3 per-tensor on
+Hopper, `native.grouped_wgrad_accumulate_`), else the recipe's product then one add.
 
 Constraints inherited from `torch._grouped_mm`: every row stride 16-byte aligned (D, H, F multiples of 8 in
 bf16) and no stride-0 operands (a broadcast dy is made contiguous). Rows of x beyond
@@ -52,8 +54,10 @@ from trainer.moe import expert_math
 from trainer.moe.expert_math import bias_grads, expert_of_row
 from trainer.moe.expert_precision import qlinear_forward, quantize_output_grad
 from trainer.precision.groups import TokenGroups
+from trainer.precision.native import grouped_wgrad_accumulate_
 from trainer.precision.quantize import triton_fast_path
 from trainer.precision.recipes import TensorwiseRecipe
+from trainer.regions import GRAD_ACCUMULATE, region
 from trainer.streams import side_stream
 
 WgradTargets = tuple[list[torch.Tensor], list[torch.Tensor]]  # fc1's and fc2's per-expert fp32 grad targets
@@ -216,9 +220,7 @@ class FusedBackend:
         dw1 and dw2 then come back None.
         """
         if isinstance(ctx, QuantizedFusedCtx):
-            if wgrad_into is not None:
-                raise ValueError("wgrad_into is for the high-precision path; a recipe's wgrad is fp32 already")
-            return _backward_quantized(ctx, dy_TD, self.overlap_wgrad)
+            return _backward_quantized(ctx, dy_TD, self.overlap_wgrad, wgrad_into)
         x, h, w1, w2, probs = ctx.x_TD, ctx.h_TH, ctx.w1_EHD, ctx.w2_EDF, ctx.probs_T
         rows = x.shape[0]
         # grouped_mm rejects stride-0 (expanded) grads and needs aligned rows: make dy a plain tensor.
@@ -255,9 +257,7 @@ class FusedBackend:
         `wgrad()` (delayed wgrad: they then run on the current stream, when the caller calls it). With
         `wgrad_into`, `wgrad()` accumulates the weight grads there (as `backward` does) and returns None for them."""
         if isinstance(ctx, QuantizedFusedCtx):
-            if wgrad_into is not None:
-                raise ValueError("wgrad_into is for the high-precision path; a recipe's wgrad is fp32 already")
-            return _backward_quantized_dgrad(ctx, dy_TD)
+            return _backward_quantized_dgrad(ctx, dy_TD, wgrad_into)
         x, h, w1, w2, probs = ctx.x_TD, ctx.h_TH, ctx.w1_EHD, ctx.w2_EDF, ctx.probs_T
         dy = dy_TD.to(x.dtype).contiguous()
         if x.shape[0] == 0:
@@ -365,7 +365,9 @@ def _forward_quantized(
     return y_TD, ctx
 
 
-def _backward_quantized(ctx: QuantizedFusedCtx, dy_TD: torch.Tensor, overlap_wgrad: bool = False) -> Grads:
+def _backward_quantized(
+    ctx: QuantizedFusedCtx, dy_TD: torch.Tensor, overlap_wgrad: bool = False, into: WgradTargets | None = None
+) -> Grads:
     """The recipe path of `FusedBackend.backward`: fc2 dgrad/wgrad, fused activation backward, fc1.
 
     With `overlap_wgrad` on CUDA both weight-grad GEMMs run on the side stream: dw2 while the main stream
@@ -377,8 +379,8 @@ def _backward_quantized(ctx: QuantizedFusedCtx, dy_TD: torch.Tensor, overlap_wgr
     if h.shape[0] == 0:
         assert ctx.x_TD is not None
         zeros = lambda t: None if t is None else torch.zeros_like(t)  # noqa: E731
-        w1 = torch.zeros(ctx.w_shapes[0], dtype=torch.float32, device=h.device)
-        w2 = torch.zeros(ctx.w_shapes[1], dtype=torch.float32, device=h.device)
+        w1 = None if into else torch.zeros(ctx.w_shapes[0], dtype=torch.float32, device=h.device)
+        w2 = None if into else torch.zeros(ctx.w_shapes[1], dtype=torch.float32, device=h.device)
         return torch.zeros_like(ctx.x_TD), w1, zeros(ctx.b1_EH), w2, zeros(ctx.b2_ED), zeros(probs)
     dy = dy_TD.to(h.dtype).contiguous()
     side = side_stream(h.device, "wgrad") if overlap_wgrad and h.is_cuda else None
@@ -387,7 +389,7 @@ def _backward_quantized(ctx: QuantizedFusedCtx, dy_TD: torch.Tensor, overlap_wgr
     g2 = quantize_output_grad(fc2, dy, _as_amax(amax_dy))
     da_TF = fc2.recipe.grouped_dgrad(g2, fc2.wq, fc2.x_dtype)
     with _on_side(side):
-        dw2_EDF = fc2.recipe.grouped_wgrad(g2, fc2.xq)
+        dw2_EDF = _quantized_wgrad(fc2, g2, None if into is None else into[1])
     extra = {} if kernels is _Reference else {"write_a": False}  # a's quantized copy was kept instead
     dh_TH, dprobs_T, _ = kernels.glu_backward(
         h, probs, da_TF, ctx.activation, ctx.interleave, ctx.b1_EH, ctx.expert_T, **_amax_kw(amax_dh, fc1.groups),
@@ -395,23 +397,25 @@ def _backward_quantized(ctx: QuantizedFusedCtx, dy_TD: torch.Tensor, overlap_wgr
     )  # fmt: skip
     g1 = quantize_output_grad(fc1, dh_TH, _as_amax(amax_dh))
     with _on_side(side):
-        dw1_EHD = fc1.recipe.grouped_wgrad(g1, fc1.xq)
+        dw1_EHD = _quantized_wgrad(fc1, g1, None if into is None else into[0])
     dx_TD = fc1.recipe.grouped_dgrad(g1, fc1.wq, fc1.x_dtype)
-    _join(side, dw2_EDF, dw1_EHD)
+    _join(side, *(t for t in (dw2_EDF, dw1_EHD) if t is not None))
     db1_EH, db2_ED, dprobs_T = _bias_grads(
         ctx.b1_EH, ctx.b2_ED, probs, ctx.expert_T, ctx.tokens_per_expert_E, dy, dh_TH, dprobs_T
     )
     return dx_TD, dw1_EHD, db1_EH, dw2_EDF, db2_ED, dprobs_T
 
 
-def _backward_quantized_dgrad(ctx: QuantizedFusedCtx, dy_TD: torch.Tensor) -> tuple[torch.Tensor, Any, Any]:
+def _backward_quantized_dgrad(
+    ctx: QuantizedFusedCtx, dy_TD: torch.Tensor, into: WgradTargets | None = None
+) -> tuple[torch.Tensor, Any, Any]:
     """`_backward_quantized` as (dx, dprobs, wgrad): both output grads quantized and both data grads now, the
     weight-grad GEMMs on those quantized grads (and the bias grads) when `wgrad()` runs."""
     if ctx.fc1 is None or ctx.fc2 is None:
         raise RuntimeError("expert backward after a forward without grad")
     h, probs, fc1, fc2 = ctx.h_TH, ctx.probs_T, ctx.fc1, ctx.fc2
     if h.shape[0] == 0:
-        dx, dw1, db1, dw2, db2, dprobs = _backward_quantized(ctx, dy_TD)
+        dx, dw1, db1, dw2, db2, dprobs = _backward_quantized(ctx, dy_TD, into=into)
         return dx, dprobs, lambda: (dw1, db1, dw2, db2)
     dy = dy_TD.to(h.dtype).contiguous()
     kernels = _kernels(h.device)
@@ -428,12 +432,26 @@ def _backward_quantized_dgrad(ctx: QuantizedFusedCtx, dy_TD: torch.Tensor) -> tu
     dprobs_T = _dprobs_with_b2(ctx.b2_ED, probs, ctx.expert_T, dy, dprobs_T)
 
     def wgrad() -> tuple[torch.Tensor, "torch.Tensor | None", torch.Tensor, "torch.Tensor | None"]:
-        dw2_EDF = fc2.recipe.grouped_wgrad(g2, fc2.xq)
-        dw1_EHD = fc1.recipe.grouped_wgrad(g1, fc1.xq)
+        dw2_EDF = _quantized_wgrad(fc2, g2, None if into is None else into[1])
+        dw1_EHD = _quantized_wgrad(fc1, g1, None if into is None else into[0])
         db1_EH, db2_ED = _bias_only(ctx.b1_EH, ctx.b2_ED, probs, ctx.tokens_per_expert_E, dy, dh_TH)
         return dw1_EHD, db1_EH, dw2_EDF, db2_ED
 
     return dx_TD, dprobs_T, wgrad
+
+
+def _quantized_wgrad(s: Any, gq: Any, into: list[torch.Tensor] | None) -> torch.Tensor | None:
+    """dW of one linear under its recipe (`s` a SavedLinear, `gq` its quantized output grad), or, with `into`
+    (gradient-accumulation fusion), added into those fp32 targets (None back): in the GEMM where the fp8 kernel
+    applies, else the recipe's product then one add, what unfused routing would do."""
+    if into is None:
+        return s.recipe.grouped_wgrad(gq, s.xq)
+    fused = s.recipe.mode != "emulate" and grouped_wgrad_accumulate_(gq, s.xq, into, s.recipe.fast_accum_backward)
+    if not fused:
+        dw = s.recipe.grouped_wgrad(gq, s.xq)
+        with region(GRAD_ACCUMULATE):
+            torch._foreach_add_(into, list(dw.unbind(0)))
+    return None
 
 
 def _amax_slots(
