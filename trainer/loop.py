@@ -45,6 +45,7 @@ from trainer.regions import OPTIMIZER, region
 from trainer.run_dir import RunDirLock, prepare_run_dir
 from trainer.run_state import RunState
 from trainer.runtime import Runtime, setup_runtime
+from trainer.step_weights import StepWeights
 from trainer.stop import StopSignals
 from trainer.threads import ThreadChoice, apply_cpu_threads, choose_cpu_threads
 
@@ -104,6 +105,13 @@ class Trainer:
             MicroBatchGraph(self.model, self.model.loss, self.n_micro) if wants_cuda_graph(cfg, self.rt.device)
             else None
         )  # fmt: skip
+        # Recipe weights quantized once per step (trainer/step_weights.py); fp8 param gather publishes its own.
+        # With data parallelism and no graph the param gather overlaps the first forward; finishing it before
+        # the step would give that overlap up, so each forward quantizes as before there.
+        self.step_weights = (
+            StepWeights(self.model) if not cfg.mixed_precision.fp8_param_gather and (self.graph or self.dp == 1)
+            else None
+        )  # fmt: skip
         self.train_data, eval_sampler = build_data_for(cfg, self.rt)
         # The same held-out batches at every evaluation, so eval losses are comparable across steps.
         self.eval_batches = eval_sampler.eval_batches(cfg.train.eval_iters) if cfg.train.eval_interval else []
@@ -153,17 +161,24 @@ class Trainer:
         graph = self.graph if self.graph is not None and step > self.start_step else None
         if graph is not None:
             engine.sync_params_for_eval()  # the gather completes outside the graph (no pre-hook runs at replay)
-            graph.refresh_weights()
-        for micro, (tokens, targets) in enumerate(self._step_batches(step)):
+        if self.step_weights is not None and not self.step_weights.published:  # the first step, or after a failure
+            self._publish_step_weights()
+        try:
             if graph is not None:
-                with engine.micro_batch(is_last=False):  # no collective inside the graph: launched below
-                    parts = graph.run(tokens, targets)
-            else:
-                with engine.micro_batch(is_last=micro == self.n_micro - 1):
-                    parts = model.loss(tokens, targets)
-                    (parts.total / self.n_micro).backward()
-            lm_sum += parts.lm_loss.detach().double()
-            aux_sum += parts.aux_loss.detach().double()
+                graph.refresh_weights()
+            for micro, (tokens, targets) in enumerate(self._step_batches(step)):
+                if graph is not None:
+                    with engine.micro_batch(is_last=False):  # no collective inside the graph: launched below
+                        parts = graph.run(tokens, targets)
+                else:
+                    with engine.micro_batch(is_last=micro == self.n_micro - 1):
+                        parts = model.loss(tokens, targets)
+                        (parts.total / self.n_micro).backward()
+                lm_sum += parts.lm_loss.detach().double()
+                aux_sum += parts.aux_loss.detach().double()
+        finally:  # the update below changes the weights: nothing may read these copies after it
+            if self.step_weights is not None:
+                self.step_weights.retract()
         if graph is not None:
             engine.start_grad_sync()
         lm = self._mean_over_dp(lm_sum / self.n_micro)  # the same on every rank: they agree on stopping
@@ -178,6 +193,8 @@ class Trainer:
         with region(OPTIMIZER):
             result = engine.step(lr)
         self._prefetch(step + 1)  # before the record's reads wait for the update
+        if self.step_weights is not None:  # likewise: the next step's weights, queued behind the update
+            self._publish_step_weights()
         return {
             "step": step + 1,
             "loss": lm,
@@ -187,6 +204,13 @@ class Trainer:
             "skipped": result.skipped or not math.isfinite(lm),
             "expert_balance": expert_balance(self._tokens_per_expert()),
         }
+
+    def _publish_step_weights(self) -> None:
+        """Quantize the recipe weights for the next forwards (trainer/step_weights.py), from current params: the
+        update's param gather is finished first. Valid until `retract`, before the next update."""
+        assert self.step_weights is not None
+        self.engine.sync_params_for_eval()
+        self.step_weights.publish()
 
     def _step_batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's micro-batches of `step`, on the device: the ones `_prefetch` queued during the last
