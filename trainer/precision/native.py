@@ -134,8 +134,13 @@ def grouped_supported(a: QuantizedTensor, a_copy: str, b: QuantizedTensor, b_cop
 def grouped_mm_2d3d(
     a: QuantizedTensor, a_copy: str, b: QuantizedTensor, b_copy: str, out_dtype: torch.dtype, fast_accum: bool
 ) -> torch.Tensor:
-    """Jagged a[a_copy] `[T, K]` times expert b[b_copy] `[E, N, K]`^T -> `[T, N]` (forward, data grad)."""
+    """Jagged a[a_copy] `[T, K]` times expert b[b_copy] `[E, N, K]`^T -> `[T, N]` (forward, data grad).
+    Precise accumulation with per-tensor scales runs in Triton where it fits (`_precise_grouped_mm`)."""
     assert a.groups is not None
+    if not fast_accum:
+        out = _precise_grouped_mm(a, a_copy, b, b_copy)
+        if out is not None:
+            return out.to(out_dtype)
     qa, qb = a.copy(a_copy), b.copy(b_copy)
     out = torch._scaled_grouped_mm(
         qa.data,
@@ -166,6 +171,26 @@ def grouped_mm_2d2d(g: QuantizedTensor, x: QuantizedTensor, fast_accum: bool = F
     # An expert with no tokens contracts over nothing: make its grad exactly zero whatever the kernel
     # leaves there (what `_scaled_grouped_mm` writes for an empty group is not documented).
     return zero_empty_groups_(out, g.groups.offsets)
+
+
+def _precise_grouped_mm(a: QuantizedTensor, a_copy: str, b: QuantizedTensor, b_copy: str) -> Optional[torch.Tensor]:
+    """`grouped_mm_2d3d` with precise accumulation by `trainer/kernels/fp8_grouped_mm_triton.py`: per-tensor
+    e4m3 copies (one scale per token group and per expert) on Hopper or later, at the shapes where it was
+    measured faster than torch's precise kernel (`preferred`: 2.2-2.9x where torch's ran the experts' data
+    grads at 200-300 TFLOP/s, docs/benchmarks.md, twelfth session); None elsewhere."""
+    if a.scheme.kind != "tensor" or b.scheme.kind != "tensor" or a.device.type != "cuda" or not has_triton():
+        return None
+    from trainer.kernels import fp8_grouped_mm_triton as kernel  # lazy: needs Triton
+
+    qa, qb = a.copy(a_copy), b.copy(b_copy)
+    if not (kernel.fits(qa.data, qb.data) and kernel.preferred(qb.data.shape[1], qb.data.shape[2])):
+        return None
+    assert a.groups is not None
+    G, E = a.groups.count, qb.data.shape[0]
+    sa, sb = qa.scale.reshape(-1).float(), qb.scale.reshape(-1).float()
+    sa = sa if sa.numel() == G else sa.expand(G).contiguous()
+    sb = sb if sb.numel() == E else sb.expand(E).contiguous()
+    return kernel.fp8_grouped_mm(qa.data, qb.data, a.groups.offsets, sa, sb)
 
 
 def grouped_wgrad_accumulate_(g: QuantizedTensor, x: QuantizedTensor, targets: list[torch.Tensor],

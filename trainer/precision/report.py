@@ -48,6 +48,11 @@ def describe(recipe: Optional["Recipe"], device: Union[torch.device, str, None])
     if any(gemms.values()):
         backward = "fast (fp8_fast_accum_backward)" if recipe.fast_accum_backward else "split (precise)"
         lines.append(f"  native accumulation: fprop fast, dgrad and wgrad {backward}")
+        if recipe.weight_scheme().kind == "tensor" and gemms["grouped.dgrad"] and (capability(device) or (0,))[0] >= 9:
+            lines.append(
+                "  expert GEMMs by moectl's Triton fp8 kernels where they fit: precise data grads at "
+                "min(N, K) < 2048, weight grads summed into main_grad (gradient-accumulation fusion)"
+            )
         lines.append(
             "  native GEMMs whose dims are not multiples of 16 run emulated"
             + (" (emulate=auto)" if recipe.emulate == "auto" else "")
