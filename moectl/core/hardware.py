@@ -11,6 +11,8 @@ dequantized, multiplied in fp32):
     linear        torch._scaled_mm             tensor          any pair but e5m2 x e5m2   sm89 and newer
     linear        torch._scaled_mm (rowwise)   row             e4m3 x e4m3                sm89 and newer
     grouped       torch._scaled_grouped_mm     tensor, row     e4m3 x e4m3                sm90, sm100
+    grouped       moectl's Triton fp8 kernels  tensor          e4m3/e5m2, not e5m2 x e5m2 sm90 and newer
+                  (trainer/kernels/fp8_*_triton.py: data and weight grads)
 
 Block-scaled recipes (blockwise 128x128/1x128, mxfp8, nvfp4) have no native path in this build on any
 device: their kernels (cuBLAS MX/NVFP4 GEMMs, DeepGEMM) are not wired in. Shape limits (dims multiples of
@@ -18,8 +20,9 @@ device: their kernels (cuBLAS MX/NVFP4 GEMMs, DeepGEMM) are not wired in. Shape 
 
 A recipe's three operands (weight, activation, grad) and the pairs its GEMMs multiply:
     fprop (activation x weight), dgrad (grad x weight), wgrad (grad x activation).
-Under `fp8: hybrid` the grads are e5m2 (TE's Format.HYBRID), which the grouped kernel does not take, so
-the grouped backward GEMMs of tensorwise/delayed/rowwise are emulated then.
+Under `fp8: hybrid` the grads are e5m2 (TE's Format.HYBRID), which torch's grouped kernel does not take:
+the grouped backward GEMMs of tensorwise and delayed run in moectl's Triton kernels then (an e5m2 x e4m3
+tensor-core product, as TE and cuBLAS run it), those of rowwise are emulated.
 """
 
 from __future__ import annotations
@@ -68,6 +71,16 @@ def kernel_supports(kind: str, fmt_a: str, fmt_b: str, *, grouped: bool, capabil
     return fmt_a == "e4m3" and fmt_b == "e4m3"
 
 
+def triton_grouped_supports(kind: str, fmt_a: str, fmt_b: str, capability: Optional[Capability]) -> bool:
+    """Whether moectl's Triton fp8 grouped kernels take this pair at `capability` (the table above): per-tensor
+    scales, e4m3/e5m2 operands but not both e5m2, TMA (sm90 and newer)."""
+    fmts = {"e4m3", "e5m2"}
+    return (
+        kind == "tensor" and capability is not None and capability[0] >= 9
+        and fmt_a in fmts and fmt_b in fmts and not fmt_a == fmt_b == "e5m2"
+    )  # fmt: skip
+
+
 def operand_formats(recipe: str, fp8_format: Optional[str]) -> dict[str, str]:
     """Element format per operand role: e2m1 everywhere for nvfp4, else e4m3 with e5m2 grads under hybrid."""
     if recipe == "nvfp4":
@@ -86,8 +99,9 @@ def native_gemms(recipe: str, fp8_format: Optional[str], capability: Optional[Ca
     out = {}
     for family in FAMILIES:
         for gemm, (a, b) in GEMM_OPERANDS.items():
-            out[f"{family}.{gemm}"] = kernel_supports(
-                kind, fmts[a], fmts[b], grouped=family == "grouped", capability=capability
+            grouped = family == "grouped"
+            out[f"{family}.{gemm}"] = kernel_supports(kind, fmts[a], fmts[b], grouped=grouped, capability=capability) or (
+                grouped and gemm != "fprop" and triton_grouped_supports(kind, fmts[a], fmts[b], capability)
             )
     return out
 

@@ -1171,12 +1171,15 @@ def head_dim_even_for_rope(c: Context) -> Iterator[_Hit]:
 
 def device_offset_recipe(cfg: Config) -> bool:
     """Whether the experts' grouped GEMMs read their per-expert row split on the device: bf16/fp16 ones
-    (`torch._grouped_mm`) and fp8 e4m3 with per-tensor or per-row scales (`torch._scaled_grouped_mm`, every
-    pass native). The other recipes (fp8 hybrid's e5m2 grads, blockwise, mxfp8, fp4) run some grouped GEMM
-    emulated, segment by segment, with the split read on the host."""
+    (`torch._grouped_mm`), fp8 e4m3 with per-tensor or per-row scales (`torch._scaled_grouped_mm`, every
+    pass native), and fp8 hybrid with per-tensor scales (its e5m2 backward in moectl's Triton kernels,
+    `hardware.triton_grouped_supports`). The others (hybrid rowwise, blockwise, mxfp8, fp4) run some grouped
+    GEMM emulated, segment by segment, with the split read on the host."""
     mp = cfg.mixed_precision
     if mp.fp4:
         return False
+    if mp.fp8 == "hybrid":
+        return mp.fp8_recipe in ("tensorwise", "delayed")
     return not mp.fp8 or (mp.fp8 == "e4m3" and mp.fp8_recipe in ("tensorwise", "delayed", "rowwise"))
 
 
@@ -1206,8 +1209,8 @@ def cuda_graph_needs_static_expert_rows(c: Context) -> Iterator[_Hit]:
     routings plus alignment padding bounded by `align - 1` rows per expert (the dispatcher sizes the input
     to the bound: trainer/moe/dispatch.py), split among experts by device-side offsets that the grouped
     GEMMs read on the GPU. A capacity without padding drops a data-dependent number of routings (a host
-    sync sizes the input), and a recipe with an emulated grouped GEMM (fp8 hybrid's e5m2 grads, blockwise,
-    mxfp8, fp4) slices each expert's segment at offsets read on the host. (Megatron captures MoE layers
+    sync sizes the input), and a recipe with an emulated grouped GEMM (hybrid rowwise, blockwise, mxfp8,
+    fp4) slices each expert's segment at offsets read on the host. (Megatron captures MoE layers
     only with drop-and-pad; moectl's grouped GEMMs take their group offsets on the device, which lifts that
     for dropless bf16 and fp8 e4m3 on sm90/sm100, where `torch._grouped_mm` and `torch._scaled_grouped_mm`
     keep them there. Their fallback for fp32 params and older GPUs reads them on the host: the capture
@@ -1230,7 +1233,7 @@ def cuda_graph_needs_static_expert_rows(c: Context) -> Iterator[_Hit]:
             f"train.cuda_graph=true with dropless experts (moe.capacity_factor=null) and {culprit} (a grouped "
             "GEMM of that recipe runs emulated, expert by expert, at row offsets read on the host)",
             "set moe.capacity_factor (e.g. 1.25) and moe.pad_expert_input_to_capacity=true, or use "
-            "mixed_precision.fp8=e4m3 with fp8_recipe tensorwise, delayed or rowwise, or train.cuda_graph=false",
+            "mixed_precision.fp8_recipe tensorwise or delayed (e4m3 also rowwise), or train.cuda_graph=false",
         )
 
 

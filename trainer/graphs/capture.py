@@ -153,10 +153,11 @@ def wants_cuda_graph(cfg: Config, device: torch.device, capability: tuple[int, i
     """Whether the run captures graphs: `train.cuda_graph` when set, else (null) on exactly where graphs were
     measured to win and checked bitwise against eager (docs/benchmarks.md, tests/trainer/graphs): a Hopper
     or Blackwell GPU (`capability`, else the device's), bf16 params, static expert rows
-    (`static_expert_rows`), one expert-parallel rank, a grouped backend (not loop or te), Adam or Muon, no fp8 or e4m3
-    tensorwise, no delayed wgrad. Elsewhere `true` still works (the rules say what it needs); null does not
-    take the chance: `torch._grouped_mm` keeps its group offsets on the device only for bf16 on sm90/sm100,
-    and falls back to a loop that reads them on the host for fp32 params or older GPUs."""
+    (`static_expert_rows`), one expert-parallel rank, a grouped backend (not loop or te), Adam or Muon, no
+    fp8 or fp8 tensorwise (e4m3 or hybrid), no delayed wgrad. Elsewhere `true` still works (the rules say
+    what it needs); null does not take the chance: `torch._grouped_mm` keeps its group offsets on the device
+    only for bf16 on sm90/sm100, and falls back to a loop that reads them on the host for fp32 params or
+    older GPUs."""
     if cfg.train.cuda_graph is not None:
         return cfg.train.cuda_graph
     if device.type != "cuda":
@@ -172,5 +173,6 @@ def wants_cuda_graph(cfg: Config, device: torch.device, capability: tuple[int, i
         and not m.delay_wgrad_compute
         and cfg.optimizer.optimizer in ("adam", "muon")  # Muon: 82.7k -> 92.6k tok/s on an H100 (benchmarks.md)
         and not mp.fp4
-        and (not mp.fp8 or (mp.fp8 == "e4m3" and mp.fp8_recipe == "tensorwise"))  # hybrid: emulated backward
+        # hybrid's e5m2 backward runs in moectl's Triton kernels: 399.7 -> 251.0 ms captured (benchmarks.md)
+        and (not mp.fp8 or (mp.fp8 in ("e4m3", "hybrid") and mp.fp8_recipe == "tensorwise"))
     )

@@ -1,5 +1,6 @@
 """Grouped fp8 GEMM with precise accumulation for jagged rows times per-expert weights (Triton, Hopper and
-later): the experts' data grad under a per-tensor fp8 recipe.
+later): the experts' data grad under a per-tensor fp8 recipe, and under `fp8: hybrid` (e5m2 grads times
+e4m3 weights, which torch's grouped kernel does not take) in either accumulation mode.
 
     out[rows of e] = (sa[e] * sb[e]) * a[rows of e] @ b[e]^T      a `[T, K]`, b `[E, N, K]` fp8; out `[T, N]` bf16
 
@@ -73,13 +74,15 @@ def _fp8_grouped_mm_kernel(
 
 
 def fits(a_TK: torch.Tensor, b_ENK: torch.Tensor) -> bool:
-    """Whether the kernel takes these operands: TMA on this device, contiguous fp8 e4m3 with 16-byte aligned
-    bases, and N and K whole tiles (a weight tile never spans two experts, a K step never runs short)."""
+    """Whether the kernel takes these operands: TMA on this device, contiguous fp8 (e4m3 or e5m2, not both
+    e5m2) with 16-byte aligned bases, and N and K whole tiles (a weight tile never spans two experts, a K step
+    never runs short)."""
     _, bn, bk, _, _ = CONFIG_128
+    fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
     return (
         TensorDescriptor is not None
         and tma_supported(a_TK.device)
-        and a_TK.dtype == b_ENK.dtype == torch.float8_e4m3fn
+        and a_TK.dtype in fp8 and b_ENK.dtype in fp8 and not a_TK.dtype == b_ENK.dtype == torch.float8_e5m2
         and a_TK.is_contiguous() and b_ENK.is_contiguous()
         and b_ENK.shape[1] % bn == 0 and b_ENK.shape[2] % bk == 0
         and a_TK.data_ptr() % 16 == 0 and b_ENK.data_ptr() % 16 == 0
@@ -89,9 +92,10 @@ def fits(a_TK: torch.Tensor, b_ENK: torch.Tensor) -> bool:
 def fp8_grouped_mm(
     a_TK: torch.Tensor, b_ENK: torch.Tensor, offs_E: torch.Tensor, scale_a_E: torch.Tensor, scale_b_E: torch.Tensor,
     out_dtype: torch.dtype = torch.bfloat16, config: tuple[int, int, int, int, int] | None = None,
+    fast_accum: bool = False,
 ) -> torch.Tensor:  # fmt: skip
-    """`[T, N]`: rows of group e times b[e]^T, scaled by scale_a[e] * scale_b[e], precise accumulation (check
-    `fits` first). `offs_E`: cumulative row ends (device, ending at T); scales fp32 `[E]`. Rows past the
+    """`[T, N]`: rows of group e times b[e]^T, scaled by scale_a[e] * scale_b[e], precise accumulation unless
+    `fast_accum` (check `fits` first). `offs_E`: cumulative row ends (device, ending at T); scales fp32 `[E]`. Rows past the
     last group are left as allocated. `config` overrides `CONFIG` (the tuning probe)."""
     T, K = a_TK.shape
     E, N, _ = b_ENK.shape
@@ -103,6 +107,6 @@ def fp8_grouped_mm(
     _fp8_grouped_mm_kernel[grid](
         a_desc, b_desc, out, offs_E, scale_a_E, scale_b_E, N, K, E,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=stages, E_POW2=triton.next_power_of_2(E),
-        IMPRECISE=min(PRECISE, bk), num_warps=warps, num_stages=stages,
+        IMPRECISE=None if fast_accum else min(PRECISE, bk), num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out

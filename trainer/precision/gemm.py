@@ -94,7 +94,12 @@ def grouped_fprop(xq: QuantizedTensor, wq: QuantizedTensor, *, out_dtype: torch.
 def grouped_dgrad(
     gq: QuantizedTensor, wq: QuantizedTensor, *, out_dtype: torch.dtype, mode: Mode = "auto", fast_accum: bool = False
 ) -> torch.Tensor:
-    """dx `[T, D]`: rows of group e times W[e] (W's columnwise copy `[E, D, O]`)."""
+    """dx `[T, D]`: rows of group e times W[e] (W's columnwise copy `[E, D, O]`); moectl's Triton kernel where
+    it is the one to use (`native.grouped_dgrad_triton`), else torch's."""
+    if mode != "emulate":
+        out = nat.grouped_dgrad_triton(gq, wq, fast_accum)
+        if out is not None:
+            return out.to(out_dtype)
     if _use_native(nat.grouped_supported(gq, "rowwise", wq, "columnwise"), mode, "grouped dgrad"):
         return nat.grouped_mm_2d3d(gq, "rowwise", wq, "columnwise", out_dtype, fast_accum=fast_accum)
     return _grouped_2d3d_emulated(gq, wq, "columnwise").to(out_dtype)
@@ -102,7 +107,11 @@ def grouped_dgrad(
 
 def grouped_wgrad(gq: QuantizedTensor, xq: QuantizedTensor, *, mode: Mode = "auto", fast_accum: bool = False) -> torch.Tensor:
     """dW `[E, O, D]`: per group, dy_e^T @ x_e (columnwise copies, contracting over the group's tokens); fp32
-    emulated, the kernel's bf16 natively."""
+    emulated and from moectl's Triton kernel (`fp8: hybrid`), torch's kernel's bf16 natively."""
+    if mode != "emulate":
+        out = nat.grouped_wgrad_triton(gq, xq, fast_accum)
+        if out is not None:
+            return out
     if _use_native(nat.grouped_supported(gq, "columnwise", xq, "columnwise"), mode, "grouped wgrad"):
         return nat.grouped_mm_2d2d(gq, xq, fast_accum=fast_accum)
     g = gq.dequantize_copy("columnwise")  # [O, T]

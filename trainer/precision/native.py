@@ -54,6 +54,11 @@ def kernel_supports(kind: str, fmt_a: str, fmt_b: str, *, grouped: bool, device:
     )
 
 
+def triton_grouped_supports(kind: str, fmt_a: str, fmt_b: str, device: torch.device | str | None) -> bool:
+    """Whether moectl's Triton fp8 grouped kernels take this operand pair on `device` (`hardware`'s table)."""
+    return hardware.triton_grouped_supports(kind, fmt_a, fmt_b, capability(device))
+
+
 def _pair_ok(a: QuantizedTensor, b: QuantizedTensor, grouped: bool) -> bool:
     return a.scheme.kind == b.scheme.kind and kernel_supports(
         a.scheme.kind, a.scheme.fmt, b.scheme.fmt, grouped=grouped, device=a.device
@@ -134,13 +139,8 @@ def grouped_supported(a: QuantizedTensor, a_copy: str, b: QuantizedTensor, b_cop
 def grouped_mm_2d3d(
     a: QuantizedTensor, a_copy: str, b: QuantizedTensor, b_copy: str, out_dtype: torch.dtype, fast_accum: bool
 ) -> torch.Tensor:
-    """Jagged a[a_copy] `[T, K]` times expert b[b_copy] `[E, N, K]`^T -> `[T, N]` (forward, data grad).
-    Precise accumulation with per-tensor scales runs in Triton where it fits (`_precise_grouped_mm`)."""
+    """Jagged a[a_copy] `[T, K]` times expert b[b_copy] `[E, N, K]`^T -> `[T, N]` (forward, data grad)."""
     assert a.groups is not None
-    if not fast_accum:
-        out = _precise_grouped_mm(a, a_copy, b, b_copy)
-        if out is not None:
-            return out.to(out_dtype)
     qa, qb = a.copy(a_copy), b.copy(b_copy)
     out = torch._scaled_grouped_mm(
         qa.data,
@@ -173,38 +173,56 @@ def grouped_mm_2d2d(g: QuantizedTensor, x: QuantizedTensor, fast_accum: bool = F
     return zero_empty_groups_(out, g.groups.offsets)
 
 
-def _precise_grouped_mm(a: QuantizedTensor, a_copy: str, b: QuantizedTensor, b_copy: str) -> Optional[torch.Tensor]:
-    """`grouped_mm_2d3d` with precise accumulation by `trainer/kernels/fp8_grouped_mm_triton.py`: per-tensor
-    e4m3 copies (one scale per token group and per expert) on Hopper or later, at the shapes where it was
-    measured faster than torch's precise kernel (`preferred`: 2.2-2.9x where torch's ran the experts' data
-    grads at 200-300 TFLOP/s, docs/benchmarks.md, twelfth session); None elsewhere."""
-    if a.scheme.kind != "tensor" or b.scheme.kind != "tensor" or a.device.type != "cuda" or not has_triton():
+def triton_grouped_supported(a: QuantizedTensor, b: QuantizedTensor) -> bool:
+    """Whether moectl's Triton fp8 grouped kernels take this operand pair on its device (`hardware`'s table:
+    per-tensor e4m3/e5m2 pairs, not both e5m2, sm90 and newer); shapes are checked by the kernels' `fits`."""
+    return a.device.type == "cuda" and has_triton() and triton_grouped_supports(
+        a.scheme.kind, a.scheme.fmt, b.scheme.fmt, a.device
+    )
+
+
+def grouped_dgrad_triton(g: QuantizedTensor, w: QuantizedTensor, fast_accum: bool) -> Optional[torch.Tensor]:
+    """The grouped data grad (g rowwise `[T, O]` times w's columnwise copy `[E, D, O]`) by
+    `trainer/kernels/fp8_grouped_mm_triton.py` where it is the kernel to use, else None: pairs torch's
+    grouped kernel does not take (`fp8: hybrid`'s e5m2 grads), and precise accumulation at the shapes where it
+    was measured faster than torch's precise kernel (`preferred`: 2.2-2.9x where torch's ran the experts' data
+    grads at 200-300 TFLOP/s, docs/benchmarks.md, twelfth session)."""
+    if g.groups is None or not triton_grouped_supported(g, w):
         return None
     from trainer.kernels import fp8_grouped_mm_triton as kernel  # lazy: needs Triton
 
-    qa, qb = a.copy(a_copy), b.copy(b_copy)
-    if not (kernel.fits(qa.data, qb.data) and kernel.preferred(qb.data.shape[1], qb.data.shape[2])):
+    qg, qw = g.copy("rowwise"), w.copy("columnwise")
+    torch_takes = grouped_supported(g, "rowwise", w, "columnwise")
+    N, K = qw.data.shape[1], qw.data.shape[2]
+    if (torch_takes and (fast_accum or not kernel.preferred(N, K))) or not kernel.fits(qg.data, qw.data):
         return None
-    assert a.groups is not None
-    G, E = a.groups.count, qb.data.shape[0]
-    sa, sb = qa.scale.reshape(-1).float(), qb.scale.reshape(-1).float()
-    sa = sa if sa.numel() == G else sa.expand(G).contiguous()
-    sb = sb if sb.numel() == E else sb.expand(E).contiguous()
-    return kernel.fp8_grouped_mm(qa.data, qb.data, a.groups.offsets, sa, sb)
+    G, E = g.groups.count, qw.data.shape[0]
+    sg, sw = qg.scale.reshape(-1).float(), qw.scale.reshape(-1).float()
+    sg = sg if sg.numel() == G else sg.expand(G).contiguous()
+    sw = sw if sw.numel() == E else sw.expand(E).contiguous()
+    return kernel.fp8_grouped_mm(qg.data, qw.data, g.groups.offsets, sg, sw, fast_accum=fast_accum)
+
+
+def grouped_wgrad_triton(g: QuantizedTensor, x: QuantizedTensor, fast_accum: bool) -> Optional[torch.Tensor]:
+    """The grouped weight grad `[E, O, D]` in fp32 by the Triton wgrad kernel (summed into zeros) for the pairs
+    torch's grouped kernel does not take (`fp8: hybrid`), else None (torch's kernel, or emulation)."""
+    if g.groups is None or grouped_supported(g, "columnwise", x, "columnwise") or not triton_grouped_supported(g, x):
+        return None
+    E, O, D = g.groups.count, g.shape[-1], x.shape[-1]
+    out = torch.zeros(E, O, D, dtype=torch.float32, device=g.device)
+    return out if grouped_wgrad_accumulate_(g, x, list(out.unbind(0)), fast_accum) else None
 
 
 def grouped_wgrad_accumulate_(g: QuantizedTensor, x: QuantizedTensor, targets: list[torch.Tensor],
                               fast_accum: bool = False) -> bool:
     """targets[e] += dW[e], the weight grad `grouped_mm_2d2d` would return, summed in fp32 and added into the
     fp32 `[O, D]` targets in one Triton kernel (`trainer/kernels/fp8_wgrad_triton.py`): gradient-accumulation
-    fusion, no bf16 grad written, read and added. Whether it ran: it takes e4m3 per-tensor copies (one scale
-    per token group) on Hopper or later, targets that are whole rows of one allocation, and 128-row tiles
+    fusion, no bf16 grad written, read and added. Whether it ran: it takes per-tensor e4m3/e5m2 copies (one
+    scale per token group; `triton_grouped_supported`) on Hopper or later, targets that are whole rows of one allocation, and 128-row tiles
     of each grad; elsewhere the caller computes dW and adds it."""
-    if g.groups is None or g.scheme.kind != "tensor" or x.scheme.kind != "tensor" or not g.device.type == "cuda":
+    if g.groups is None or not triton_grouped_supported(g, x):
         return False
     qg, qx = g.copy("columnwise"), x.copy("columnwise")
-    if not (qg.data.dtype == qx.data.dtype == torch.float8_e4m3fn and has_triton()):
-        return False
     from trainer.kernels import fp8_wgrad_triton as kernel  # lazy: needs Triton
     from trainer.kernels.grouped_wgrad import rows_view
 

@@ -16,7 +16,7 @@ from .native import capability
 if TYPE_CHECKING:
     from .recipes.base import Recipe
 
-KERNELS = {"linear": "torch._scaled_mm", "grouped": "torch._scaled_grouped_mm"}
+KERNELS = {"linear": "torch._scaled_mm", "grouped": "torch._scaled_grouped_mm / moectl's Triton"}
 
 
 def _device_name(device: Union[torch.device, str, None]) -> str:
@@ -48,10 +48,10 @@ def describe(recipe: Optional["Recipe"], device: Union[torch.device, str, None])
     if any(gemms.values()):
         backward = "fast (fp8_fast_accum_backward)" if recipe.fast_accum_backward else "split (precise)"
         lines.append(f"  native accumulation: fprop fast, dgrad and wgrad {backward}")
-        if recipe.weight_scheme().kind == "tensor" and gemms["grouped.dgrad"] and (capability(device) or (0,))[0] >= 9:
+        if recipe.weight_scheme().kind == "tensor" and gemms["grouped.dgrad"]:  # grouped: sm90 and newer
             lines.append(
-                "  expert GEMMs by moectl's Triton fp8 kernels where they fit: precise data grads at "
-                "min(N, K) < 2048, weight grads summed into main_grad (gradient-accumulation fusion)"
+                "  expert GEMMs by moectl's Triton fp8 kernels where they fit: e5m2-grad (hybrid) data and weight "
+                "grads, precise e4m3 data grads at min(N, K) < 2048, weight grads summed into main_grad"
             )
         lines.append(
             "  native GEMMs whose dims are not multiples of 16 run emulated"

@@ -284,8 +284,10 @@ CASES = [
     # CUDA graphs
     Case(
         "MOE034",
-        ["train.cuda_graph=true", "mixed_precision.bf16=true", "mixed_precision.fp8=hybrid"],
-        ["train.cuda_graph=true", "mixed_precision.bf16=true", "mixed_precision.fp8=hybrid", *DROP_AND_PAD],
+        ["train.cuda_graph=true", "mixed_precision.bf16=true", "mixed_precision.fp8=hybrid",
+         "mixed_precision.fp8_recipe=rowwise"],
+        ["train.cuda_graph=true", "mixed_precision.bf16=true", "mixed_precision.fp8=hybrid",
+         "mixed_precision.fp8_recipe=rowwise", *DROP_AND_PAD],
         name="dropless-fp8-emulated",
     ),
     Case(
@@ -297,7 +299,8 @@ CASES = [
     ),
     Case(
         "MOE034",
-        ["train.cuda_graph=true", "mixed_precision.bf16=true", "mixed_precision.fp8=hybrid"],
+        ["train.cuda_graph=true", "mixed_precision.bf16=true", "mixed_precision.fp8=e4m3",
+         "mixed_precision.fp8_recipe=blockwise"],
         ["train.cuda_graph=true", "mixed_precision.bf16=true"],  # bf16 dropless: T*K rows, device offsets
         name="dropless-bf16",
     ),
@@ -375,11 +378,11 @@ CASES = [
     ),
     Case(
         "MOE038",
-        [*BF16, "mixed_precision.fp8=hybrid", "mixed_precision.emulate=never"],
-        [*FP8, "mixed_precision.emulate=never"],
+        [*BF16, "mixed_precision.fp8=hybrid", "mixed_precision.fp8_recipe=rowwise", "mixed_precision.emulate=never"],
+        [*BF16, "mixed_precision.fp8=hybrid", "mixed_precision.emulate=never"],  # tensorwise: Triton backward
         cap=(9, 0),
         pass_cap=(9, 0),
-        name="hybrid-grads-emulate-the-grouped-backward",
+        name="hybrid-rowwise-grads-emulate-the-backward",
     ),
     Case("MOE038", [*FP4], [*BF16], cap=(10, 0), pass_cap=(10, 0), severity="warning", name="nvfp4"),
     Case("MOE038", [*FP8, "train.device=cpu"], [*BF16, "train.device=cpu"], severity="warning", name="cpu"),
@@ -636,8 +639,9 @@ def test_hardware_rule_uses_the_visible_gpu_when_no_capability_is_given() -> Non
 
 
 def test_hardware_rule_names_the_emulated_gemms() -> None:
-    (v,) = hits(run([*BF16, "mixed_precision.fp8=hybrid"], cap=(9, 0)), "MOE038")
-    assert "grouped.dgrad, grouped.wgrad" in v.message and "linear" not in v.message.split(" for ")[1]
+    (v,) = hits(run([*BF16, "mixed_precision.fp8=hybrid"], cap=(8, 9)), "MOE038")  # Ada: no grouped fp8 kernel
+    assert "grouped.fprop, grouped.dgrad, grouped.wgrad" in v.message and "linear" not in v.message.split(" for ")[1]
+    assert hits(run([*BF16, "mixed_precision.fp8=hybrid"], cap=(9, 0)), "MOE038") == []  # Hopper: all native
     (v,) = hits(run([*FP8, "mixed_precision.fp8_recipe=mxfp8"], cap=(9, 0)), "MOE038")
     assert "every GEMM" in v.message
     # a model without MoE layers has no grouped GEMMs: tensorwise on sm89 is then fully native

@@ -33,7 +33,8 @@ HOPPER = (9, 0)
         ([], CUDA, HOPPER, False),  # fp32 params: the same fallback
         (PAD, CUDA, HOPPER, False),
         (FP8, CUDA, HOPPER, True),  # dropless fp8 e4m3: rows bounded statically, split by device offsets
-        ([*BF16, "mixed_precision.fp8=hybrid"], CUDA, HOPPER, False),  # dropless, e5m2 grads: emulated GEMMs
+        ([*BF16, "mixed_precision.fp8=hybrid"], CUDA, HOPPER, True),  # e5m2 grads: Triton backward, device offsets
+        ([*BF16, "mixed_precision.fp8=hybrid", "mixed_precision.fp8_recipe=rowwise"], CUDA, HOPPER, False),
         ([*BF16, "moe.capacity_factor=1.0"], CUDA, HOPPER, False),  # drops but does not pad
         ([*BF16, *PAD, "parallel.expert_model_parallel_size=2"], CUDA, HOPPER, False),
         ([*BF16, *PAD, "moe.backend=loop"], CUDA, HOPPER, False),
