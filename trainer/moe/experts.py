@@ -43,6 +43,7 @@ from trainer.moe.backends import (
     get_backend,
     supports_delayed_wgrad,
     supports_precision,
+    supports_recipe_wgrad_into,
     supports_wgrad_into,
 )
 from trainer.init_weights import normal_
@@ -230,7 +231,8 @@ class _ExpertMLPFunction(torch.autograd.Function):
         """Where the backend accumulates the weight grads itself (gradient-accumulation fusion, a backend that
         can, fp32 main_grads; under a recipe too), or None: the grads then come back and are routed."""
         w1, _, w2, _ = ctx.groups
-        if not (ctx.module.gradient_accumulation_fusion and supports_wgrad_into(ctx.backend)):
+        can = supports_wgrad_into if ctx.precision is None else supports_recipe_wgrad_into
+        if not (ctx.module.gradient_accumulation_fusion and can(ctx.backend)):
             return None
         t1, t2 = ctx.module.linear_fc1.wgrad_targets(w1), ctx.module.linear_fc2.wgrad_targets(w2)
         return (t1, t2) if t1 is not None and t2 is not None else None

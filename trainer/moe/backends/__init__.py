@@ -99,6 +99,12 @@ def supports_wgrad_into(backend: ExpertBackend) -> bool:
         return False
 
 
+def supports_recipe_wgrad_into(backend: ExpertBackend) -> bool:
+    """Whether `backend` takes `wgrad_into` under a low-precision recipe too (the class attribute
+    `recipe_wgrad_into`): `fused` does; `te` adds only its high-precision grads itself."""
+    return supports_wgrad_into(backend) and bool(getattr(backend, "recipe_wgrad_into", False))
+
+
 def supports_precision(backend: ExpertBackend) -> bool:
     """Whether `backend.forward` takes a low-precision recipe (the keyword `precision`)."""
     try:

@@ -149,6 +149,8 @@ class FusedCtx:
 class FusedBackend:
     """Expert-MLP backend `fused`: two grouped GEMMs around one fused activation kernel, recompute backward.
 
+    `recipe_wgrad_into`: it accumulates weight grads into `wgrad_into` under a recipe too (`_quantized_wgrad`).
+
     Built by the registry (`trainer.moe.backends.get_backend`) as `FusedBackend(device)`.
 
     `overlap_wgrad` (CUDA only): run the two weight-grad GEMMs on a second stream, concurrently with fc1's
@@ -159,6 +161,7 @@ class FusedBackend:
     """
 
     name = "fused"
+    recipe_wgrad_into = True
 
     def __init__(self, device: torch.device | str | None = None, overlap_wgrad: bool | None = None) -> None:
         self.device = torch.device(device) if device is not None else None

@@ -240,3 +240,25 @@ def test_banner_line_says_which_gemms_te_runs():
     assert "general_grouped_gemm in fp8" in line and "tex.scaled_swiglu" in line
     assert "in the model dtype" in te_runtime.describe(None, "quick_geglu")
     assert "tex.scaled_clamped_swiglu" in te_runtime.describe(None, "quick_geglu")
+
+
+@pytest.mark.parametrize("delay", [False, True], ids=["now", "delayed_wgrad"])
+def test_fp8_with_main_grad_fusion_routes_te_grads(monkeypatch, delay):
+    """Under a recipe the te backend adds no weight grads itself: GroupedMLP must route them (the fused backend
+    alone takes `wgrad_into` under a recipe). A review caught the te backend being handed `wgrad_into` there."""
+    monkeypatch.setitem(eb._REGISTRY, "te", lambda device: TEBackend(device, te=fake_te()))
+    assert not eb.supports_recipe_wgrad_into(TEBackend("cpu", te=fake_te()))
+    assert eb.supports_recipe_wgrad_into(FusedBackend("cpu"))
+    recipe = TensorwiseRecipe()
+    counts = [2 * recipe.align_size, 0, recipe.align_size, 3 * recipe.align_size]
+    cfg = MoEConfig(num_experts=4, ffn_hidden_size=F, backend="te", glu_interleave_size=32)
+    mlp = GroupedMLP(cfg, D, generator=torch.Generator().manual_seed(0), gradient_accumulation_fusion=True,
+                     recipe=recipe, delay_wgrad=delay)  # fmt: skip
+    attach_main_grads(mlp)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(sum(counts), D, generator=g).requires_grad_()
+    mlp(x, torch.tensor(counts), None).backward(torch.randn(sum(counts), D, generator=g))
+    if delay:
+        mlp.delayed.flush()
+    for p in mlp.linear_fc1.weight_params() + mlp.linear_fc2.weight_params():
+        assert p.grad is None and p.main_grad.abs().sum() > 0
