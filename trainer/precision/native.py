@@ -210,7 +210,11 @@ def grouped_wgrad_triton(g: QuantizedTensor, x: QuantizedTensor, fast_accum: boo
         return None
     E, O, D = g.groups.count, g.shape[-1], x.shape[-1]
     out = torch.zeros(E, O, D, dtype=torch.float32, device=g.device)
-    return out if grouped_wgrad_accumulate_(g, x, list(out.unbind(0)), fast_accum) else None
+    # expert e's rows of the [E * O, D] matrix start at e * O: made on the device, not looked up by address
+    # (a fresh tensor each call; the address-keyed layout copies its table from the host, a sync a CUDA
+    # graph cannot hold)
+    first_rows = torch.arange(E, device=g.device, dtype=torch.int64) * O
+    return out if _fp8_wgrad(g, x, (out.view(E * O, D), first_rows), fast_accum) else None
 
 
 def grouped_wgrad_accumulate_(g: QuantizedTensor, x: QuantizedTensor, targets: list[torch.Tensor],
@@ -218,18 +222,23 @@ def grouped_wgrad_accumulate_(g: QuantizedTensor, x: QuantizedTensor, targets: l
     """targets[e] += dW[e], the weight grad `grouped_mm_2d2d` would return, summed in fp32 and added into the
     fp32 `[O, D]` targets in one Triton kernel (`trainer/kernels/fp8_wgrad_triton.py`): gradient-accumulation
     fusion, no bf16 grad written, read and added. Whether it ran: it takes per-tensor e4m3/e5m2 copies (one
-    scale per token group; `triton_grouped_supported`) on Hopper or later, targets that are whole rows of one allocation, and 128-row tiles
-    of each grad; elsewhere the caller computes dW and adds it."""
+    scale per token group; `triton_grouped_supported`) on Hopper or later, targets that are whole rows of one
+    allocation, and 128-row tiles of each grad; elsewhere the caller computes dW and adds it."""
     if g.groups is None or not triton_grouped_supported(g, x):
         return False
-    qg, qx = g.copy("columnwise"), x.copy("columnwise")
-    from trainer.kernels import fp8_wgrad_triton as kernel  # lazy: needs Triton
     from trainer.kernels.grouped_wgrad import rows_view
 
-    if not kernel.fits(qg.data, qx.data, qg.data.shape[0]):
-        return False
     rows = rows_view(targets)
-    if rows is None:
+    return rows is not None and _fp8_wgrad(g, x, rows, fast_accum)
+
+
+def _fp8_wgrad(g: QuantizedTensor, x: QuantizedTensor, rows: tuple[torch.Tensor, torch.Tensor], fast_accum: bool) -> bool:
+    """The Triton fp8 wgrad into `rows` (an fp32 `[R, D]` matrix, each expert's first row), if it fits."""
+    from trainer.kernels import fp8_wgrad_triton as kernel  # lazy: needs Triton
+
+    assert g.groups is not None
+    qg, qx = g.copy("columnwise"), x.copy("columnwise")
+    if not kernel.fits(qg.data, qx.data, qg.data.shape[0]):
         return False
     G = g.groups.count
     sg, sx = qg.scale.reshape(-1).float(), qx.scale.reshape(-1).float()
