@@ -1173,14 +1173,19 @@ def device_offset_recipe(cfg: Config) -> bool:
     """Whether the experts' grouped GEMMs read their per-expert row split on the device: bf16/fp16 ones
     (`torch._grouped_mm`), fp8 e4m3 with per-tensor or per-row scales (`torch._scaled_grouped_mm`, every
     pass native), and fp8 hybrid with per-tensor scales (its e5m2 backward in moectl's Triton kernels,
-    `hardware.triton_grouped_supports`). The others (hybrid rowwise, blockwise, mxfp8, fp4) run some grouped
+    `hardware.triton_grouped_supports`), at expert dims those kernels take. The others (hybrid rowwise, blockwise, mxfp8, fp4) run some grouped
     GEMM emulated, segment by segment, with the split read on the host."""
     mp = cfg.mixed_precision
     if mp.fp4:
         return False
+    if not mp.fp8:
+        return True
+    # the kernels' shape limits (a GEMM that does not fit runs emulated): torch's grouped fp8 kernel wants
+    # the expert dims in multiples of 16, the Triton ones (hybrid's backward) in whole 128-wide tiles
+    dims = (cfg.model.hidden_size, cfg.moe.ffn_hidden_size)
     if mp.fp8 == "hybrid":
-        return mp.fp8_recipe in ("tensorwise", "delayed")
-    return not mp.fp8 or (mp.fp8 == "e4m3" and mp.fp8_recipe in ("tensorwise", "delayed", "rowwise"))
+        return mp.fp8_recipe in ("tensorwise", "delayed") and all(d % 128 == 0 for d in dims)
+    return mp.fp8_recipe in ("tensorwise", "delayed", "rowwise") and all(d % 16 == 0 for d in dims)
 
 
 def static_expert_rows(cfg: Config) -> bool:

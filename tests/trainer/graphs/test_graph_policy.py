@@ -33,8 +33,14 @@ HOPPER = (9, 0)
         ([], CUDA, HOPPER, False),  # fp32 params: the same fallback
         (PAD, CUDA, HOPPER, False),
         (FP8, CUDA, HOPPER, True),  # dropless fp8 e4m3: rows bounded statically, split by device offsets
-        ([*BF16, "mixed_precision.fp8=hybrid"], CUDA, HOPPER, True),  # e5m2 grads: Triton backward, device offsets
+        # e5m2 grads: Triton backward (whole 128-wide tiles), device offsets
+        ([*BF16, "mixed_precision.fp8=hybrid", "model.hidden_size=128", "moe.ffn_hidden_size=128"], CUDA, HOPPER, True),
+        ([*BF16, "mixed_precision.fp8=hybrid"], CUDA, HOPPER, False),  # the default's dims 64: not whole tiles
         ([*BF16, "mixed_precision.fp8=hybrid", "mixed_precision.fp8_recipe=rowwise"], CUDA, HOPPER, False),
+        # expert dims the Triton kernels do not tile (ffn 1040 = 8 x 130): hybrid's backward would run emulated,
+        # reading the split on the host
+        ([*BF16, "mixed_precision.fp8=hybrid", "moe.ffn_hidden_size=1040"], CUDA, HOPPER, False),
+        ([*BF16, "mixed_precision.fp8=e4m3", "moe.ffn_hidden_size=1040"], CUDA, HOPPER, True),  # torch's: % 16
         ([*BF16, "moe.capacity_factor=1.0"], CUDA, HOPPER, False),  # drops but does not pad
         ([*BF16, *PAD, "parallel.expert_model_parallel_size=2"], CUDA, HOPPER, False),
         ([*BF16, *PAD, "moe.backend=loop"], CUDA, HOPPER, False),
