@@ -108,9 +108,10 @@ class Trainer:
         # Recipe weights quantized once per step (trainer/step_weights.py); fp8 param gather publishes its own.
         # With data parallelism and no graph the param gather overlaps the first forward; finishing it before
         # the step would give that overlap up, so each forward quantizes as before there.
+        step_weights = StepWeights(self.model)
         self.step_weights = (
-            StepWeights(self.model) if not cfg.mixed_precision.fp8_param_gather and (self.graph or self.dp == 1)
-            else None
+            step_weights if step_weights.sites and not cfg.mixed_precision.fp8_param_gather
+            and (self.graph or self.dp == 1) else None
         )  # fmt: skip
         self.train_data, eval_sampler = build_data_for(cfg, self.rt)
         # The same held-out batches at every evaluation, so eval losses are comparable across steps.
