@@ -196,10 +196,7 @@ def grouped_dgrad_triton(g: QuantizedTensor, w: QuantizedTensor, fast_accum: boo
     N, K = qw.data.shape[1], qw.data.shape[2]
     if (torch_takes and (fast_accum or not kernel.preferred(N, K))) or not kernel.fits(qg.data, qw.data):
         return None
-    G, E = g.groups.count, qw.data.shape[0]
-    sg, sw = qg.scale.reshape(-1).float(), qw.scale.reshape(-1).float()
-    sg = sg if sg.numel() == G else sg.expand(G).contiguous()
-    sw = sw if sw.numel() == E else sw.expand(E).contiguous()
+    sg, sw = _one_scale_each(qg.scale, g.groups.count), _one_scale_each(qw.scale, qw.data.shape[0])
     return kernel.fp8_grouped_mm(qg.data, qw.data, g.groups.offsets, sg, sw, fast_accum=fast_accum)
 
 
@@ -240,11 +237,16 @@ def _fp8_wgrad(g: QuantizedTensor, x: QuantizedTensor, rows: tuple[torch.Tensor,
     qg, qx = g.copy("columnwise"), x.copy("columnwise")
     if not kernel.fits(qg.data, qx.data, qg.data.shape[0]):
         return False
-    G = g.groups.count
-    sg, sx = qg.scale.reshape(-1).float(), qx.scale.reshape(-1).float()
-    sg, sx = (s if s.numel() == G else s.expand(G).contiguous() for s in (sg, sx))
+    sg, sx = _one_scale_each(qg.scale, g.groups.count), _one_scale_each(qx.scale, g.groups.count)
     kernel.fp8_grouped_wgrad_accumulate_tma_(*rows, qg.data, qx.data, g.groups.offsets, sg, sx, fast_accum=fast_accum)
     return True
+
+
+def _one_scale_each(scale: torch.Tensor, n: int) -> torch.Tensor:
+    """A per-tensor decode scale as the Triton kernels take it: fp32 `[n]`, one per token group or expert
+    (a single scale repeated; per-group or per-expert scales as they are)."""
+    flat = scale.reshape(-1).float()
+    return flat if flat.numel() == n else flat.expand(n).contiguous()
 
 
 def zero_empty_groups_(out_GXY: torch.Tensor, offsets_G: torch.Tensor) -> torch.Tensor:

@@ -29,8 +29,8 @@ quantized in forward and its columnwise copy kept for dw2 (recomputing it in bac
 twice, and record delayed scaling's amax twice), so under a recipe backward does not recompute a. The
 probs sit inside fc2's quantized input here (outside it in the loop/grouped backends), so fused and grouped
 agree within the recipe's rounding, not bitwise. With `wgrad_into` the weight grads are added into the fp32
-targets: by the fp8 kernel that sums in fp32 and adds in its epilogue where it applies (e4m3 per-tensor on
-Hopper, `native.grouped_wgrad_accumulate_`), else the recipe's product then one add.
+targets: by the fp8 kernel that sums in fp32 and adds in its epilogue where it applies (per-tensor e4m3 or
+hybrid on Hopper, `native.grouped_wgrad_accumulate_`), else the recipe's product then one add.
 
 Constraints inherited from `torch._grouped_mm`: every row stride 16-byte aligned (D, H, F multiples of 8 in
 bf16) and no stride-0 operands (a broadcast dy is made contiguous). Rows of x beyond
