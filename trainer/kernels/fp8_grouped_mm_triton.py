@@ -25,13 +25,14 @@ import triton.language as tl
 
 from trainer.kernels.grouped_wgrad_triton import TensorDescriptor, tma_supported
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): the fastest of seven on an H100 at the reference and
-# fine-grained models' data grads (docs/benchmarks.md, twelfth session); the second for N not a multiple of 256
-CONFIG = (128, 256, 128, 8, 3)
-CONFIG_128 = (128, 128, 128, 8, 3)
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): the fastest of seven tiles on an H100 at the reference and
+# fine-grained models' data grads (docs/benchmarks.md, twelfth session), then of 3-6 stages (thirteenth: 4
+# stages ran 1.06-1.13x 3); the second for N not a multiple of 256
+CONFIG = (128, 256, 128, 8, 4)
+CONFIG_128 = (128, 128, 128, 8, 6)
 PRECISE = 128  # products per fp32 promotion (CUTLASS's precise interval: 4 wgmma k-steps of 32)
 # torch's precise kernel is the faster one from here: at N = K = 2048 it ran 790 TFLOP/s against this
-# kernel's 694, where at min(N, K) <= 1536 this one ran 2.2-2.9x faster (the same measurement)
+# kernel's 694 (740 with 4 stages, thirteenth session), where at min(N, K) <= 1536 this one ran 2.2-2.9x faster
 TORCH_FROM = 2048
 
 
