@@ -10,14 +10,21 @@ of the fp8 step, and the kernel's precise mode ran fc2's shape at 255 TFLOP/s (d
 session). Here each program owns one `[BLOCK_M, BLOCK_N]` tile of one expert: the operands arrive by TMA,
 the fp8 products are summed in fp32 (promoted out of the tensor cores' accumulator every `PRECISE` products
 unless fast accumulation is asked for, as CUTLASS's precise kernels do every 128), scaled once, and added
-into the grad tile, itself read and written by TMA. The product is never rounded to bf16.
+into the grad tile. The product is never rounded to bf16.
 
 Layouts as `grouped_wgrad_triton._wgrad_kernel_tma`: `c` is an fp32 `[R, N]` matrix whose rows
-`c_row_E[e] ..` are expert e's grad, `M % BLOCK_M == 0` so a tile never spans two experts. A group's
-columns that do not fill a whole `BLOCK_K` block are read by masked pointer loads.
+`c_row_E[e] ..` are expert e's grad, `M % BLOCK_M == 0` so a tile never spans two experts. Each program
+builds TMA descriptors of its group's columns on the device (Triton's `make_tensor_descriptor`; its memory
+from `_scratch`), so a group's columns that do not fill a whole `BLOCK_K` block arrive zero-padded: group
+starts must be 16-byte aligned, which the per-tensor recipes' 16-row expert alignment gives.
+The grad tile is read and written by pointer (a TMA epilogue's fp32 staging buffer would leave one program
+per SM, and the read-modify-write would not overlap any GEMM).
 """
 
 from __future__ import annotations
+
+import contextlib
+from typing import Iterator
 
 import torch
 import triton
@@ -25,17 +32,18 @@ import triton.language as tl
 
 from trainer.kernels.grouped_wgrad_triton import TensorDescriptor, tma_supported
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): the fastest of six on an H100 at the reference model's
-# expert shapes, in both accumulation modes (docs/benchmarks.md, twelfth session)
-CONFIG = (256, 128, 128, 8, 3)
-CONFIG_128 = (128, 128, 128, 8, 3)  # grads whose rows are not whole 256-row tiles (10-15% slower there)
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): the fastest of 11 on an H100 at the reference and
+# fine-grained models' expert shapes (docs/benchmarks.md, thirteenth session). One warpgroup and 96 KiB of
+# shared memory per program let two programs share an SM, so one's read-modify-write of `c` runs under the
+# other's GEMM: 1.19-1.22x the one-program-per-SM (256, 128, 128, 8, 4) with a TMA epilogue.
+CONFIG = (128, 128, 128, 4, 3)
 PRECISE = 128  # products per fp32 promotion in precise mode (CUTLASS's interval: 4 wgmma k-steps of 32)
 
 
 @triton.jit
 def _fp8_wgrad_kernel_tma(
-    a_desc, b_desc, c_desc, a_ptr, b_ptr, offs_ptr, c_row_ptr, sa_ptr, sb_ptr,
-    M, N, T,
+    a_ptr, b_ptr, c_ptr, offs_ptr, c_row_ptr, sa_ptr, sb_ptr,
+    M, N, T, stride_c,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
     IMPRECISE: tl.constexpr,
 ):  # fmt: skip
@@ -46,22 +54,47 @@ def _fp8_wgrad_kernel_tma(
     n0 = pid % tiles_n * BLOCK_N
     start = tl.load(offs_ptr + e - 1, mask=e > 0, other=0).to(tl.int32)
     end = tl.load(offs_ptr + e).to(tl.int32)
+    # descriptors of this group's columns only: TMA zero-fills a box past the group's last column, so the
+    # partial last block needs no masking (masked operands took shared memory of their own, and with it the
+    # second program per SM)
+    cols = tl.maximum(end - start, 1)
+    a_desc = tl.make_tensor_descriptor(a_ptr + start, shape=[M, cols], strides=[T, 1], block_shape=[BLOCK_M, BLOCK_K])
+    b_desc = tl.make_tensor_descriptor(b_ptr + start, shape=[N, cols], strides=[T, 1], block_shape=[BLOCK_N, BLOCK_K])
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for i in tl.range(0, (end - start) // BLOCK_K, num_stages=STAGES):
-        k = start + i * BLOCK_K
+    for i in tl.range(0, tl.cdiv(end - start, BLOCK_K), num_stages=STAGES):
+        k = i * BLOCK_K
         acc = tl.dot(a_desc.load([m0, k]), b_desc.load([n0, k]).T, acc, max_num_imprecise_acc=IMPRECISE)
-    # the group's last partial block (columns of the next group read as 0)
-    cols = (start + (end - start) // BLOCK_K * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)
-    col_ok = cols < end
-    rm = (m0 + tl.arange(0, BLOCK_M)).to(tl.int64)
-    rn = (n0 + tl.arange(0, BLOCK_N)).to(tl.int64)
-    a = tl.load(a_ptr + rm[:, None] * T + cols[None, :], mask=col_ok[None, :], other=0.0)
-    b = tl.load(b_ptr + rn[:, None] * T + cols[None, :], mask=col_ok[None, :] & (rn[:, None] < N), other=0.0)
-    acc = tl.dot(a, b.T, acc, max_num_imprecise_acc=IMPRECISE)
     if end > start:  # an expert without rows leaves its grad untouched
         scale = tl.load(sa_ptr + e) * tl.load(sb_ptr + e)
-        row = tl.load(c_row_ptr + e).to(tl.int32) + m0
-        c_desc.store([row, n0], c_desc.load([row, n0]) + acc * scale)
+        # the tile's own base address, then 32-bit offsets inside it: 64-bit addresses for every element held
+        # the kernel at 255 registers
+        row = tl.load(c_row_ptr + e) + m0
+        tile = c_ptr + row * stride_c + n0
+        offs = tl.arange(0, BLOCK_M)[:, None] * stride_c + tl.arange(0, BLOCK_N)[None, :]
+        col_in = (n0 + tl.arange(0, BLOCK_N)) < N
+        tl.store(tile + offs, tl.load(tile + offs, mask=col_in[None, :]) + acc * scale, mask=col_in[None, :])
+
+
+def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    """Global memory for the kernel's device-side TMA descriptors (Triton asks its allocator at launch; a
+    CUDA graph capture takes it from the graph's pool)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+@contextlib.contextmanager
+def _descriptor_memory() -> Iterator[None]:
+    """`_scratch` as Triton's allocator for one launch, the caller's own allocator back afterwards."""
+    try:
+        from triton.runtime._allocation import _allocator
+    except ImportError:  # pragma: no cover - another Triton layout: set it for the process
+        triton.set_allocator(_scratch)
+        yield
+        return
+    token = _allocator.set(_scratch)
+    try:
+        yield
+    finally:
+        _allocator.reset(token)
 
 
 def fits(a_MT: torch.Tensor, b_NT: torch.Tensor, M: int) -> bool:
@@ -73,7 +106,7 @@ def fits(a_MT: torch.Tensor, b_NT: torch.Tensor, M: int) -> bool:
         and a_MT.element_size() == b_NT.element_size() == 1
         and a_MT.is_floating_point() and b_NT.is_floating_point()
         and a_MT.is_contiguous() and b_NT.is_contiguous()
-        and M % CONFIG_128[0] == 0
+        and M % CONFIG[0] == 0
         and a_MT.shape[1] % 16 == 0
         and a_MT.data_ptr() % 16 == 0 and b_NT.data_ptr() % 16 == 0
     )  # fmt: skip
@@ -88,16 +121,14 @@ def fp8_grouped_wgrad_accumulate_tma_(
     `fits` first). `offs_E`: cumulative column ends (device); `c_row_E`: int64 first row of each expert's
     grad in `c_RN`; scales fp32 `[E]`. `config` overrides `CONFIG` (the tuning probe)."""
     M, T = a_MT.shape
-    bm, bn, bk, warps, stages = config or (CONFIG if M % CONFIG[0] == 0 else CONFIG_128)
+    bm, bn, bk, warps, stages = config or CONFIG
     N = b_NT.shape[0]
-    if M % bm or b_NT.shape[1] != T or c_RN.dtype != torch.float32:
+    if M % bm or b_NT.shape[1] != T or c_RN.dtype != torch.float32 or c_RN.stride(1) != 1:
         raise ValueError(f"operands {tuple(a_MT.shape)}, {tuple(b_NT.shape)} do not make [{M}, {N}] fp32 grads")
-    a_desc = TensorDescriptor.from_tensor(a_MT, [bm, bk])
-    b_desc = TensorDescriptor.from_tensor(b_NT, [bn, bk])
-    c_desc = TensorDescriptor.from_tensor(c_RN, [bm, bn])
     grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn), offs_E.numel())
-    _fp8_wgrad_kernel_tma[grid](
-        a_desc, b_desc, c_desc, a_MT, b_NT, offs_E, c_row_E, scale_a_E, scale_b_E, M, N, T,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=stages, IMPRECISE=None if fast_accum else min(PRECISE, bk),
-        num_warps=warps, num_stages=stages,
-    )  # fmt: skip
+    with _descriptor_memory():
+        _fp8_wgrad_kernel_tma[grid](
+            a_MT, b_NT, c_RN, offs_E, c_row_E, scale_a_E, scale_b_E, M, N, T, c_RN.stride(0),
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=stages, IMPRECISE=None if fast_accum else min(PRECISE, bk),
+            num_warps=warps, num_stages=stages,
+        )  # fmt: skip
