@@ -21,7 +21,8 @@ compiler inductor builds with), MOE056 (hardware: the per-rank memory estimate f
 with `--gpu-memory`), MOE057 (parallel: `parallel.distributed_timeout_minutes` is positive), MOE058-060
 (CUDA graphs: one expert-parallel rank, a backend that keeps token counts on the device, fp32 main grads),
 MOE061 (retired: emulated GEMMs under CUDA graphs capture now), MOE062 (moe: what the `te` expert backend
-runs: bf16/fp32 or fp8 tensorwise, no fp8/fp4 param gather).
+runs: bf16/fp32 or fp8 tensorwise, no fp8/fp4 param gather), MOE063 (hardware: the GEMM widths fit the
+native fp8 kernels).
 
 Environment rules (Transformer Engine, device) probe lazily and cheaply: TE is looked up through
 `importlib.util.find_spec` and package metadata, never imported; torch is imported only when a GPU
@@ -1404,6 +1405,74 @@ def te_backend_needs_gpu(c: Context) -> Iterator[_Hit]:
     """Transformer Engine's kernels are CUDA only; on the CPU use backend auto (it picks the reference)."""
     if c.cfg.moe.backend == "te" and c.device is not None and c.device.kind == "cpu":
         yield _Hit(f"moe.backend=te on {c.device.describe()}", "set moe.backend=auto")
+
+
+def _attention_widths(c: Context) -> list[tuple[str, int, tuple[str, ...], tuple[str, ...]]]:
+    """The dense GEMM widths MOE006 does not check: attention's QKV rows and projection input (set by the head
+    counts and the head dim), and the tokens of a micro-batch, which the dense weight grads contract over."""
+    m = c.cfg.model
+    heads = m.num_attention_heads
+    groups = m.num_query_groups or heads
+    head_dim = m.kv_channels or (m.hidden_size // heads if heads > 0 else 0)
+    heads_keys = ("model.hidden_size", "model.num_attention_heads", "model.num_query_groups", "model.kv_channels")
+    return [  # (what, width, the GEMMs with it as their K or N, the dims `_scaled_mm` checks; the keys behind it)
+        ("QKV rows (num_attention_heads + 2 * num_query_groups) * head dim", (heads + 2 * groups) * head_dim,
+         ("fprop", "dgrad"), heads_keys),
+        ("num_attention_heads * head dim", heads * head_dim, ("fprop", "dgrad"), heads_keys),
+        ("train.micro_batch_size * model.seq_length", c.cfg.train.micro_batch_size * m.seq_length, ("wgrad",),
+         ("train.micro_batch_size", "model.seq_length")),
+    ]
+
+
+@rule(
+    "MOE063",
+    "hardware",
+    "error|warning",
+    ["model.hidden_size", "model.num_attention_heads", "model.num_query_groups", "model.kv_channels",
+     "moe.ffn_hidden_size", "moe.backend", "train.micro_batch_size", "model.seq_length", "mixed_precision.fp8",
+     "mixed_precision.fp8_recipe", "mixed_precision.emulate", "device"],
+    "the GEMM widths fit the native fp8 kernels (else: warning, or error under emulate: never)",
+)
+def gemm_dims_fit_native_kernels(c: Context) -> Iterator[_Hit]:
+    """A recipe native on the device (MOE038) still runs a GEMM emulated where its widths do not fit the
+    kernel: `torch._scaled_mm` takes multiples of 16 (MOE006 checks the model and ffn widths; this rule the
+    attention widths and the tokens per micro-batch), and `fp8: hybrid`'s expert data and weight grads (e5m2,
+    moectl's Triton kernels, on the backends with grouped GEMMs) take whole 128-wide tiles of the model and
+    expert ffn widths. The run would
+    find out at its first GEMM, on the GPU: under `emulate: never` it stops there, under `auto` it runs that
+    GEMM emulated (exact, slow). Checked against a known CUDA device only, for the GEMM families the recipe
+    runs natively there."""
+    dev = c.device
+    mp = c.cfg.mixed_precision
+    if dev is None or dev.kind != "cuda" or mp.emulate == "always" or mp.fp8 is None:
+        return
+    never = mp.emulate == "never"
+    native = hardware.native_gemms(mp.fp8_recipe, mp.fp8, dev.capability)
+    m = c.cfg.model
+    checks = [("linear", 16, _attention_widths(c))]
+    if mp.fp8 == "hybrid" and c.moe_layers > 0 and c.cfg.moe.backend in ("auto", "fused", "grouped"):
+        grads = ("dgrad", "wgrad")  # the loop backend's per-expert GEMMs and te's take multiples of 16
+        widths = [("model.hidden_size", m.hidden_size, grads, ("model.hidden_size",)),
+                  ("moe.ffn_hidden_size", c.cfg.moe.ffn_hidden_size, grads, ("moe.ffn_hidden_size",))]
+        checks.append(("grouped", 128, widths))
+    for family, multiple, widths in checks:
+        bad = [
+            (what, v, gemms, keys) for what, v, gemms, keys in widths
+            if v > 0 and v % multiple and any(native[f"{family}.{g}"] for g in gemms)
+        ]  # fmt: skip
+        if not bad:
+            continue
+        yield _Hit(
+            ", ".join(f"{what}={v} ({'/'.join(gemms)})" for what, v, gemms, _ in bad)
+            + f": not a multiple of {multiple}, so those {family} fp8 GEMMs of mixed_precision.fp8_recipe="
+            f"{mp.fp8_recipe} (fp8={mp.fp8}) run emulated on {dev.describe()} (exact, slow)",
+            f"make those widths multiples of {multiple}"
+            + (" (or use fp8=e4m3, whose expert kernels take multiples of 16)" if multiple == 128 else "")
+            + (", or accept emulation with mixed_precision.emulate=auto" if never else ""),
+            keys=list(dict.fromkeys(k for *_, keys in bad for k in keys))
+            + ["mixed_precision.fp8", "mixed_precision.emulate", "device"],
+            severity="error" if never else "warning",
+        )
 
 
 # ------------------------------------------------------------------------------- model, data and training

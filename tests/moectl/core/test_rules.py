@@ -388,6 +388,32 @@ CASES = [
     Case("MOE038", [*FP8, "train.device=cpu"], [*BF16, "train.device=cpu"], severity="warning", name="cpu"),
     Case("MOE039", BF16, BF16, cap=(7, 5), pass_cap=(8, 0), severity="warning"),
     Case(
+        "MOE063",
+        [*FP8, "model.kv_channels=18"],
+        [*FP8, "model.kv_channels=16"],
+        cap=(9, 0),
+        pass_cap=(9, 0),
+        severity="warning",
+        name="attention-widths",
+    ),
+    Case(
+        "MOE063",
+        [*FP8, "mixed_precision.emulate=never", "train.micro_batch_size=1", "model.seq_length=100"],
+        [*FP8, "mixed_precision.emulate=never", "train.micro_batch_size=1", "model.seq_length=112"],
+        cap=(9, 0),
+        pass_cap=(9, 0),
+        name="tokens-of-the-dense-wgrad",
+    ),
+    Case(
+        "MOE063",
+        [*BF16, "mixed_precision.fp8=hybrid", "mixed_precision.emulate=never"],
+        [*BF16, "mixed_precision.fp8=hybrid", "mixed_precision.emulate=never", "model.hidden_size=128",
+         "moe.ffn_hidden_size=128"],
+        cap=(9, 0),
+        pass_cap=(9, 0),
+        name="hybrid-expert-grads-in-128-wide-tiles",
+    ),
+    Case(
         "MOE040",
         ["moe.backend=te", "train.device=cpu"],
         ["moe.backend=te", "train.device=cuda"],
@@ -617,6 +643,18 @@ def test_te_rule_reports_what_it_found() -> None:
     assert "written against Transformer Engine 2.20.2; found: transformer_engine 3.0" in te_message(TEInstall("3.0", True))[0]
     v = hits(run(["moe.backend=te"], env=Environment(te=TEInstall("2.19.0", True), device=None)), "MOE022")[0]
     assert v.keys == {"moe.backend": "te", "transformer_engine": "transformer_engine 2.19.0"}
+
+
+def test_gemm_width_rule_speaks_only_for_gemms_native_on_the_device() -> None:
+    odd_heads = [*FP8, "model.kv_channels=18"]
+    assert hits(run(odd_heads, cap=(9, 0)), "MOE063")
+    assert hits(run(odd_heads, cap=(8, 0)), "MOE063") == []  # no fp8 GEMMs on sm80: MOE038 reports that
+    assert hits(run(odd_heads), "MOE063") == []  # no known device
+    assert hits(run([*odd_heads, "mixed_precision.emulate=always"], cap=(9, 0)), "MOE063") == []
+    # hybrid's grouped forward is torch's (multiples of 16): only its data and weight grads want 128
+    (v,) = hits(run([*BF16, "mixed_precision.fp8=hybrid"], cap=(9, 0)), "MOE063")
+    assert "(dgrad/wgrad)" in v.message and v.severity == "warning" and "fp8=e4m3" in v.fix
+    assert hits(run([*BF16, "mixed_precision.fp8=hybrid", "moe.backend=loop"], cap=(9, 0)), "MOE063") == []
 
 
 def test_hardware_rule_is_silent_without_a_known_device() -> None:
