@@ -26,8 +26,9 @@ import triton.language as tl
 from trainer.kernels.grouped_wgrad_triton import TensorDescriptor, tma_supported
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): the fastest of seven tiles on an H100 at the reference and
-# fine-grained models' data grads (docs/benchmarks.md, twelfth session), then of 3-6 stages (thirteenth: 4
-# stages ran 1.06-1.13x 3); the second for N not a multiple of 256
+# fine-grained models' data grads (docs/benchmarks.md, twelfth session), then stages (thirteenth: 4 ran
+# 1.06-1.13x 3; 5 would not fit shared memory). The second, for N not a multiple of 256: 6 stages ran
+# 1.14-1.20x 3 with this tile, measured at those same shapes.
 CONFIG = (128, 256, 128, 8, 4)
 CONFIG_128 = (128, 128, 128, 8, 6)
 PRECISE = 128  # products per fp32 promotion (CUTLASS's precise interval: 4 wgmma k-steps of 32)

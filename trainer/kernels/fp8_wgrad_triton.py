@@ -15,8 +15,9 @@ into the grad tile. The product is never rounded to bf16.
 Layouts as `grouped_wgrad_triton._wgrad_kernel_tma`: `c` is an fp32 `[R, N]` matrix whose rows
 `c_row_E[e] ..` are expert e's grad, `M % BLOCK_M == 0` so a tile never spans two experts. Each program
 builds TMA descriptors of its group's columns on the device (Triton's `make_tensor_descriptor`; its memory
-from `_scratch`), so a group's columns that do not fill a whole `BLOCK_K` block arrive zero-padded: group
-starts must be 16-byte aligned, which the per-tensor recipes' 16-row expert alignment gives.
+from `_scratch`), so a group's columns that do not fill a whole `BLOCK_K` block arrive zero-padded. Every group
+boundary must be a multiple of 16 columns: the per-tensor fp8 recipes pad each expert to 16 rows
+(`Recipe.align_size`, the dispatcher's contract), which `_scaled_grouped_mm` needs as well. Needs Triton 3.5+.
 The grad tile is read and written by pointer (a TMA epilogue's fp32 staging buffer would leave one program
 per SM, and the read-modify-write would not overlap any GEMM).
 """
@@ -24,6 +25,7 @@ per SM, and the read-modify-write would not overlap any GEMM).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from typing import Iterator
 
 import torch
@@ -35,7 +37,8 @@ from trainer.kernels.grouped_wgrad_triton import TensorDescriptor, tma_supported
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): the fastest of 11 on an H100 at the reference and
 # fine-grained models' expert shapes (docs/benchmarks.md, thirteenth session). One warpgroup and 96 KiB of
 # shared memory per program let two programs share an SM, so one's read-modify-write of `c` runs under the
-# other's GEMM: 1.19-1.22x the one-program-per-SM (256, 128, 128, 8, 4) with a TMA epilogue.
+# other's GEMM: 1.17-1.23x the one-program-per-SM (256, 128, 128, 8, 4) with a TMA epilogue where groups are
+# whole 128-column blocks; this kernel, with partial blocks, 1.05-1.08x it at the reference shapes (skewed).
 CONFIG = (128, 128, 128, 4, 3)
 PRECISE = 128  # products per fp32 promotion in precise mode (CUTLASS's interval: 4 wgmma k-steps of 32)
 
@@ -54,25 +57,26 @@ def _fp8_wgrad_kernel_tma(
     n0 = pid % tiles_n * BLOCK_N
     start = tl.load(offs_ptr + e - 1, mask=e > 0, other=0).to(tl.int32)
     end = tl.load(offs_ptr + e).to(tl.int32)
+    if end <= start:  # an expert without rows leaves its grad untouched
+        return
     # descriptors of this group's columns only: TMA zero-fills a box past the group's last column, so the
     # partial last block needs no masking (masked operands took shared memory of their own, and with it the
-    # second program per SM)
-    cols = tl.maximum(end - start, 1)
-    a_desc = tl.make_tensor_descriptor(a_ptr + start, shape=[M, cols], strides=[T, 1], block_shape=[BLOCK_M, BLOCK_K])
-    b_desc = tl.make_tensor_descriptor(b_ptr + start, shape=[N, cols], strides=[T, 1], block_shape=[BLOCK_N, BLOCK_K])
+    # second program per SM). Group boundaries must be multiples of 16 columns (a descriptor's base is 16-byte
+    # aligned; groups starting elsewhere hit an illegal instruction on an H100, measured)
+    a_desc = tl.make_tensor_descriptor(a_ptr + start, shape=[M, end - start], strides=[T, 1], block_shape=[BLOCK_M, BLOCK_K])
+    b_desc = tl.make_tensor_descriptor(b_ptr + start, shape=[N, end - start], strides=[T, 1], block_shape=[BLOCK_N, BLOCK_K])
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for i in tl.range(0, tl.cdiv(end - start, BLOCK_K), num_stages=STAGES):
         k = i * BLOCK_K
         acc = tl.dot(a_desc.load([m0, k]), b_desc.load([n0, k]).T, acc, max_num_imprecise_acc=IMPRECISE)
-    if end > start:  # an expert without rows leaves its grad untouched
-        scale = tl.load(sa_ptr + e) * tl.load(sb_ptr + e)
-        # the tile's own base address, then 32-bit offsets inside it: 64-bit addresses for every element held
-        # the kernel at 255 registers
-        row = tl.load(c_row_ptr + e) + m0
-        tile = c_ptr + row * stride_c + n0
-        offs = tl.arange(0, BLOCK_M)[:, None] * stride_c + tl.arange(0, BLOCK_N)[None, :]
-        col_in = (n0 + tl.arange(0, BLOCK_N)) < N
-        tl.store(tile + offs, tl.load(tile + offs, mask=col_in[None, :]) + acc * scale, mask=col_in[None, :])
+    scale = tl.load(sa_ptr + e) * tl.load(sb_ptr + e)
+    # the tile's own base address, then 32-bit offsets inside it: 64-bit addresses for every element held the
+    # kernel at 255 registers
+    row = tl.load(c_row_ptr + e) + m0
+    tile = c_ptr + row * stride_c + n0
+    offs = tl.arange(0, BLOCK_M)[:, None] * stride_c + tl.arange(0, BLOCK_N)[None, :]
+    col_in = (n0 + tl.arange(0, BLOCK_N)) < N
+    tl.store(tile + offs, tl.load(tile + offs, mask=col_in[None, :]) + acc * scale, mask=col_in[None, :])
 
 
 def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
@@ -81,15 +85,25 @@ def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
-@contextlib.contextmanager
-def _descriptor_memory() -> Iterator[None]:
-    """`_scratch` as Triton's allocator for one launch, the caller's own allocator back afterwards."""
+def _device_descriptors() -> bool:
+    """Whether this Triton builds TMA descriptors inside kernels with a per-launch allocator (`tl.
+    make_tensor_descriptor`, the allocator a context variable: Triton 3.5 and later)."""
     try:
         from triton.runtime._allocation import _allocator
-    except ImportError:  # pragma: no cover - another Triton layout: set it for the process
-        triton.set_allocator(_scratch)
-        yield
-        return
+    except ImportError:
+        return False
+    return hasattr(tl, "make_tensor_descriptor") and isinstance(_allocator, contextvars.ContextVar)
+
+
+_DEVICE_DESCRIPTORS = _device_descriptors()
+
+
+@contextlib.contextmanager
+def _descriptor_memory() -> Iterator[None]:
+    """`_scratch` as Triton's allocator for one launch (this thread's context only), the caller's own
+    allocator back afterwards."""
+    from triton.runtime._allocation import _allocator
+
     token = _allocator.set(_scratch)
     try:
         yield
@@ -98,10 +112,12 @@ def _descriptor_memory() -> Iterator[None]:
 
 
 def fits(a_MT: torch.Tensor, b_NT: torch.Tensor, M: int) -> bool:
-    """Whether the kernel takes these operands: TMA on this device, fp8 operands with 16-byte aligned rows and
-    bases, and whole `BLOCK_M`-row tiles of each expert's grad."""
+    """Whether the kernel takes these operands: TMA on this device and device-side descriptors in this Triton,
+    fp8 operands with 16-byte aligned rows and bases, and whole `BLOCK_M`-row tiles of each expert's grad.
+    Group boundaries (multiples of 16) are the caller's contract, not checked here: that would be a host sync."""
     return (
         TensorDescriptor is not None
+        and _DEVICE_DESCRIPTORS
         and tma_supported(a_MT.device)
         and a_MT.element_size() == b_NT.element_size() == 1
         and a_MT.is_floating_point() and b_NT.is_floating_point()
@@ -124,7 +140,10 @@ def fp8_grouped_wgrad_accumulate_tma_(
     bm, bn, bk, warps, stages = config or CONFIG
     N = b_NT.shape[0]
     if M % bm or b_NT.shape[1] != T or c_RN.dtype != torch.float32 or c_RN.stride(1) != 1:
-        raise ValueError(f"operands {tuple(a_MT.shape)}, {tuple(b_NT.shape)} do not make [{M}, {N}] fp32 grads")
+        raise ValueError(
+            f"operands {tuple(a_MT.shape)}, {tuple(b_NT.shape)} do not make [{M}, {N}] fp32 grads into a "
+            f"{c_RN.dtype} target with strides {c_RN.stride()} (fp32, rows contiguous)"
+        )
     grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn), offs_E.numel())
     with _descriptor_memory():
         _fp8_wgrad_kernel_tma[grid](
