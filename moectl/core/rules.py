@@ -1362,8 +1362,9 @@ def recipe_native_on_device(c: Context) -> Iterator[_Hit]:
     and scales, dequantized, high-precision matmul), which is correct but slow. What runs natively is the
     table in `moectl/core/hardware.py`, the same one the training run dispatches by: per-tensor fp8
     (tensorwise, delayed) and rowwise through `torch._scaled_mm` on sm89+, and the experts' grouped GEMMs
-    through `torch._scaled_grouped_mm` on sm90/sm100, e4m3 only (so `fp8: hybrid`, whose grads are e5m2,
-    emulates the grouped backward). blockwise, mxfp8 and nvfp4 are emulated on every device in this build;
+    through `torch._scaled_grouped_mm` on sm90/sm100, e4m3 only, with `fp8: hybrid`'s e5m2 grouped backward in
+    moectl's Triton kernels on sm90+ (hybrid rowwise emulates it). blockwise, mxfp8 and nvfp4 are emulated on
+    every device in this build;
     a CPU emulates everything. Under `emulate: auto` (or `always`) that is a warning; `emulate: never`
     turns it into an error, as the run would refuse to start. Checked only against a known device: a
     visible GPU, `--device-capability`, or `train.device: cpu`."""
@@ -1407,21 +1408,45 @@ def te_backend_needs_gpu(c: Context) -> Iterator[_Hit]:
         yield _Hit(f"moe.backend=te on {c.device.describe()}", "set moe.backend=auto")
 
 
-def _attention_widths(c: Context) -> list[tuple[str, int, tuple[str, ...], tuple[str, ...]]]:
-    """The dense GEMM widths MOE006 does not check: attention's QKV rows and projection input (set by the head
-    counts and the head dim), and the tokens of a micro-batch, which the dense weight grads contract over."""
+Width = tuple[str, int, tuple[str, ...], tuple[str, ...]]  # what, value, the GEMMs it limits, the keys behind it
+
+
+def _attention_widths(c: Context) -> list[Width]:
+    """The dense GEMM widths MOE006 does not check, each with the GEMMs that have it as their K or N (the
+    dims `torch._scaled_mm` checks): attention's QKV rows (QKV fprop N, dgrad K), its projection input
+    (proj fprop K, dgrad N, wgrad N; with kv_channels unset it is the hidden size, MOE006's), and the tokens of
+    a micro-batch (every dense wgrad's K)."""
     m = c.cfg.model
     heads = m.num_attention_heads
     groups = m.num_query_groups or heads
     head_dim = m.kv_channels or (m.hidden_size // heads if heads > 0 else 0)
     heads_keys = ("model.hidden_size", "model.num_attention_heads", "model.num_query_groups", "model.kv_channels")
-    return [  # (what, width, the GEMMs with it as their K or N, the dims `_scaled_mm` checks; the keys behind it)
+    out: list[Width] = [
         ("QKV rows (num_attention_heads + 2 * num_query_groups) * head dim", (heads + 2 * groups) * head_dim,
          ("fprop", "dgrad"), heads_keys),
-        ("num_attention_heads * head dim", heads * head_dim, ("fprop", "dgrad"), heads_keys),
         ("train.micro_batch_size * model.seq_length", c.cfg.train.micro_batch_size * m.seq_length, ("wgrad",),
          ("train.micro_batch_size", "model.seq_length")),
+    ]  # fmt: skip
+    if m.kv_channels is not None:
+        out.insert(1, ("num_attention_heads * kv_channels", heads * head_dim, ("fprop", "dgrad", "wgrad"),
+                       ("model.num_attention_heads", "model.kv_channels")))  # fmt: skip
+    return out
+
+
+def _hybrid_expert_widths(c: Context) -> list[Width]:
+    """The expert widths `fp8: hybrid`'s Triton data and weight grads tile by 128, each with the GEMMs it limits:
+    the model width (fc1 dgrad N, fc2 dgrad K, fc2 wgrad rows) and the expert ffn width F (fc2 dgrad N; fc1's
+    dgrad K and wgrad rows are 2F when gated, so those need only F % 64). Widths that are not multiples of 16
+    are MOE006's."""
+    m, e = c.cfg.model, c.cfg.moe
+    f = e.ffn_hidden_size
+    gated = e.activation in GATED_ACTIVATIONS
+    ffn_gemms = ("dgrad",) if gated and f % 64 == 0 else ("dgrad", "wgrad")
+    widths: list[Width] = [
+        ("model.hidden_size", m.hidden_size, ("dgrad", "wgrad"), ("model.hidden_size",)),
+        ("moe.ffn_hidden_size", f, ffn_gemms, ("moe.ffn_hidden_size", "moe.activation")),
     ]
+    return [w for w in widths if w[1] % 16 == 0]
 
 
 @rule(
@@ -1429,8 +1454,8 @@ def _attention_widths(c: Context) -> list[tuple[str, int, tuple[str, ...], tuple
     "hardware",
     "error|warning",
     ["model.hidden_size", "model.num_attention_heads", "model.num_query_groups", "model.kv_channels",
-     "moe.ffn_hidden_size", "moe.backend", "train.micro_batch_size", "model.seq_length", "mixed_precision.fp8",
-     "mixed_precision.fp8_recipe", "mixed_precision.emulate", "device"],
+     "moe.ffn_hidden_size", "moe.activation", "moe.backend", "train.micro_batch_size", "model.seq_length",
+     "mixed_precision.fp8", "mixed_precision.fp8_recipe", "mixed_precision.emulate", "device"],
     "the GEMM widths fit the native fp8 kernels (else: warning, or error under emulate: never)",
 )
 def gemm_dims_fit_native_kernels(c: Context) -> Iterator[_Hit]:
@@ -1438,32 +1463,28 @@ def gemm_dims_fit_native_kernels(c: Context) -> Iterator[_Hit]:
     kernel: `torch._scaled_mm` takes multiples of 16 (MOE006 checks the model and ffn widths; this rule the
     attention widths and the tokens per micro-batch), and `fp8: hybrid`'s expert data and weight grads (e5m2,
     moectl's Triton kernels, on the backends with grouped GEMMs) take whole 128-wide tiles of the model and
-    expert ffn widths. The run would
-    find out at its first GEMM, on the GPU: under `emulate: never` it stops there, under `auto` it runs that
-    GEMM emulated (exact, slow). Checked against a known CUDA device only, for the GEMM families the recipe
-    runs natively there."""
+    expert ffn widths. The run would find out at its first GEMM, on the GPU: under `emulate: never` it stops
+    there, under `auto` it runs that GEMM emulated (exact, slow). Checked against a known CUDA device only,
+    for the GEMMs the recipe runs natively there."""
     dev = c.device
     mp = c.cfg.mixed_precision
     if dev is None or dev.kind != "cuda" or mp.emulate == "always" or mp.fp8 is None:
         return
     never = mp.emulate == "never"
     native = hardware.native_gemms(mp.fp8_recipe, mp.fp8, dev.capability)
-    m = c.cfg.model
     checks = [("linear", 16, _attention_widths(c))]
     if mp.fp8 == "hybrid" and c.moe_layers > 0 and c.cfg.moe.backend in ("auto", "fused", "grouped"):
-        grads = ("dgrad", "wgrad")  # the loop backend's per-expert GEMMs and te's take multiples of 16
-        widths = [("model.hidden_size", m.hidden_size, grads, ("model.hidden_size",)),
-                  ("moe.ffn_hidden_size", c.cfg.moe.ffn_hidden_size, grads, ("moe.ffn_hidden_size",))]
-        checks.append(("grouped", 128, widths))
+        checks.append(("grouped", 128, _hybrid_expert_widths(c)))  # loop's per-expert GEMMs and te's take 16
     for family, multiple, widths in checks:
-        bad = [
-            (what, v, gemms, keys) for what, v, gemms, keys in widths
-            if v > 0 and v % multiple and any(native[f"{family}.{g}"] for g in gemms)
-        ]  # fmt: skip
+        bad = []
+        for what, v, gemms, keys in widths:
+            hit = [g for g in gemms if native[f"{family}.{g}"]]
+            if v > 0 and v % multiple and hit:
+                bad.append((what, v, hit, keys))
         if not bad:
             continue
         yield _Hit(
-            ", ".join(f"{what}={v} ({'/'.join(gemms)})" for what, v, gemms, _ in bad)
+            ", ".join(f"{what}={v} ({'/'.join(hit)})" for what, v, hit, _ in bad)
             + f": not a multiple of {multiple}, so those {family} fp8 GEMMs of mixed_precision.fp8_recipe="
             f"{mp.fp8_recipe} (fp8={mp.fp8}) run emulated on {dev.describe()} (exact, slow)",
             f"make those widths multiples of {multiple}"

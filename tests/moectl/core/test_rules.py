@@ -655,6 +655,22 @@ def test_gemm_width_rule_speaks_only_for_gemms_native_on_the_device() -> None:
     (v,) = hits(run([*BF16, "mixed_precision.fp8=hybrid"], cap=(9, 0)), "MOE063")
     assert "(dgrad/wgrad)" in v.message and v.severity == "warning" and "fp8=e4m3" in v.fix
     assert hits(run([*BF16, "mixed_precision.fp8=hybrid", "moe.backend=loop"], cap=(9, 0)), "MOE063") == []
+    # gated: fc1's data and weight grads see 2F, so F=64 limits only fc2's data grad
+    (v,) = hits(run([*BF16, "mixed_precision.fp8=hybrid", "model.hidden_size=128"], cap=(9, 0)), "MOE063")
+    assert "moe.ffn_hidden_size=64 (dgrad):" in v.message and "model.hidden_size" not in v.message
+    # a width MOE006 already refuses (not a multiple of 16) is not reported again
+    assert hits(run([*BF16, "mixed_precision.fp8=hybrid", "moe.ffn_hidden_size=72", "model.hidden_size=128"],
+                    cap=(9, 0)), "MOE063") == []  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [["model.num_attention_heads=0"], ["model.kv_channels=-3"], ["model.num_query_groups=0"],
+     ["train.micro_batch_size=0"], ["model.seq_length=-1"], ["model.hidden_size=0"], ["moe.ffn_hidden_size=-64"]],
+)
+def test_gemm_width_rule_does_not_raise_on_bad_values(bad: list[str]) -> None:
+    for fp8 in ("e4m3", "hybrid"):
+        run([*BF16, f"mixed_precision.fp8={fp8}", *bad], cap=(9, 0))  # MOE041 and others report the values
 
 
 def test_hardware_rule_is_silent_without_a_known_device() -> None:
