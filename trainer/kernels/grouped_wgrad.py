@@ -41,29 +41,36 @@ def accumulate_grouped_wgrad_(targets: Sequence[torch.Tensor], a_TM: torch.Tenso
 
     base = targets[0]
     M, N = base.shape
-    for t in targets:
-        if t.dtype != torch.float32 or tuple(t.shape) != (M, N) or t.stride() != (N, 1):
-            raise ValueError("grouped wgrad targets must be contiguous fp32 [M, N] matrices of one shape")
+    layout = _checked_layout(targets)
     if offs_E is None:
         offs_E = torch.cumsum(tokens_per_expert_E.to(a_TM.device), 0)
     a_TM, b_TN = a_TM.contiguous(), b_TN.contiguous()
-    rows = rows_view(targets)
-    if rows is not None and _tma_fits(a_TM, b_TN, M, N):
-        kernels.grouped_wgrad_accumulate_tma_(*rows, a_TM, b_TN, offs_E, M, N)
+    if layout.rows is not None and _tma_fits(a_TM, b_TN, M, N):
+        kernels.grouped_wgrad_accumulate_tma_(*_rows_view(targets, layout), a_TM, b_TN, offs_E, M, N)
     else:
-        kernels.grouped_wgrad_accumulate_(base, _layout_of(targets).offsets, a_TM, b_TN, offs_E, M, N)
+        kernels.grouped_wgrad_accumulate_(base, layout.offsets, a_TM, b_TN, offs_E, M, N)
 
 
 def rows_view(targets: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The E fp32 `[M, N]` targets as one `[R, N]` matrix and each one's first row in it (int64, on the device),
     what the TMA kernels write through; None where they are not whole rows of one allocation (or not on CUDA)."""
+    layout = _checked_layout(targets)
+    return None if layout.rows is None else _rows_view(targets, layout)
+
+
+def _checked_layout(targets: Sequence[torch.Tensor]) -> "_Layout":
+    """`_layout_of` the targets, after checking they are contiguous fp32 `[M, N]` matrices of one shape."""
     M, N = targets[0].shape
     for t in targets:
         if t.dtype != torch.float32 or tuple(t.shape) != (M, N) or t.stride() != (N, 1):
             raise ValueError("grouped wgrad targets must be contiguous fp32 [M, N] matrices of one shape")
-    layout = _layout_of(targets)
-    if layout.rows is None:
-        return None
+    return _layout_of(targets)
+
+
+def _rows_view(targets: Sequence[torch.Tensor], layout: "_Layout") -> tuple[torch.Tensor, torch.Tensor]:
+    """The `[R, N]` matrix over row-aligned targets (`layout.rows` set) and each one's first row."""
+    assert layout.rows is not None
+    N = targets[0].shape[1]
     # built per call, never cached: a cached view would keep a freed grad buffer's storage alive
     return targets[layout.low].as_strided((layout.num_rows, N), (N, 1)), layout.rows
 
