@@ -71,6 +71,11 @@ def kernel_supports(kind: str, fmt_a: str, fmt_b: str, *, grouped: bool, capabil
     return fmt_a == "e4m3" and fmt_b == "e4m3"
 
 
+#: the tile of moectl's Triton fp8 grouped kernels along the expert widths they take whole (their `fits`):
+#: hybrid's expert data and weight grads need model and expert widths in multiples of it
+TRITON_GROUPED_TILE = 128
+
+
 def triton_grouped_supports(kind: str, fmt_a: str, fmt_b: str, capability: Optional[Capability]) -> bool:
     """Whether moectl's Triton fp8 grouped kernels take this pair at `capability` (the table above): per-tensor
     scales, e4m3/e5m2 operands but not both e5m2, TMA (sm90 and newer)."""
@@ -79,6 +84,16 @@ def triton_grouped_supports(kind: str, fmt_a: str, fmt_b: str, capability: Optio
         kind == "tensor" and capability is not None and capability[0] >= 9
         and fmt_a in fmts and fmt_b in fmts and not fmt_a == fmt_b == "e5m2"
     )  # fmt: skip
+
+
+def gemm_native(kind: str, fmt_a: str, fmt_b: str, gemm: str, *, grouped: bool, capability: Optional[Capability],
+                torch_kernel: bool = True) -> bool:  # fmt: skip
+    """Whether GEMM `gemm` ("fprop", "dgrad", "wgrad") of this operand pair runs natively at `capability`: torch's
+    kernel (`kernel_supports`; `torch_kernel`: this torch has it), or, for the experts' backward, moectl's
+    Triton kernels (`triton_grouped_supports`: fp8 hybrid's e5m2 grads)."""
+    return (torch_kernel and kernel_supports(kind, fmt_a, fmt_b, grouped=grouped, capability=capability)) or (
+        grouped and gemm != "fprop" and triton_grouped_supports(kind, fmt_a, fmt_b, capability)
+    )
 
 
 def operand_formats(recipe: str, fp8_format: Optional[str]) -> dict[str, str]:
@@ -99,9 +114,8 @@ def native_gemms(recipe: str, fp8_format: Optional[str], capability: Optional[Ca
     out = {}
     for family in FAMILIES:
         for gemm, (a, b) in GEMM_OPERANDS.items():
-            grouped = family == "grouped"
-            out[f"{family}.{gemm}"] = kernel_supports(kind, fmts[a], fmts[b], grouped=grouped, capability=capability) or (
-                grouped and gemm != "fprop" and triton_grouped_supports(kind, fmts[a], fmts[b], capability)
+            out[f"{family}.{gemm}"] = gemm_native(
+                kind, fmts[a], fmts[b], gemm, grouped=family == "grouped", capability=capability
             )
     return out
 

@@ -1174,8 +1174,8 @@ def device_offset_recipe(cfg: Config) -> bool:
     """Whether the experts' grouped GEMMs read their per-expert row split on the device: bf16/fp16 ones
     (`torch._grouped_mm`), fp8 e4m3 with per-tensor or per-row scales (`torch._scaled_grouped_mm`, every
     pass native), and fp8 hybrid with per-tensor scales (its e5m2 backward in moectl's Triton kernels,
-    `hardware.triton_grouped_supports`), at expert dims those kernels take. The others (hybrid rowwise, blockwise, mxfp8, fp4) run some grouped
-    GEMM emulated, segment by segment, with the split read on the host."""
+    `hardware.triton_grouped_supports`), at expert dims those kernels take. The others (hybrid rowwise,
+    blockwise, mxfp8, fp4) run some grouped GEMM emulated, segment by segment, with the split read on the host."""
     mp = cfg.mixed_precision
     if mp.fp4:
         return False
@@ -1185,7 +1185,8 @@ def device_offset_recipe(cfg: Config) -> bool:
     # the expert dims in multiples of 16, the Triton ones (hybrid's backward) in whole 128-wide tiles
     dims = (cfg.model.hidden_size, cfg.moe.ffn_hidden_size)
     if mp.fp8 == "hybrid":
-        return mp.fp8_recipe in ("tensorwise", "delayed") and all(d % 128 == 0 for d in dims)
+        tile = hardware.TRITON_GROUPED_TILE
+        return mp.fp8_recipe in ("tensorwise", "delayed") and all(d % tile == 0 for d in dims)
     return mp.fp8_recipe in ("tensorwise", "delayed", "rowwise") and all(d % 16 == 0 for d in dims)
 
 
@@ -1441,7 +1442,7 @@ def _hybrid_expert_widths(c: Context) -> list[Width]:
     m, e = c.cfg.model, c.cfg.moe
     f = e.ffn_hidden_size
     gated = e.activation in GATED_ACTIVATIONS
-    ffn_gemms = ("dgrad",) if gated and f % 64 == 0 else ("dgrad", "wgrad")
+    ffn_gemms = ("dgrad",) if gated and (2 * f) % hardware.TRITON_GROUPED_TILE == 0 else ("dgrad", "wgrad")
     widths: list[Width] = [
         ("model.hidden_size", m.hidden_size, ("dgrad", "wgrad"), ("model.hidden_size",)),
         ("moe.ffn_hidden_size", f, ffn_gemms, ("moe.ffn_hidden_size", "moe.activation")),
@@ -1474,7 +1475,8 @@ def gemm_dims_fit_native_kernels(c: Context) -> Iterator[_Hit]:
     native = hardware.native_gemms(mp.fp8_recipe, mp.fp8, dev.capability)
     checks = [("linear", 16, _attention_widths(c))]
     if mp.fp8 == "hybrid" and c.moe_layers > 0 and c.cfg.moe.backend in ("auto", "fused", "grouped"):
-        checks.append(("grouped", 128, _hybrid_expert_widths(c)))  # loop's per-expert GEMMs and te's take 16
+        # (the loop backend's per-expert GEMMs and te's take multiples of 16)
+        checks.append(("grouped", hardware.TRITON_GROUPED_TILE, _hybrid_expert_widths(c)))
     for family, multiple, widths in checks:
         bad = []
         for what, v, gemms, keys in widths:
@@ -1488,7 +1490,7 @@ def gemm_dims_fit_native_kernels(c: Context) -> Iterator[_Hit]:
             + f": not a multiple of {multiple}, so those {family} fp8 GEMMs of mixed_precision.fp8_recipe="
             f"{mp.fp8_recipe} (fp8={mp.fp8}) run emulated on {dev.describe()} (exact, slow)",
             f"make those widths multiples of {multiple}"
-            + (" (or use fp8=e4m3, whose expert kernels take multiples of 16)" if multiple == 128 else "")
+            + (" (or use fp8=e4m3, whose expert kernels take multiples of 16)" if family == "grouped" else "")
             + (", or accept emulation with mixed_precision.emulate=auto" if never else ""),
             keys=list(dict.fromkeys(k for *_, keys in bad for k in keys))
             + ["mixed_precision.fp8", "mixed_precision.emulate", "device"],

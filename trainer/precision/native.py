@@ -54,9 +54,13 @@ def kernel_supports(kind: str, fmt_a: str, fmt_b: str, *, grouped: bool, device:
     )
 
 
-def triton_grouped_supports(kind: str, fmt_a: str, fmt_b: str, device: torch.device | str | None) -> bool:
-    """Whether moectl's Triton fp8 grouped kernels take this operand pair on `device` (`hardware`'s table)."""
-    return hardware.triton_grouped_supports(kind, fmt_a, fmt_b, capability(device))
+def gemm_native(kind: str, fmt_a: str, fmt_b: str, gemm: str, *, grouped: bool,
+                device: torch.device | str | None) -> bool:  # fmt: skip
+    """`hardware.gemm_native` on `device`: torch's kernel (where this torch has it) or moectl's Triton kernels
+    for the experts' backward, the one table rule MOE038 reads too."""
+    kernel = "_scaled_grouped_mm" if grouped else "_scaled_mm"
+    return hardware.gemm_native(kind, fmt_a, fmt_b, gemm, grouped=grouped, capability=capability(device),
+                                torch_kernel=hasattr(torch, kernel))  # fmt: skip
 
 
 def _pair_ok(a: QuantizedTensor, b: QuantizedTensor, grouped: bool) -> bool:
@@ -176,8 +180,8 @@ def grouped_mm_2d2d(g: QuantizedTensor, x: QuantizedTensor, fast_accum: bool = F
 def triton_grouped_supported(a: QuantizedTensor, b: QuantizedTensor) -> bool:
     """Whether moectl's Triton fp8 grouped kernels take this operand pair on its device (`hardware`'s table:
     per-tensor e4m3/e5m2 pairs, not both e5m2, sm90 and newer); shapes are checked by the kernels' `fits`."""
-    return a.device.type == "cuda" and has_triton() and triton_grouped_supports(
-        a.scheme.kind, a.scheme.fmt, b.scheme.fmt, a.device
+    return a.device.type == "cuda" and has_triton() and hardware.triton_grouped_supports(
+        a.scheme.kind, a.scheme.fmt, b.scheme.fmt, capability(a.device)
     )
 
 

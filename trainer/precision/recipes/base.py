@@ -29,7 +29,7 @@ from .. import gemm
 from ..groups import TokenGroups
 from ..linear import grouped_linear as _grouped_linear
 from ..linear import linear as _linear
-from ..native import kernel_supports, triton_grouped_supports
+from ..native import gemm_native
 from ..quantize import quantize
 from ..quantized_tensor import QuantizedTensor
 from ..report import describe as _describe
@@ -150,10 +150,7 @@ class Recipe:
         for grouped, prefix in ((False, "linear"), (True, "grouped")):
             for name, (s1, s2) in pairs.items():
                 ok = self.emulate != "always" and s1.kind == s2.kind
-                ok = ok and (
-                    kernel_supports(s1.kind, s1.fmt, s2.fmt, grouped=grouped, device=device)
-                    or (grouped and name != "fprop" and triton_grouped_supports(s1.kind, s1.fmt, s2.fmt, device))
-                )  # the second: moectl's Triton kernels for the grouped backward (fp8 hybrid's e5m2 grads)
+                ok = ok and gemm_native(s1.kind, s1.fmt, s2.fmt, name, grouped=grouped, device=device)
                 out[f"{prefix}.{name}"] = ok
         return out
 
