@@ -10,7 +10,9 @@ H100 against the iteration's 70 ms of GEMMs (profile in docs/benchmarks.md). Her
   block's sum of squares of the rounded blend (`slice_sums` adds a slice's blocks with one torch reduction:
   no atomics, so a step is bit-reproducible, as the graph == eager and dp tests require): 14 B/element;
 - `normalize_`: divides each slice of the batch by `sqrt(sumsq) + eps` in place: 4 B/element (bf16);
-- `apply_`: `master = master * decay + alpha * ortho`: 10 B/element.
+- `apply_`: `master = master * decay + alpha * ortho`: 10 B/element; with `publish`, the updated master is also
+  written, cast, into the param's bf16 buffer range that staging would copy it to (`muon_batch.MuonMatrix.publish`):
+  12 B/element where apply and a separate staging copy take 16.
 
 Same formulas as the torch path, in fp32 registers, with torch's `lerp` branch (`w < 0.5: a + w (b - a)`, else
 `b - (b - a)(1 - w)`); the grad is multiplied by the clip coefficient first, as `grad_norm.clipped` does (not
@@ -71,10 +73,13 @@ def _normalize_kernel(x_ptr, sumsq_ptr, eps, SLICE: tl.constexpr, BLOCK: tl.cons
 
 
 @triton.jit
-def _apply_kernel(p_ptr, o_ptr, decay, alpha, BLOCK: tl.constexpr):
+def _apply_kernel(p_ptr, o_ptr, q_ptr, decay, alpha, PUBLISH: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     p = tl.load(p_ptr + offs) * decay
-    tl.store(p_ptr + offs, p + alpha * tl.load(o_ptr + offs).to(tl.float32))
+    p = p + alpha * tl.load(o_ptr + offs).to(tl.float32)
+    tl.store(p_ptr + offs, p)
+    if PUBLISH:  # round to nearest even, as staging's `copy_` casts
+        tl.store(q_ptr + offs, p.to(q_ptr.dtype.element_ty))
 
 
 def blend_(grad: torch.Tensor, momentum: torch.Tensor, out: torch.Tensor, partials: torch.Tensor, first_block: int,
@@ -107,9 +112,14 @@ def normalize_(X: torch.Tensor, sumsq: torch.Tensor, eps: float) -> None:
     _normalize_kernel[(X.numel() // BLOCK,)](X, sumsq, eps, SLICE=slice_elems, BLOCK=BLOCK, num_warps=8)
 
 
-def apply_(master: torch.Tensor, ortho: torch.Tensor, *, decay: float, alpha: float) -> None:
-    """`master = master * decay + alpha * ortho` in place (fp32 master, contiguous, whole blocks)."""
+def apply_(master: torch.Tensor, ortho: torch.Tensor, *, decay: float, alpha: float,
+           publish: torch.Tensor | None = None) -> None:
+    """`master = master * decay + alpha * ortho` in place (fp32 master, contiguous, whole blocks); `publish`
+    (contiguous, master's element count): also receives the new master cast to its dtype."""
     n = master.numel()
     if not (master.is_contiguous() and ortho.is_contiguous()) or ortho.numel() != n or n % BLOCK:
         raise ValueError(f"Muon's fused apply: master {tuple(master.shape)}, update {tuple(ortho.shape)}")
-    _apply_kernel[(n // BLOCK,)](master, ortho, decay, alpha, BLOCK=BLOCK, num_warps=8)
+    if publish is not None and (not publish.is_contiguous() or publish.numel() != n):
+        raise ValueError(f"Muon's fused apply: master {tuple(master.shape)}, published {tuple(publish.shape)}")
+    _apply_kernel[(n // BLOCK,)](master, ortho, master if publish is None else publish, decay, alpha,
+                                 PUBLISH=publish is not None, BLOCK=BLOCK, num_warps=8)  # fmt: skip

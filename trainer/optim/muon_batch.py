@@ -8,7 +8,8 @@ one `[B, m, n]` batch in the compute dtype and runs one batched iteration on it 
 
 What stays per matrix: the momentum EMA and the Nesterov blend (elementwise; the blend is written
 straight into the matrix's slot of the batch, so the only copy is the cast the compute dtype needs), the
-weight decay and the update with the matrix's own Moonlight scale. On CUDA with a low-precision iteration
+weight decay and the update with the matrix's own Moonlight scale, and the write of the new master into the
+bf16 param (`MuonMatrix.publish`, in the same pass: no separate staging copy reads the master again). On CUDA with a low-precision iteration
 those run as the fused kernels of `kernels/muon_triton.py` (`fused_elementwise` says when), which also
 apply the clip coefficient (`grad_scale`) on the fly; elsewhere as torch ops. Every op is the one `muon.muon_update_`
 runs on that matrix alone, and the batched fp32 GEMMs give each slice the same bits whatever else is in
@@ -57,16 +58,20 @@ class MuonMatrix:
     """One unit of Muon work: an fp32 master, its grad (unclipped: `muon_step_` takes the clip coefficient)
     and momentum, all of one shape:
     `[m, n]`, or `[k, m, n]` for k expert slices. `glu`: the row layout of a gated fc1 weight to
-    orthogonalise as gate and up halves (None: as it is)."""
+    orthogonalise as gate and up halves (None: as it is). `publish`: where the updated master goes, cast
+    (the param's range of a bf16 param buffer: the update writes it, so staging need not copy it), or None."""
 
     master: torch.Tensor
     grad: torch.Tensor
     momentum: torch.Tensor
     glu: Optional[GluRows] = None
+    publish: Optional[torch.Tensor] = None
 
     def __post_init__(self) -> None:
         if self.glu is not None:
             glu_halves(self.master, self.glu.interleave)  # refuses rows that are no gate/up blocks
+        if self.publish is not None and self.publish.shape != self.master.shape:
+            raise ValueError(f"published param {tuple(self.publish.shape)} != master {tuple(self.master.shape)}")
 
     @property
     def shape(self) -> torch.Size:
@@ -118,6 +123,8 @@ def fused_elementwise(run: Sequence[MuonMatrix], compute_dtype: torch.dtype) -> 
         if mat.gathers or not _kernels().fits(mat.shape[-2] * mat.shape[-1]):
             return False
         if not all(t.is_contiguous() for t in (mat.master, mat.grad, mat.momentum)):
+            return False
+        if mat.publish is not None and not mat.publish.is_contiguous():
             return False
     return True
 
@@ -223,7 +230,7 @@ class _Step:
             at += mat.slices
             alpha = -self.lr * muon_lr_scale(mat.shape)
             if fused:
-                _kernels().apply_(mat.master, ortho, decay=decay, alpha=alpha)
+                _kernels().apply_(mat.master, ortho, decay=decay, alpha=alpha, publish=mat.publish)
                 continue
             if mat.gathers:  # scatter the halves back into the weight's row order
                 whole = torch.empty(mat.master.shape, dtype=ortho.dtype, device=ortho.device)
@@ -235,6 +242,8 @@ class _Step:
             if self.weight_decay != 0:
                 mat.master.mul_(decay)
             mat.master.add_(ortho, alpha=alpha)
+            if mat.publish is not None:
+                mat.publish.copy_(mat.master)
 
 
 def _blend(mat: MuonMatrix, slot: torch.Tensor, grad_scale: float, momentum: float, nesterov: bool) -> None:

@@ -10,7 +10,8 @@ this base:
 - the master of an fp32 param IS the param buffer's range (`ParamStorage.master_view`; Megatron's
   distributed optimizer does the same for fp32 params): the update writes the param in place and
   staging skips it, so nothing is written back. Other params (bf16, quantized) keep a separate fp32
-  master that staging writes into the buffer;
+  master that staging writes into the buffer, unless the update wrote the buffer itself
+  (`ShardBase.written_by_update`: Muon casts its new masters into bf16 params in its apply pass);
 - masters are built from `ParamStorage.init_source` (the high-precision values, never a dequantized
   low-precision param), and every rank releases every init source afterwards;
 - the step checks readiness before touching any master, agrees on the global norm and a found-inf flag
@@ -76,6 +77,12 @@ class ShardBase:
         data = self.bucket.param_data
         return (self.master.dtype == data.dtype and self.master.numel() == self.hi - self.lo
                 and self.master.data_ptr() == data[self.lo:self.hi].data_ptr())
+
+    @property
+    def written_by_update(self) -> bool:
+        """Whether the last update already wrote this shard's range of the param buffer (then staging skips
+        it): an aliased master; a subclass adds its own cases (Muon's published bf16 params)."""
+        return self.aliased
 
     def segments(self) -> Iterator[Segment]:
         """The params (or pieces of params) in [lo, hi), in bucket order."""
@@ -160,7 +167,7 @@ class ShardedOptimizerBase:
     def _stage_group(self, group: BucketGroup) -> None:
         for bucket in group.buckets:
             shard = self._shard_of[bucket]
-            if not shard.aliased:  # an aliased master was updated in the param buffer itself
+            if not shard.written_by_update:
                 bucket.buffer.storage.stage(bucket, shard.lo, shard.hi, shard.master)
 
     def _masters_changed(self, *, stepped: bool) -> None:

@@ -74,8 +74,11 @@ def test_apply_and_normalize_match_the_torch_ops() -> None:
 
     p, o = torch.randn(4, 256, 64, device="cuda"), torch.randn(4, 256, 64, device="cuda").bfloat16()
     ref = p.clone().mul_(0.999).add_(o, alpha=-0.05)
+    p2, published = p.clone(), torch.zeros(4, 256, 64, dtype=torch.bfloat16, device="cuda")
     muon_triton.apply_(p, o, decay=0.999, alpha=-0.05)
     torch.testing.assert_close(p, ref, rtol=1e-6, atol=1e-7)
+    muon_triton.apply_(p2, o, decay=0.999, alpha=-0.05, publish=published)
+    assert torch.equal(p2, p) and torch.equal(published, p.bfloat16())  # the cast staging's copy_ makes
     X = torch.randn(4, 256, 64, device="cuda").bfloat16()
     s = (X.float() ** 2).sum(dim=(-2, -1))
     ref = (X.float() / (s.sqrt() + 1e-7)[:, None, None]).bfloat16()

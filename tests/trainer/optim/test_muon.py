@@ -448,9 +448,18 @@ def test_muon_trains_the_tiny_config_with_a_falling_loss(tmp_path: Path, device:
     assert last < first - 0.5, (first, last)
 
 
-def test_bf16_params_are_the_fp32_masters_cast(tmp_path: Path) -> None:
-    t = trainer(tmp_path, "train.train_iters=2", "mixed_precision.bf16=true")
-    t.run()
+@pytest.mark.parametrize("publish", ["1", "0"], ids=["published-by-apply", "staged"])
+def test_bf16_params_are_the_fp32_masters_cast(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, publish: str) -> None:
+    """Muon writes its bf16 params in its apply pass (staging skips them) or stages them: either way every
+    param is its master cast, and the two runs are bitwise alike."""
+    from trainer.optim.layerwise import PUBLISH_ENV
+
+    monkeypatch.setenv(PUBLISH_ENV, publish)
+    t = trainer(tmp_path / publish, "train.train_iters=3", "mixed_precision.bf16=true")
+    losses = t.run().losses
+    muon = t.engine.optimizer.members[0]
+    bf16_shards = [s for s in muon.shards if not s.aliased]  # (fp32 params, the router's, are their own masters)
+    assert bf16_shards and [s.published for s in bf16_shards] == [publish == "1"] * len(bf16_shards)
     t.engine.sync_params_for_eval()
     state = t.engine.optimizer.gather_logical_state()["params"]
     dtypes = {n: p.dtype for n, p in t.model.named_parameters()}
@@ -458,3 +467,18 @@ def test_bf16_params_are_the_fp32_masters_cast(tmp_path: Path) -> None:
     for n, p in t.model.named_parameters():
         assert state[n]["master"].dtype == torch.float32, n
         assert torch.equal(p, state[n]["master"].to(p.dtype)), n
+    if publish == "0":
+        monkeypatch.setenv(PUBLISH_ENV, "1")
+        other = trainer(tmp_path / "again", "train.train_iters=3", "mixed_precision.bf16=true")
+        assert other.run().losses == losses
+        for (n, p), (_, q) in zip(t.model.named_parameters(), other.model.named_parameters()):
+            assert torch.equal(p, q), n
+
+
+def test_bf16_resume_stages_the_loaded_masters(tmp_path: Path) -> None:
+    """A load is no update: the loaded masters reach the bf16 params by staging, then steps publish again."""
+    straight = trainer(tmp_path / "a", "train.train_iters=4", "mixed_precision.bf16=true").run()
+    trainer(tmp_path / "b", "train.train_iters=2", "checkpoint.save_interval=2", "mixed_precision.bf16=true").run()
+    second = trainer(tmp_path / "b", "train.train_iters=4", "mixed_precision.bf16=true",
+                     "checkpoint.load=" + str(tmp_path / "b" / "checkpoints"))
+    assert second.run().losses == straight.losses[2:]
