@@ -37,7 +37,7 @@ import torch
 from moectl.core.errors import ConfigError
 from trainer.moe.delayed_wgrad import flush_point
 from trainer.moe.permute import combine_rows, dispatch_rows
-from trainer.moe.router import RouterOutput
+from trainer.moe.router import RouterOutput, compact_ids
 
 
 @dataclass
@@ -124,14 +124,14 @@ class LocalDispatcher:
             C = capacity(self.capacity_factor, T, K, E)
             # rank each routing within its expert by prob (desc), ties by routing index; keep rank < C
             by_prob_N = torch.argsort(probs_N.detach(), descending=True, stable=True)
-            ranked_N = by_prob_N[torch.argsort(experts_N[by_prob_N], stable=True)]
+            ranked_N = by_prob_N[torch.argsort(compact_ids(experts_N[by_prob_N], E), stable=True)]
             starts_E = torch.cumsum(counts_E, 0) - counts_E
             rank_N = torch.arange(N, device=dev) - starts_E[experts_N[ranked_N]]
             keep_N = torch.empty(N, dtype=torch.bool, device=dev)
             keep_N[ranked_N] = rank_N < C
             key_N = torch.where(keep_N, experts_N, E)  # dropped routings sort after every expert
             counts_E = torch.clamp(counts_E, max=C)
-        order_R = torch.argsort(key_N, stable=True)
+        order_R = torch.argsort(compact_ids(key_N, E), stable=True)
 
         if self.pad_to_capacity:
             C_pad = self.rows_per_expert(T, K)

@@ -29,7 +29,7 @@ import torch
 from moectl.core.errors import ConfigError
 from trainer.moe.dispatch_alltoall import check_divisible
 from trainer.moe.ep_comm import all_gather_rows, all_gather_rows_nograd, reduce_scatter_rows
-from trainer.moe.router import RouterOutput
+from trainer.moe.router import RouterOutput, compact_ids
 
 if TYPE_CHECKING:
     from trainer.parallel.groups import Group
@@ -96,7 +96,7 @@ class AllGatherDispatcher:
         dev = ids_AK.device
         local_N = ids_AK.reshape(N) - self.first_expert
         key_N = torch.where((local_N >= 0) & (local_N < L), local_N, L)  # other ranks' experts sort last
-        order_N = torch.argsort(key_N, stable=True)
+        order_N = torch.argsort(compact_ids(key_N, L), stable=True)
         counts_L = torch.bincount(key_N, minlength=L + 1)[:L]
         rows_L = (counts_L + align - 1) // align * align
         R, P = torch.stack([counts_L.sum(), rows_L.sum()]).tolist()  # host sync: sizes

@@ -9,6 +9,7 @@ import torch
 
 from moectl.core.config.schema import MoEConfig
 from trainer.moe import TopKRouter
+from trainer.moe.router import compact_ids, expert_counts
 
 # Four tokens, three experts. With router weight = I, the logits are the inputs, so choosing inputs
 # log(p) + c makes softmax return exactly the distributions p below, and logsumexp = c.
@@ -102,3 +103,18 @@ def test_init_uses_the_generator_and_the_state_dict_key():
     assert math.isclose(float(big.weight.detach().std()), 0.02, rel_tol=0.05)
     with pytest.raises(ValueError, match="router_topk"):
         TopKRouter(MoEConfig(num_experts=2, router_topk=3), 8, 0.02)
+
+
+@pytest.mark.parametrize("E", [4, 255, 256, 32767, 40000])
+def test_compact_ids_sort_like_int64_and_count_exactly(E: int) -> None:
+    """The narrow keys the routing sorts use: the same stable permutation and the same counts as int64 ids,
+    across the dtype boundaries (uint8 up to 255, int16 up to 32767, then int32)."""
+    gen = torch.Generator().manual_seed(E)
+    key_N = torch.randint(0, E + 1, (6000,), generator=gen)
+    key_N[:3] = torch.tensor([0, E, E - 1])  # both ends present
+    narrow = compact_ids(key_N, E)
+    assert narrow.element_size() == (1 if E <= 255 else 2 if E <= 32767 else 4)
+    assert torch.equal(narrow.long(), key_N)
+    assert torch.equal(torch.argsort(narrow, stable=True), torch.argsort(key_N, stable=True))
+    indices_TK = key_N.clamp(max=E - 1).view(-1, 4)
+    assert torch.equal(expert_counts(indices_TK, E), torch.bincount(indices_TK.flatten(), minlength=E))
