@@ -103,6 +103,12 @@ def _optimizer_tensors(optimizer: Any) -> list[torch.Tensor]:
 
 def trace(overrides: list[str], run_dir: Path, runtime: Any = None) -> dict[str, Any]:
     """The run's per-micro-batch and per-step record (see the module docstring)."""
+    # A fresh Dynamo cache, as a `moectl train` process starts with: the compiled regions' code objects are
+    # shared by every model of the process, and after other tests compiled them at other shapes (the tiny
+    # config's Muon run of test_muon.py, say) Dynamo recompiled them with dynamic shapes and the capture,
+    # under `eager_on_recompile`, ran some regions eagerly: graph != eager in every bf16 variant (H100,
+    # fourteenth session). test_fast_step_gpu.py does the same.
+    torch._dynamo.reset()
     cfg = load_config(None, [*BASE, *overrides, f"run_dir={run_dir}"])
     trainer = Trainer(cfg, SilentObserver(), runtime=runtime)
     watched = {n: p for n, p in trainer.model.named_parameters() if ".experts." in n or ".router." in n}
