@@ -16,15 +16,18 @@ It steps the buffers of one optimizer tag of a `DistributedModel`. Invariants:
   all ranks together with a found-inf flag: under `on_nonfinite: stop` every rank raises
   `NonFiniteGradError`; under `skip` every rank returns `skipped=True` with masters, moments, step count,
   params and grads bit-unchanged. Fused (the CUDA default), the verdict stays on the device: the clip
-  goes to `torch._fused_adamw_` as `grad_scale` and the verdict as `found_inf` (the kernel then leaves
-  everything untouched), and the host reads (norm, found_inf) only once the update is queued. Unfused,
+  goes to the kernel as `grad_scale` and the verdict as `found_inf` (the kernel then leaves everything
+  untouched), and the host reads (norm, found_inf) only once the update is queued. The kernel is
+  `kernels/adamw_triton.py` (one launch per shard, weight decay by per-chunk flags, bf16 params written in
+  the same pass so staging skips them) where Triton runs and params start on its chunks, else
+  `torch._fused_adamw_` over per-param runs (`MOECTL_TRITON_ADAMW=0` keeps it). Unfused,
   the host reads the verdict first and multiplies grads by the clip factor (bitwise torch's
   `clip_grad_norm_` + `AdamW(foreach=False)`);
 - weight decay applies to matrices only (not to 1-D params, and not to biases of any shape, e.g. a
   grouped `[E, out]` bias, whose per-expert twin is 1-D);
 - after the update, each owned group is staged (masters written into this rank's shard of the param
-  buffer through the storage strategy) and gathered now, or lazily by the next forward's pre-hooks with
-  `overlap_param_gather`;
+  buffer through the storage strategy, unless the update published them itself) and gathered now, or lazily
+  by the next forward's pre-hooks with `overlap_param_gather`;
 - storages that need scales agreed over the ranks (per-tensor FP8 param gather) get them from ONE
   `prepare_stage` per master version (one amax all-reduce per process group for all their params, right
   after the step); staging with scales of older masters is impossible: the stager prepares first when
@@ -35,6 +38,7 @@ It steps the buffers of one optimizer tag of a `DistributedModel`. Invariants:
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Literal
 
@@ -44,12 +48,45 @@ from moectl.core.config.schema import OptimizerConfig
 from trainer.distributed.bucket import Bucket, Piece
 from trainer.distributed.bucket_group import BucketGroup
 from trainer.distributed.ddp import DEFAULT_OPTIMIZER_TAG, DistributedModel
+from trainer.distributed.layout import PARAM_ALIGN
 from trainer.optim.adamw import adamw_update_, fused_adamw_update_
 from trainer.optim.grad_norm import GradVerdict
 from trainer.optim.grad_norm import clipped
+from trainer.kernels import has_triton
 from trainer.optim.sharded_base import Segment, ShardBase, ShardedOptimizerBase
 
 STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
+#: "0": torch's fused AdamW kernel on CUDA instead of `kernels/adamw_triton.py`
+TRITON_ADAMW_ENV = "MOECTL_TRITON_ADAMW"
+#: elements per weight-decay flag of the Triton kernel: the layout's param alignment (params start on it)
+DECAY_CHUNK = PARAM_ALIGN
+
+
+def wants_triton_adamw(device: torch.device) -> bool:
+    """Whether fused AdamW on `device` runs `kernels/adamw_triton.py` (CUDA with Triton, not switched off)."""
+    return device.type == "cuda" and has_triton() and os.environ.get(TRITON_ADAMW_ENV, "1") != "0"
+
+
+def adamw_triton() -> Any:
+    from trainer.kernels import adamw_triton as kernels  # imports Triton: CUDA only, on first use
+
+    return kernels
+
+
+def chunk_decay_flags(pieces: list[tuple[int, int, bool]], n: int, chunk: int) -> torch.Tensor | None:
+    """One decay flag (uint8) per `chunk` elements of an `n`-element shard whose params occupy the disjoint
+    `pieces` (a, b, decay), or None where a chunk holds elements of a decayed and of an undecayed param (params
+    that do not start on chunk boundaries). Padding between pieces takes its chunk's flag: its masters, grads
+    and moments are zero, so decay leaves it zero."""
+    flags = torch.zeros(-(-n // chunk), dtype=torch.uint8)
+    ends: dict[int, bool] = {}  # only a piece's first and last chunk can be shared with another piece
+    for a, b, d in pieces:
+        first, last = a // chunk, (b - 1) // chunk
+        for c in {first, last}:
+            if ends.setdefault(c, d) != d:
+                return None
+        flags[first:last + 1] = int(d)
+    return flags
 
 
 def decays(name: str, param: torch.nn.Parameter) -> bool:
@@ -67,6 +104,7 @@ class _Shard(ShardBase):
     pieces: list[Piece]
     decay_ranges: list[tuple[int, int]] = field(default_factory=list)  # shard-local
     runs: list[tuple[int, int, bool]] = field(default_factory=list)  # a partition of [0, hi-lo): (a, b, decay)
+    decay_flags: torch.Tensor | None = None  # uint8 per `chunk_decay_flags` chunk, for the Triton kernel
 
     def segments(self) -> Iterator[Segment]:
         """The pieces of params in [lo, hi): a param may straddle the shard's ends."""
@@ -84,10 +122,14 @@ class DistributedOptimizer(ShardedOptimizerBase):
                  alias_masters: bool = True) -> None:
         super().__init__(dmodel, cfg, tag=tag, on_nonfinite=on_nonfinite, alias_masters=alias_masters)
         self.fused = self.device.type == "cuda" if fused is None else fused
+        self._triton_wanted = self.fused and wants_triton_adamw(self.device)
         self._step_tensor = torch.zeros((), dtype=torch.float32, device=self.device)
         self._master_version = 0  # bumped whenever masters change
         self._scales_version = -1  # the master version prepare_stage last ran for
         self._build()
+        #: one Triton launch per shard (`kernels/adamw_triton.py`, bf16 params written in it) where every shard's
+        #: params start on decay-flag chunks; else torch's fused kernel over per-param runs
+        self.triton = self._triton_wanted and all(s.decay_flags is not None for s in self.shards)
 
     # ---------------------------------------------------------------- construction
     def _make_shard(self, bucket: Bucket) -> _Shard:
@@ -108,6 +150,10 @@ class DistributedOptimizer(ShardedOptimizerBase):
             cursor = b
         if cursor < n:
             shard.runs.append((cursor, n, False))
+        if self._triton_wanted:
+            pieces = [(pc.bucket_lo - lo, pc.bucket_hi - lo, decays(names[pc.param], pc.param)) for pc in shard.pieces]
+            flags = chunk_decay_flags(pieces, n, DECAY_CHUNK)
+            shard.decay_flags = None if flags is None else flags.to(self.device)
         return shard
 
     # ---------------------------------------------------------------- the step
@@ -159,13 +205,28 @@ class DistributedOptimizer(ShardedOptimizerBase):
         return decay_lists, plain_lists
 
     def _update_on_device(self, lr: float, verdict: GradVerdict) -> None:
-        """Fused AdamW gated by the device verdict: multi-tensor calls, decayed and not.
+        """Fused AdamW gated by the device verdict: one Triton launch per shard (`self.triton`), or torch's
+        multi-tensor calls, decayed and not.
+
+        A skipped step (found_inf) leaves `published` as it was: nothing changed, the params still hold what the
+        last stage or update wrote.
 
         With a `grad_scale` the kernel also stores the divided grads back (4 B/param more), so with
         clipping on two launches are queued and the device flags let exactly one of them run: the one
         without `grad_scale` when no clipping is needed (the common steady state), the scaled one
         otherwise. The other one's blocks read its `found_inf` of 1 and exit, moving no data.
         """
+        if self.triton:
+            scale = verdict.grad_scale(self.cfg.clip_grad)
+            for s in self.shards:
+                target = s.publish_target()
+                adamw_triton().adamw_(s.master, s.grad(), s.exp_avg, s.exp_avg_sq, s.decay_flags, DECAY_CHUNK,
+                                      step=self.step_count,
+                                      lr=lr, beta1=self.cfg.adam_beta1, beta2=self.cfg.adam_beta2,
+                                      eps=self.cfg.adam_eps, weight_decay=self.cfg.weight_decay, grad_scale=scale,
+                                      found_inf=verdict.found_inf, publish=target)  # fmt: skip
+                s.published = target is not None
+            return
         self._step_tensor.fill_(float(self.step_count))
         hp = dict(lr=lr, beta1=self.cfg.adam_beta1, beta2=self.cfg.adam_beta2, eps=self.cfg.adam_eps,
                   step=self._step_tensor)

@@ -16,10 +16,11 @@ machinery does the distribution:
 - params: each owned group is staged (masters -> this rank's shard of the param buffer, through the
   buffer's `ParamStorage`, so low-precision storage can quantize there) and all-gathered now, or lazily
   by the next forward's pre-hooks with `overlap_param_gather`. Where staging is a plain cast copy (bf16
-  params), the update's apply pass writes the cast itself (`_Shard.publish_target`) and staging skips the
-  shard: the same bits, one fewer read of every master (`MOECTL_MUON_PUBLISH=0` stages as before). Only this tag's bucket groups are
-  staged and gathered: bucket groups never mix optimizers (`BucketGroup` refuses), so the AdamW
-  optimizer of the same model gathers its own groups and nothing is gathered twice (Megatron #6754).
+  params), the update's apply pass writes the cast itself (`ShardBase.publish_target`) and staging skips
+  the shard: the same bits, one fewer read of every master (`MOECTL_PUBLISH=0` stages as before). Only
+  this tag's bucket groups are staged and gathered: bucket groups never mix optimizers (`BucketGroup`
+  refuses), so the AdamW optimizer of the same model gathers its own groups and nothing is gathered twice
+  (Megatron #6754).
 
 With `use_distributed_optimizer: false` the buckets are all-reduced and every rank steps every matrix
 (plain DDP; no gather moves data), with the same code.
@@ -35,7 +36,6 @@ update (Newton-Schulz has no `found_inf` input) and clips by a host factor.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Iterator, Literal, Optional
 
@@ -45,15 +45,12 @@ from moectl.core.config.schema import OptimizerConfig
 from moectl.core.facts import GluRows
 from trainer.distributed.bucket import Bucket
 from trainer.distributed.ddp import DistributedModel
-from trainer.distributed.param_storage import HighPrecisionStorage
 from trainer.optim.muon import glu_split_shape, resolve_compute_dtype
 from trainer.optim.muon_batch import MuonMatrix, muon_step_
 from trainer.optim.muon_routing import MUON_TAG, split_glu_rows
 from trainer.optim.sharded_base import Segment, ShardBase, ShardedOptimizerBase
 
 STATE_KEYS = ("master", "momentum_buffer")
-#: "0": stage the params after the update, as AdamW does, instead of writing them in Muon's apply pass
-PUBLISH_ENV = "MOECTL_MUON_PUBLISH"
 
 
 @dataclass(frozen=True)
@@ -92,25 +89,10 @@ class _Matrix:
 
 @dataclass
 class _Shard(ShardBase):
-    """The range [lo, hi) of one bucket this rank steps, its fp32 state, and the whole matrices in it.
-    `published`: the last update wrote the new masters into this range of the param buffer itself."""
+    """The range [lo, hi) of one bucket this rank steps, its fp32 state, and the whole matrices in it."""
 
     momentum_buffer: torch.Tensor
     matrices: list[_Matrix] = field(default_factory=list)
-    published: bool = False
-
-    @property
-    def written_by_update(self) -> bool:
-        return self.aliased or self.published
-
-    def publish_target(self) -> Optional[torch.Tensor]:
-        """This range of the param buffer, where the update may write the new masters itself: a plain
-        low-precision param buffer (`HighPrecisionStorage` of bf16 or fp16 params), whose staging is that cast
-        copy and nothing else; None otherwise (quantizing or grad-aliased storages stage as they must)."""
-        storage = self.bucket.buffer.storage
-        if self.aliased or type(storage) is not HighPrecisionStorage or os.environ.get(PUBLISH_ENV, "1") == "0":
-            return None
-        return self.bucket.param_data[self.lo:self.hi]
 
     def segments(self) -> Iterator[Segment]:
         """The whole matrices in [lo, hi)."""
@@ -179,11 +161,6 @@ class LayerWiseMuon(ShardedOptimizerBase):
         return [(m.name, *m.slices) for s in self.shards for m in s.matrices]
 
     # ---------------------------------------------------------------- the step
-    def _masters_changed(self, *, stepped: bool) -> None:
-        if not stepped:  # loaded masters: staging writes them
-            for s in self.shards:
-                s.published = False
-
     def _update(self, lr: float, coef: float) -> None:
         """One batched Muon step (`muon_batch.muon_step_`) over every owned matrix's fp32 master + momentum."""
         matrices = []

@@ -11,7 +11,7 @@ this base:
   distributed optimizer does the same for fp32 params): the update writes the param in place and
   staging skips it, so nothing is written back. Other params (bf16, quantized) keep a separate fp32
   master that staging writes into the buffer, unless the update wrote the buffer itself
-  (`ShardBase.written_by_update`: Muon casts its new masters into bf16 params in its apply pass);
+  (`ShardBase.published`: the fused AdamW and Muon kernels cast their new masters into bf16 params);
 - masters are built from `ParamStorage.init_source` (the high-precision values, never a dequantized
   low-precision param), and every rank releases every init source afterwards;
 - the step checks readiness before touching any master, agrees on the global norm and a found-inf flag
@@ -28,8 +28,9 @@ this base:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Iterator, Literal, NamedTuple
+import os
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Literal, NamedTuple, Optional
 
 import torch
 
@@ -37,10 +38,15 @@ from moectl.core.config.schema import OptimizerConfig
 from trainer.distributed.bucket import Bucket
 from trainer.distributed.bucket_group import BucketGroup, GradSyncError
 from trainer.distributed.ddp import DistributedModel
+from trainer.distributed.param_storage import HighPrecisionStorage
 from trainer.distributed.param_sync import Action
 from trainer.optim.grad_norm import GradVerdict, clip_coefficient, global_grad_verdict, local_sq_sum
 from trainer.optim.logical_state import gather_logical_state
 from trainer.optim.step_result import NonFiniteGradError, StepResult
+
+
+#: "0": optimizers stage their bf16 params after the update instead of writing them in it (`ShardBase.publish_target`)
+PUBLISH_ENV = "MOECTL_PUBLISH"
 
 
 class Segment(NamedTuple):
@@ -56,7 +62,8 @@ class Segment(NamedTuple):
 
 @dataclass
 class ShardBase:
-    """This rank's slice of one bucket: what it steps ([lo, hi)), what it counts in the norm, its masters."""
+    """This rank's slice of one bucket: what it steps ([lo, hi)), what it counts in the norm, its masters.
+    `published`: the last update wrote the new masters into this range of the param buffer itself."""
 
     bucket: Bucket
     lo: int
@@ -64,6 +71,7 @@ class ShardBase:
     norm_lo: int
     norm_hi: int
     master: torch.Tensor
+    published: bool = field(default=False, init=False)
 
     def grad(self) -> torch.Tensor:
         return self.bucket.grad_data[self.lo:self.hi]
@@ -81,8 +89,17 @@ class ShardBase:
     @property
     def written_by_update(self) -> bool:
         """Whether the last update already wrote this shard's range of the param buffer (then staging skips
-        it): an aliased master; a subclass adds its own cases (Muon's published bf16 params)."""
-        return self.aliased
+        it): an aliased master, or masters the update published."""
+        return self.aliased or self.published
+
+    def publish_target(self) -> Optional[torch.Tensor]:
+        """This range of the param buffer, where an update may write the new masters itself: a plain
+        low-precision param buffer (`HighPrecisionStorage` of bf16 or fp16 params), whose staging is that cast
+        copy and nothing else; None otherwise (quantizing or grad-aliased storages stage as they must)."""
+        storage = self.bucket.buffer.storage
+        if self.aliased or type(storage) is not HighPrecisionStorage or os.environ.get(PUBLISH_ENV, "1") == "0":
+            return None
+        return self.bucket.param_data[self.lo:self.hi]
 
     def segments(self) -> Iterator[Segment]:
         """The params (or pieces of params) in [lo, hi), in bucket order."""
@@ -284,5 +301,7 @@ class ShardedOptimizerBase:
                     getattr(s, key)[sg.lo:sg.hi].copy_(src.reshape(-1)[sg.param_lo:sg.param_hi])
         if "step" in state:
             self.step_count = int(state["step"])
+        for s in self.shards:  # loaded masters are no update's: staging writes them
+            s.published = False
         self._masters_changed(stepped=False)
         self._stage_and_gather(force_sync=True)

@@ -452,7 +452,7 @@ def test_muon_trains_the_tiny_config_with_a_falling_loss(tmp_path: Path, device:
 def test_bf16_params_are_the_fp32_masters_cast(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, publish: str) -> None:
     """Muon writes its bf16 params in its apply pass (staging skips them) or stages them: either way every
     param is its master cast, and the two runs are bitwise alike."""
-    from trainer.optim.layerwise import PUBLISH_ENV
+    from trainer.optim.sharded_base import PUBLISH_ENV
 
     monkeypatch.setenv(PUBLISH_ENV, publish)
     t = trainer(tmp_path / publish, "train.train_iters=3", "mixed_precision.bf16=true")
