@@ -1,10 +1,11 @@
 """`train.compile`: regional `torch.compile` of the small, fusible parts of every decoder layer.
 
 `regional` compiles, in every decoder layer, the two RMSNorms, the attention between its projections
-(`SelfAttention.attend`: head split, QK norm, RoPE, scaled dot-product attention) and the MoE router
-(fp32 scores, top-k, aux losses); and the model's cross-entropy (`GPTMoE.lm_loss`). This is torchtitan's per-block regional compile minus what moectl runs
-itself: the linear projections (plain GEMMs, or the precision recipe's quantized ones), the dispatcher and
-the expert MLP (the configured backend's kernels) stay eager.
+(`SelfAttention.attend`: head split, QK norm, RoPE, scaled dot-product attention) and the MoE router's
+routing (`TopKRouter.route`: fp32 scores, top-k, aux losses); and the model's cross-entropy (`GPTMoE.lm_loss`).
+This is torchtitan's per-block regional compile minus what moectl runs itself: the linear projections (plain
+GEMMs, or the precision recipe's quantized ones), the router's logits GEMM (`moe/router_gemm.py`), the
+dispatcher and the expert MLP (the configured backend's kernels) stay eager.
 
 Why regions and not the whole model: the distributed wrapper (`trainer.distributed`) installs forward
 pre-hooks on modules (lazy param gather) and grad hooks on params, and the expert and low-precision paths
@@ -72,8 +73,8 @@ def compile_regions(model: nn.Module, *, backend: str | None = None, determinist
         _compile_method(layer.self_attention, "attend", **kwargs)
         done.append(f"{prefix}.self_attention.attend")
         if isinstance(layer.mlp, MoELayer):
-            _compile_method(layer.mlp.router, "forward", **kwargs)
-            done.append(f"{prefix}.mlp.router.forward")
+            _compile_method(layer.mlp.router, "route", **kwargs)  # the logits' GEMM stays eager (router_gemm.py)
+            done.append(f"{prefix}.mlp.router.route")
     _compile_method(model, "lm_loss", **kwargs)
     done.append("lm_loss")
     model._moectl_compiled_regions = done  # type: ignore[assignment]

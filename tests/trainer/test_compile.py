@@ -58,7 +58,7 @@ def test_regional_compile_trains_like_eager(tmp_path, monkeypatch):
     compiled, compiled_params, t = _train(tmp_path / "compiled", 3, "train.compile=regional")
     # 3 layers: 2 norms and the attention core each, a router in the two MoE layers; the cross-entropy
     assert len(t.compiled_regions) == 3 * 3 + 2 + 1 and "lm_loss" in t.compiled_regions
-    assert "decoder.layers.0.mlp.router.forward" not in t.compiled_regions  # layer 0 is dense
+    assert "decoder.layers.0.mlp.router.route" not in t.compiled_regions  # layer 0 is dense
     # One graph per region kind, shared by every layer: norm, attention core, router (2: bincount's
     # data-dependent shape splits it), loss. A per-layer guard would make 3 of each here, and past dynamo's
     # recompile limit (8 layers) it would silently fall back to eager.

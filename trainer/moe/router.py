@@ -25,11 +25,11 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moectl.core.config.schema import MoEConfig
 from trainer.init_weights import normal_
+from trainer.moe.router_gemm import router_logits
 
 
 @dataclass
@@ -98,7 +98,11 @@ class TopKRouter(nn.Module):
     def forward(self, x_TD: torch.Tensor) -> RouterOutput:
         """Route `x_TD` (any float dtype) to its top-k experts."""
         # fp32 logits: bf16 scores tie and flip top-k choices, and the aux losses need the precision
-        logits_TE = F.linear(x_TD.float(), self.weight.float())
+        return self.route(router_logits(x_TD, self.weight))
+
+    def route(self, logits_TE: torch.Tensor) -> RouterOutput:
+        """Scores, top-k and the auxiliary losses from the fp32 logits `[T, E]` (`train.compile` compiles this
+        part; the logits' GEMM is `router_gemm.router_logits`, tensor-core GEMMs on CUDA)."""
         if self.score_function == "softmax":
             scores_TE = torch.softmax(logits_TE, dim=-1)
             probs_TK, indices_TK = torch.topk(scores_TE, self.topk, dim=-1)
