@@ -3,8 +3,8 @@
 CPU: the per-chunk weight-decay flags (`chunk_decay_flags`): shared chunks refused, padding free, and the real
 model's layouts flagged (so the kernel is what a GPU run takes). GPU (marked `gpu`): the kernel against
 `torch._fused_adamw_` on flat tensors with decayed and undecayed chunks, clip scale and none, three steps:
-within rtol 1e-6, atol 1e-8 (torch mixes doubles into its scalars; a wrong bias correction or decay errs by
-~1e-4 or more),
+within rtol 1e-6, atol 5e-7 (torch mixes doubles into its scalars, measured 6e-8 apart; a wrong bias
+correction or decay errs by ~1e-4 or more),
 `found_inf` leaves every bit as it was, and the published bf16 params are the masters cast; then a bf16 model
 through `DistributedOptimizer` on the Triton path against the torch-kernel path (`MOECTL_TRITON_ADAMW=0`)
 with clipping active at some steps, and its params equal to its masters cast with staging skipped.
@@ -100,8 +100,9 @@ def test_kernel_tracks_torch_fused_adamw(scale: float | None) -> None:
                                 eps=HP["eps"], maximize=False, grad_scale=gs, found_inf=None)
     for i in range(4):  # master, grad (untouched), exp_avg, exp_avg_sq
         want = torch.where(decayed, ref_decay[i], ref_plain[i])
-        # atol: ~10 fp32 ulps of the largest update term, lr / bc1 = 1e-2 at step 1 (masters near 0 are all atol)
-        torch.testing.assert_close(ours[i], want, rtol=1e-6, atol=1e-8)
+        # atol: a few fp32 ulps of the inputs (randn, |p| < 5): a master that cancels to near 0 keeps the
+        # absolute rounding of its terms (measured 6e-8 on an H100)
+        torch.testing.assert_close(ours[i], want, rtol=1e-6, atol=5e-7)
     assert torch.equal(published, ours[0].bfloat16())
 
 
