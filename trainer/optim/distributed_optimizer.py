@@ -9,7 +9,8 @@ It steps the buffers of one optimizer tag of a `DistributedModel`. Invariants:
   false` (plain DDP) every rank owns and steps whole buckets, with the same code;
 - for fp32 params the master IS the param buffer's shard range (a view, as in Megatron): the update
   writes the params in place and nothing is written back; bf16 and quantized params keep separate
-  fp32 masters that staging writes into the buffer;
+  fp32 masters that staging writes into the buffer (for plain bf16/fp16 params the Triton update writes
+  them itself and staging skips them);
 - masters are built from `ParamStorage.init_source` (the high-precision values, never a dequantized
   low-precision param), and every rank releases the init sources afterwards;
 - the grad norm is global (every shard, dp and ep rank, each element counted once) and agreed on by
@@ -73,15 +74,17 @@ def adamw_triton() -> Any:
     return kernels
 
 
-def chunk_decay_flags(pieces: list[tuple[int, int, bool]], n: int, chunk: int) -> torch.Tensor | None:
-    """One decay flag (uint8) per `chunk` elements of an `n`-element shard whose params occupy the disjoint
-    `pieces` (a, b, decay), or None where a chunk holds elements of a decayed and of an undecayed param (params
-    that do not start on chunk boundaries). Padding between pieces takes its chunk's flag: its masters, grads
-    and moments are zero, so decay leaves it zero."""
-    flags = torch.zeros(-(-n // chunk), dtype=torch.uint8)
+def chunk_decay_flags(pieces: list[tuple[int, int, bool]], n: int, chunk: int, shift: int = 0) -> torch.Tensor | None:
+    """Decay flags (uint8) of an `n`-element shard whose params occupy the disjoint shard-local `pieces`
+    (a, b, decay): flag c covers shard elements [c*chunk - shift, (c+1)*chunk - shift), i.e. chunks counted
+    from the bucket's start when the shard starts `shift` elements into one (a dp shard need not start on a
+    chunk; params do, in the bucket). None where a chunk holds elements of a decayed and of an undecayed param.
+    Padding between pieces takes its chunk's flag: its masters, grads and moments are zero, so decay leaves it
+    zero."""
+    flags = torch.zeros(-(-(n + shift) // chunk), dtype=torch.uint8)
     ends: dict[int, bool] = {}  # only a piece's first and last chunk can be shared with another piece
     for a, b, d in pieces:
-        first, last = a // chunk, (b - 1) // chunk
+        first, last = (a + shift) // chunk, (b - 1 + shift) // chunk
         for c in {first, last}:
             if ends.setdefault(c, d) != d:
                 return None
@@ -152,7 +155,7 @@ class DistributedOptimizer(ShardedOptimizerBase):
             shard.runs.append((cursor, n, False))
         if self._triton_wanted:
             pieces = [(pc.bucket_lo - lo, pc.bucket_hi - lo, decays(names[pc.param], pc.param)) for pc in shard.pieces]
-            flags = chunk_decay_flags(pieces, n, DECAY_CHUNK)
+            flags = chunk_decay_flags(pieces, n, DECAY_CHUNK, shift=lo % DECAY_CHUNK)
             shard.decay_flags = None if flags is None else flags.to(self.device)
         return shard
 
@@ -208,11 +211,13 @@ class DistributedOptimizer(ShardedOptimizerBase):
         """Fused AdamW gated by the device verdict: one Triton launch per shard (`self.triton`), or torch's
         multi-tensor calls, decayed and not.
 
-        A skipped step (found_inf) leaves `published` as it was: nothing changed, the params still hold what the
-        last stage or update wrote.
+        A skipped step (found_inf) changes no master and no param, so the params still equal the masters cast
+        (`published` is set either way; a skipped step does not stage). Unlike torch's kernel with a
+        `grad_scale`, the Triton kernel leaves the grads unscaled: nothing reads them after the step (the next
+        step zeroes them), and the unfused CPU path scales them in place before its update.
 
-        With a `grad_scale` the kernel also stores the divided grads back (4 B/param more), so with
-        clipping on two launches are queued and the device flags let exactly one of them run: the one
+        torch's kernel (the fallback): with a `grad_scale` it also stores the divided grads back (4 B/param
+        more), so with clipping on two launches are queued and the device flags let exactly one of them run: the one
         without `grad_scale` when no clipping is needed (the common steady state), the scaled one
         otherwise. The other one's blocks read its `found_inf` of 1 and exit, moving no data.
         """
@@ -221,7 +226,7 @@ class DistributedOptimizer(ShardedOptimizerBase):
             for s in self.shards:
                 target = s.publish_target()
                 adamw_triton().adamw_(s.master, s.grad(), s.exp_avg, s.exp_avg_sq, s.decay_flags, DECAY_CHUNK,
-                                      step=self.step_count,
+                                      s.lo % DECAY_CHUNK, step=self.step_count,
                                       lr=lr, beta1=self.cfg.adam_beta1, beta2=self.cfg.adam_beta2,
                                       eps=self.cfg.adam_eps, weight_decay=self.cfg.weight_decay, grad_scale=scale,
                                       found_inf=verdict.found_inf, publish=target)  # fmt: skip

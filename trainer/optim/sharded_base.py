@@ -11,7 +11,8 @@ this base:
   distributed optimizer does the same for fp32 params): the update writes the param in place and
   staging skips it, so nothing is written back. Other params (bf16, quantized) keep a separate fp32
   master that staging writes into the buffer, unless the update wrote the buffer itself
-  (`ShardBase.published`: the fused AdamW and Muon kernels cast their new masters into bf16 params);
+  (`ShardBase.published`: AdamW's Triton kernel and Muon's apply pass cast their new masters into plain
+  bf16/fp16 param buffers, `publish_target`);
 - masters are built from `ParamStorage.init_source` (the high-precision values, never a dequantized
   low-precision param), and every rank releases every init source afterwards;
 - the step checks readiness before touching any master, agrees on the global norm and a found-inf flag

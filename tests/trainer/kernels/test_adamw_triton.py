@@ -1,13 +1,15 @@
 """The Triton AdamW of `DistributedOptimizer` (trainer/kernels/adamw_triton.py) against torch's fused AdamW.
 
-CPU: the per-chunk weight-decay flags (`chunk_decay_flags`): shared chunks refused, padding free, and the real
-model's layouts flagged (so the kernel is what a GPU run takes). GPU (marked `gpu`): the kernel against
+CPU: the per-chunk weight-decay flags (`chunk_decay_flags`): shared chunks refused, padding free, counted from
+the bucket for dp shards that start mid-chunk, built by the optimizer where the kernel is wanted, and present
+for the real model's layouts (so the kernel is what a GPU run takes). GPU (marked `gpu`): the kernel against
 `torch._fused_adamw_` on flat tensors with decayed and undecayed chunks, clip scale and none, three steps:
 within rtol 1e-6, atol 5e-7 (torch mixes doubles into its scalars, measured 6e-8 apart; a wrong bias
 correction or decay errs by ~1e-4 or more),
 `found_inf` leaves every bit as it was, and the published bf16 params are the masters cast; then a bf16 model
 through `DistributedOptimizer` on the Triton path against the torch-kernel path (`MOECTL_TRITON_ADAMW=0`)
-with clipping active at some steps, and its params equal to its masters cast with staging skipped.
+with clipping active at some steps, and its params equal to its masters cast with staging skipped; a skipped
+step (non-finite grad) on the kernel leaves params and masters as they were and the next step publishes.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from dist_toy import ToyMoE, global_batch  # noqa: E402
 from moectl.core.config.load import load_config  # noqa: E402
 from moectl.core.config.schema import OptimizerConfig, ParallelConfig  # noqa: E402
 from trainer.distributed import DistributedModel  # noqa: E402
+from trainer.distributed.layout import plan_buffer  # noqa: E402
 from trainer.kernels import has_triton  # noqa: E402
 from trainer.loop import Trainer  # noqa: E402
 from trainer.observer import SilentObserver  # noqa: E402
@@ -32,6 +35,26 @@ from trainer.optim.distributed_optimizer import DECAY_CHUNK, DistributedOptimize
 from trainer.parallel import ParallelState  # noqa: E402
 
 HP = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+
+
+def test_chunk_flags_count_from_the_bucket_for_shards_that_start_mid_chunk() -> None:
+    """dp=4 over a 5248-element bucket: shards of 1312 start 32 elements into a chunk on ranks 1 and 3. Counted
+    from the shard, rank 3's first chunk would hold a decayed and an undecayed param; from the bucket (`shift`)
+    every element's flag is its param's."""
+    plan = plan_buffer([1000, 64, 4096, 64], 10**6, 4)
+    bucket, decayed = plan.buckets[0], [True, False, True, False]
+    size = plan.shard_size(bucket)
+    for r in range(4):
+        lo, hi = r * size, (r + 1) * size
+        pieces = [(max(a, lo) - lo, min(b, hi) - lo, d) for (a, b), d in zip(plan.param_ranges, decayed)
+                  if max(a, lo) < min(b, hi)]
+        flags = chunk_decay_flags(pieces, size, 64, shift=lo % 64)
+        assert flags is not None, r
+        per_element = flags.repeat_interleave(64)[lo % 64:lo % 64 + size].bool()
+        for a, b, d in pieces:
+            assert bool(per_element[a:b].all()) if d else not bool(per_element[a:b].any())
+    assert chunk_decay_flags([(0, 16, False), (32, 200, True)], 200, 64, shift=32) is not None
+    assert chunk_decay_flags([(0, 40, False), (40, 200, True)], 200, 64, shift=32) is None
 
 
 def test_chunk_flags_follow_the_params_and_refuse_shared_chunks() -> None:
@@ -45,9 +68,9 @@ def test_chunk_flags_follow_the_params_and_refuse_shared_chunks() -> None:
 @pytest.mark.parametrize("overrides", [[], ["mixed_precision.bf16=true", "moe.add_bias=true"],
                                        ["optimizer.optimizer=muon", "mixed_precision.bf16=true"]],
                          ids=["fp32", "bf16-bias", "muon-chain"])
-def test_the_real_models_layouts_take_the_triton_kernel(overrides: list[str], tmp_path: Path) -> None:
-    """Every AdamW shard of the default layout gets flags (so a GPU run takes the kernel), and every element of
-    a param carries its param's flag."""
+def test_the_real_models_layouts_get_flags(overrides: list[str], tmp_path: Path) -> None:
+    """Every AdamW shard of the real model's default layout (dp=1) gets flags, so a GPU run takes the kernel,
+    and every element of a param carries its param's flag."""
     cfg = load_config(Path(__file__).resolve().parents[3] / "configs" / "tiny.yaml",
                       [*overrides, f"run_dir={tmp_path}", "logging.jsonl=false"])
     opt = Trainer(cfg, SilentObserver()).engine.optimizer
@@ -65,6 +88,25 @@ def test_the_real_models_layouts_take_the_triton_kernel(overrides: list[str], tm
                 assert bool(got[a:b].all()) if d else not bool(got[a:b].any())
                 seen.add(d)
     assert seen == {True, False}  # decayed matrices and undecayed norms both checked
+
+
+def test_optimizer_builds_the_flags_where_the_kernel_is_wanted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`_make_shard`'s own flags (as on a GPU): the optimizer takes the kernel, and every element of a param
+    carries its param's flag; with the kernel not wanted, no flags and torch's kernel."""
+    monkeypatch.setattr(dopt, "wants_triton_adamw", lambda device: True)
+    dm = DistributedModel(ToyMoE(), ParallelConfig(bucket_size=300), ParallelState.trivial())
+    opt = DistributedOptimizer(dm, OptimizerConfig(lr=0.02, weight_decay=0.1), fused=True)
+    assert opt.triton
+    for s in opt.shards:
+        per_element = s.decay_flags.repeat_interleave(DECAY_CHUNK)[s.lo % DECAY_CHUNK:][: s.hi - s.lo].bool()
+        for a, b, d in s.runs:
+            if any(pc.bucket_lo - s.lo == a for pc in s.pieces):  # a param's run, not padding
+                assert bool(per_element[a:b].all()) if d else not bool(per_element[a:b].any())
+    assert {d for s in opt.shards for _, _, d in s.runs} == {True, False}
+    monkeypatch.setattr(dopt, "wants_triton_adamw", lambda device: False)
+    dm2 = DistributedModel(ToyMoE(), ParallelConfig(bucket_size=300), ParallelState.trivial())
+    opt2 = DistributedOptimizer(dm2, OptimizerConfig(lr=0.02, weight_decay=0.1), fused=True)
+    assert not opt2.triton and all(s.decay_flags is None for s in opt2.shards)
 
 
 needs_kernels = pytest.mark.skipif(not (torch.cuda.is_available() and has_triton()), reason="needs CUDA and Triton")
@@ -85,7 +127,7 @@ def test_kernel_tracks_torch_fused_adamw(scale: float | None) -> None:
 
     n = 64 * 300 + 17  # a ragged last block and last chunk
     ours, ref_decay, ref_plain = _state(n, 0), _state(n, 0), None
-    flags = (torch.arange(-(-n // 64), device="cuda") % 3 != 0).to(torch.uint8)  # mixed chunks
+    flags = (torch.arange(-(-n // 64), device="cuda") % 3 != 1).to(torch.uint8)  # mixed; the ragged last decayed
     decayed = flags.repeat_interleave(64)[:n].bool()
     ref_plain = [t.clone() for t in ref_decay]
     published = torch.zeros(n, dtype=torch.bfloat16, device="cuda")
@@ -148,3 +190,35 @@ def test_distributed_optimizer_on_the_kernel_tracks_the_torch_kernel(monkeypatch
     for n, p in params.items():
         assert torch.equal(p, masters[n].to(p.dtype)), n  # published without staging
         torch.testing.assert_close(masters[n], ref_masters[n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+@pytest.mark.gpu
+@needs_kernels
+def test_a_skipped_step_on_the_kernel_changes_nothing_and_the_next_publishes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(dopt.TRITON_ADAMW_ENV, "1")
+    model = ToyMoE(dtype=torch.bfloat16).cuda()
+    dm = DistributedModel(model, ParallelConfig(bucket_size=300), ParallelState.trivial(torch.device("cuda")))
+    opt = DistributedOptimizer(dm, OptimizerConfig(lr=0.02, weight_decay=0.1, clip_grad=3.0), on_nonfinite="skip")
+    assert opt.triton
+
+    def grads(step: int, poison: bool = False) -> None:
+        dm.zero_grad_buffer()
+        x, y = global_batch(step, 6, torch.bfloat16)
+        ((dm(x.cuda()) - y.cuda()).float() ** 2).mean().backward()
+        dm.finish_grad_sync()
+        if poison:
+            dm.buffers[0].grad_data[0] = float("inf")
+
+    grads(0)
+    assert not opt.step(0.02).skipped
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    masters = [s.master.clone() for s in opt.shards]
+    grads(1, poison=True)
+    assert opt.step(0.02).skipped and opt.step_count == 1
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert all(torch.equal(s.master, m) for s, m in zip(opt.shards, masters))
+    grads(2)
+    assert not opt.step(0.02).skipped and opt.step_count == 2
+    state = opt.gather_logical_state()["params"]
+    moved = [n for n, p in model.named_parameters() if not torch.equal(p, before[n])]
+    assert moved and all(torch.equal(p, state[n]["master"].to(p.dtype)) for n, p in model.named_parameters())
