@@ -74,8 +74,25 @@ class _RouterLogits(torch.autograd.Function):
         return dx, dw
 
 
+_MM_OUT_DTYPE: dict[torch.device, bool] = {}
+
+
+def _mm_out_dtype(device: torch.device) -> bool:
+    """Whether `torch.mm(bf16, bf16, out_dtype=torch.float32)` runs on `device` (torch 2.8+; asked once)."""
+    if device not in _MM_OUT_DTYPE:
+        try:
+            a = torch.ones(2, 2, device=device, dtype=torch.bfloat16)
+            ok = bool((torch.mm(a, a, out_dtype=torch.float32) == 2).all())
+        except (RuntimeError, TypeError, NotImplementedError):
+            ok = False
+        _MM_OUT_DTYPE[device] = ok
+    return _MM_OUT_DTYPE[device]
+
+
 def router_logits(x_TD: torch.Tensor, w_ED: torch.Tensor) -> torch.Tensor:
-    """fp32 `x @ w^T` for the router: the split bf16 GEMMs on CUDA for a bf16 `x`, else `F.linear` in fp32."""
-    if x_TD.is_cuda and x_TD.dtype == torch.bfloat16 and w_ED.dtype == torch.float32:
+    """fp32 `x @ w^T` for the router: the split bf16 GEMMs on CUDA for a bf16 `x` (where torch has bf16 GEMMs
+    with fp32 output), else `F.linear` in fp32."""
+    if (x_TD.is_cuda and x_TD.dtype == torch.bfloat16 and w_ED.dtype == torch.float32
+            and _mm_out_dtype(x_TD.device)):  # fmt: skip
         return _RouterLogits.apply(x_TD.contiguous(), w_ED)
     return F.linear(x_TD.float(), w_ED.float())

@@ -1,9 +1,10 @@
 """The router's logits from split bf16 GEMMs (trainer/moe/router_gemm.py) against fp64 and `F.linear` in fp32.
 
 The split path is exact in its products (bf16 x bf16 in fp32) and W = hi + mid + lo exactly, so its logits and
-weight grads are as close to fp64 as `F.linear(x.float(), W)`'s up to the accumulation: within 8x its error
-or 2e-6 of the largest value, whichever is larger (CPU: 2.4e-7 vs 6.4e-7; H100, where the tensor cores
-accumulate: logits 1.1e-6 vs SGEMM's 2.3e-7; bf16 logits would err by ~4e-3). The data grad is rounded to bf16 as
+weight grads are as close to fp64 as `F.linear(x.float(), W)`'s up to the accumulation: on CPU within 2x its
+error (2.3e-7 vs 4.9e-7; with the `lo` part dropped 2.8e-6, caught), on CUDA within 8x or 2e-6 of the
+largest value, whichever is larger (H100, the tensor cores' accumulation: logits 1.1e-6 vs SGEMM's 2.3e-7;
+bf16 logits would err by ~4e-3). The data grad is rounded to bf16 as
 the fp32 path's cast does: within one bf16 ulp (2^-8 relative) of the fp64 grad. A lost part (hi only: 2^-9)
 or a swapped operand is 1000x over. CPU: the Function with its CPU GEMMs (the same products). GPU: the
 cuBLAS GEMMs with fp32 output that the CUDA path runs.
@@ -45,7 +46,9 @@ def _check(device: str) -> None:
 
     assert y.dtype == torch.float32 and x.grad.dtype == torch.bfloat16 and w.grad.dtype == torch.float32
     for ours, fp32, ref in ((y, yr, y64), (w.grad, wr.grad, w64.grad)):
-        assert err(ours, ref) <= max(8 * err(fp32, ref), 2e-6), (err(ours, ref), err(fp32, ref))
+        # CPU: exact products, fp32 sums on both sides; CUDA: the tensor cores' accumulation (see the docstring)
+        bound = 2 * err(fp32, ref) if device == "cpu" else max(8 * err(fp32, ref), 2e-6)
+        assert err(ours, ref) <= bound, (err(ours, ref), err(fp32, ref))
     assert err(x.grad, x64.grad) <= 2**-8
     assert float((x.grad.float() != xr.grad.float()).float().mean()) < 0.05  # rounds like the fp32 path's cast
 
