@@ -8,22 +8,23 @@ Both step the same parameter set (`param_mix.MixShape`, 803.5M parameters by def
                     `grad_scale` and the verdict as `found_inf`, the host read of the verdict after the
                     update is queued, the param sync's post-processing). The masters of fp32 params are
                     the param buffer itself: nothing is written back
-    moectl bf16     the same with bf16 params (mixed precision: fp32 grads and separate fp32 masters,
-                    written back into the bf16 params after the update)
+    moectl bf16     the same with bf16 params (mixed precision: fp32 grads and separate fp32 masters; on
+                    CUDA the update kernel writes the bf16 params itself, else staging writes them back)
 
 and Muon's step on the same params (`optimizer_step_muon`: Muon + AdamW, bf16 params, Newton-Schulz in bf16
 and in fp32, against torch fused AdamW's time; a FLOP rate instead of a byte floor),
 plus the parts timed alone: the grad norm (`local_grad_sq` + the all-reduce into the device verdict, no
-host read: the step reads it while the update runs), the update (the step's own gated
-`torch._fused_adamw_` calls on the same shard lists), and the bf16 step's write-back (staging every bucket
-group). Grads are random with a global norm of ~0.3, under the clip threshold (1.0), so the update runs
+host read: the step reads it while the update runs), the update (the step's own kernels on the same
+shards: `kernels/adamw_triton.py` on CUDA), and the bf16 write-back as staging runs it (every bucket group;
+the step itself skips it where its update wrote the params). Grads are random with a global norm of ~0.3, under the clip threshold (1.0), so the update runs
 the launch without `grad_scale` (the common steady state); weight decay 0.01 on matrices.
 
 The floor of each row is the bytes it must move over the measured copy bandwidth (a large device-to-device
 copy, bytes read + written). Per parameter: fused AdamW reads p, g, m, v and writes p, m, v: 28 B. moectl
 adds the norm's read of g (4 B): 32 B for fp32 params, whose masters are the params; bf16 params add the
-write-back of their separate masters, fp32 read + bf16 write (6 B): 38 B. A step that clips runs the update
-with `grad_scale`, with which the kernel also stores the divided grads (+4 B, not in these rows).
+write-back of their separate masters, fp32 read + bf16 write (6 B): 38 B, or, where the update kernel writes
+the bf16 params itself (CUDA), 2 B: 34 B. A step that clips divides the grads by `grad_scale` on the fly (torch's kernel, the
+fallback, also stores them: +4 B, not in these rows).
 
 A second table: the post-step quantize of low-precision param gather for one single grouped expert weight
 `[E, out, in]` (default E=128, 1536 x 2048: an fc1 of Qwen3-30B-A3B's shape), bf16 in, rowwise and columnwise
@@ -50,6 +51,8 @@ from moectl.bench.param_mix import MixShape, build_params, copy_bandwidth_gbps, 
 from moectl.bench.timing import interleaved_ms
 
 BYTES_PER_PARAM = {"torch_fused": 28, "moectl_fp32": 32, "moectl_bf16": 38}
+#: the bf16 row where the update kernel writes the params itself (CUDA: `kernels/adamw_triton.py`)
+BF16_PUBLISHED_BYTES_PER_PARAM = 34
 #: the parts timed alone: norm (read g), update (fused AdamW), bf16 write-back (fp32 master read, bf16 write)
 PART_BYTES_PER_PARAM = {"grad norm": 4, "update": 28, "write-back": 6}
 PART_LABELS = {"grad norm": "fp32 step part: grad norm", "update": "fp32 step part: update",
@@ -130,16 +133,18 @@ def _moectl(cfg: OptBenchConfig, device: torch.device, dtype: torch.dtype) -> tu
 
 
 def _parts(opt32: Any, opt16: Any, lr: float) -> dict[str, Callable[[], object]]:
-    """The step's parts, each alone: the fp32 step's norm and update, the bf16 step's write-back.
+    """The step's parts, each alone: the fp32 step's norm and update, the bf16 write-back as staging runs it.
 
-    The fp32 step has no write-back (its masters are the params); the bf16 one does, so that is timed there.
+    The fp32 step has no write-back (its masters are the params); the bf16 one's is timed as a staging pass
+    (the step skips it where the update kernel wrote the params: the saving it reports).
     """
     from trainer.optim.grad_norm import global_grad_verdict
 
     def write_back() -> None:
         with torch.no_grad():
-            for g in opt16.groups:
-                opt16._stage_group(g)  # what g.stage() runs, without the state machine
+            for s in opt16.shards:  # what staging runs where the update did not write the params
+                if not s.aliased:
+                    s.bucket.buffer.storage.stage(s.bucket, s.lo, s.hi, s.master)
 
     parts: dict[str, Callable[[], object]] = {
         "grad norm": lambda: global_grad_verdict(opt32.local_grad_sq(), opt32.dmodel.pstate.dp),
@@ -243,11 +248,14 @@ def run(cfg: OptBenchConfig, log: Callable[[str], None] = lambda s: None) -> Opt
         "moectl_fp32": "moectl DistributedOptimizer, fp32 params",
         "moectl_bf16": "moectl DistributedOptimizer, bf16 params",
     }
+    per_param = dict(BYTES_PER_PARAM)
+    if getattr(opt16, "triton", False):  # the update wrote the bf16 params: no separate write-back
+        per_param["moectl_bf16"] = BF16_PUBLISHED_BYTES_PER_PARAM
     for key, label in labels.items():
-        nbytes = BYTES_PER_PARAM[key] * n
+        nbytes = per_param[key] * n
         floor_ms = nbytes / (copy * 1e9) * 1e3
         rows.append({
-            "name": label, "key": key, "ms": ms[key], "bytes_per_param": BYTES_PER_PARAM[key],
+            "name": label, "key": key, "ms": ms[key], "bytes_per_param": per_param[key],
             "gbytes": nbytes / 1e9, "gbps": nbytes / (ms[key] * 1e-3) / 1e9, "floor_ms": floor_ms,
             "pct_floor": 100 * floor_ms / ms[key], "throughput_vs_torch": t_torch / ms[key],
         })  # fmt: skip
