@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from trainer.kernels import fp32_out_gemm
 from trainer.regions import GRAD_ACCUMULATE, region
 
 READY_HOOK = "moectl_grad_ready_hook"
@@ -61,9 +62,6 @@ def accumulate_late_wgrad(param: torch.nn.Parameter, grad: torch.Tensor, fuse: b
         hook(param)
 
 
-_ADDMM_OUT_DTYPE: dict[torch.device, bool] = {}
-
-
 def accumulate_wgrad_mm(param: torch.nn.Parameter, dy_NO: torch.Tensor, x_NI: torch.Tensor) -> None:
     """`param.main_grad += dy^T x` for a linear weight `[O, I]`, the product accumulated in fp32, then report.
 
@@ -72,27 +70,11 @@ def accumulate_wgrad_mm(param: torch.nn.Parameter, dy_NO: torch.Tensor, x_NI: to
     lacks that kernel (CPU, older builds) the product is computed in fp32 and added.
     """
     main_grad = param.main_grad  # type: ignore[attr-defined]
-    if main_grad.dtype == torch.float32 and _addmm_out_dtype(main_grad.device):
+    if main_grad.dtype == torch.float32 and fp32_out_gemm(main_grad.device, "addmm"):
         torch.addmm(main_grad, dy_NO.t(), x_NI, out_dtype=torch.float32, out=main_grad)
     else:
         main_grad.addmm_(dy_NO.t().to(main_grad.dtype), x_NI.to(main_grad.dtype))
     grad_ready(param)
-
-
-def _addmm_out_dtype(device: torch.device) -> bool:
-    """Whether `addmm(..., out_dtype=fp32)` runs on `device` with bf16 operands (asked once per device)."""
-    if device not in _ADDMM_OUT_DTYPE:
-        ok = device.type == "cuda"
-        if ok:
-            try:
-                a = torch.ones(2, 2, device=device, dtype=torch.bfloat16)
-                c = torch.ones(2, 2, device=device)
-                torch.addmm(c, a, a, out_dtype=torch.float32, out=c)
-                ok = bool((c == 3).all())
-            except (RuntimeError, TypeError, NotImplementedError):
-                ok = False
-        _ADDMM_OUT_DTYPE[device] = ok
-    return _ADDMM_OUT_DTYPE[device]
 
 
 def grad_ready(param: torch.nn.Parameter) -> None:

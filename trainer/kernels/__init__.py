@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-from typing import Optional
+from typing import Literal, Optional
 
 import torch
 
@@ -26,6 +26,23 @@ def capability(device: torch.device | str | None) -> Optional[tuple[int, int]]:
     if device.type != "cuda" or not torch.cuda.is_available():
         return None
     return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def fp32_out_gemm(device: torch.device, op: Literal["mm", "addmm"]) -> bool:
+    """Whether torch runs `op` on `device` with bf16 operands and an fp32 output (`out_dtype`, torch 2.8+ on
+    CUDA; asked once per device and op): `mm` writes the product, `addmm` adds it into an fp32 `out`."""
+    if device.type != "cuda":
+        return False
+    a = torch.ones(2, 2, device=device, dtype=torch.bfloat16)
+    try:
+        if op == "mm":
+            return bool((torch.mm(a, a, out_dtype=torch.float32) == 2).all())
+        c = torch.ones(2, 2, device=device)
+        torch.addmm(c, a, a, out_dtype=torch.float32, out=c)
+        return bool((c == 3).all())
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
 
 
 @functools.lru_cache(maxsize=None)

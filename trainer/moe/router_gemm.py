@@ -17,8 +17,8 @@ out_dtype=torch.float32)`), exact in its products:
 The GEMMs accumulate in fp32 on the tensor cores, in another order than cuBLAS's SGEMM and less exactly:
 against fp64, logits err by 1.1e-6 of the largest where SGEMM's err by 2.3e-7 (H100; bf16 logits: ~4e-3), so
 top-k choices differ from the SGEMM path's only between logits that close (tests/trainer/moe/test_router_gemm.py
-bounds the error). On CPU, or for an fp32
-x, `router_logits` is `F.linear(x.float(), W)` itself.
+bounds the error). On CPU, for an fp32 x, or where torch lacks the fp32-output GEMM (`kernels.fp32_out_gemm`),
+`router_logits` is `F.linear(x.float(), W)` itself.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from trainer.kernels import fp32_out_gemm
 
 
 def split3(w: torch.Tensor) -> torch.Tensor:
@@ -74,25 +76,10 @@ class _RouterLogits(torch.autograd.Function):
         return dx, dw
 
 
-_MM_OUT_DTYPE: dict[torch.device, bool] = {}
-
-
-def _mm_out_dtype(device: torch.device) -> bool:
-    """Whether `torch.mm(bf16, bf16, out_dtype=torch.float32)` runs on `device` (torch 2.8+; asked once)."""
-    if device not in _MM_OUT_DTYPE:
-        try:
-            a = torch.ones(2, 2, device=device, dtype=torch.bfloat16)
-            ok = bool((torch.mm(a, a, out_dtype=torch.float32) == 2).all())
-        except (RuntimeError, TypeError, NotImplementedError):
-            ok = False
-        _MM_OUT_DTYPE[device] = ok
-    return _MM_OUT_DTYPE[device]
-
-
 def router_logits(x_TD: torch.Tensor, w_ED: torch.Tensor) -> torch.Tensor:
     """fp32 `x @ w^T` for the router: the split bf16 GEMMs on CUDA for a bf16 `x` (where torch has bf16 GEMMs
     with fp32 output), else `F.linear` in fp32."""
     if (x_TD.is_cuda and x_TD.dtype == torch.bfloat16 and w_ED.dtype == torch.float32
-            and _mm_out_dtype(x_TD.device)):  # fmt: skip
+            and fp32_out_gemm(x_TD.device, "mm")):  # fmt: skip
         return _RouterLogits.apply(x_TD.contiguous(), w_ED)
     return F.linear(x_TD.float(), w_ED.float())
