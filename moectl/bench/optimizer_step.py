@@ -144,7 +144,7 @@ def _parts(opt32: Any, opt16: Any, lr: float) -> dict[str, Callable[[], object]]
         with torch.no_grad():
             for s in opt16.shards:  # what staging runs where the update did not write the params
                 if not s.aliased:
-                    s.bucket.buffer.storage.stage(s.bucket, s.lo, s.hi, s.master)
+                    s.stage()
 
     parts: dict[str, Callable[[], object]] = {
         "grad norm": lambda: global_grad_verdict(opt32.local_grad_sq(), opt32.dmodel.pstate.dp),

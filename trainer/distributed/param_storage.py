@@ -75,6 +75,15 @@ class ParamStorage(ABC):
         """
         return None
 
+    def publish_view(self, bucket: "Bucket", lo: int, hi: int) -> torch.Tensor | None:
+        """Elements [lo, hi) of `bucket`'s param buffer, where an optimizer's update may write its new fp32
+        masters cast to the buffer's dtype in place of staging them, or None.
+
+        Only a storage whose `stage` is that cast copy and nothing else offers it; None (the default): the
+        optimizer stages after its update.
+        """
+        return None
+
     def prepare_stage(self, shards: Sequence[Shard]) -> None:
         """Collective, before staging (only when `needs_scales`): agree on what `stage` needs from every rank.
 
@@ -140,6 +149,9 @@ class HighPrecisionStorage(ParamStorage):
         # master, or updates below its resolution would be lost.
         data = bucket.param_data
         return data[lo:hi] if data.dtype == torch.float32 else None
+
+    def publish_view(self, bucket: "Bucket", lo: int, hi: int) -> torch.Tensor | None:
+        return bucket.param_data[lo:hi]  # staging here is `copy_`: the update's own cast writes the same bits
 
     def replica_tensors(self, param: torch.nn.Parameter) -> list[torch.Tensor]:
         return []  # the param lives in the param buffer, which is broadcast whole

@@ -11,8 +11,8 @@ this base:
   distributed optimizer does the same for fp32 params): the update writes the param in place and
   staging skips it, so nothing is written back. Other params (bf16, quantized) keep a separate fp32
   master that staging writes into the buffer, unless the update wrote the buffer itself
-  (`ShardBase.published`: AdamW's Triton kernel and Muon's apply pass cast their new masters into plain
-  bf16/fp16 param buffers, `publish_target`);
+  (`ShardBase.published`: AdamW's Triton kernel and Muon's apply pass cast their new masters into the
+  buffers whose storage offers it, `ParamStorage.publish_view`);
 - masters are built from `ParamStorage.init_source` (the high-precision values, never a dequantized
   low-precision param), and every rank releases every init source afterwards;
 - the step checks readiness before touching any master, agrees on the global norm and a found-inf flag
@@ -39,7 +39,6 @@ from moectl.core.config.schema import OptimizerConfig
 from trainer.distributed.bucket import Bucket
 from trainer.distributed.bucket_group import BucketGroup, GradSyncError
 from trainer.distributed.ddp import DistributedModel
-from trainer.distributed.param_storage import HighPrecisionStorage
 from trainer.distributed.param_sync import Action
 from trainer.optim.grad_norm import GradVerdict, clip_coefficient, global_grad_verdict, local_sq_sum
 from trainer.optim.logical_state import gather_logical_state
@@ -94,13 +93,17 @@ class ShardBase:
         return self.aliased or self.published
 
     def publish_target(self) -> Optional[torch.Tensor]:
-        """This range of the param buffer, where an update may write the new masters itself: a plain
-        low-precision param buffer (`HighPrecisionStorage` of bf16 or fp16 params), whose staging is that cast
-        copy and nothing else; None otherwise (quantizing or grad-aliased storages stage as they must)."""
-        storage = self.bucket.buffer.storage
-        if self.aliased or type(storage) is not HighPrecisionStorage or os.environ.get(PUBLISH_ENV, "1") == "0":
+        """This range of the param buffer, where an update may write the new masters itself: what the
+        storage offers (`ParamStorage.publish_view`: a plain high-precision buffer, whose staging is that cast
+        copy and nothing else); None for an aliased master, or where the storage must stage (quantizing,
+        grad-aliased)."""
+        if self.aliased or os.environ.get(PUBLISH_ENV, "1") == "0":
             return None
-        return self.bucket.param_data[self.lo:self.hi]
+        return self.bucket.buffer.storage.publish_view(self.bucket, self.lo, self.hi)
+
+    def stage(self) -> None:
+        """Write this shard's masters into its range of the param buffer through the buffer's storage."""
+        self.bucket.buffer.storage.stage(self.bucket, self.lo, self.hi, self.master)
 
     def segments(self) -> Iterator[Segment]:
         """The params (or pieces of params) in [lo, hi), in bucket order."""
@@ -186,7 +189,7 @@ class ShardedOptimizerBase:
         for bucket in group.buckets:
             shard = self._shard_of[bucket]
             if not shard.written_by_update:
-                bucket.buffer.storage.stage(bucket, shard.lo, shard.hi, shard.master)
+                shard.stage()
 
     def _masters_changed(self, *, stepped: bool) -> None:
         """Called whenever the masters changed (`stepped`: by a step; else by a load), before any group stages."""

@@ -495,3 +495,17 @@ def test_bf16_load_stages_the_loaded_masters(tmp_path: Path) -> None:
     assert any(s.published for s in muon.shards)
     for n, p in t.model.named_parameters():
         assert torch.equal(p, state[n]["master"].to(p.dtype)), n
+
+def test_recipe_site_buffers_are_published_too(tmp_path: Path) -> None:
+    """An fp8 run without param gather keeps the recipe's weights high precision under a buffer key of their
+    own (`RecipeSiteStorage`): their staging is the same cast copy, so Muon's update writes them as well."""
+    from trainer.distributed.param_gather import RecipeSiteStorage
+
+    t = trainer(tmp_path, "train.train_iters=2", "mixed_precision.bf16=true", "mixed_precision.fp8=e4m3")
+    t.run()
+    sites = [s for s in t.engine.optimizer.members[0].shards if isinstance(s.bucket.buffer.storage, RecipeSiteStorage)]
+    assert sites and all(s.published for s in sites)
+    t.engine.sync_params_for_eval()
+    state = t.engine.optimizer.gather_logical_state()["params"]
+    for n, p in t.model.named_parameters():
+        assert torch.equal(p, state[n]["master"].to(p.dtype)), n
