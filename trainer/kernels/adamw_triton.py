@@ -77,9 +77,9 @@ def adamw_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_
         raise ValueError(f"fused AdamW takes flat contiguous tensors of one size: {[tuple(t.shape) for t in flat]}")
     if master.dtype != torch.float32 or exp_avg.dtype != torch.float32 or exp_avg_sq.dtype != torch.float32:
         raise ValueError("fused AdamW keeps fp32 masters and moments")
-    if not 0 <= shift < decay_chunk or decay_flags.dtype != torch.uint8 or decay_flags.numel() != triton.cdiv(
-            n + shift, decay_chunk):
-        raise ValueError(f"fused AdamW: {decay_flags.numel()} decay flags for {n} elements")
+    chunks = triton.cdiv(n + shift, decay_chunk)
+    if not 0 <= shift < decay_chunk or decay_flags.dtype != torch.uint8 or decay_flags.numel() != chunks:
+        raise ValueError(f"fused AdamW: {decay_flags.numel()} decay flags for {n} elements at shift {shift}")
     if step < 1:
         raise ValueError(f"step counts from 1, got {step}")
     if n == 0:

@@ -142,11 +142,13 @@ class DistributedOptimizer(ShardedOptimizerBase):
                        self._zeros(n), bucket.pieces(lo, hi))
         names = bucket.buffer.names
         cursor = 0
+        params = []  # (a, b, decay) of each piece: the runs without the padding
         for pc in shard.pieces:
             a, b = pc.bucket_lo - lo, pc.bucket_hi - lo
             if a > cursor:
                 shard.runs.append((cursor, a, False))  # padding
             d = decays(names[pc.param], pc.param)
+            params.append((a, b, d))
             shard.runs.append((a, b, d))
             if d:
                 shard.decay_ranges.append((a, b))
@@ -154,8 +156,7 @@ class DistributedOptimizer(ShardedOptimizerBase):
         if cursor < n:
             shard.runs.append((cursor, n, False))
         if self._triton_wanted:
-            pieces = [(pc.bucket_lo - lo, pc.bucket_hi - lo, decays(names[pc.param], pc.param)) for pc in shard.pieces]
-            flags = chunk_decay_flags(pieces, n, DECAY_CHUNK, shift=lo % DECAY_CHUNK)
+            flags = chunk_decay_flags(params, n, DECAY_CHUNK, shift=lo % DECAY_CHUNK)
             shard.decay_flags = None if flags is None else flags.to(self.device)
         return shard
 
