@@ -7,6 +7,14 @@ call `grad_ready(param)` so an overlapped reduce can start as soon as a bucket i
 go through plain autograd leave `.grad`, and the buffer's post-accumulate hook moves it into
 `main_grad` and calls the same `grad_ready`. Either way every parameter reports exactly once per
 backward, which is what bucket bookkeeping counts.
+
+Stale grads: a param may also carry `main_grad_stale` (STALE_ATTR), an int32 one-element device flag. The
+buffer's `zero_grad` sets it instead of zero-filling that `main_grad` (`trainer/distributed/buffers.py`):
+while it is set, `main_grad` holds leftovers that read as zero. The expert weight grads' writer overwrites a
+flagged grad in its own kernel and clears the flag (`trainer/kernels/grouped_wgrad.py`); on the reference
+step that saves the fill's write and the first micro-batch's read of every expert grad. Every other writer
+settles first (`settle_stale`: zero where flagged, clear), so a grad is always right whoever writes it; only
+params whose layer says its writer overwrites (`stale_grad_params`) are ever flagged.
 """
 
 from __future__ import annotations
@@ -17,6 +25,22 @@ from trainer.kernels import fp32_out_gemm
 from trainer.regions import GRAD_ACCUMULATE, region
 
 READY_HOOK = "moectl_grad_ready_hook"
+STALE_ATTR = "main_grad_stale"
+
+
+def stale_flag(param: torch.Tensor) -> torch.Tensor | None:
+    """`param`'s stale flag (see the module docstring), or None where its grad is always zero-filled."""
+    return getattr(param, STALE_ATTR, None)
+
+
+def settle_stale(param: torch.Tensor) -> None:
+    """Make `param.main_grad` safe to add into: zero it where its stale flag is set, then clear the flag (no
+    host sync). A no-op for a param without a flag (every param but stale-capable expert weights)."""
+    flag = stale_flag(param)
+    if flag is None:
+        return
+    param.main_grad.masked_fill_(flag.bool(), 0.0)  # type: ignore[attr-defined]  # leftovers may be inf/NaN
+    flag.zero_()
 
 
 def accumulate_wgrad(param: torch.nn.Parameter, grad: torch.Tensor, fuse: bool) -> torch.Tensor | None:
@@ -34,6 +58,7 @@ def accumulate_wgrad(param: torch.nn.Parameter, grad: torch.Tensor, fuse: bool) 
             "or call trainer.main_grad.attach_main_grads(model) first"
         )
     with region(GRAD_ACCUMULATE):
+        settle_stale(param)
         main_grad.add_(grad)  # bf16 -> fp32 inside the add: a separate .to() would be one more full pass
     grad_ready(param)
     return None
@@ -70,6 +95,7 @@ def accumulate_wgrad_mm(param: torch.nn.Parameter, dy_NO: torch.Tensor, x_NI: to
     lacks that kernel (CPU, older builds) the product is computed in fp32 and added.
     """
     main_grad = param.main_grad  # type: ignore[attr-defined]
+    settle_stale(param)
     if main_grad.dtype == torch.float32 and fp32_out_gemm(main_grad.device, "addmm"):
         torch.addmm(main_grad, dy_NO.t(), x_NI, out_dtype=torch.float32, out=main_grad)
     else:
@@ -100,6 +126,7 @@ def attach_main_grads(module: torch.nn.Module, dtype: torch.dtype = torch.float3
             # path already accumulated into main_grad and reported, so report only real grads.
             if param.grad is None:
                 return
+            settle_stale(param)
             param.main_grad.add_(param.grad.to(param.main_grad.dtype))
             param.grad = None
             grad_ready(param)  # type: ignore[arg-type]

@@ -8,6 +8,9 @@ Invariants of a `ParamAndGradBuffer`:
   (reinterpreted in the staging dtype) and params keep their own storage;
 - padding elements of both buffers are zero, and stay zero (grads never land there; masters of padding
   start at zero and get zero updates);
+- a stale-capable param's grad (`stale_ok`: its layer's writer overwrites, `trainer/main_grad.py`) is not
+  zero-filled by `zero_grad`: its flag is set instead. Never in a buffer whose staging aliases the grads
+  (staged values are not leftovers) nor in a non-fp32 one (those writers add);
 - all params of a buffer share dtype, grad dtype, expert-ness (hence process group), owning optimizer
   and storage strategy: that is the key.
 """
@@ -22,6 +25,7 @@ import torch
 from trainer.distributed.bucket import Bucket
 from trainer.distributed.layout import BufferPlan, plan_buffer
 from trainer.distributed.param_storage import ParamStorage
+from trainer.main_grad import STALE_ATTR
 from trainer.parallel.groups import Group
 
 if TYPE_CHECKING:
@@ -60,7 +64,8 @@ def alias_as(grad_data: torch.Tensor, dtype: torch.dtype, numel: int) -> torch.T
 
 class ParamAndGradBuffer:
     def __init__(self, key: BufferKey, params: Sequence[torch.nn.Parameter], names: dict[torch.nn.Parameter, str],
-                 storage: ParamStorage, group: Group, bucket_size: int, planner: Planner | None = None) -> None:
+                 storage: ParamStorage, group: Group, bucket_size: int, planner: Planner | None = None,
+                 stale_ok: frozenset[torch.nn.Parameter] = frozenset()) -> None:
         if not params:
             raise ValueError("a buffer needs at least one param")
         devices = {p.device for p in params}
@@ -92,6 +97,7 @@ class ParamAndGradBuffer:
             start, end = self.param_ranges[p]
             storage.bind(p, self.param_data[start:end])
             p.main_grad = self.grad_data[start:end].view(p.shape)
+        self._bind_stale_flags(stale_ok if key.grad_dtype == torch.float32 and not storage.aliases_grad else frozenset())
 
         self.buckets = tuple(
             Bucket(self, bp, [params[i] for i in bp.param_indices], self.param_ranges) for bp in self.plan.buckets
@@ -103,6 +109,30 @@ class ParamAndGradBuffer:
     def numel(self) -> int:
         return self.plan.total
 
+    def _bind_stale_flags(self, stale_ok: frozenset[torch.nn.Parameter]) -> None:
+        """One int32 flag per stale-capable param (views of one tensor: the wgrad kernel addresses them from
+        one base), and the grad ranges `zero_grad` still fills: everything else, padding included."""
+        stale = [p for p in self.params if p in stale_ok]
+        self.stale_flags = torch.zeros(len(stale), dtype=torch.int32, device=self.device)
+        for p in self.params:  # a param re-wrapped must not keep an earlier buffer's flag
+            if hasattr(p, STALE_ATTR):
+                delattr(p, STALE_ATTR)
+        for i, p in enumerate(stale):
+            setattr(p, STALE_ATTR, self.stale_flags[i:i + 1])
+        skipped = sorted(self.param_ranges[p] for p in stale)
+        fills, at = [], 0
+        for start, end in skipped + [(self.plan.total, self.plan.total)]:
+            if start > at:
+                fills.append(self.grad_data[at:start])
+            at = max(at, end)
+        self._zero_fills = fills
+
     def zero_grad(self) -> None:
-        """Zero the whole grad buffer (the caller re-stages aliased staging values afterwards)."""
-        self.grad_data.zero_()
+        """Zero the grad buffer: fill it, except the grads of stale-capable params, whose flags are set instead
+        (the caller re-stages aliased staging values afterwards)."""
+        if not self.stale_flags.numel():
+            self.grad_data.zero_()
+            return
+        if self._zero_fills:  # none where every param's grad is stale-capable (an expert buffer)
+            torch._foreach_zero_(self._zero_fills)
+        self.stale_flags.fill_(1)

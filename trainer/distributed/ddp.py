@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 import weakref
 from collections import OrderedDict
 from typing import Any, Callable, Iterator, Mapping
@@ -57,7 +58,7 @@ from trainer.distributed.layout import default_bucket_size
 from trainer.distributed.param_storage import HighPrecisionStorage, ParamStorage
 from trainer.distributed.param_sync import SETTLED, ParamSyncError, ParamSyncState
 from trainer.parallel.groups import ParallelState
-from trainer.main_grad import READY_HOOK, grad_ready
+from trainer.main_grad import READY_HOOK, grad_ready, settle_stale
 
 from moectl.core.config.schema import ParallelConfig
 
@@ -69,6 +70,22 @@ StorageSpec = Callable[[str, torch.nn.Parameter], ParamStorage] | None
 
 def is_expert_param(param: torch.nn.Parameter) -> bool:
     return bool(getattr(param, "expert_parallel", False))
+
+
+def stale_capable_params(module: torch.nn.Module) -> frozenset[torch.nn.Parameter]:
+    """Params whose layer overwrites a stale grad itself (`trainer.main_grad`), so zero_grad may skip filling
+    them: what modules with `stale_grad_params(device)` name (the grouped expert MLP). None under
+    MOECTL_STALE_GRADS=0 (every grad zero-filled: the A/B switch)."""
+    if os.environ.get("MOECTL_STALE_GRADS", "1") == "0":
+        return frozenset()
+    found: set[torch.nn.Parameter] = set()
+    for m in module.modules():
+        name_them = getattr(m, "stale_grad_params", None)
+        if callable(name_them):
+            first = next(m.parameters(), None)
+            if first is not None:
+                found.update(name_them(first.device))
+    return frozenset(found)
 
 
 def _tensor_digest(t: torch.Tensor) -> str:
@@ -117,9 +134,10 @@ class DistributedModel:
             storages.setdefault(key, st)
 
         # `layouts`: a buffer planner per optimizer tag (Muon's layer-wise one keeps params whole per shard).
+        stale_ok = stale_capable_params(module)
         self.buffers: list[ParamAndGradBuffer] = [
             ParamAndGradBuffer(key, ps, self.names, storages[key], pstate.group_for(key.is_expert), bucket_size,
-                               planner=(layouts or {}).get(key.optimizer_tag))
+                               planner=(layouts or {}).get(key.optimizer_tag), stale_ok=stale_ok)
             for key, ps in by_key.items()
         ]
         self._storage_of: dict[torch.nn.Parameter, ParamStorage] = {
@@ -231,6 +249,7 @@ class DistributedModel:
         """Post-accumulate hook: move an autograd `.grad` into `main_grad`, then report it."""
         if param.grad is None:
             return  # a fused layer accumulated into main_grad and reported already
+        settle_stale(param)
         param.main_grad.add_(param.grad)
         param.grad = None
         grad_ready(param)

@@ -4,6 +4,10 @@
 
 `targets` are E fp32 `[M, N]` tensors (views of a grouped param's main_grad, or the per-expert params' own
 main_grads); rows are grouped by expert, `tokens_per_expert_E[e]` each.
+
+`stale_E` (optional): each target's int32 one-element flag, nonzero when the target holds leftovers that read
+as zero (`zero_grad` skipped filling it, `trainer/main_grad.py`). A flagged target is overwritten, not added
+to: on CUDA inside the kernel, which then neither zero-fills nor reads the grad; every flag is cleared after.
 """
 
 from __future__ import annotations
@@ -17,8 +21,11 @@ from trainer.kernels import has_triton
 
 
 def grouped_wgrad_reference_(targets: Sequence[torch.Tensor], a_TM: torch.Tensor, b_TN: torch.Tensor,
-                             tokens_per_expert_E: torch.Tensor) -> None:
+                             tokens_per_expert_E: torch.Tensor,
+                             stale_E: Sequence[torch.Tensor] | None = None) -> None:
     """The definition, expert by expert in fp32 (the CPU path and the tests' reference)."""
+    if stale_E is not None:
+        settle_stale_(targets, stale_E)
     start = 0
     for target, n in zip(targets, tokens_per_expert_E.tolist()):
         if n:
@@ -26,8 +33,23 @@ def grouped_wgrad_reference_(targets: Sequence[torch.Tensor], a_TM: torch.Tensor
         start += n
 
 
+def settle_stale_(targets: Sequence[torch.Tensor], stale_E: Sequence[torch.Tensor]) -> None:
+    """Zero the flagged targets, then clear their flags: what a writer that cannot overwrite does first (a pass
+    over each target, no host sync). `masked_fill`, not a product with the flag: leftovers may be inf/NaN."""
+    for target, flag in zip(targets, stale_E):
+        target.masked_fill_(flag.bool(), 0.0)
+    clear_flags_(stale_E)
+
+
+def clear_flags_(stale_E: Sequence[torch.Tensor]) -> None:
+    """Clear each distinct flag once (a grouped param's E targets share one)."""
+    distinct = list({f.data_ptr(): f for f in stale_E}.values())
+    torch._foreach_zero_(distinct)
+
+
 def accumulate_grouped_wgrad_(targets: Sequence[torch.Tensor], a_TM: torch.Tensor, b_TN: torch.Tensor,
-                              tokens_per_expert_E: torch.Tensor, offs_E: torch.Tensor | None = None) -> None:
+                              tokens_per_expert_E: torch.Tensor, offs_E: torch.Tensor | None = None,
+                              stale_E: Sequence[torch.Tensor] | None = None) -> None:
     """targets[e] += a[rows of e]^T b[rows of e]; one Triton launch on CUDA (no host sync), else the reference.
 
     `offs_E`: the cumulative row ends, if the caller has them on the device already. On Hopper, when the targets
@@ -35,20 +57,43 @@ def accumulate_grouped_wgrad_(targets: Sequence[torch.Tensor], a_TM: torch.Tenso
     grad buffer), the TMA kernel runs; otherwise the pointer kernel (the same sums, bitwise).
     """
     if not (a_TM.is_cuda and has_triton()):
-        grouped_wgrad_reference_(targets, a_TM, b_TN, tokens_per_expert_E)
+        grouped_wgrad_reference_(targets, a_TM, b_TN, tokens_per_expert_E, stale_E)
         return
     from trainer.kernels import grouped_wgrad_triton as kernels  # lazy: needs Triton
 
     base = targets[0]
     M, N = base.shape
     layout = _checked_layout(targets)
+    stale = None
+    if stale_E is not None:
+        stale = _flag_offsets(stale_E)
+        if stale is None:  # flags the kernel cannot address: settle them the slow way
+            settle_stale_(targets, stale_E)
     if offs_E is None:
         offs_E = torch.cumsum(tokens_per_expert_E.to(a_TM.device), 0)
     a_TM, b_TN = a_TM.contiguous(), b_TN.contiguous()
     if layout.rows is not None and _tma_fits(a_TM, b_TN, M, N):
-        kernels.grouped_wgrad_accumulate_tma_(*_rows_view(targets, layout), a_TM, b_TN, offs_E, M, N)
+        kernels.grouped_wgrad_accumulate_tma_(*_rows_view(targets, layout), a_TM, b_TN, offs_E, M, N, stale=stale)
     else:
-        kernels.grouped_wgrad_accumulate_(base, layout.offsets, a_TM, b_TN, offs_E, M, N)
+        kernels.grouped_wgrad_accumulate_(base, layout.offsets, a_TM, b_TN, offs_E, M, N, stale=stale)
+    if stale is not None:
+        clear_flags_(stale_E)  # type: ignore[arg-type]
+
+
+_FLAG_OFFSETS: dict[tuple[int, ...], torch.Tensor] = {}
+
+
+def _flag_offsets(stale_E: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(the first flag, each flag's int32-element offset from it on the device), what the kernels take; None
+    where the flags are not int32 views of one allocation. Made once per set of flag addresses."""
+    first = stale_E[0]
+    if any(f.dtype != torch.int32 or f.device != first.device for f in stale_E) or not in_one_allocation(stale_E):
+        return None
+    ptrs = tuple(f.data_ptr() for f in stale_E)
+    if ptrs not in _FLAG_OFFSETS:
+        offsets = [(p - ptrs[0]) // 4 for p in ptrs]
+        _FLAG_OFFSETS[ptrs] = torch.tensor(offsets, dtype=torch.int64).to(first.device)
+    return first, _FLAG_OFFSETS[ptrs]
 
 
 def rows_view(targets: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -24,6 +24,12 @@ Two kernels, the same sums in the same order (bitwise equal, measured):
   `[R, N]` fp32 matrix (every offset a whole number of rows) and `M % BLOCK_M == 0`, so a tile never spans
   two experts; the caller checks (`grouped_wgrad.py`).
 - `_wgrad_kernel`: pointer loads everywhere, any layout, any GPU Triton runs on.
+
+Stale targets (`stale_ptr`, `stale_offs_E`): expert e's target may be flagged stale (an int32 at
+`stale_ptr + stale_offs_E[e]`, nonzero after `zero_grad` skipped zero-filling it, `trainer/main_grad.py`):
+its tile is then stored, not added (an expert without rows stores zeros), which is bitwise the zero fill plus
+the add, without the fill's write and the add's read of `c`. Programs only read the flags; the caller clears
+them after the launch (a program clearing its own flag would race the expert's other tiles).
 """
 
 from __future__ import annotations
@@ -44,9 +50,9 @@ TMA_BLOCK_M, TMA_BLOCK_N, TMA_BLOCK_K, TMA_NUM_WARPS, TMA_NUM_STAGES = 128, 128,
 
 @triton.jit
 def _wgrad_kernel(
-    a_ptr, b_ptr, c_ptr, offs_ptr, c_offs_ptr,
+    a_ptr, b_ptr, c_ptr, offs_ptr, c_offs_ptr, stale_ptr, stale_offs_ptr,
     M, N, stride_at, stride_bt, stride_cm,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_STALE: tl.constexpr,
 ):  # fmt: skip
     e = tl.program_id(1)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -65,21 +71,29 @@ def _wgrad_kernel(
         a = tl.load(a_ptr + rows[None, :] * stride_at + rm[:, None], mask=row_ok[None, :] & (rm[:, None] < M), other=0.0)
         b = tl.load(b_ptr + rows[:, None] * stride_bt + rn[None, :], mask=row_ok[:, None] & (rn[None, :] < N), other=0.0)
         acc = tl.dot(a, b, acc)
-    if end > start:  # an expert without rows leaves its grad untouched
-        c_base = c_ptr + tl.load(c_offs_ptr + e)
-        c_ptrs = c_base + rm[:, None] * stride_cm + rn[None, :]
-        mask = (rm[:, None] < M) & (rn[None, :] < N)
+    stale = False
+    if HAS_STALE:
+        stale = tl.load(stale_ptr + tl.load(stale_offs_ptr + e)) != 0
+    c_base = c_ptr + tl.load(c_offs_ptr + e)
+    c_ptrs = c_base + rm[:, None] * stride_cm + rn[None, :]
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    if stale:  # leftovers read as zero: store the sum (zeros for an expert without rows)
+        tl.store(c_ptrs, acc, mask=mask)
+    elif end > start:  # an expert without rows leaves its grad untouched
         tl.store(c_ptrs, tl.load(c_ptrs, mask=mask) + acc, mask=mask)
 
 
 def grouped_wgrad_accumulate_(c: torch.Tensor, c_offs_E: torch.Tensor, a_TM: torch.Tensor, b_TN: torch.Tensor,
                               offs_E: torch.Tensor, M: int, N: int,
-                              config: tuple[int, int, int, int, int] | None = None) -> None:
+                              config: tuple[int, int, int, int, int] | None = None,
+                              stale: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """c[e] += a[rows of e]^T b[rows of e] for every expert e, in fp32, in one launch (`config`: the tile
     shape, warps and stages to use instead of the chosen ones; for the tuning probe).
 
     `offs_E`: int32/int64 cumulative row ends per expert (on the device); `c_offs_E`: int64 element offset of
     expert e's `[M, N]` fp32 matrix (row stride N) from `c.data_ptr()`. a and b contiguous, one dtype.
+    `stale`: (int32 flags, int64 offset of expert e's flag from the flags' data pointer): a flagged target is
+    overwritten (see the module docstring); the flags are left as they were.
     """
     if a_TM.shape[1] != M or b_TN.shape[1] != N or a_TM.shape[0] != b_TN.shape[0]:
         raise ValueError(f"operands {tuple(a_TM.shape)} and {tuple(b_TN.shape)} do not make [{M}, {N}] grads")
@@ -87,17 +101,19 @@ def grouped_wgrad_accumulate_(c: torch.Tensor, c_offs_E: torch.Tensor, a_TM: tor
         raise ValueError("grouped wgrad accumulation takes contiguous operands and an fp32 target")
     bm, bn, bk, warps, stages = config or (BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES)
     grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn), offs_E.numel())
+    flags, flag_offs_E = stale if stale is not None else (offs_E, offs_E)  # unread without HAS_STALE
     _wgrad_kernel[grid](
-        a_TM, b_TN, c, offs_E, c_offs_E, M, N, a_TM.stride(0), b_TN.stride(0), N,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
+        a_TM, b_TN, c, offs_E, c_offs_E, flags, flag_offs_E, M, N, a_TM.stride(0), b_TN.stride(0), N,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, HAS_STALE=stale is not None, num_warps=warps, num_stages=stages,
     )  # fmt: skip
 
 
 @triton.jit
 def _wgrad_kernel_tma(
-    a_desc, b_desc, c_desc, a_ptr, b_ptr, offs_ptr, c_row_ptr,
+    a_desc, b_desc, c_desc, a_ptr, b_ptr, offs_ptr, c_row_ptr, stale_ptr, stale_offs_ptr,
     M, N, stride_at, stride_bt,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+    HAS_STALE: tl.constexpr,
 ):  # fmt: skip
     e = tl.program_id(1)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -121,8 +137,13 @@ def _wgrad_kernel_tma(
     a = tl.load(a_ptr + rows[:, None] * stride_at + rm[None, :], mask=row_ok[:, None] & (rm[None, :] < M), other=0.0)
     b = tl.load(b_ptr + rows[:, None] * stride_bt + rn[None, :], mask=row_ok[:, None] & (rn[None, :] < N), other=0.0)
     acc = tl.dot(a.T, b, acc)
-    if end > start:  # an expert without rows leaves its grad untouched
-        row = tl.load(c_row_ptr + e).to(tl.int32) + m0
+    stale = False
+    if HAS_STALE:
+        stale = tl.load(stale_ptr + tl.load(stale_offs_ptr + e)) != 0
+    row = tl.load(c_row_ptr + e).to(tl.int32) + m0
+    if stale:  # leftovers read as zero: store the sum (zeros for an expert without rows)
+        c_desc.store([row, n0], acc)
+    elif end > start:  # an expert without rows leaves its grad untouched
         c_desc.store([row, n0], c_desc.load([row, n0]) + acc)
 
 
@@ -133,10 +154,12 @@ def tma_supported(device: torch.device) -> bool:
 
 def grouped_wgrad_accumulate_tma_(c_RN: torch.Tensor, c_row_E: torch.Tensor, a_TM: torch.Tensor, b_TN: torch.Tensor,
                                   offs_E: torch.Tensor, M: int, N: int,
-                                  config: tuple[int, int, int, int, int] | None = None) -> None:
+                                  config: tuple[int, int, int, int, int] | None = None,
+                                  stale: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """c[e] += a[rows of e]^T b[rows of e] with TMA loads and stores: `c_RN` is an fp32 `[R, N]` matrix whose rows
     `c_row_E[e] .. c_row_E[e] + M` (int64, on the device) are expert e's grad. Needs `M % BLOCK_M == 0`, a and
-    b contiguous with 16-byte aligned rows (`M % 8 == N % 8 == 0` in bf16) and `tma_supported`."""
+    b contiguous with 16-byte aligned rows (`M % 8 == N % 8 == 0` in bf16) and `tma_supported`. `stale` as
+    for `grouped_wgrad_accumulate_`."""
     bm, bn, bk, warps, stages = config or (TMA_BLOCK_M, TMA_BLOCK_N, TMA_BLOCK_K, TMA_NUM_WARPS, TMA_NUM_STAGES)
     if M % bm or a_TM.shape[1] != M or b_TN.shape[1] != N or a_TM.shape[0] != b_TN.shape[0]:
         raise ValueError(f"operands {tuple(a_TM.shape)}, {tuple(b_TN.shape)} and M={M} (a multiple of {bm}) disagree")
@@ -144,7 +167,9 @@ def grouped_wgrad_accumulate_tma_(c_RN: torch.Tensor, c_row_E: torch.Tensor, a_T
     b_desc = TensorDescriptor.from_tensor(b_TN, [bk, bn])
     c_desc = TensorDescriptor.from_tensor(c_RN, [bm, bn])
     grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn), offs_E.numel())
+    flags, flag_offs_E = stale if stale is not None else (offs_E, offs_E)  # unread without HAS_STALE
     _wgrad_kernel_tma[grid](
-        a_desc, b_desc, c_desc, a_TM, b_TN, offs_E, c_row_E, M, N, a_TM.stride(0), b_TN.stride(0),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=stages, num_warps=warps, num_stages=stages,
+        a_desc, b_desc, c_desc, a_TM, b_TN, offs_E, c_row_E, flags, flag_offs_E, M, N, a_TM.stride(0), b_TN.stride(0),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=stages, HAS_STALE=stale is not None,
+        num_warps=warps, num_stages=stages,
     )  # fmt: skip

@@ -37,10 +37,11 @@ from moectl.core.config.schema import MoEConfig
 from moectl.core.errors import MoectlError
 from moectl.core.facts import GLU_ROWS_ATTR, GluRows
 from trainer.linear import state_for_call
-from trainer.main_grad import accumulate_late_wgrad, accumulate_wgrad, grad_ready
+from trainer.main_grad import accumulate_late_wgrad, accumulate_wgrad, grad_ready, settle_stale, stale_flag
 from trainer.moe.backends import (
     ExpertBackend,
     get_backend,
+    overwrites_stale_wgrad,
     supports_delayed_wgrad,
     supports_precision,
     supports_recipe_wgrad_into,
@@ -147,6 +148,18 @@ class GroupedLinearParams(nn.Module):
             return None
         return list(grads[0].unbind(0)) if self.grouped_weight else grads  # type: ignore[arg-type]
 
+    def wgrad_stale(self, params: list[nn.Parameter]) -> Optional[list[torch.Tensor]]:
+        """The E targets' stale flags (`wgrad_targets` order; a grouped weight's E targets share its one flag),
+        or None where the weights have none. Weights flagged only in part are settled and get None."""
+        flags = [stale_flag(p) for p in params]
+        if all(f is None for f in flags):
+            return None
+        if any(f is None for f in flags):
+            for p in params:
+                settle_stale(p)
+            return None
+        return flags * self.num_experts if self.grouped_weight else flags  # type: ignore[return-value]
+
     @staticmethod
     def route_late_grads(params: list[nn.Parameter], grad_E: Optional[torch.Tensor], grouped: bool, fuse: bool) -> None:
         """`route_grads` for grads computed after the backward returned None for the params (delayed
@@ -211,8 +224,8 @@ class _ExpertMLPFunction(torch.autograd.Function):
         fc1, fc2 = ctx.module.linear_fc1, ctx.module.linear_fc2
         fuse = ctx.module.gradient_accumulation_fusion
         w1, b1, w2, b2 = ctx.groups
-        into = _ExpertMLPFunction._wgrad_into(ctx)
-        extra = {} if into is None else {"wgrad_into": into}
+        extra = _ExpertMLPFunction._wgrad_kwargs(ctx)
+        into = extra.get("wgrad_into")
         dx_PD, dw1_EHD, db1_EH, dw2_EDF, db2_ED, dprobs_P = ctx.backend.backward(ctx.backend_ctx, dy_PD, **extra)
         ctx.backend_ctx = None  # free activations now, not when the graph dies
         if into is not None:  # the backend accumulated the weight grads: report them, as accumulate_wgrad does
@@ -225,6 +238,22 @@ class _ExpertMLPFunction(torch.autograd.Function):
         g_b1 = fc1.route_grads(b1, db1_EH, fc1.grouped_bias, fuse)
         dprobs_P = dprobs_P if ctx.has_probs else None
         return (dx_PD, None, dprobs_P, None, None, None, None, *g_w1, *g_b1, *g_w2, *g_b2)
+
+    @staticmethod
+    def _wgrad_kwargs(ctx: Any) -> dict[str, Any]:
+        """The backend's weight-grad keywords: `wgrad_into` (`_wgrad_into`), and `wgrad_stale`, the targets'
+        stale flags (trainer/main_grad.py), where the backend overwrites flagged targets in this precision.
+        Flagged targets it would only add into are settled here first."""
+        into = _ExpertMLPFunction._wgrad_into(ctx)
+        if into is None:
+            return {}  # the grads come back and are routed: accumulate_wgrad settles them
+        w1, _, w2, _ = ctx.groups
+        stale = (ctx.module.linear_fc1.wgrad_stale(w1), ctx.module.linear_fc2.wgrad_stale(w2))
+        if stale[0] is not None and stale[1] is not None and ctx.precision is None and overwrites_stale_wgrad(ctx.backend):
+            return {"wgrad_into": into, "wgrad_stale": stale}
+        for p in (*w1, *w2):
+            settle_stale(p)
+        return {"wgrad_into": into}
 
     @staticmethod
     def _wgrad_into(ctx: Any) -> Optional[tuple[list[torch.Tensor], list[torch.Tensor]]]:
@@ -240,8 +269,8 @@ class _ExpertMLPFunction(torch.autograd.Function):
     @staticmethod
     def _backward_delayed(ctx: Any, dy_PD: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
         """Data grads now; the weight and bias grads deferred to the layer's flush point (delayed_wgrad.py)."""
-        into = _ExpertMLPFunction._wgrad_into(ctx)
-        extra = {} if into is None else {"wgrad_into": into}
+        extra = _ExpertMLPFunction._wgrad_kwargs(ctx)
+        into = extra.get("wgrad_into")
         dx_PD, dprobs_P, wgrad = ctx.backend.backward_dgrad(ctx.backend_ctx, dy_PD, **extra)
         ctx.backend_ctx = None
         module, (w1, b1, w2, b2) = ctx.module, ctx.groups
@@ -326,6 +355,16 @@ class GroupedMLP(nn.Module):
         self.recipe_states: dict[str, Any] = {}  # the recipe's scaling state (delayed: amax histories)
         #: the deferred weight grads of this layer's backward (None: computed with the data grads)
         self.delayed: Optional[DelayedWgrad] = DelayedWgrad() if delay_wgrad else None
+
+    def stale_grad_params(self, device: torch.device) -> list[nn.Parameter]:
+        """The weights whose grads this layer overwrites when they are flagged stale (trainer/main_grad.py), so
+        zero_grad need not fill them: fc1's and fc2's under gradient-accumulation fusion without a recipe, on a
+        backend that overwrites (`fused`); else none."""
+        if not self.gradient_accumulation_fusion or self.recipe is not None:
+            return []
+        if not overwrites_stale_wgrad(self.backend(device)):
+            return []
+        return [*self.linear_fc1.weight_params(), *self.linear_fc2.weight_params()]
 
     def backend(self, device: torch.device) -> ExpertBackend:
         """The configured backend for `device`, resolved once per device (`auto` may differ on CPU and CUDA)."""

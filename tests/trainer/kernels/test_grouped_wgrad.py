@@ -46,6 +46,31 @@ def test_reference_adds_fp32_products_and_leaves_empty_experts() -> None:
     assert torch.equal(targets[1], torch.full((48, 80), 0.5))
 
 
+def test_reference_overwrites_stale_targets_and_clears_their_flags() -> None:
+    a, b, counts = _problem("cpu", torch.bfloat16)
+    # leftovers of a skipped step may be non-finite: an overwrite must not multiply them by zero
+    targets = [torch.full((48, 80), float("nan")) if i % 2 else torch.full((48, 80), 0.5) for i in range(len(COUNTS))]
+    flags = torch.tensor([1, 1, 0, 1, 1], dtype=torch.int32)  # expert 2 is fresh: it adds
+    grouped_wgrad_reference_(targets, a, b, counts, [flags[i:i + 1] for i in range(len(COUNTS))])
+    for i, (t, want) in enumerate(zip(targets, _fp64_products(a, b))):
+        torch.testing.assert_close(t.double(), want + (0.5 if i == 2 else 0.0), rtol=1e-5, atol=1e-5)
+    assert torch.equal(targets[1], torch.zeros(48, 80))  # an empty stale expert reads as zero
+    assert flags.tolist() == [0] * len(COUNTS)
+
+
+def test_shared_flag_of_a_grouped_weight_settles_every_expert_before_it_is_cleared() -> None:
+    a, b, counts = _problem("cpu", torch.bfloat16)
+    grad = torch.full((len(COUNTS), 48, 80), 7.0)
+    flag = torch.ones(1, dtype=torch.int32)
+    accumulate_grouped_wgrad_(list(grad.unbind(0)), a, b, counts, stale_E=[flag] * len(COUNTS))
+    for t, want in zip(grad, _fp64_products(a, b)):
+        torch.testing.assert_close(t.double(), want, rtol=1e-5, atol=1e-5)
+    assert int(flag) == 0
+    accumulate_grouped_wgrad_(list(grad.unbind(0)), a, b, counts, stale_E=[flag] * len(COUNTS))  # now it adds
+    for t, want in zip(grad, _fp64_products(a, b)):
+        torch.testing.assert_close(t.double(), 2 * want, rtol=1e-5, atol=1e-5)
+
+
 def _mlp(grouped: bool, backend: str, fuse: bool, device: str, dtype: torch.dtype) -> GroupedMLP:
     cfg = MoEConfig(num_experts=len(COUNTS), ffn_hidden_size=32, single_grouped_weight=grouped, backend=backend)
     mlp = GroupedMLP(cfg, 64, init_std=0.3, generator=torch.Generator().manual_seed(3), params_dtype=dtype,
@@ -131,6 +156,30 @@ def test_triton_kernel_equals_the_definition_on_gpu() -> None:
     accumulate_grouped_wgrad_(reversed_targets, a, b, counts)
     for r, g in zip(reversed_targets, got):
         assert torch.equal(r, g)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("M", [2048, 48], ids=["tma", "pointer"])
+def test_triton_kernels_overwrite_stale_targets_bitwise_as_zero_fill_then_add(M: int) -> None:
+    a, b, counts = _problem("cuda", torch.bfloat16, M=M, N=1024)
+    E = len(COUNTS)
+    want = torch.full((E, M, 1024), 0.25, device="cuda")
+    want[[0, 1, 3]] = 0.0  # the zero fill zero_grad skipped for the stale experts
+    accumulate_grouped_wgrad_(list(want.unbind(0)), a, b, counts)
+    got = torch.full((E, M, 1024), float("nan"), device="cuda")
+    got[[2, 4]] = 0.25
+    flags = torch.tensor([1, 1, 0, 1, 0], dtype=torch.int32, device="cuda")  # per-expert params' own flags
+    accumulate_grouped_wgrad_(list(got.unbind(0)), a, b, counts, stale_E=[flags[i:i + 1] for i in range(E)])
+    assert torch.equal(got, want)  # the empty stale expert 1 holds zeros, not its NaN leftovers
+    assert flags.tolist() == [0] * E
+    # the grouped layout: one flag for all E targets
+    got.fill_(float("nan"))
+    flag = torch.ones(1, dtype=torch.int32, device="cuda")
+    accumulate_grouped_wgrad_(list(got.unbind(0)), a, b, counts, stale_E=[flag] * E)
+    want.zero_()
+    accumulate_grouped_wgrad_(list(want.unbind(0)), a, b, counts)
+    assert torch.equal(got, want) and int(flag) == 0
 
 
 @pytest.mark.gpu

@@ -105,6 +105,16 @@ def supports_recipe_wgrad_into(backend: ExpertBackend) -> bool:
     return supports_wgrad_into(backend) and bool(getattr(backend, "recipe_wgrad_into", False))
 
 
+def overwrites_stale_wgrad(backend: ExpertBackend) -> bool:
+    """Whether `backend` overwrites weight-grad targets flagged stale (the keyword `wgrad_stale` beside
+    `wgrad_into`, high precision; trainer/main_grad.py), so zero_grad may skip filling them: `fused` does."""
+    try:
+        takes = "wgrad_stale" in inspect.signature(backend.backward).parameters
+    except (TypeError, ValueError):
+        return False
+    return takes and supports_wgrad_into(backend)
+
+
 def supports_precision(backend: ExpertBackend) -> bool:
     """Whether `backend.forward` takes a low-precision recipe (the keyword `precision`)."""
     try:

@@ -49,7 +49,7 @@ import torch
 
 from moectl.core.errors import MoectlError
 from moectl.core.facts import ffn_width
-from trainer.kernels.grouped_wgrad import accumulate_grouped_wgrad_
+from trainer.kernels.grouped_wgrad import accumulate_grouped_wgrad_, settle_stale_
 from trainer.moe import expert_math
 from trainer.moe.expert_math import bias_grads, expert_of_row
 from trainer.moe.expert_precision import qlinear_forward, quantize_output_grad
@@ -215,21 +215,25 @@ class FusedBackend:
         ctx = FusedCtx(x_TD, h_TH, w1, b1_EH, w2, b2_ED, probs_T, offs_E, counts_E, expert_T, activation, interleave)
         return y_TD, ctx
 
-    def backward(self, ctx: Any, dy_TD: torch.Tensor, wgrad_into: WgradTargets | None = None) -> Grads:
+    def backward(self, ctx: Any, dy_TD: torch.Tensor, wgrad_into: WgradTargets | None = None,
+                 wgrad_stale: WgradTargets | None = None) -> Grads:
         """(dx, dw1, db1, dw2, db2, dprobs); None for the inputs that were None.
 
         `wgrad_into` (gradient-accumulation fusion, high precision): per-expert fp32 `[H, D]` and `[D, F]`
         targets that the weight grads are added into as fp32 products (`trainer/kernels/grouped_wgrad.py`);
-        dw1 and dw2 then come back None.
+        dw1 and dw2 then come back None. `wgrad_stale`: the targets' stale flags (high precision only): flagged
+        targets are overwritten and their flags cleared (trainer/main_grad.py).
         """
         if isinstance(ctx, QuantizedFusedCtx):
+            if wgrad_stale is not None:
+                raise ValueError("wgrad_stale is a high-precision keyword: settle the targets before a recipe backward")
             return _backward_quantized(ctx, dy_TD, self.overlap_wgrad, wgrad_into)
         x, h, w1, w2, probs = ctx.x_TD, ctx.h_TH, ctx.w1_EHD, ctx.w2_EDF, ctx.probs_T
         rows = x.shape[0]
         # grouped_mm rejects stride-0 (expanded) grads and needs aligned rows: make dy a plain tensor.
         dy = dy_TD.to(x.dtype).contiguous()
         if rows == 0:
-            return _empty_grads(ctx)
+            return _empty_grads(ctx, wgrad_into, wgrad_stale)
         kernels = _kernels(x.device)
         da_TF = torch._grouped_mm(dy, w2, ctx.offs_E)
         dh_TH, dprobs_T, a_TF = kernels.glu_backward(
@@ -244,9 +248,9 @@ class FusedBackend:
                 dw2_EDF = torch._grouped_mm(dy.t(), a_TF, ctx.offs_E)
                 dw1_EHD = torch._grouped_mm(dh_TH.t(), x, ctx.offs_E)
             else:
-                w1_into, w2_into = wgrad_into
-                accumulate_grouped_wgrad_(w2_into, dy, a_TF, ctx.tokens_per_expert_E, ctx.offs_E)
-                accumulate_grouped_wgrad_(w1_into, dh_TH, x, ctx.tokens_per_expert_E, ctx.offs_E)
+                (w1_into, w2_into), (w1_stale, w2_stale) = wgrad_into, wgrad_stale or (None, None)
+                accumulate_grouped_wgrad_(w2_into, dy, a_TF, ctx.tokens_per_expert_E, ctx.offs_E, w2_stale)
+                accumulate_grouped_wgrad_(w1_into, dh_TH, x, ctx.tokens_per_expert_E, ctx.offs_E, w1_stale)
         dx_TD = torch._grouped_mm(dh_TH, w1, ctx.offs_E)
         _join(side, *(t for t in (dw2_EDF, dw1_EHD) if t is not None))
         db1_EH, db2_ED, dprobs_T = _bias_grads(
@@ -254,17 +258,20 @@ class FusedBackend:
         )
         return dx_TD, dw1_EHD, db1_EH, dw2_EDF, db2_ED, dprobs_T
 
-    def backward_dgrad(self, ctx: Any, dy_TD: torch.Tensor,
-                       wgrad_into: WgradTargets | None = None) -> tuple[torch.Tensor, "torch.Tensor | None", Any]:
+    def backward_dgrad(self, ctx: Any, dy_TD: torch.Tensor, wgrad_into: WgradTargets | None = None,
+                       wgrad_stale: WgradTargets | None = None) -> tuple[torch.Tensor, "torch.Tensor | None", Any]:
         """(dx, dprobs, wgrad): `backward`'s kernels, the two weight-grad GEMMs and the bias grads deferred to
         `wgrad()` (delayed wgrad: they then run on the current stream, when the caller calls it). With
-        `wgrad_into`, `wgrad()` accumulates the weight grads there (as `backward` does) and returns None for them."""
+        `wgrad_into` (and `wgrad_stale`), `wgrad()` accumulates the weight grads there (as `backward` does) and
+        returns None for them."""
         if isinstance(ctx, QuantizedFusedCtx):
+            if wgrad_stale is not None:
+                raise ValueError("wgrad_stale is a high-precision keyword: settle the targets before a recipe backward")
             return _backward_quantized_dgrad(ctx, dy_TD, wgrad_into)
         x, h, w1, w2, probs = ctx.x_TD, ctx.h_TH, ctx.w1_EHD, ctx.w2_EDF, ctx.probs_T
         dy = dy_TD.to(x.dtype).contiguous()
         if x.shape[0] == 0:
-            dx, dw1, db1, dw2, db2, dprobs = _empty_grads(ctx)
+            dx, dw1, db1, dw2, db2, dprobs = _empty_grads(ctx, wgrad_into, wgrad_stale)
             return dx, dprobs, lambda: (dw1, db1, dw2, db2)
         kernels = _kernels(x.device)
         da_TF = torch._grouped_mm(dy, w2, ctx.offs_E)
@@ -280,8 +287,9 @@ class FusedBackend:
                 dw2_EDF = torch._grouped_mm(dy.t(), a_TF, ctx.offs_E)
                 dw1_EHD = torch._grouped_mm(dh_TH.t(), x, ctx.offs_E)
             else:
-                accumulate_grouped_wgrad_(wgrad_into[1], dy, a_TF, ctx.tokens_per_expert_E, ctx.offs_E)
-                accumulate_grouped_wgrad_(wgrad_into[0], dh_TH, x, ctx.tokens_per_expert_E, ctx.offs_E)
+                w1_stale, w2_stale = wgrad_stale or (None, None)
+                accumulate_grouped_wgrad_(wgrad_into[1], dy, a_TF, ctx.tokens_per_expert_E, ctx.offs_E, w2_stale)
+                accumulate_grouped_wgrad_(wgrad_into[0], dh_TH, x, ctx.tokens_per_expert_E, ctx.offs_E, w1_stale)
             db1_EH, db2_ED = _bias_only(ctx.b1_EH, ctx.b2_ED, probs, ctx.tokens_per_expert_E, dy, dh_TH)
             return dw1_EHD, db1_EH, dw2_EDF, db2_ED
 
@@ -511,18 +519,20 @@ def _add_row_bias(
     return kernels.add_row_bias_(y_TD, probs_T, b2_ED, expert_T)
 
 
-def _empty_grads(ctx: FusedCtx) -> Grads:
-    """Grads when no row was routed here: zeros for weights and biases, empty for x and probs."""
+def _empty_grads(ctx: FusedCtx, wgrad_into: WgradTargets | None = None,
+                 wgrad_stale: WgradTargets | None = None) -> Grads:
+    """Grads when no row was routed here: zeros for weights and biases, empty for x and probs. With
+    `wgrad_into` the weight grads are added there, as always: nothing to add, stale targets zeroed; None back."""
 
     def zeros(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else torch.zeros_like(t)
 
+    dw1: torch.Tensor | None = torch.zeros_like(ctx.w1_EHD)
+    dw2: torch.Tensor | None = torch.zeros_like(ctx.w2_EDF)
+    if wgrad_into is not None:
+        dw1 = dw2 = None
+        for targets, stale in zip(wgrad_into, wgrad_stale or (None, None)):
+            if stale is not None:
+                settle_stale_(targets, stale)
     dprobs = None if ctx.probs_T is None else torch.zeros_like(ctx.probs_T)
-    return (
-        torch.zeros_like(ctx.x_TD),
-        torch.zeros_like(ctx.w1_EHD),
-        zeros(ctx.b1_EH),
-        torch.zeros_like(ctx.w2_EDF),
-        zeros(ctx.b2_ED),
-        dprobs,
-    )
+    return (torch.zeros_like(ctx.x_TD), dw1, zeros(ctx.b1_EH), dw2, zeros(ctx.b2_ED), dprobs)

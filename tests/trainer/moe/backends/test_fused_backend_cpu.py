@@ -72,6 +72,20 @@ def test_no_rows_at_all():
         assert not g.any()
 
 
+def test_no_rows_with_wgrad_targets_adds_nothing_and_returns_no_weight_grads():
+    # A grad returned beside wgrad_into would be routed into main_grad again after the targets were
+    # reported: "a param reported its grad twice" on an expert-parallel rank that received no rows.
+    x, w1, b1, w2, b2, probs, dy = random_problem("swiglu", [0, 0, 0], True, True, seed=7)
+    spec = SimpleNamespace(activation="swiglu", glu_interleave_size=None)
+    _, ctx = FusedBackend().forward(x, w1, b1, w2, b2, torch.tensor([0, 0, 0]), probs, spec)
+    into = (list(torch.full_like(w1, 2.0).unbind(0)), list(torch.full_like(w2, float("nan")).unbind(0)))
+    stale = (None, [torch.ones(1, dtype=torch.int32)] * 3)  # fc2's grads hold a skipped step's leftovers
+    _, dw1, db1, dw2, db2, _ = FusedBackend().backward(ctx, dy, wgrad_into=into, wgrad_stale=stale)
+    assert dw1 is None and dw2 is None and not db1.any() and not db2.any()
+    assert all(torch.equal(t, torch.full_like(t, 2.0)) for t in into[0])  # fresh: untouched
+    assert all(not t.any() for t in into[1]) and int(stale[1][0]) == 0  # stale: zeros, flag cleared
+
+
 def test_expanded_grad_is_accepted():
     """autograd hands a stride-0 grad for y.sum(); torch._grouped_mm would reject it as is."""
     counts = [3, 4, 5]
