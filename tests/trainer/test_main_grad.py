@@ -3,11 +3,14 @@ every writer leaves exactly what a zero fill then an add would have."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
+from dist_helpers import run_distributed
 from moectl.core.config.load import load_config
 from trainer.distributed.buffers import BufferKey, ParamAndGradBuffer
 from trainer.distributed.param_storage import HighPrecisionStorage
@@ -101,3 +104,42 @@ def test_a_recipe_or_an_unfused_layer_keeps_every_grad_zero_filled(tmp_path: Pat
     _, _, flagged = _train(tmp_path, "unfused", ["parallel.gradient_accumulation_fusion=false"])
     assert flagged == []
 
+
+
+def _two_rank_body(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    from trainer.runtime import setup_runtime
+
+    out: dict[str, Any] = {}
+    for name, extra in (("dp2_overlap", ["parallel.overlap_grad_reduce=true", "parallel.overlap_param_gather=true"]),
+                        ("ep2", ["parallel.expert_model_parallel_size=2", "parallel.overlap_grad_reduce=true"])):
+        for stale in ("1", "0"):
+            os.environ["MOECTL_STALE_GRADS"] = stale
+            cfg = load_config("configs/tiny.yaml", [*BASE, *extra, "train.global_batch_size=8",
+                                                    f"run_dir={root}/{name}-{stale}"])
+            trainer = Trainer(cfg, SilentObserver(), runtime=setup_runtime(cfg.train, cfg.parallel))
+            losses = [float(trainer.train_step(step)["loss"]) for step in range(3)]
+            trainer.engine.sync_params_for_eval()
+            out[f"{name}-{stale}"] = (
+                losses,
+                {n: p.detach().clone() for n, p in trainer.model.named_parameters()},
+                sum(stale_flag(p) is not None for p in trainer.model.parameters()),
+            )
+    # compared here: tensors do not cross the result queue
+    summary: dict[str, Any] = {}
+    for name in ("dp2_overlap", "ep2"):
+        (losses, params, flagged), (ref_losses, ref_params, ref_flagged) = out[f"{name}-1"], out[f"{name}-0"]
+        summary[name] = {"flagged": (flagged, ref_flagged), "losses": (losses, ref_losses),
+                         "unequal": [n for n, p in params.items() if not torch.equal(p, ref_params[n])]}
+    return summary
+
+
+@pytest.mark.slow
+def test_two_ranks_with_stale_expert_grads_are_bitwise_the_zero_filled_runs(tmp_path: Path) -> None:
+    """dp=2 with overlapped reduce-scatter (grads read by the reduce right after the last micro-batch) and
+    ep=2 (expert grads in the expert-dp buffer): stale flags on vs off, every rank, bitwise."""
+    for rank, result in enumerate(run_distributed(_two_rank_body, world_size=2, timeout=240, root=str(tmp_path))):
+        for name, r in result.items():
+            flagged, ref_flagged = r["flagged"]
+            assert flagged > 0 and ref_flagged == 0, (rank, name, r)
+            assert r["losses"][0] == r["losses"][1], (rank, name, r)
+            assert r["unequal"] == [], (rank, name, r)
