@@ -1289,7 +1289,8 @@ def cuda_graph_needs_grouped_backend(c: Context) -> Iterator[_Hit]:
 @rule("MOE060", "cuda_graph", "error", ["train.cuda_graph", "optimizer.optimizer"], "CUDA graphs need fp32 main grads")
 def cuda_graph_needs_main_grads(c: Context) -> Iterator[_Hit]:
     """A replayed backward must add into the same grad memory every micro-batch. The distributed engine's
-    fp32 `main_grad` buffers are zeroed outside the graph and accumulated into; SGD runs on torch's own
+    fp32 `main_grad` buffers are zeroed (or flagged stale, a device flag read inside) outside the graph and
+    accumulated into; SGD runs on torch's own
     optimizer, whose `.grad` is assigned by the first micro-batch and added to by the next - the decision a
     graph would bake in at capture (seed 003: grads 200-3000x too small)."""
     if c.cfg.train.cuda_graph and c.cfg.optimizer.optimizer == "sgd":

@@ -71,6 +71,38 @@ def test_adding_writers_settle_a_stale_grad_first() -> None:
     assert torch.equal(params[0].main_grad, 2 * g)
 
 
+def test_a_flagged_grad_no_layer_wrote_this_step_is_reduced_as_zero(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step whose loss does not reach the experts: their grads keep last step's values and flags; the bucket
+    group's guard must zero them before the reduce, as the zero fill did (a mutant without it steps on them)."""
+    from moectl.core.config.schema import MoEConfig, OptimizerConfig, ParallelConfig
+    from trainer.engine.distributed import DistributedEngine
+    from trainer.moe.experts import GroupedMLP
+
+    def run(stale: str) -> tuple[list[float], torch.Tensor]:
+        monkeypatch.setenv("MOECTL_STALE_GRADS", stale)
+        torch.manual_seed(0)
+        model = torch.nn.Module()
+        model.experts = GroupedMLP(MoEConfig(num_experts=2, ffn_hidden_size=8, backend="fused"), 8,
+                                   generator=torch.Generator().manual_seed(0), gradient_accumulation_fusion=True)
+        model.dense = torch.nn.Linear(8, 8)
+        engine = DistributedEngine(model, ParallelConfig(), OptimizerConfig(lr=1e-2), ParallelState.trivial())
+        x, norms = torch.randn(6, 8), []
+        for use_experts in (True, False):
+            engine.zero_grad()
+            y = model.dense(x)
+            if use_experts:
+                y = y + model.experts(x, torch.tensor([3, 3]), None)
+            y.square().sum().backward()
+            norms.append(engine.step(1e-2).grad_norm)
+        engine.sync_params_for_eval()
+        return norms, model.experts.linear_fc1.weight.detach().clone()
+
+    norms, weight = run("1")
+    ref_norms, ref_weight = run("0")
+    assert norms == ref_norms
+    assert torch.equal(weight, ref_weight)
+
+
 def _train(tmp_path: Path, name: str, extra: list[str]) -> tuple[list[float], dict[str, torch.Tensor], list[str]]:
     cfg = load_config("configs/tiny.yaml", [*BASE, *extra, f"run_dir={tmp_path / name}"])
     trainer = Trainer(cfg, SilentObserver())

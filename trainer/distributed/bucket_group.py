@@ -70,6 +70,8 @@ class BucketGroup:
         self.grad_state = GradSyncState.ACCUMULATING
         self._ready: set[torch.nn.Parameter] = set()
         self._grad_handles: list[Any] = []
+        #: zero the grads no layer wrote this step where zero_grad left them stale (trainer/main_grad.py)
+        self._stale_guards = [b.buffer.stale_guard(b.params) for b in self.buckets]
 
         self.sync = ParamSyncMachine(self.name)
         #: writes the owning optimizer's masters into the param buffer (set by the optimizer)
@@ -110,6 +112,8 @@ class BucketGroup:
         """Launch the (async) reduce of every bucket: reduce-scatter with sharded masters, else all-reduce."""
         if self.grad_state is not GradSyncState.ACCUMULATING:
             return
+        for guard in self._stale_guards:  # every writer of this step ran before (stream order)
+            guard.zero_unwritten_()
         for b in self.buckets:
             if self.grad_scale != 1.0:
                 b.grad_data.mul_(self.grad_scale)

@@ -9,7 +9,8 @@ Invariants of a `ParamAndGradBuffer`:
 - padding elements of both buffers are zero, and stay zero (grads never land there; masters of padding
   start at zero and get zero updates);
 - a stale-capable param's grad (`stale_ok`: its layer's writer overwrites, `trainer/main_grad.py`) is not
-  zero-filled by `zero_grad`: its flag is set instead. Never in a buffer whose staging aliases the grads
+  zero-filled by `zero_grad`: its flag is set instead, and one still set when the grad is about to be
+  reduced is zeroed then (`stale_guard`, called by the bucket group). Never in a buffer whose staging aliases the grads
   (staged values are not leftovers) nor in a non-fp32 one (those writers add);
 - all params of a buffer share dtype, grad dtype, expert-ness (hence process group), owning optimizer
   and storage strategy: that is the key.
@@ -25,6 +26,7 @@ import torch
 from trainer.distributed.bucket import Bucket
 from trainer.distributed.layout import BufferPlan, plan_buffer
 from trainer.distributed.param_storage import ParamStorage
+from trainer.kernels.stale_zero import StaleGuard
 from trainer.main_grad import STALE_ATTR
 from trainer.parallel.groups import Group
 
@@ -119,6 +121,7 @@ class ParamAndGradBuffer:
                 delattr(p, STALE_ATTR)
         for i, p in enumerate(stale):
             setattr(p, STALE_ATTR, self.stale_flags[i:i + 1])
+        self.stale_index = {p: i for i, p in enumerate(stale)}
         skipped = sorted(self.param_ranges[p] for p in stale)
         fills, at = [], 0
         for start, end in skipped + [(self.plan.total, self.plan.total)]:
@@ -126,6 +129,12 @@ class ParamAndGradBuffer:
                 fills.append(self.grad_data[at:start])
             at = max(at, end)
         self._zero_fills = fills
+
+    def stale_guard(self, params: Sequence[torch.nn.Parameter]) -> StaleGuard:
+        """The guard that zeroes those of `params` still flagged stale when their grads are about to be reduced
+        (a layer whose backward did not run this step), `trainer/kernels/stale_zero.py`."""
+        ranges = [(*self.param_ranges[p], self.stale_index[p]) for p in params if p in self.stale_index]
+        return StaleGuard(self.grad_data, self.stale_flags, ranges)
 
     def zero_grad(self) -> None:
         """Zero the grad buffer: fill it, except the grads of stale-capable params, whose flags are set instead

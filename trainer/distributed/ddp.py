@@ -75,8 +75,8 @@ def is_expert_param(param: torch.nn.Parameter) -> bool:
 def stale_capable_params(module: torch.nn.Module) -> frozenset[torch.nn.Parameter]:
     """Params whose layer overwrites a stale grad itself (`trainer.main_grad`), so zero_grad may skip filling
     them: what modules with `stale_grad_params(device)` name (the grouped expert MLP). None under
-    MOECTL_STALE_GRADS=0 (every grad zero-filled: the A/B switch)."""
-    if os.environ.get("MOECTL_STALE_GRADS", "1") == "0":
+    MOECTL_STALE_GRADS=0 (or false/off/no: every grad zero-filled, the A/B switch)."""
+    if os.environ.get("MOECTL_STALE_GRADS", "1").strip().lower() in ("0", "false", "off", "no"):
         return frozenset()
     found: set[torch.nn.Parameter] = set()
     for m in module.modules():

@@ -10,8 +10,9 @@ graph per micro-batch removes every launch of the step but the optimizer's):
     outside, after the last replay  launch the grad reduction, then the optimizer step (clip, non-finite
                                     guard, update, param gather)
 
-Nothing inside depends on which micro-batch it is (seed 003): `main_grad` is zeroed outside and every
-micro-batch adds into it; the capture always runs under the engine's `no_sync`, so no bucket launches a
+Nothing inside depends on which micro-batch it is (seed 003): `main_grad` is zeroed outside (an expert
+grad flagged stale instead, its flag read and cleared by the wgrad kernel inside, `trainer/main_grad.py`)
+and every micro-batch adds into it; the capture always runs under the engine's `no_sync`, so no bucket launches a
 collective from inside the graph, and the loop launches them all after the last replay; weights are read
 from pinned tensors refreshed before the step. Python that runs during the forward (hooks, the MoE
 layers' statistics) runs once, at capture: the layers' `stats` are pointed back at the graph's outputs
