@@ -38,6 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
+from trainer.kernels import capability
+
 try:  # Triton >= 3.3: host-side TMA descriptors
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover - older Triton: the pointer kernel only
@@ -149,7 +151,8 @@ def _wgrad_kernel_tma(
 
 def tma_supported(device: torch.device) -> bool:
     """Whether `grouped_wgrad_accumulate_tma_` can run on `device` (TMA: compute capability 9.0 or later)."""
-    return TensorDescriptor is not None and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    cap = capability(device)  # cached: asked on every wgrad, fp8 grouped GEMM and fp8 wgrad call
+    return TensorDescriptor is not None and cap is not None and cap[0] >= 9
 
 
 def grouped_wgrad_accumulate_tma_(c_RN: torch.Tensor, c_row_E: torch.Tensor, a_TM: torch.Tensor, b_TN: torch.Tensor,

@@ -44,6 +44,8 @@ import torch
 import triton
 import triton.language as tl
 
+from trainer.kernels import capability
+
 BLOCK_MN = 128  # the Gram's square output tiles (the mirror of tile (i, j) is tile (j, i)); B X's rows
 # (num_warps, num_stages, BLOCK_K) of the Gram kernel and (..., BLOCK_N) of B X: the fastest of a sweep on an
 # H100 at the reference model's shapes (docs/benchmarks.md, tenth session)
@@ -216,7 +218,8 @@ def _tma_ok(*ts: torch.Tensor) -> bool:
     if TensorDescriptor is None or os.environ.get("MOECTL_NS_TMA", "1") == "0":
         return False
     t0 = ts[0]
-    if t0.device.type != "cuda" or torch.cuda.get_device_capability(t0.device)[0] < 9:
+    cap = capability(t0.device)  # cached device query
+    if cap is None or cap[0] < 9:
         return False
     return all(_rows(t) is not None and t.data_ptr() % 16 == 0 for t in ts)
 

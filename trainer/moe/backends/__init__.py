@@ -43,6 +43,7 @@ A registry target is a class or factory; it is called as `target(device)` when i
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
@@ -90,13 +91,24 @@ def supports_delayed_wgrad(backend: ExpertBackend) -> bool:
     return callable(getattr(backend, "backward_dgrad", None))
 
 
+def _takes(method: Any, keyword: str) -> bool:
+    """Whether `method` takes `keyword`, asked once per function (the backward's capability checks run on every
+    expert layer's backward, and `inspect.signature` costs tens of microseconds of host time each)."""
+    return _function_takes(getattr(method, "__func__", method), keyword)
+
+
+@functools.lru_cache(maxsize=None)
+def _function_takes(function: Any, keyword: str) -> bool:
+    try:
+        return keyword in inspect.signature(function).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def supports_wgrad_into(backend: ExpertBackend) -> bool:
     """Whether `backend.backward` can add weight grads into fp32 targets itself (the keyword `wgrad_into`:
     gradient-accumulation fusion, so no bf16 grad is written and then added)."""
-    try:
-        return "wgrad_into" in inspect.signature(backend.backward).parameters
-    except (TypeError, ValueError):
-        return False
+    return _takes(backend.backward, "wgrad_into")
 
 
 def supports_recipe_wgrad_into(backend: ExpertBackend) -> bool:
@@ -108,19 +120,12 @@ def supports_recipe_wgrad_into(backend: ExpertBackend) -> bool:
 def overwrites_stale_wgrad(backend: ExpertBackend) -> bool:
     """Whether `backend` overwrites weight-grad targets flagged stale (the keyword `wgrad_stale` beside
     `wgrad_into`, high precision; trainer/main_grad.py), so zero_grad may skip filling them: `fused` does."""
-    try:
-        takes = "wgrad_stale" in inspect.signature(backend.backward).parameters
-    except (TypeError, ValueError):
-        return False
-    return takes and supports_wgrad_into(backend)
+    return _takes(backend.backward, "wgrad_stale") and supports_wgrad_into(backend)
 
 
 def supports_precision(backend: ExpertBackend) -> bool:
     """Whether `backend.forward` takes a low-precision recipe (the keyword `precision`)."""
-    try:
-        return "precision" in inspect.signature(backend.forward).parameters
-    except (TypeError, ValueError):
-        return False
+    return _takes(backend.forward, "precision")
 
 
 # ----------------------------------------------------------------------------------------------------------
