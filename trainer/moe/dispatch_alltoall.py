@@ -141,7 +141,9 @@ class AllToAllDispatcher:
         x_QD = all_to_all(x_SD, recv_splits, send_splits, self.group, during_backward=flush)
         probs_Q = all_to_all(probs_S, recv_splits, send_splits, self.group)
         dest_Q, P, tokens_L, rows_L = expert_major(counts_SL, counts_host, self.align)
-        x_PD = x_QD.new_zeros(P, x_QD.shape[1]).index_put((dest_Q,), x_QD)
+        # unpadded (P == Q: dest_Q is a permutation) every row is written: no fill first (a [P, D] memset per
+        # layer and micro-batch); padding rows must read as zeros (garbage there could be inf/NaN)
+        x_PD = (x_QD.new_empty if P == x_QD.shape[0] else x_QD.new_zeros)(P, x_QD.shape[1]).index_put((dest_Q,), x_QD)
         probs_P = probs_Q.new_zeros(P).index_put((dest_Q,), probs_Q)
         plan = AllToAllPlan(source, send_splits, recv_splits, dest_Q, P, tokens_L, rows_L)
         return x_PD, rows_L, probs_P, plan
