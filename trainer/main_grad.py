@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from trainer.kernels import fp32_out_gemm
+from trainer.kernels.stale_zero import settle_stale_
 from trainer.regions import GRAD_ACCUMULATE, region
 
 READY_HOOK = "moectl_grad_ready_hook"
@@ -37,10 +38,8 @@ def settle_stale(param: torch.Tensor) -> None:
     """Make `param.main_grad` safe to add into: zero it where its stale flag is set, then clear the flag (no
     host sync). A no-op for a param without a flag (every param but stale-capable expert weights)."""
     flag = stale_flag(param)
-    if flag is None:
-        return
-    param.main_grad.masked_fill_(flag.bool(), 0.0)  # type: ignore[attr-defined]  # leftovers may be inf/NaN
-    flag.zero_()
+    if flag is not None:
+        settle_stale_([param.main_grad], [flag])  # type: ignore[attr-defined]
 
 
 def accumulate_wgrad(param: torch.nn.Parameter, grad: torch.Tensor, fuse: bool) -> torch.Tensor | None:

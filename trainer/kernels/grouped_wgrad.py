@@ -18,6 +18,7 @@ from typing import Sequence
 import torch
 
 from trainer.kernels import has_triton
+from trainer.kernels.stale_zero import clear_flags_, settle_stale_
 
 
 def grouped_wgrad_reference_(targets: Sequence[torch.Tensor], a_TM: torch.Tensor, b_TN: torch.Tensor,
@@ -31,20 +32,6 @@ def grouped_wgrad_reference_(targets: Sequence[torch.Tensor], a_TM: torch.Tensor
         if n:
             target.addmm_(a_TM[start:start + n].t().float(), b_TN[start:start + n].float())
         start += n
-
-
-def settle_stale_(targets: Sequence[torch.Tensor], stale_E: Sequence[torch.Tensor]) -> None:
-    """Zero the flagged targets, then clear their flags: what a writer that cannot overwrite does first (a pass
-    over each target, no host sync). `masked_fill`, not a product with the flag: leftovers may be inf/NaN."""
-    for target, flag in zip(targets, stale_E):
-        target.masked_fill_(flag.bool(), 0.0)
-    clear_flags_(stale_E)
-
-
-def clear_flags_(stale_E: Sequence[torch.Tensor]) -> None:
-    """Clear each distinct flag once (a grouped param's E targets share one)."""
-    distinct = list({f.data_ptr(): f for f in stale_E}.values())
-    torch._foreach_zero_(distinct)
 
 
 def accumulate_grouped_wgrad_(targets: Sequence[torch.Tensor], a_TM: torch.Tensor, b_TN: torch.Tensor,

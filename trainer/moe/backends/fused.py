@@ -49,7 +49,8 @@ import torch
 
 from moectl.core.errors import MoectlError
 from moectl.core.facts import ffn_width
-from trainer.kernels.grouped_wgrad import accumulate_grouped_wgrad_, settle_stale_
+from trainer.kernels.grouped_wgrad import accumulate_grouped_wgrad_
+from trainer.kernels.stale_zero import settle_stale_
 from trainer.moe import expert_math
 from trainer.moe.expert_math import bias_grads, expert_of_row
 from trainer.moe.expert_precision import qlinear_forward, quantize_output_grad
