@@ -106,9 +106,13 @@ def activities(events: Iterable[Any], regions: Iterable[str], device: str = "cud
         return out
     launches = _launches(cpu)
     annotations = {e.name for e in cpu if e.is_user_annotation}
+    # GPU-side copies of host ranges are not work: user ranges, and c10d's `nccl:all_to_all` etc. (not always
+    # flagged), which counted every collective twice. Not every host name: inductor names a CPU range after
+    # each Triton kernel it launches.
     for e in events:
-        if e.device_type != DeviceType.CUDA or e.name in annotations or e.name.startswith("ProfilerStep"):
-            continue  # the GPU-side copies of record_function ranges are not work
+        if (e.device_type != DeviceType.CUDA or e.is_user_annotation or e.name in annotations
+                or e.name.startswith(("ProfilerStep", "nccl:"))):
+            continue
         launch = launches.get(getattr(e, "linked_correlation_id", None) or e.id)
         op = launch.cpu_parent if launch is not None else None  # the aten op that made the runtime call
         names, region = _context(op, regions, fwd) if op is not None else ((), None)

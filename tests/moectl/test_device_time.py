@@ -127,3 +127,28 @@ def test_kernels_find_their_launching_op_and_region_by_correlation_id():
     acts = {a.name: a for a in activities([reg, mm, launch, decoy, kernel, orphan], regions.ALL)}
     assert acts[GEMM].region == regions.ATTENTION and acts[GEMM].ops[0] == "aten::mm"
     assert acts[ADD].region is None and acts[ADD].ops == ()
+
+
+def test_gpu_copies_of_host_ranges_are_not_counted_as_work():
+    """On 4 H100s c10d's `nccl:all_to_all` range came back as a CUDA event spanning its NCCL kernel, not
+    flagged as a user annotation: counted as communication it doubled every collective's time."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    def ev(name, id, device, parent=None, user=False, start=0, end=1):
+        return SimpleNamespace(name=name, id=id, device_type=device, cpu_parent=parent, is_user_annotation=user,
+                               is_async=False, sequence_nr=-1, thread=1, device_resource_id=7,
+                               time_range=SimpleNamespace(start=start, end=end))
+
+    cpu, cuda = DeviceType.CPU, DeviceType.CUDA
+    op = ev("nccl:all_to_all", 5, cpu, start=0, end=20)
+    launch = ev("cudaLaunchKernel", 900, cpu, op, start=1, end=2)
+    kernel = ev("ncclDevKernel_SendRecv", 900, cuda, start=100, end=200)
+    mirror = ev("nccl:all_to_all", 901, cuda, start=100, end=200)
+    flagged = ev("moe.experts", 902, cuda, user=True, start=100, end=200)
+    triton_range = ev("triton_poi_fused_add_0", 6, cpu, start=30, end=31)  # inductor's range per launch
+    triton_kernel = ev("triton_poi_fused_add_0", 903, cuda, start=300, end=310)
+    acts = activities([op, launch, kernel, mirror, flagged, triton_range, triton_kernel], regions.ALL)
+    assert [a.name for a in acts] == ["ncclDevKernel_SendRecv", "triton_poi_fused_add_0"]
+    assert split(acts, 1).category_ms["comm"] == pytest.approx(0.1)  # ms
