@@ -123,12 +123,12 @@ def build_parallel_state(ep: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> Paral
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     timeout = timedelta(seconds=timeout_s)
 
-    def make(sets: list[tuple[int, ...]]) -> Group:
+    def make(sets: list[tuple[int, ...]], own_communicator: bool = False) -> Group:
         mine: Group | None = None
         for ranks in sets:  # every rank walks every set in the same order
             if len(ranks) == 1:
                 pg = None
-            elif len(ranks) == world:
+            elif len(ranks) == world and not own_communicator:
                 pg = dist.group.WORLD
             else:
                 pg = dist.new_group(list(ranks), timeout=timeout)
@@ -138,7 +138,10 @@ def build_parallel_state(ep: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> Paral
         return mine
 
     dp = Group(ranks=tuple(range(world)), rank=rank, pg=dist.group.WORLD if world > 1 else None)
-    ep_group = make([tuple(range(b, b + ep)) for b in range(0, world, ep)])
+    # the ep group never shares WORLD's communicator: on NCCL one communicator runs its collectives in order on
+    # one stream, so the forward's and backward's all-to-alls would queue behind the dp grad reduce-scatters
+    # and param all-gathers in flight
+    ep_group = make([tuple(range(b, b + ep)) for b in range(0, world, ep)], own_communicator=True)
     edp_group = make([tuple(range(e, world, ep)) for e in range(ep)])
     return ParallelState(world, rank, local_rank, dp, ep_group, edp_group, backend, device)
 
