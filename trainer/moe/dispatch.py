@@ -98,6 +98,15 @@ class LocalDispatcher:
         assert self.capacity_factor is not None
         return -(-capacity(self.capacity_factor, T, K, self.num_experts) // self.align) * self.align
 
+    def kept_per_expert(self, router_out: RouterOutput) -> torch.Tensor:
+        """Routings each expert keeps after the capacity drop (`[E]`, as `dispatch` sizes them), from the
+        router's counts alone: known before the permutation is queued."""
+        counts_E = router_out.tokens_per_expert_E
+        if self.capacity_factor is None:
+            return counts_E
+        T, K = router_out.indices_TK.shape
+        return torch.clamp(counts_E, max=capacity(self.capacity_factor, T, K, self.num_experts))
+
     def dropless_rows(self, T: int, K: int) -> int:
         """P for dropless experts: T*K routings plus at most `align - 1` padding rows per expert, rounded down
         to a multiple of `align` (the padded total is one, so it never exceeds this)."""
@@ -130,7 +139,7 @@ class LocalDispatcher:
             keep_N = torch.empty(N, dtype=torch.bool, device=dev)
             keep_N[ranked_N] = rank_N < C
             key_N = torch.where(keep_N, experts_N, E)  # dropped routings sort after every expert
-            counts_E = torch.clamp(counts_E, max=C)
+            counts_E = self.kept_per_expert(router_out)
         order_R = torch.argsort(compact_ids(key_N, E), stable=True)
 
         if self.pad_to_capacity:

@@ -10,21 +10,27 @@ Experts are sharded contiguously: ep rank r owns global experts [r*L, (r+1)*L). 
    global expert (stable, so token order within an expert), dropping or padding by capacity exactly as
    on one device (capacity per source rank, from its own T, as Megatron's token drop). Because experts
    are contiguous per rank, rows for rank r are one contiguous block.
-2. counts first: an equal-split all-to-all of the per-expert row counts tells each rank how many rows
-   every source sends for each of its experts; one host sync turns them into split sizes.
+2. counts first: an equal-split all-to-all of the per-expert row counts (from the router's counts, before
+   step 1 is queued) tells each rank how many rows every source sends for each of its experts. They come
+   to the host through a non-blocking pinned copy the host waits on only once step 1's kernels are queued,
+   so the one host sync per dispatch finds the GPU busy, not drained. With pad-to-capacity every source
+   sends C_pad rows per expert: the splits are static, with no counts exchange and no host sync.
 3. tokens: `all_to_all_single` of the rows (and, separately, of their fp32 probs) with those splits.
    Received rows are source-major (source 0's rows for local experts 0..L-1, then source 1's, ...).
-4. receiver side: a scatter (`index_put`, unique indices: deterministic) regroups them expert-major and
-   pads each local expert's segment to a multiple of `align` with zero rows of prob 0; within an expert,
-   rows stay in (source rank, token) order, i.e. the order of the global batch, as on one device.
+4. receiver side: a row gather (`permute.dispatch_rows` with K = 1) regroups them expert-major and pads
+   each local expert's segment to a multiple of `align` with zero rows of prob 0; within an expert, rows
+   stay in (source rank, token) order, i.e. the order of the global batch, as on one device. Gathers in
+   both directions: an `index_put` scatter wrote 2-byte elements one by one and its backward sorted.
 
-`combine` runs the same steps backwards: gather each received row's output, the reverse all-to-all,
+`combine` runs the same steps backwards: gather each received row's output (`permute.combine_rows`, K = 1),
+the reverse all-to-all,
 then the source side's own combine (each token's K outputs summed in a fixed order). Autograd flows
 through every step (`ep_comm.all_to_all`'s backward is the reverse all-to-all, unscaled).
 
 Alignment happens once, on the receiver, over the rows of all sources: fewer pad rows than padding per
 source, and none on the wire. `router_padding_for_quantization` therefore needs nothing extra here.
-Host syncs: one per dispatch (the split sizes), plus the source side's own when it drops or pads.
+Host syncs: one per dispatch (the split sizes) unless padded to capacity, plus the source side's own when it
+drops without padding.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import torch
 from moectl.core.errors import ConfigError
 from trainer.moe.dispatch import DispatchPlan, LocalDispatcher
 from trainer.moe.ep_comm import all_to_all, all_to_all_counts
+from trainer.moe.permute import combine_rows, dispatch_rows
 from trainer.moe.router import RouterOutput
 
 if TYPE_CHECKING:
@@ -51,6 +58,7 @@ class AllToAllPlan:
     send_splits: list[int]  # rows sent to each ep rank
     recv_splits: list[int]  # rows received from each ep rank
     dest_Q: torch.Tensor  # row of x_PD for each received row
+    src_P: torch.Tensor  # received row each row of x_PD holds, Q for a padding row
     num_rows: int  # P
     tokens_per_expert_E: torch.Tensor  # received rows per local expert, before alignment padding (int64, [L])
     rows_per_expert_E: torch.Tensor  # rows per local expert in x_PD, padding included (int64, [L])
@@ -73,13 +81,27 @@ def _round_up(n: torch.Tensor, align: int) -> torch.Tensor:
     return (n + align - 1) // align * align
 
 
+def _to_host_later(t: torch.Tensor) -> Callable[[], list[int]]:
+    """Start copying a small int tensor to the host; the returned call waits for it and gives its values.
+
+    On CUDA the copy goes to pinned memory without blocking, so the host can queue more kernels before it
+    waits (on the copy alone, not on a drained device)."""
+    if not t.is_cuda:
+        return t.tolist
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return lambda: (done.synchronize(), host.tolist())[1]
+
+
 def expert_major(
     counts_SL: torch.Tensor, counts_host: list[int], align: int
 ) -> tuple[torch.Tensor, int, torch.Tensor, torch.Tensor]:
     """Where each source-major received row goes in the expert-major, padded layout.
 
     `counts_SL[s, l]`: rows from source s for local expert l (device), `counts_host` the same flattened
-    on the host. Returns `(dest_Q, P, tokens_L, rows_L)`.
+    on the host. Returns `(dest_Q, src_P, P, tokens_L, rows_L)`: `src_P` inverts `dest_Q`, Q on padding.
     """
     S, L = counts_SL.shape
     tokens_L = counts_SL.sum(0)
@@ -93,8 +115,10 @@ def expert_major(
     flat = counts_SL.reshape(-1)
     recv_start = torch.cumsum(flat, 0) - flat
     seg_Q = torch.repeat_interleave(torch.arange(S * L, device=flat.device), flat, output_size=Q)
-    dest_Q = dest_start[seg_Q] + torch.arange(Q, device=flat.device) - recv_start[seg_Q]
-    return dest_Q, P, tokens_L, rows_L
+    arange_Q = torch.arange(Q, device=flat.device)
+    dest_Q = dest_start[seg_Q] + arange_Q - recv_start[seg_Q]
+    src_P = torch.full((P,), Q, dtype=torch.int64, device=flat.device).index_put_((dest_Q,), arange_Q)
+    return dest_Q, src_P, P, tokens_L, rows_L
 
 
 class AllToAllDispatcher:
@@ -131,25 +155,33 @@ class AllToAllDispatcher:
 
         `flush` (delayed expert wgrad) runs in the backward while the rows' grads are all-to-all'ed back."""
         ep, L = self.group.size, self.num_local_experts
-        x_SD, sent_E, probs_S, source = self.source.dispatch(x_TD, router_out)
-        counts_SL = all_to_all_counts(sent_E.to(torch.int64), self.group).view(ep, L)
-        send_R = sent_E.view(ep, L).sum(1)
-        host = torch.cat([send_R, counts_SL.reshape(-1)]).tolist()  # the one host sync: split sizes
-        send_splits, counts_host = host[:ep], host[ep:]
+        T, K = router_out.indices_TK.shape
+        C_pad = self.source.rows_per_expert(T, K)
+        if C_pad is not None:  # padded to capacity: every source sends C_pad rows per expert
+            x_SD, _, probs_S, source = self.source.dispatch(x_TD, router_out)
+            counts_host = [C_pad] * (ep * L)
+            counts_SL = torch.full((ep, L), C_pad, dtype=torch.int64, device=x_TD.device)
+            send_splits = [L * C_pad] * ep
+        else:
+            sent_E = self.source.kept_per_expert(router_out).to(torch.int64)
+            counts_SL = all_to_all_counts(sent_E, self.group).view(ep, L)
+            sizes = _to_host_later(torch.cat([sent_E.view(ep, L).sum(1), counts_SL.reshape(-1)]))
+            x_SD, _, probs_S, source = self.source.dispatch(x_TD, router_out)  # queued while the counts travel
+            host = sizes()  # the one host sync: split sizes
+            send_splits, counts_host = host[:ep], host[ep:]
         recv_splits = [sum(counts_host[s * L:(s + 1) * L]) for s in range(ep)]
 
         x_QD = all_to_all(x_SD, recv_splits, send_splits, self.group, during_backward=flush)
         probs_Q = all_to_all(probs_S, recv_splits, send_splits, self.group)
-        dest_Q, P, tokens_L, rows_L = expert_major(counts_SL, counts_host, self.align)
-        # unpadded (P == Q: dest_Q is a permutation) every row is written: no fill first (a [P, D] memset per
-        # layer and micro-batch); padding rows must read as zeros (garbage there could be inf/NaN)
-        x_PD = (x_QD.new_empty if P == x_QD.shape[0] else x_QD.new_zeros)(P, x_QD.shape[1]).index_put((dest_Q,), x_QD)
-        probs_P = probs_Q.new_zeros(P).index_put((dest_Q,), probs_Q)
-        plan = AllToAllPlan(source, send_splits, recv_splits, dest_Q, P, tokens_L, rows_L)
+        dest_Q, src_P, P, tokens_L, rows_L = expert_major(counts_SL, counts_host, self.align)
+        padded = P != x_QD.shape[0]  # padding rows read the appended zero row (prob 0)
+        x_PD = dispatch_rows(x_QD, src_P, dest_Q, 1, padded, False)
+        probs_P = dispatch_rows(probs_Q[:, None], src_P, dest_Q, 1, padded, False)[:, 0]
+        plan = AllToAllPlan(source, send_splits, recv_splits, dest_Q, src_P, P, tokens_L, rows_L)
         return x_PD, rows_L, probs_P, plan
 
     def combine(self, y_PD: torch.Tensor, plan: AllToAllPlan) -> torch.Tensor:
         """Send each received row's output back to its source and sum each token's K outputs: `[T, D]`."""
-        y_QD = y_PD[plan.dest_Q]
+        y_QD = combine_rows(y_PD, plan.src_P, plan.dest_Q, 1, plan.num_rows != plan.dest_Q.numel(), False)
         y_SD = all_to_all(y_QD, plan.send_splits, plan.recv_splits, self.group)
         return self.source.combine(y_SD, plan.source)

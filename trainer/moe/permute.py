@@ -39,11 +39,13 @@ def _gather(t_XD: torch.Tensor, index: torch.Tensor, zero_row: bool) -> torch.Te
 
 def _gather_sum(t_XD: torch.Tensor, index_N: torch.Tensor, topk: int, zero_row: bool) -> torch.Tensor:
     """`[N / K, D]`: the K rows `index_N` picks for each output row, summed in fp32 in order k = 0..K-1."""
+    if topk == 1:  # a plain row gather (the all-to-all's receiver side): nothing to sum
+        return _gather(t_XD, index_N, zero_row)
     if t_XD.is_cuda and os.environ.get("MOECTL_TRITON_GATHER_SUM", "1") != "0" and has_triton():
         from trainer.kernels.gather_sum_triton import gather_sum
 
         return gather_sum(t_XD.contiguous(), index_N, topk)  # an index X (dropped) reads zeros
-    return _gather(t_XD, index_N, zero_row).view(index_N.numel() // topk, topk, -1).sum(dim=1)
+    return _gather(t_XD, index_N, zero_row).view(index_N.numel() // topk, topk, t_XD.shape[1]).sum(dim=1)
 
 
 class _Dispatch(torch.autograd.Function):
