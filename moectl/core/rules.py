@@ -1190,6 +1190,15 @@ def device_offset_recipe(cfg: Config) -> bool:
     return mp.fp8_recipe in ("tensorwise", "delayed", "rowwise") and all(d % 16 == 0 for d in dims)
 
 
+def static_token_exchange(cfg: Config) -> bool:
+    """Whether the tokens reach their experts without a host sync: one expert-parallel rank, or the
+    all-to-all under drop-and-pad, whose split sizes are fixed by the config (trainer/moe/dispatch_alltoall.py)."""
+    m = cfg.moe
+    return cfg.parallel.expert_model_parallel_size <= 1 or (
+        m.token_dispatcher == "alltoall" and m.capacity_factor is not None and m.pad_expert_input_to_capacity
+    )
+
+
 def static_expert_rows(cfg: Config) -> bool:
     """Whether every MoE layer's expert input has a row count fixed by the config and a per-expert split the
     GEMMs read on the device (what a CUDA graph needs, MOE034): drop-and-pad (every split is the capacity),
@@ -1256,18 +1265,25 @@ def cuda_graph_needs_cuda_device(c: Context) -> Iterator[_Hit]:
     "cuda_graph",
     "error",
     ["train.cuda_graph", "parallel.expert_model_parallel_size"],
-    "CUDA graphs need one expert-parallel rank",
+    "CUDA graphs need one expert-parallel rank, or the all-to-all under drop-and-pad",
 )
 def cuda_graph_needs_local_experts(c: Context) -> Iterator[_Hit]:
-    """With expert parallelism the token exchange sizes its all-to-all (or all-gather) from counts read on
-    the host, a device-to-host sync that cannot happen inside a captured graph; and collectives stay out of
-    moectl's graph by design (trainer/graphs/capture.py). Graphs run data parallel only."""
+    """With expert parallelism a dropless token exchange sizes its all-to-all (or all-gather) from counts
+    read on the host, a device-to-host sync that cannot happen inside a captured graph. The all-to-all under
+    drop-and-pad is static (every source sends each expert its capacity: `static_token_exchange`), and is
+    captured with the micro-batch: the ep collectives inside the graph, on the ep group's own communicator
+    (Megatron captures MoE layers under expert parallelism the same way, drop-and-pad only). The dp
+    collectives stay outside (trainer/graphs/capture.py)."""
     ep = c.cfg.parallel.expert_model_parallel_size
-    if c.cfg.train.cuda_graph and c.moe_layers > 0 and ep > 1:
+    if c.cfg.train.cuda_graph and c.moe_layers > 0 and not static_token_exchange(c.cfg):
         yield _Hit(
-            f"train.cuda_graph=true with parallel.expert_model_parallel_size={ep}: the token exchange reads its "
-            "split sizes on the host",
-            "set parallel.expert_model_parallel_size=1 (data parallel), or train.cuda_graph=false",
+            f"train.cuda_graph=true with parallel.expert_model_parallel_size={ep}, "
+            f"moe.token_dispatcher={c.cfg.moe.token_dispatcher} and "
+            f"{'dropless experts' if c.cfg.moe.capacity_factor is None else 'no pad to capacity'}: the token "
+            "exchange reads its split sizes on the host",
+            "set moe.token_dispatcher=alltoall with moe.capacity_factor (e.g. 1.0) and "
+            "moe.pad_expert_input_to_capacity=true, or parallel.expert_model_parallel_size=1, or "
+            "train.cuda_graph=false",
         )
 
 

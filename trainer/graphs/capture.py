@@ -20,7 +20,9 @@ after each replay, so metrics read the replayed values.
 
 Shapes must be static: drop-and-pad experts, or dropless ones, whose T*K rows (plus alignment padding
 sized to its static bound under a recipe) are split among experts by device offsets, where the recipe's
-grouped GEMMs read them there (MOE034, `static_expert_rows`); one expert-parallel rank (MOE058); a backend
+grouped GEMMs read them there (MOE034, `static_expert_rows`); one expert-parallel rank, or the all-to-all
+under drop-and-pad, whose collectives (static splits, the ep group's own communicator) are captured with the
+micro-batch (MOE058, `static_token_exchange`); a backend
 that reads no counts on the host (MOE059). The first step runs eagerly (compiles, autotuning, lazily built
 state); the capture happens at the first micro-batch of the next step, on a private memory pool.
 """

@@ -166,3 +166,37 @@ def test_drop_equals_zeroing_the_dropped_probs(pad):
             assert not a[~kept].any()
             a, b = a[kept], b[kept]
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=lambda m: f"output {i}: {m}")
+
+
+@pytest.mark.parametrize("pad", [True, False], ids=["drop-and-pad", "dropless"])
+def test_alltoall_under_drop_and_pad_reads_nothing_on_the_host(pad: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Drop-and-pad fixes every split size (each source sends each expert its capacity), which is what lets a
+    CUDA graph hold the expert-parallel micro-batch (MOE058). Dropless reads the counts: the check bites."""
+    from trainer.moe.dispatch_alltoall import AllToAllDispatcher
+    from trainer.parallel.groups import Group
+
+    T, D, E, K = 12, 8, 4, 2
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(T, D, generator=g, requires_grad=True)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    routed = RouterOutput(torch.rand(T, K, generator=g), idx, torch.bincount(idx.flatten(), minlength=E),
+                          torch.zeros(()), torch.zeros(()))  # fmt: skip
+    disp = AllToAllDispatcher(E, Group(ranks=(0,), rank=0, pg=None), capacity_factor=1.25 if pad else None,
+                              pad_to_capacity=pad)  # fmt: skip
+    local = LocalDispatcher(E, capacity_factor=1.25 if pad else None, pad_to_capacity=pad)
+    want_PD, want_rows, want_probs, want_plan = local.dispatch(x, routed)
+
+    def host_read(*_: object) -> None:
+        raise AssertionError("a host read of a device value")
+
+    for name in ("tolist", "item", "__int__", "__index__", "__bool__", "__float__"):
+        monkeypatch.setattr(torch.Tensor, name, host_read)
+    if not pad:
+        with pytest.raises(AssertionError, match="host read"):
+            disp.dispatch(x, routed)
+        return
+    x_PD, rows, probs_P, plan = disp.dispatch(x, routed)
+    y_TD = disp.combine(x_PD * 2, plan)
+    monkeypatch.undo()
+    assert torch.equal(x_PD, want_PD) and torch.equal(rows, want_rows) and torch.equal(probs_P, want_probs)
+    assert torch.equal(y_TD, local.combine(want_PD * 2, want_plan))
