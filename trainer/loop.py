@@ -169,7 +169,7 @@ class Trainer:
                 graph.refresh_weights()
             for micro, (tokens, targets) in enumerate(self._step_batches(step)):
                 if graph is not None:
-                    with engine.micro_batch(is_last=False):  # no collective inside the graph: launched below
+                    with engine.micro_batch(is_last=False):  # no grad collective inside the graph: launched below
                         parts = graph.run(tokens, targets)
                 else:
                     with engine.micro_batch(is_last=micro == self.n_micro - 1):

@@ -19,7 +19,7 @@ training file), MOE053 (optimizer: `muon_compute_dtype` is read only by Muon), M
 Newton-Schulz needs sm80+), MOE055 (compile: `train.compile=regional` on the CPU needs the C++
 compiler inductor builds with), MOE056 (hardware: the per-rank memory estimate fits the GPU memory given
 with `--gpu-memory`), MOE057 (parallel: `parallel.distributed_timeout_minutes` is positive), MOE058-060
-(CUDA graphs: one expert-parallel rank, a backend that keeps token counts on the device, fp32 main grads),
+(CUDA graphs: one expert-parallel rank or the all-to-all under drop-and-pad, a backend that keeps token counts on the device, fp32 main grads),
 MOE061 (retired: emulated GEMMs under CUDA graphs capture now), MOE062 (moe: what the `te` expert backend
 runs: bf16/fp32 or fp8 tensorwise, no fp8/fp4 param gather), MOE063 (hardware: the GEMM widths fit the
 native fp8 kernels).
@@ -1274,16 +1274,26 @@ def cuda_graph_needs_local_experts(c: Context) -> Iterator[_Hit]:
     captured with the micro-batch: the ep collectives inside the graph, on the ep group's own communicator
     (Megatron captures MoE layers under expert parallelism the same way, drop-and-pad only). The dp
     collectives stay outside (trainer/graphs/capture.py)."""
-    ep = c.cfg.parallel.expert_model_parallel_size
-    if c.cfg.train.cuda_graph and c.moe_layers > 0 and not static_token_exchange(c.cfg):
+    m, ep = c.cfg.moe, c.cfg.parallel.expert_model_parallel_size
+    if not c.cfg.train.cuda_graph or c.moe_layers == 0 or ep <= 1:
+        return
+    if not static_token_exchange(c.cfg):
+        if m.token_dispatcher != "alltoall":
+            why = f"moe.token_dispatcher={m.token_dispatcher}"
+        else:
+            why = "dropless experts" if m.capacity_factor is None else "a capacity without pad_expert_input_to_capacity"
         yield _Hit(
-            f"train.cuda_graph=true with parallel.expert_model_parallel_size={ep}, "
-            f"moe.token_dispatcher={c.cfg.moe.token_dispatcher} and "
-            f"{'dropless experts' if c.cfg.moe.capacity_factor is None else 'no pad to capacity'}: the token "
-            "exchange reads its split sizes on the host",
+            f"train.cuda_graph=true with parallel.expert_model_parallel_size={ep} and {why}: the token exchange "
+            "reads its split sizes on the host",
             "set moe.token_dispatcher=alltoall with moe.capacity_factor (e.g. 1.0) and "
             "moe.pad_expert_input_to_capacity=true, or parallel.expert_model_parallel_size=1, or "
             "train.cuda_graph=false",
+        )
+    elif m.delay_wgrad_compute:  # its async all-to-all and Python flush were never checked inside a graph
+        yield _Hit(
+            f"train.cuda_graph=true with parallel.expert_model_parallel_size={ep} and moe.delay_wgrad_compute=true "
+            "(the delayed wgrad's overlap with the all-to-all is not captured)",
+            "set moe.delay_wgrad_compute=false, or train.cuda_graph=false",
         )
 
 

@@ -30,7 +30,7 @@ class Engine(Protocol):
 
     def start_grad_sync(self) -> None:
         """Launch every grad reduction not launched yet (after micro-batches replayed from a CUDA graph, which
-        run under `micro_batch(is_last=False)` so no collective is captured)."""
+        run under `micro_batch(is_last=False)` so no grad collective is captured; an ep all-to-all is)."""
         ...
 
     def step(self, lr: float) -> StepResult: ...

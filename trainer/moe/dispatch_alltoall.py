@@ -14,7 +14,9 @@ Experts are sharded contiguously: ep rank r owns global experts [r*L, (r+1)*L). 
    step 1 is queued) tells each rank how many rows every source sends for each of its experts. They come
    to the host through a non-blocking pinned copy the host waits on only once step 1's kernels are queued,
    so the one host sync per dispatch finds the GPU busy, not drained. With pad-to-capacity every source
-   sends C_pad rows per expert: the splits are static, with no counts exchange and no host sync.
+   sends C_pad rows per expert: the splits are static, with no counts exchange and no host sync (what lets
+   a CUDA graph hold the micro-batch, MOE058). That assumes every ep rank routes the same number of
+   tokens T, as training and eval batches do (each rank's micro-batch has the same shape).
 3. tokens: `all_to_all_single` of the rows (and, separately, of their fp32 probs) with those splits.
    Received rows are source-major (source 0's rows for local experts 0..L-1, then source 1's, ...).
 4. receiver side: a row gather (`permute.dispatch_rows` with K = 1) regroups them expert-major and pads
@@ -97,7 +99,7 @@ def _to_host_later(t: torch.Tensor) -> Callable[[], list[int]]:
 
 def expert_major(
     counts_SL: torch.Tensor, counts_host: list[int], align: int
-) -> tuple[torch.Tensor, int, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor, torch.Tensor]:
     """Where each source-major received row goes in the expert-major, padded layout.
 
     `counts_SL[s, l]`: rows from source s for local expert l (device), `counts_host` the same flattened
@@ -145,8 +147,11 @@ class AllToAllDispatcher:
                                       pad_to_capacity=pad_to_capacity)
 
     def rows_per_expert(self, T: int, K: int) -> Optional[int]:
-        """None: each local expert's rows depend on what the other ranks send."""
-        return None
+        """Every local expert's input rows when the config fixes them: under drop-and-pad each of the ep
+        sources sends it C_pad rows, padded on arrival to a multiple of `align`, so recipes' grouped GEMMs
+        split them without a host read, as on one rank. Else None: they depend on what the other ranks send."""
+        C_pad = self.source.rows_per_expert(T, K)
+        return None if C_pad is None else -(-self.group.size * C_pad // self.align) * self.align
 
     def dispatch(
         self, x_TD: torch.Tensor, router_out: RouterOutput, flush: Optional[Callable[[], None]] = None
@@ -157,7 +162,7 @@ class AllToAllDispatcher:
         ep, L = self.group.size, self.num_local_experts
         T, K = router_out.indices_TK.shape
         C_pad = self.source.rows_per_expert(T, K)
-        if C_pad is not None:  # padded to capacity: every source sends C_pad rows per expert
+        if C_pad is not None:  # padded to capacity: every source sends C_pad rows per expert (equal T everywhere)
             x_SD, _, probs_S, source = self.source.dispatch(x_TD, router_out)
             counts_host = [C_pad] * (ep * L)
             counts_SL = torch.full((ep, L), C_pad, dtype=torch.int64, device=x_TD.device)

@@ -279,3 +279,36 @@ def test_ep2_equals_ep1_on_two_gpus(tmp_path) -> None:
     results = run_distributed(ep_body, world_size=2, timeout=300, backend="nccl", root=str(tmp_path), bf16=True)
     print("ep2 vs ep1 on 2 GPUs, bf16:", results)
     check(results, GPU_TOL)
+
+
+def _pad_recipe_body(rank: int, world_size: int) -> dict[str, Any]:
+    import trainer.precision.gemm as gemm
+    from trainer.moe import MoELayer
+    from trainer.precision.recipes.mxfp8 import MXFP8Recipe
+
+    state = build_parallel_state(2)
+    calls = {"uniform": 0, "host": 0}
+    real = gemm._segments
+
+    def counted(q: Any) -> Any:
+        calls["uniform" if q.groups.uniform is not None else "host"] += 1
+        return real(q)
+
+    gemm._segments = counted
+    cfg = MoEConfig(num_experts=4, router_topk=2, ffn_hidden_size=64, capacity_factor=1.0,
+                    pad_expert_input_to_capacity=True, token_dispatcher="alltoall")  # fmt: skip
+    layer = MoELayer(cfg, 64, generator=torch.Generator().manual_seed(0), ep_group=state.ep, align=32,
+                     recipe=MXFP8Recipe("e4m3"), params_dtype=torch.float32)  # fmt: skip
+    # T = 24: capacity 12 per source, 24 rows per local expert, padded on arrival to mxfp8's 32
+    x = torch.randn(2, 12, 64, generator=torch.Generator().manual_seed(rank), requires_grad=True)
+    layer(x).sum().backward()
+    calls["rows_each"] = layer.dispatcher.rows_per_expert(T=24, K=2)
+    return calls
+
+
+def test_ep_drop_and_pad_tells_the_experts_their_static_rows() -> None:
+    """Under drop-and-pad each local expert gets C rows from each of the ep ranks: the dispatcher says so
+    (`rows_per_expert`), so an emulated recipe's grouped GEMM splits its segments without reading offsets on
+    the host - which a CUDA graph could not hold (MOE058 lets ep drop-and-pad capture)."""
+    for rank, calls in enumerate(run_distributed(_pad_recipe_body, world_size=2, timeout=120)):
+        assert calls["uniform"] > 0 and calls["host"] == 0 and calls["rows_each"] == 32, (rank, calls)
