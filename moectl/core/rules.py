@@ -22,7 +22,7 @@ with `--gpu-memory`), MOE057 (parallel: `parallel.distributed_timeout_minutes` i
 (CUDA graphs: one expert-parallel rank or the all-to-all under drop-and-pad, a backend that keeps token counts on the device, fp32 main grads),
 MOE061 (retired: emulated GEMMs under CUDA graphs capture now), MOE062 (moe: what the `te` expert backend
 runs: bf16/fp32 or fp8 tensorwise, no fp8/fp4 param gather), MOE063 (hardware: the GEMM widths fit the
-native fp8 kernels).
+native fp8 kernels), MOE064 (CUDA graphs: a dynamic expert-parallel exchange keeps the step eager).
 
 Environment rules (Transformer Engine, device) probe lazily and cheaply: TE is looked up through
 `importlib.util.find_spec` and package metadata, never imported; torch is imported only when a GPU
@@ -1310,6 +1310,38 @@ def cuda_graph_needs_grouped_backend(c: Context) -> Iterator[_Hit]:
             f"train.cuda_graph=true with moe.backend={backend}: {what} reads token counts on the host",
             "set moe.backend=auto (fused on CUDA) or grouped, or train.cuda_graph=false",
         )
+
+
+@rule(
+    "MOE064",
+    "cuda_graph",
+    "warning",
+    ["parallel.expert_model_parallel_size", "moe.token_dispatcher", "moe.capacity_factor",
+     "moe.pad_expert_input_to_capacity", "train.cuda_graph", "device"],
+    "a dynamic expert-parallel token exchange keeps the step eager (no CUDA graph)",
+)
+def dynamic_ep_exchange_runs_eagerly(c: Context) -> Iterator[_Hit]:
+    """Dropless (or all-gather) expert parallelism reads its split sizes on the host in every MoE layer, so
+    `train.cuda_graph: null` does not capture it (MOE058) and the step runs eagerly, launch by launch. On 4
+    H100s the reference config's ep=4 step was host-bound at 0.47-0.60x of one GPU's tokens/s per GPU, and
+    0.857x with the all-to-all under drop-and-pad at capacity 1.0, which captures (docs/benchmarks.md,
+    sixteenth session). Drop-and-pad drops the routings over an expert's capacity: a different model, so
+    this is a warning, on a known CUDA device only, and not where graphs are turned off on purpose."""
+    ep = c.cfg.parallel.expert_model_parallel_size
+    dev = c.device
+    if (ep <= 1 or c.moe_layers == 0 or c.cfg.train.cuda_graph is not None or dev is None or dev.kind != "cuda"
+            or static_token_exchange(c.cfg)):
+        return
+    m = c.cfg.moe
+    how = f"moe.token_dispatcher={m.token_dispatcher}" if m.token_dispatcher != "alltoall" else (
+        "dropless experts" if m.capacity_factor is None else "a capacity without pad_expert_input_to_capacity")
+    yield _Hit(
+        f"parallel.expert_model_parallel_size={ep} with {how}: the token exchange reads split sizes on the host "
+        "each layer, so the step runs without a CUDA graph (host-bound on fast GPUs)",
+        "for speed, set moe.token_dispatcher=alltoall, moe.capacity_factor=1.0 and "
+        "moe.pad_expert_input_to_capacity=true (drops routings over capacity); or set train.cuda_graph=false "
+        "to keep dropless and silence this",
+    )
 
 
 @rule("MOE060", "cuda_graph", "error", ["train.cuda_graph", "optimizer.optimizer"], "CUDA graphs need fp32 main grads")

@@ -23,6 +23,7 @@ from moectl.core.rules import RETIRED, RULES, Device, Environment, TEInstall, Vi
 
 REPO = Path(__file__).resolve().parents[3]
 NO_MACHINE = Environment(te=None, device=None)
+H100 = Environment(te=None, device=Device("cuda", (9, 0), "torch.cuda: NVIDIA H100"))
 TE_OK = TEInstall("2.20.2", has_pytorch=True)
 
 BF16 = ["mixed_precision.bf16=true"]
@@ -503,6 +504,15 @@ CASES = [
                     "moe.delay_wgrad_compute=true"],
          ["train.cuda_graph=true", *DROP_AND_PAD, "parallel.expert_model_parallel_size=2"], world=2, pass_world=2,
          name="delayed-wgrad"),
+    Case("MOE064", ["parallel.expert_model_parallel_size=2"],
+         ["parallel.expert_model_parallel_size=2", *DROP_AND_PAD], world=2, pass_world=2, env=H100,
+         severity="warning"),
+    Case("MOE064", ["parallel.expert_model_parallel_size=2", "moe.token_dispatcher=allgather", *DROP_AND_PAD],
+         ["parallel.expert_model_parallel_size=2", "train.cuda_graph=false"], world=2, pass_world=2, env=H100,
+         severity="warning", name="allgather"),
+    Case("MOE064", ["parallel.expert_model_parallel_size=2"],
+         ["parallel.expert_model_parallel_size=2"], world=2, pass_world=2, env=H100,
+         pass_env=Environment(te=None, device=Device("cpu")), severity="warning", name="cuda-only"),
     Case("MOE059", ["train.cuda_graph=true", *DROP_AND_PAD, "moe.backend=loop"],
          ["train.cuda_graph=true", *DROP_AND_PAD, "moe.backend=grouped"]),
     Case("MOE059", ["train.cuda_graph=true", *DROP_AND_PAD, "moe.backend=te"],
@@ -793,9 +803,9 @@ def test_legal_mxfp8_param_gather_with_reuse_and_overlap_is_valid() -> None:
         "train.global_batch_size=64",
     ]
     assert run(sets, world=8) == []
-    for cap in ((9, 0), (10, 0)):  # mxfp8 is emulated on every GPU in this build: a warning, no error
-        on_gpu = run(sets, world=8, cap=cap)
-        assert not has_errors(on_gpu) and {v.rule for v in on_gpu} == {"MOE038"}
+    for cap in ((9, 0), (10, 0)):  # mxfp8 is emulated on every GPU in this build: a warning, no error;
+        on_gpu = run(sets, world=8, cap=cap)  # dropless ep=2 runs eagerly: a warning (MOE064)
+        assert not has_errors(on_gpu) and {v.rule for v in on_gpu} == {"MOE038", "MOE064"}
     # the same with Muon is legal too
     assert run([*sets, "optimizer.optimizer=muon"], world=8) == []
 
