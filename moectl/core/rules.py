@@ -19,7 +19,8 @@ training file), MOE053 (optimizer: `muon_compute_dtype` is read only by Muon), M
 Newton-Schulz needs sm80+), MOE055 (compile: `train.compile=regional` on the CPU needs the C++
 compiler inductor builds with), MOE056 (hardware: the per-rank memory estimate fits the GPU memory given
 with `--gpu-memory`), MOE057 (parallel: `parallel.distributed_timeout_minutes` is positive), MOE058-060
-(CUDA graphs: one expert-parallel rank or the all-to-all under drop-and-pad, a backend that keeps token counts on the device, fp32 main grads),
+(CUDA graphs: one expert-parallel rank or the all-to-all under drop-and-pad, a backend that keeps token
+counts on the device, fp32 main grads),
 MOE061 (retired: emulated GEMMs under CUDA graphs capture now), MOE062 (moe: what the `te` expert backend
 runs: bf16/fp32 or fp8 tensorwise, no fp8/fp4 param gather), MOE063 (hardware: the GEMM widths fit the
 native fp8 kernels), MOE064 (CUDA graphs: a dynamic expert-parallel exchange keeps the step eager).
@@ -1199,6 +1200,26 @@ def static_token_exchange(cfg: Config) -> bool:
     )
 
 
+def null_graph_policy(cfg: Config, major: int, *, assume_static_exchange: bool = False) -> bool:
+    """Whether `train.cuda_graph: null` captures on a CUDA GPU of compute capability `major`.x: where graphs
+    were measured to win and checked bitwise (see `trainer/graphs/capture.py: wants_cuda_graph`).
+    `assume_static_exchange`: as if the token exchange were the all-to-all under drop-and-pad (MOE064 asks
+    whether that alone would make the step capture)."""
+    m, mp = cfg.moe, cfg.mixed_precision
+    static = assume_static_exchange or (static_expert_rows(cfg) and static_token_exchange(cfg))
+    return (
+        major in (9, 10)
+        and mp.bf16
+        and static
+        and m.backend not in ("loop", "te")  # both read the expert row counts on the host (MOE059)
+        and not m.delay_wgrad_compute
+        and cfg.optimizer.optimizer in ("adam", "muon")  # Muon: 82.7k -> 92.6k tok/s on an H100 (benchmarks.md)
+        and not mp.fp4
+        # hybrid's e5m2 backward runs in moectl's Triton kernels: 399.7 -> 251.0 ms captured (benchmarks.md)
+        and (not mp.fp8 or (mp.fp8 in ("e4m3", "hybrid") and mp.fp8_recipe == "tensorwise"))
+    )
+
+
 def static_expert_rows(cfg: Config) -> bool:
     """Whether every MoE layer's expert input has a row count fixed by the config and a per-expert split the
     GEMMs read on the device (what a CUDA graph needs, MOE034): drop-and-pad (every split is the capacity),
@@ -1265,7 +1286,7 @@ def cuda_graph_needs_cuda_device(c: Context) -> Iterator[_Hit]:
     "cuda_graph",
     "error",
     ["train.cuda_graph", "parallel.expert_model_parallel_size"],
-    "CUDA graphs need one expert-parallel rank, or the all-to-all under drop-and-pad",
+    "CUDA graphs need one expert-parallel rank, or the all-to-all under drop-and-pad without delayed wgrad",
 )
 def cuda_graph_needs_local_experts(c: Context) -> Iterator[_Hit]:
     """With expert parallelism a dropless token exchange sizes its all-to-all (or all-gather) from counts
@@ -1273,28 +1294,38 @@ def cuda_graph_needs_local_experts(c: Context) -> Iterator[_Hit]:
     drop-and-pad is static (every source sends each expert its capacity: `static_token_exchange`), and is
     captured with the micro-batch: the ep collectives inside the graph, on the ep group's own communicator
     (Megatron captures MoE layers under expert parallelism the same way, drop-and-pad only). The dp
-    collectives stay outside (trainer/graphs/capture.py)."""
+    collectives stay outside (trainer/graphs/capture.py). `moe.delay_wgrad_compute` is refused there: its
+    async all-to-all and Python flush in the backward were never checked inside a capture."""
     m, ep = c.cfg.moe, c.cfg.parallel.expert_model_parallel_size
     if not c.cfg.train.cuda_graph or c.moe_layers == 0 or ep <= 1:
         return
     if not static_token_exchange(c.cfg):
-        if m.token_dispatcher != "alltoall":
-            why = f"moe.token_dispatcher={m.token_dispatcher}"
-        else:
-            why = "dropless experts" if m.capacity_factor is None else "a capacity without pad_expert_input_to_capacity"
+        why, key = _dynamic_exchange(c.cfg)
         yield _Hit(
             f"train.cuda_graph=true with parallel.expert_model_parallel_size={ep} and {why}: the token exchange "
             "reads its split sizes on the host",
             "set moe.token_dispatcher=alltoall with moe.capacity_factor (e.g. 1.0) and "
             "moe.pad_expert_input_to_capacity=true, or parallel.expert_model_parallel_size=1, or "
             "train.cuda_graph=false",
+            keys=("train.cuda_graph", "parallel.expert_model_parallel_size", key),
         )
-    elif m.delay_wgrad_compute:  # its async all-to-all and Python flush were never checked inside a graph
+    elif m.delay_wgrad_compute:
         yield _Hit(
             f"train.cuda_graph=true with parallel.expert_model_parallel_size={ep} and moe.delay_wgrad_compute=true "
-            "(the delayed wgrad's overlap with the all-to-all is not captured)",
+            "(its overlap with the all-to-all was never checked inside a capture)",
             "set moe.delay_wgrad_compute=false, or train.cuda_graph=false",
+            keys=("train.cuda_graph", "parallel.expert_model_parallel_size", "moe.delay_wgrad_compute"),
         )
+
+
+def _dynamic_exchange(cfg: Config) -> tuple[str, str]:
+    """Why an ep token exchange is not static, and the key that makes it so."""
+    m = cfg.moe
+    if m.token_dispatcher != "alltoall":
+        return f"moe.token_dispatcher={m.token_dispatcher}", "moe.token_dispatcher"
+    if m.capacity_factor is None:
+        return "dropless experts (moe.capacity_factor=null)", "moe.capacity_factor"
+    return "a capacity without moe.pad_expert_input_to_capacity", "moe.pad_expert_input_to_capacity"
 
 
 @rule("MOE059", "cuda_graph", "error", ["train.cuda_graph", "moe.backend"], "CUDA graphs need a grouped expert backend")
@@ -1318,7 +1349,7 @@ def cuda_graph_needs_grouped_backend(c: Context) -> Iterator[_Hit]:
     "warning",
     ["parallel.expert_model_parallel_size", "moe.token_dispatcher", "moe.capacity_factor",
      "moe.pad_expert_input_to_capacity", "train.cuda_graph", "device"],
-    "a dynamic expert-parallel token exchange keeps the step eager (no CUDA graph)",
+    "a dynamic expert-parallel token exchange keeps a step eager that drop-and-pad would capture",
 )
 def dynamic_ep_exchange_runs_eagerly(c: Context) -> Iterator[_Hit]:
     """Dropless (or all-gather) expert parallelism reads its split sizes on the host in every MoE layer, so
@@ -1326,21 +1357,22 @@ def dynamic_ep_exchange_runs_eagerly(c: Context) -> Iterator[_Hit]:
     H100s the reference config's ep=4 step was host-bound at 0.47-0.60x of one GPU's tokens/s per GPU, and
     0.857x with the all-to-all under drop-and-pad at capacity 1.0, which captures (docs/benchmarks.md,
     sixteenth session). Drop-and-pad drops the routings over an expert's capacity: a different model, so
-    this is a warning, on a known CUDA device only, and not where graphs are turned off on purpose."""
+    this is a warning, on a known CUDA device only, only where everything else would let `train.cuda_graph:
+    null` capture (`null_graph_policy`), and not where graphs are turned off on purpose."""
     ep = c.cfg.parallel.expert_model_parallel_size
     dev = c.device
     if (ep <= 1 or c.moe_layers == 0 or c.cfg.train.cuda_graph is not None or dev is None or dev.kind != "cuda"
-            or static_token_exchange(c.cfg)):
+            or dev.capability is None or static_token_exchange(c.cfg)
+            or not null_graph_policy(c.cfg, dev.capability[0], assume_static_exchange=True)):
         return
-    m = c.cfg.moe
-    how = f"moe.token_dispatcher={m.token_dispatcher}" if m.token_dispatcher != "alltoall" else (
-        "dropless experts" if m.capacity_factor is None else "a capacity without pad_expert_input_to_capacity")
+    why, key = _dynamic_exchange(c.cfg)
     yield _Hit(
-        f"parallel.expert_model_parallel_size={ep} with {how}: the token exchange reads split sizes on the host "
-        "each layer, so the step runs without a CUDA graph (host-bound on fast GPUs)",
+        f"parallel.expert_model_parallel_size={ep} with {why} and train.cuda_graph=null: the token exchange "
+        "reads split sizes on the host each layer, so the step runs without a CUDA graph (host-bound on fast GPUs)",
         "for speed, set moe.token_dispatcher=alltoall, moe.capacity_factor=1.0 and "
-        "moe.pad_expert_input_to_capacity=true (drops routings over capacity); or set train.cuda_graph=false "
-        "to keep dropless and silence this",
+        "moe.pad_expert_input_to_capacity=true (drops routings over capacity: captured); or set "
+        "train.cuda_graph=false to keep this exchange and silence this",
+        keys=("parallel.expert_model_parallel_size", key, "train.cuda_graph", "device"),
     )
 
 

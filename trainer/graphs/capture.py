@@ -40,7 +40,7 @@ from torch import nn
 
 from moectl.core.config.schema import Config
 from moectl.core.errors import MoectlError
-from moectl.core.rules import static_expert_rows, static_token_exchange
+from moectl.core.rules import null_graph_policy
 from trainer.graphs.static_weights import StaticWeights
 from trainer.moe.layer import MoELayer
 
@@ -161,22 +161,9 @@ def wants_cuda_graph(cfg: Config, device: torch.device, capability: tuple[int, i
     fp8 or fp8 tensorwise (e4m3 or hybrid), no delayed wgrad. Elsewhere `true` still works (the rules say
     what it needs); null does not take the chance: `torch._grouped_mm` keeps its group offsets on the device
     only for bf16 on sm90/sm100, and falls back to a loop that reads them on the host for fp32 params or
-    older GPUs."""
+    older GPUs. The policy itself is `moectl.core.rules.null_graph_policy`, which MOE064 shares."""
     if cfg.train.cuda_graph is not None:
         return cfg.train.cuda_graph
     if device.type != "cuda":
         return False
-    major = (capability or torch.cuda.get_device_capability(device))[0]
-    m, mp = cfg.moe, cfg.mixed_precision
-    return (
-        major in (9, 10)
-        and mp.bf16
-        and static_expert_rows(cfg)
-        and static_token_exchange(cfg)
-        and m.backend not in ("loop", "te")  # both read the expert row counts on the host (MOE059)
-        and not m.delay_wgrad_compute
-        and cfg.optimizer.optimizer in ("adam", "muon")  # Muon: 82.7k -> 92.6k tok/s on an H100 (benchmarks.md)
-        and not mp.fp4
-        # hybrid's e5m2 backward runs in moectl's Triton kernels: 399.7 -> 251.0 ms captured (benchmarks.md)
-        and (not mp.fp8 or (mp.fp8 in ("e4m3", "hybrid") and mp.fp8_recipe == "tensorwise"))
-    )
+    return null_graph_policy(cfg, (capability or torch.cuda.get_device_capability(device))[0])
