@@ -23,7 +23,8 @@ with `--gpu-memory`), MOE057 (parallel: `parallel.distributed_timeout_minutes` i
 counts on the device, fp32 main grads),
 MOE061 (retired: emulated GEMMs under CUDA graphs capture now), MOE062 (moe: what the `te` expert backend
 runs: bf16/fp32 or fp8 tensorwise, no fp8/fp4 param gather), MOE063 (hardware: the GEMM widths fit the
-native fp8 kernels), MOE064 (CUDA graphs: a dynamic expert-parallel exchange keeps the step eager).
+native fp8 kernels), MOE064 (CUDA graphs: a dynamic expert-parallel exchange keeps the step eager), MOE065 (moe: the all-gather
+dispatcher drops no tokens).
 
 Environment rules (Transformer Engine, device) probe lazily and cheaply: TE is looked up through
 `importlib.util.find_spec` and package metadata, never imported; torch is imported only when a GPU
@@ -1374,6 +1375,31 @@ def dynamic_ep_exchange_runs_eagerly(c: Context) -> Iterator[_Hit]:
         "train.cuda_graph=false to keep this exchange and silence this",
         keys=("parallel.expert_model_parallel_size", key, "train.cuda_graph", "device"),
     )
+
+
+@rule(
+    "MOE065",
+    "moe",
+    "error",
+    ["moe.token_dispatcher", "moe.capacity_factor", "moe.pad_expert_input_to_capacity",
+     "parallel.expert_model_parallel_size"],
+    "the all-gather dispatcher drops no tokens",
+)
+def allgather_drops_nothing(c: Context) -> Iterator[_Hit]:
+    """Under expert parallelism the all-gather dispatcher sends every rank every token and each rank keeps
+    its experts' routings: it has no capacity to drop or pad to (trainer/moe/dispatch_allgather.py refuses
+    it when the model is built; this rule says so before any GPU is touched). With one ep rank the local
+    dispatcher runs and the capacity applies."""
+    m = c.cfg.moe
+    if c.cfg.parallel.expert_model_parallel_size > 1 and m.token_dispatcher == "allgather" and (
+            m.capacity_factor is not None or m.pad_expert_input_to_capacity):
+        yield _Hit(
+            f"moe.token_dispatcher=allgather with moe.capacity_factor={fmt(m.capacity_factor)} and "
+            f"moe.pad_expert_input_to_capacity={str(m.pad_expert_input_to_capacity).lower()} under "
+            f"parallel.expert_model_parallel_size={c.cfg.parallel.expert_model_parallel_size}: it drops no tokens",
+            "set moe.token_dispatcher=alltoall, or moe.capacity_factor=null and "
+            "moe.pad_expert_input_to_capacity=false",
+        )
 
 
 @rule("MOE060", "cuda_graph", "error", ["train.cuda_graph", "optimizer.optimizer"], "CUDA graphs need fp32 main grads")

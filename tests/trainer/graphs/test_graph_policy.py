@@ -45,8 +45,7 @@ HOPPER = (9, 0)
         # ep's all-to-all under drop-and-pad is static: 374 -> 258 ms captured on 4 H100s (benchmarks.md)
         ([*BF16, *PAD, "parallel.expert_model_parallel_size=2"], CUDA, HOPPER, True),
         (["parallel.expert_model_parallel_size=2", *BF16], CUDA, HOPPER, False),  # dropless: splits on the host
-        ([*BF16, *PAD, "parallel.expert_model_parallel_size=2", "moe.token_dispatcher=allgather"], CUDA, HOPPER,
-         False),
+        ([*BF16, "parallel.expert_model_parallel_size=2", "moe.token_dispatcher=allgather"], CUDA, HOPPER, False),
         ([*BF16, *PAD, "moe.backend=loop"], CUDA, HOPPER, False),
         ([*BF16, *PAD, "moe.backend=te"], CUDA, HOPPER, False),  # TE's m_splits are host ints (MOE059)
         ([*BF16, *PAD, "optimizer.optimizer=muon"], CUDA, HOPPER, True),  # measured: 1.12x (dropless) and bitwise
