@@ -41,12 +41,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
+import torch.distributed as dist
 
 from moectl.core.errors import ConfigError
 from trainer.moe.dispatch import DispatchPlan, LocalDispatcher
 from trainer.moe.ep_comm import all_to_all, all_to_all_counts
 from trainer.moe.permute import combine_rows, dispatch_rows
 from trainer.moe.router import RouterOutput
+from trainer.parallel import comm
 
 if TYPE_CHECKING:
     from trainer.parallel.groups import Group
@@ -145,6 +147,7 @@ class AllToAllDispatcher:
         self.align = align
         self.source = LocalDispatcher(num_experts, align=1, capacity_factor=capacity_factor,
                                       pad_to_capacity=pad_to_capacity)
+        self._same_T: set[int] = set()  # token counts every ep rank was checked to route alike (static splits)
 
     def rows_per_expert(self, T: int, K: int) -> Optional[int]:
         """Every local expert's input rows when the config fixes them: under drop-and-pad each of the ep
@@ -163,6 +166,7 @@ class AllToAllDispatcher:
         T, K = router_out.indices_TK.shape
         C_pad = self.source.rows_per_expert(T, K)
         if C_pad is not None:  # padded to capacity: every source sends C_pad rows per expert (equal T everywhere)
+            self._check_same_T(T, x_TD.device)
             x_SD, _, probs_S, source = self.source.dispatch(x_TD, router_out)
             counts_host = [C_pad] * (ep * L)
             counts_SL = torch.full((ep, L), C_pad, dtype=torch.int64, device=x_TD.device)
@@ -184,6 +188,22 @@ class AllToAllDispatcher:
         probs_P = dispatch_rows(probs_Q[:, None], src_P, dest_Q, 1, padded, False)[:, 0]
         plan = AllToAllPlan(source, send_splits, recv_splits, dest_Q, src_P, P, tokens_L, rows_L)
         return x_PD, rows_L, probs_P, plan
+
+    def _check_same_T(self, T: int, device: torch.device) -> None:
+        """Static splits assume every ep rank routes T tokens; a rank with another T would make the all-to-all
+        mismatch (garbage or a hang on NCCL). Checked once per T (an eager step sees every shape before a
+        CUDA graph captures it, so no collective of this check is ever captured)."""
+        if T in self._same_T or self.group.pg is None:
+            return
+        both = torch.tensor([T, -T], dtype=torch.int64, device=device)
+        comm.all_reduce(both, self.group, op=dist.ReduceOp.MAX)
+        most, least = both.tolist()
+        if most != T or -least != T:
+            raise RuntimeError(
+                f"ep rank {self.group.rank} routes {T} tokens per micro-batch, others between {-least} and {most}: "
+                "drop-and-pad's static all-to-all needs the same micro-batch shape on every ep rank"
+            )
+        self._same_T.add(T)
 
     def combine(self, y_PD: torch.Tensor, plan: AllToAllPlan) -> torch.Tensor:
         """Send each received row's output back to its source and sum each token's K outputs: `[T, D]`."""

@@ -312,3 +312,26 @@ def test_ep_drop_and_pad_tells_the_experts_their_static_rows() -> None:
     the host - which a CUDA graph could not hold (MOE058 lets ep drop-and-pad capture)."""
     for rank, calls in enumerate(run_distributed(_pad_recipe_body, world_size=2, timeout=120)):
         assert calls["uniform"] > 0 and calls["host"] == 0 and calls["rows_each"] == 32, (rank, calls)
+
+
+def _unequal_T_body(rank: int, world_size: int) -> str:
+    from trainer.moe.dispatch_alltoall import AllToAllDispatcher
+
+    state = build_parallel_state(2)
+    disp = AllToAllDispatcher(4, state.ep, capacity_factor=1.0, pad_to_capacity=True)
+    T = 12 if rank == 0 else 6
+    idx = torch.stack([torch.randperm(4, generator=torch.Generator().manual_seed(t))[:2] for t in range(T)])
+    routed = RouterOutput(torch.rand(T, 2), idx, torch.bincount(idx.flatten(), minlength=4), torch.zeros(()),
+                          torch.zeros(()))  # fmt: skip
+    try:
+        disp.dispatch(torch.randn(T, 8), routed)
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_ep_drop_and_pad_refuses_ranks_with_different_token_counts() -> None:
+    """Static splits assume one T on every ep rank; another T would mismatch the all-to-all (a hang or
+    garbage on NCCL). Both ranks say so instead."""
+    for rank, msg in enumerate(run_distributed(_unequal_T_body, world_size=2, timeout=120)):
+        assert "same micro-batch shape on every ep rank" in msg and "between 6 and 12" in msg, (rank, msg)
