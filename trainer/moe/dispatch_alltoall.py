@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from moectl.core.errors import ConfigError
+from trainer.host_copy import to_host_later
 from trainer.moe.dispatch import DispatchPlan, LocalDispatcher
 from trainer.moe.ep_comm import all_to_all, all_to_all_counts
 from trainer.moe.permute import combine_rows, dispatch_rows
@@ -83,20 +84,6 @@ def check_divisible(num_experts: int, ep: int) -> None:
 
 def _round_up(n: torch.Tensor, align: int) -> torch.Tensor:
     return (n + align - 1) // align * align
-
-
-def _to_host_later(t: torch.Tensor) -> Callable[[], list[int]]:
-    """Start copying a small int tensor to the host; the returned call waits for it and gives its values.
-
-    On CUDA the copy goes to pinned memory without blocking, so the host can queue more kernels before it
-    waits (on the copy alone, not on a drained device)."""
-    if not t.is_cuda:
-        return t.tolist
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t, non_blocking=True)
-    done = torch.cuda.Event()
-    done.record()
-    return lambda: (done.synchronize(), host.tolist())[1]
 
 
 def expert_major(
@@ -174,7 +161,7 @@ class AllToAllDispatcher:
         else:
             sent_E = self.source.kept_per_expert(router_out).to(torch.int64)
             counts_SL = all_to_all_counts(sent_E, self.group).view(ep, L)
-            sizes = _to_host_later(torch.cat([sent_E.view(ep, L).sum(1), counts_SL.reshape(-1)]))
+            sizes = to_host_later(torch.cat([sent_E.view(ep, L).sum(1), counts_SL.reshape(-1)]))
             x_SD, _, probs_S, source = self.source.dispatch(x_TD, router_out)  # queued while the counts travel
             host = sizes()  # the one host sync: split sizes
             send_splits, counts_host = host[:ep], host[ep:]

@@ -18,10 +18,11 @@ GPU never idles waiting for the host between the norm and the update.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
+from trainer.host_copy import to_host_later
 from trainer.parallel import comm
 from trainer.parallel.groups import Group
 
@@ -89,8 +90,7 @@ class GradVerdict:
     def __init__(self, norm: torch.Tensor, found_inf: torch.Tensor) -> None:
         self.norm = norm
         self.found_inf = found_inf
-        self._host: torch.Tensor | None = None
-        self._event: torch.cuda.Event | None = None
+        self._pending: Callable[[], list[float]] | None = None
         self._value: tuple[float, bool] | None = None
 
     def grad_scale(self, max_norm: float) -> torch.Tensor | None:
@@ -106,25 +106,15 @@ class GradVerdict:
 
     def start_read(self) -> None:
         """Queue the device-to-host copy of (norm, found_inf); idempotent."""
-        if self._host is not None:
-            return
-        packed = torch.stack([self.norm, self.found_inf.double()])
-        if packed.device.type == "cuda":
-            self._host = torch.empty(2, dtype=torch.float64, pin_memory=True)
-            self._host.copy_(packed, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record()
-        else:
-            self._host = packed.cpu()
+        if self._pending is None:
+            self._pending = to_host_later(torch.stack([self.norm, self.found_inf.double()]))
 
     def read(self) -> tuple[float, bool]:
         """(norm, found_inf) on the host; waits for the verdict's kernels (not for work queued after `start_read`)."""
         if self._value is None:
             self.start_read()
-            if self._event is not None:
-                self._event.synchronize()
-            assert self._host is not None
-            norm, found = self._host.tolist()
+            assert self._pending is not None
+            norm, found = self._pending()
             self._value = (norm, found > 0)
         return self._value
 
