@@ -23,8 +23,8 @@ with `--gpu-memory`), MOE057 (parallel: `parallel.distributed_timeout_minutes` i
 counts on the device, fp32 main grads),
 MOE061 (retired: emulated GEMMs under CUDA graphs capture now), MOE062 (moe: what the `te` expert backend
 runs: bf16/fp32 or fp8 tensorwise, no fp8/fp4 param gather), MOE063 (hardware: the GEMM widths fit the
-native fp8 kernels), MOE064 (CUDA graphs: a dynamic expert-parallel exchange keeps the step eager), MOE065 (moe: the all-gather
-dispatcher drops no tokens).
+native fp8 kernels), MOE064 (CUDA graphs: a dynamic expert-parallel exchange keeps the step eager),
+MOE065 (moe: the all-gather dispatcher drops no tokens).
 
 Environment rules (Transformer Engine, device) probe lazily and cheaply: TE is looked up through
 `importlib.util.find_spec` and package metadata, never imported; torch is imported only when a GPU
