@@ -2,7 +2,8 @@
 
 One step: zero grads -> for each micro-batch: forward, loss / n_micro, backward (the last one lets
 the engine launch grad reduction) -> engine.step(lr) -> metrics. With `train.cuda_graph` every step after
-the first replays each micro-batch from one captured graph (trainer/graphs/capture.py says what stays out).
+the first replays each micro-batch from a captured graph, the last one's holding the data parallel grad
+reductions (trainer/graphs/capture.py says what stays out).
 A non-finite loss or grad norm stops the run with a clear message (`train.on_nonfinite: stop`) or skips
 the update (`skip`).
 SIGINT/SIGTERM end the run after the step in flight, agreed over all ranks (trainer/stop.py), with a
@@ -148,6 +149,13 @@ class Trainer:
         self.flops_per_step = flops_per_token(cfg.model, cfg.moe) * self.tokens_per_step
         self.peak = peak_tflops(self.rt.device, "fp8" if cfg.mixed_precision.fp8 else "bf16")
 
+    @property
+    def gathers_in_graph(self) -> bool:
+        """Whether the first micro-batch's CUDA graph holds the param gathers: the engine can (overlapped,
+        high-precision params) and no recipe quantizes the weights once per step, which reads them gathered
+        right after the update (`_publish_step_weights`)."""
+        return self.graph is not None and self.engine.gathers_in_graph and self.step_weights is None
+
     # --- one step ---------------------------------------------------------------------------
     def train_step(self, step: int) -> dict[str, Any]:
         """Run optimizer step `step` (0-based): its micro-batches, backward and update; returns its record
@@ -160,8 +168,13 @@ class Trainer:
         aux_sum = torch.zeros((), device=self.rt.device, dtype=torch.float64)
         # The first step of a process runs eagerly (compiles, autotuning, lazily built state); graphs after it.
         graph = self.graph if self.graph is not None and step > self.start_step else None
-        if graph is not None:
-            engine.sync_params_for_eval()  # the gather completes outside the graph (no pre-hook runs at replay)
+        # Data parallel graphs: the first micro-batch's graph holds the param gathers (its forward's pre-hooks
+        # launch them, one group ahead), the last one's the grad reductions (its hooks launch them as buckets
+        # complete, its end waits); the others run under no_sync with the params settled.
+        gather_in_graph = graph is not None and self.gathers_in_graph
+        reduce_in_graph = graph is not None and engine.reduces_in_graph
+        if graph is not None and not gather_in_graph:
+            engine.sync_params_for_eval()  # the gather completes before the step's replays
         if self.step_weights is not None and not self.step_weights.published:  # the first step, or after a failure
             self._publish_step_weights()
         try:
@@ -169,8 +182,17 @@ class Trainer:
                 graph.refresh_weights()
             for micro, (tokens, targets) in enumerate(self._step_batches(step)):
                 if graph is not None:
-                    with engine.micro_batch(is_last=False):  # no grad collective inside the graph: launched below
-                        parts = graph.run(tokens, targets)
+                    gathers = gather_in_graph and micro == 0
+                    reduces = reduce_in_graph and micro == self.n_micro - 1
+                    if gathers:
+                        engine.stage_for_graph_gather()
+                    with engine.micro_batch(is_last=reduces):
+                        parts = graph.run(tokens, targets, gathers=gathers,
+                                          finish=engine.finish_grad_sync if reduces else None)
+                    if gathers:
+                        engine.params_gathered_by_replay()
+                    if reduces:
+                        engine.grads_reduced_by_replay()
                 else:
                     with engine.micro_batch(is_last=micro == self.n_micro - 1):
                         parts = model.loss(tokens, targets)
@@ -180,7 +202,7 @@ class Trainer:
         finally:  # the update below changes the weights: nothing may read these copies after it
             if self.step_weights is not None:
                 self.step_weights.retract()
-        if graph is not None:
+        if graph is not None and not reduce_in_graph:
             engine.start_grad_sync()
         lm = self._mean_over_dp(lm_sum / self.n_micro)  # the same on every rank: they agree on stopping
         if not math.isfinite(lm) and self.cfg.train.on_nonfinite == "stop":
@@ -334,8 +356,10 @@ class Trainer:
         if self.graph is not None:
             lines.append(
                 f"  cuda_graph{'' if cfg.train.cuda_graph else ' (null: on for this config)'}: the first step eager, "
-                "then each micro-batch's forward + backward replayed from one CUDA graph (optimizer, param gather "
-                "and grad reduction eager)"
+                "then each micro-batch's forward + backward replayed from a CUDA graph ("
+                + ("the first one's with its param gathers, " if self.gathers_in_graph else "param gather before them, ")
+                + ("the last one's with its grad reductions; " if self.engine.reduces_in_graph else "grad reduction after; ")
+                + "optimizer eager)"
             )
         mp = cfg.mixed_precision
         if mp.fp8_param_gather or mp.fp4_param_gather:

@@ -134,6 +134,13 @@ class BucketGroup:
         self._grad_handles.clear()
         self.grad_state = GradSyncState.REDUCED
 
+    def mark_reduced(self) -> None:
+        """Record a reduce that ran where no Python saw it: a CUDA graph replay holding the last micro-batch's
+        reductions and their waits (`trainer/graphs/capture.py`). -> `reduced`, as `finish_grad_sync` leaves it."""
+        if self._grad_handles:
+            raise GradSyncError(f"{self.name}: marked reduced with its own reduce still in flight")
+        self.grad_state = GradSyncState.REDUCED
+
     def reset_grad_sync(self) -> None:
         if self._grad_handles:
             raise GradSyncError(f"{self.name}: zeroing grads while their reduce is in flight")
@@ -201,6 +208,17 @@ class BucketGroup:
 
     def reset(self) -> None:
         self.sync.run(Action.RESET)
+
+    def mark_gathered(self) -> None:
+        """Record a gather that ran where no Python saw it (a CUDA graph replay of a forward whose pre-hooks
+        gathered this group at capture): `staged -> post_processed` through the same transitions. Already
+        `post_processed`: the capture itself ran the hooks."""
+        if self.sync.handles:
+            raise ParamSyncError(f"{self.name}: marked gathered with its own gather still in flight")
+        if self.state is ParamSyncState.POST_PROCESSED:
+            return
+        for action in (Action.DISPATCH, Action.WAIT, Action.POST_PROCESS):
+            self.sync.apply(action)
 
     def complete_param_sync(self, force_sync: bool, prefetch: "BucketGroup | None" = None) -> None:
         """Bring this group to `post_processed` (or leave it settled): the one path hooks and forced syncs share.

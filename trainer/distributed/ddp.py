@@ -317,6 +317,17 @@ class DistributedModel:
         for g in self.bucket_groups:
             g.finish_grad_sync()
 
+    @property
+    def reduces_grads(self) -> bool:
+        """Whether any grad reduction moves data (some bucket group spans more than one rank)."""
+        return any(g.group.size > 1 for g in self.bucket_groups)
+
+    def mark_grads_reduced(self) -> None:
+        """Every group -> `reduced` after a CUDA graph replay that ran the reductions of the last micro-batch
+        (launched by its captured hooks, waited at its end): no hook or wait runs in Python at a replay."""
+        for g in self.bucket_groups:
+            g.mark_reduced()
+
     def grads_reduced(self, tag: str | None = None) -> bool:
         return all(g.grad_state is GradSyncState.REDUCED for g in self.groups_for(tag))
 
@@ -349,6 +360,31 @@ class DistributedModel:
                 dispatch_coalesced(staged)  # one collective per process group; waited below, group by group
             for g in groups:
                 g.complete_param_sync(force_sync=True)
+
+    @property
+    def gathers_in_graph(self) -> bool:
+        """Whether a captured forward may hold the param gathers: overlapped gathers (the forward pre-hooks
+        launch and wait them) that move data, of high-precision storage only. A quantized storage publishes weights that a
+        graph reads from pinned copies refreshed before the step (`trainer/graphs/static_weights.py`), so
+        its gather must finish before the step."""
+        return (self.overlap_param_gather and any(g.needs_gather for g in self.bucket_groups)
+                and all(type(g.storage) is HighPrecisionStorage for g in self.bucket_groups))  # fmt: skip
+
+    def stage_for_graph_gather(self) -> None:
+        """Stage every settled group before a replay (or capture) of a forward that gathers: the graph ships
+        every group's staged shard, and its capture records a gather only for groups staged then. A group
+        settled by a forced sync since the update (eval, a checkpoint, a skipped step) re-stages values the
+        update already wrote, so the replay gathers what the params already hold."""
+        with torch.no_grad():
+            for g in self.bucket_groups:
+                if g.state is not ParamSyncState.STAGED:
+                    g.stage()
+
+    def mark_params_gathered(self) -> None:
+        """Every group `staged -> post_processed` after a replay that gathered them (launched by the captured
+        pre-hooks, waited inside the graph; high-precision storage has nothing to post-process)."""
+        for g in self.bucket_groups:
+            g.mark_gathered()
 
     def force_param_sync(self) -> None:
         """Make every param current now (eval, checkpoint save, hash checks, exit)."""

@@ -7,7 +7,8 @@ calling the model itself (`model.loss(...)`): the wrapper's hooks live on the mo
 
     engine.zero_grad()                          -> zero_grad_buffer (re-stages aliased staging)
     with engine.micro_batch(is_last=...): ...   -> no_sync() on all micro-batches but the last
-    engine.start_grad_sync()                    -> launch what no backward launched (CUDA-graph steps)
+    engine.start_grad_sync()                    -> launch what no backward launched (CUDA-graph steps
+                                                   whose graphs do not hold the reductions)
     engine.step(lr)                             -> finish_grad_sync, then optimizer.step
     engine.sync_params_for_eval()               -> force_param_sync (eval, checkpoint, exit)
 """
@@ -15,6 +16,7 @@ calling the model itself (`model.loss(...)`): the wrapper's hooks live on the mo
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Literal
 
 import torch
@@ -58,6 +60,32 @@ class DistributedEngine:
     def start_grad_sync(self) -> None:
         self.dmodel.start_grad_sync()
 
+    @property
+    def reduces_in_graph(self) -> bool:
+        """Data parallel grads are reduced inside the last micro-batch's CUDA graph, overlapping its backward
+        under `overlap_grad_reduce` (dp=4, reference config: docs/benchmarks.md, seventeenth session).
+        `MOECTL_GRAPH_GRAD_SYNC=0` launches them after the last replay instead, the A/B switch."""
+        return self.dmodel.reduces_grads and not _switched_off("MOECTL_GRAPH_GRAD_SYNC")
+
+    def finish_grad_sync(self) -> None:
+        self.dmodel.finish_grad_sync()
+
+    def grads_reduced_by_replay(self) -> None:
+        self.dmodel.mark_grads_reduced()
+
+    @property
+    def gathers_in_graph(self) -> bool:
+        """With `overlap_param_gather` and high-precision params, the first micro-batch's CUDA graph holds
+        the param all-gathers, each launched by a forward pre-hook one group ahead, as eagerly.
+        `MOECTL_GRAPH_PARAM_GATHER=0` finishes them before the step instead, the A/B switch."""
+        return self.dmodel.gathers_in_graph and not _switched_off("MOECTL_GRAPH_PARAM_GATHER")
+
+    def stage_for_graph_gather(self) -> None:
+        self.dmodel.stage_for_graph_gather()
+
+    def params_gathered_by_replay(self) -> None:
+        self.dmodel.mark_params_gathered()
+
     def step(self, lr: float) -> StepResult:
         self.dmodel.finish_grad_sync()
         return self.optimizer.step(lr)
@@ -95,3 +123,8 @@ class DistributedEngine:
         if step is not None:
             state["step"] = step
         self.optimizer.load_logical_state(state)
+
+
+def _switched_off(name: str) -> bool:
+    """An A/B environment switch set to 0 (or false/off/no)."""
+    return os.environ.get(name, "1").strip().lower() in ("0", "false", "off", "no")

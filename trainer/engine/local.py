@@ -51,6 +51,26 @@ class LocalEngine:
     def start_grad_sync(self) -> None:
         """One device: nothing to reduce."""
 
+    @property
+    def reduces_in_graph(self) -> bool:
+        return False
+
+    def finish_grad_sync(self) -> None:
+        """One device: nothing to reduce."""
+
+    def grads_reduced_by_replay(self) -> None:
+        """One device: nothing to reduce."""
+
+    @property
+    def gathers_in_graph(self) -> bool:
+        return False
+
+    def stage_for_graph_gather(self) -> None:
+        """One device: nothing to gather."""
+
+    def params_gathered_by_replay(self) -> None:
+        """One device: nothing to gather."""
+
     def step(self, lr: float) -> StepResult:
         """Clip and step; a non-finite grad norm leaves params and optimizer state untouched."""
         params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]

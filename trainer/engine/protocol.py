@@ -29,8 +29,37 @@ class Engine(Protocol):
     def micro_batch(self, is_last: bool) -> contextlib.AbstractContextManager[None]: ...
 
     def start_grad_sync(self) -> None:
-        """Launch every grad reduction not launched yet (after micro-batches replayed from a CUDA graph, which
-        run under `micro_batch(is_last=False)` so no grad collective is captured; an ep all-to-all is)."""
+        """Launch every grad reduction not launched yet: after a step of CUDA graph replays that did not hold
+        them (`reduces_in_graph` false, so every micro-batch ran under `micro_batch(is_last=False)`)."""
+        ...
+
+    @property
+    def reduces_in_graph(self) -> bool:
+        """Whether the last micro-batch's CUDA graph holds the grad reductions: captured under
+        `micro_batch(is_last=True)` with `finish_grad_sync` at its end, and `grads_reduced_by_replay` after
+        each replay. False where nothing is reduced (one rank)."""
+        ...
+
+    def finish_grad_sync(self) -> None:
+        """Launch what is left and wait for every grad reduction (on the stream: capturable)."""
+        ...
+
+    def grads_reduced_by_replay(self) -> None:
+        """Record that a replay of the last micro-batch's graph reduced every grad (no Python ran in it)."""
+        ...
+
+    @property
+    def gathers_in_graph(self) -> bool:
+        """Whether the first micro-batch's CUDA graph holds the param gathers (launched by its forward's
+        pre-hooks): `stage_for_graph_gather` before each of its replays, `params_gathered_by_replay` after."""
+        ...
+
+    def stage_for_graph_gather(self) -> None:
+        """Stage every param group not staged, so the gathering graph (or its capture) ships every group."""
+        ...
+
+    def params_gathered_by_replay(self) -> None:
+        """Record that a replay of the first micro-batch's graph gathered every param group."""
         ...
 
     def step(self, lr: float) -> StepResult: ...

@@ -3,20 +3,30 @@
 What the graph holds, and what stays outside (Megatron-Core and TE capture the same span per layer; one
 graph per micro-batch removes every launch of the step but the optimizer's):
 
-    outside, eagerly, each step     zero the grad buffers; finish the param gather; refresh the pinned
-                                    quantized weights (static_weights.py); copy the batch into the static
-                                    input tensors
+    outside, eagerly, each step     zero the grad buffers; finish the param gather (or stage it for the
+                                    first graph, below); refresh the pinned quantized weights
+                                    (static_weights.py); copy the batch into the static input tensors
     inside, replayed per micro-batch  forward, loss, backward, the fold of each weight grad into `main_grad`
-    outside, after the last replay  launch the grad reduction, then the optimizer step (clip, non-finite
-                                    guard, update, param gather)
+    inside, the first micro-batch   data parallel with `overlap_param_gather` (high-precision params): the
+                                    param all-gathers too, launched by the forward's pre-hooks one group
+                                    ahead, and waited
+    inside, the last micro-batch    data parallel: the grad reductions too, launched by the backward's hooks
+                                    as buckets complete (`overlap_grad_reduce`) or at its end, and waited
+    outside, after the last replay  the optimizer step (clip, non-finite guard, update, stage the params)
 
-Nothing inside depends on which micro-batch it is (seed 003): `main_grad` is zeroed outside (an expert
-grad flagged stale instead, its flag read and cleared by the wgrad kernel inside, `trainer/main_grad.py`)
-and every micro-batch adds into it; the capture always runs under the engine's `no_sync`, so no bucket launches a
-collective from inside the graph, and the loop launches them all after the last replay; weights are read
-from pinned tensors refreshed before the step. Python that runs during the forward (hooks, the MoE
-layers' statistics) runs once, at capture: the layers' `stats` are pointed back at the graph's outputs
-after each replay, so metrics read the replayed values.
+Nothing inside depends on which step it is (seed 003): `main_grad` is zeroed outside (an expert grad
+flagged stale instead, its flag read and cleared by the wgrad kernel inside, `trainer/main_grad.py`) and
+every micro-batch adds into it. The middle micro-batches are captured under the engine's `no_sync` with
+their params settled, so no hook launches a collective from them. The first is a graph of its own,
+captured with every group staged, so its pre-hooks' gathers overlap its forward as they do eagerly; the last
+is another, captured under the last micro-batch's hooks and ended by the engine's `finish_grad_sync`, so its
+reduce-scatters (or all-reduces) overlap its backward. No Python runs in a replay: the engine stages the
+groups before the first one's and marks them gathered after it, and marks them reduced after the last one's.
+Without data parallelism, or with `MOECTL_GRAPH_PARAM_GATHER=0` / `MOECTL_GRAPH_GRAD_SYNC=0` (the A/B
+switches), the gather finishes before the step and the reductions are launched after the last replay, as
+before. Weights are read from pinned tensors refreshed before the step. Python that runs during the forward
+(hooks, the MoE layers' statistics) runs once, at capture: the layers' `stats` are pointed back at the
+graph's outputs after each replay, so metrics read the replayed values.
 
 Shapes must be static: drop-and-pad experts, or dropless ones, whose T*K rows (plus alignment padding
 sized to its static bound under a recipe) are split among experts by device offsets, where the recipe's
@@ -57,9 +67,22 @@ class ReplayedLoss:
     aux_loss: torch.Tensor
 
 
+@dataclass
+class _Captured:
+    """One captured variant: the graph and what its replays leave behind."""
+
+    graph: torch.cuda.CUDAGraph
+    out: ReplayedLoss
+    stats: list[tuple[nn.Module, Any]]
+
+
 class MicroBatchGraph:
     """Captures `loss_fn(tokens, targets)` and its backward (`total / n_micro`) once; replays it after.
 
+    Up to four variants, each captured at its first use, all on one private memory pool (never replayed
+    concurrently, always in capture order within a step): the micro-batch alone; the first one of a data
+    parallel step, whose forward gathers the params; the last one, followed by `finish()` (its grad
+    reductions); and both at once when a step has one micro-batch.
     `model` is searched for MoE layers (their `stats`) and published quantized weights (pinned).
     """
 
@@ -68,27 +91,31 @@ class MicroBatchGraph:
         self.loss_fn = loss_fn
         self.n_micro = n_micro
         self.weights = StaticWeights(model)
-        self.graph: torch.cuda.CUDAGraph | None = None
         self.tokens: torch.Tensor | None = None
         self.targets: torch.Tensor | None = None
-        self.out: ReplayedLoss | None = None
-        self._stats: list[tuple[nn.Module, Any]] = []
+        self._variants: dict[tuple[bool, bool], _Captured] = {}  # keyed by (gathers, ends with finish())
         self.replays = 0
 
     @property
     def captured(self) -> bool:
-        return self.graph is not None
+        return bool(self._variants)
 
     def refresh_weights(self) -> None:
         """Bring the pinned quantized weights up to the published ones (eagerly, before the step's replays)."""
         self.weights.refresh()
 
-    def run(self, tokens: torch.Tensor, targets: torch.Tensor) -> ReplayedLoss:
-        """Forward + backward of one micro-batch through the graph (captured on the first call)."""
-        if self.graph is None:
-            self._capture(tokens, targets)
-        else:
-            assert self.tokens is not None and self.targets is not None
+    def run(self, tokens: torch.Tensor, targets: torch.Tensor, gathers: bool = False,
+            finish: Callable[[], None] | None = None) -> ReplayedLoss:
+        """Forward + backward of one micro-batch through the graph (captured on the variant's first call).
+
+        `gathers`: the param gathers are staged and pending, so the forward's pre-hooks launch and wait them
+        inside the captured span (the step's first micro-batch): a variant of its own. `finish`: run at the
+        end of the captured span, so its device work replays with the micro-batch (the engine's
+        `finish_grad_sync`: every grad reduction launched and waited inside the graph). Hooks and `finish`
+        run in Python at the capture only; the caller records their effect after each replay."""
+        key = (gathers, finish is not None)
+        if self.tokens is not None:
+            assert self.targets is not None
             if tokens.shape != self.tokens.shape or targets.shape != self.targets.shape:
                 raise GraphCaptureError(
                     f"a micro-batch of shape {tuple(tokens.shape)} after capturing {tuple(self.tokens.shape)}",
@@ -96,12 +123,16 @@ class MicroBatchGraph:
                 )
             self.tokens.copy_(tokens, non_blocking=True)
             self.targets.copy_(targets, non_blocking=True)
-        assert self.graph is not None and self.out is not None
-        self.graph.replay()
+        else:
+            self.tokens, self.targets = tokens.clone(), targets.clone()
+        variant = self._variants.get(key)
+        if variant is None:
+            variant = self._variants[key] = self._capture(finish)
+        variant.graph.replay()
         self.replays += 1
-        for layer, stats in self._stats:  # an eager forward (eval) in between pointed them elsewhere
+        for layer, stats in variant.stats:  # the other variant or an eager forward (eval) pointed them elsewhere
             layer.stats = stats
-        return self.out
+        return variant.out
 
     def release_eager_graphs(self) -> None:
         """Drop what still holds an eager step's autograd graph: the MoE layers' `stats` (their aux losses).
@@ -113,30 +144,34 @@ class MicroBatchGraph:
                 m.stats = None
         gc.collect()
 
-    def _capture(self, tokens: torch.Tensor, targets: torch.Tensor) -> None:
-        self.tokens, self.targets = tokens.clone(), targets.clone()
+    def _capture(self, finish: Callable[[], None] | None) -> _Captured:
+        assert self.tokens is not None and self.targets is not None
         self.release_eager_graphs()
         torch.cuda.synchronize()
         # Blocks the eager steps cached would otherwise sit beside the graph's private pool.
         torch.cuda.empty_cache()
         graph = torch.cuda.CUDAGraph()
+        # One pool for every variant: a later capture reuses an earlier one's activations, which are dead
+        # between replays (each variant's outputs stay reserved, so none overwrites what another returned).
+        pool = next(iter(self._variants.values())).graph.pool() if self._variants else None
         try:
             # A compiled region whose guards fail here would compile inside the capture, and inductor's
             # compile copies host tensors to the device, which a capture refuses. Such a region runs its
             # eager code into the graph instead (seen on an H100 when an earlier model of the same process
             # had left Dynamo entries with dynamic shapes whose guard failed at the capture).
-            with torch.compiler.set_stance("eager_on_recompile"), torch.cuda.graph(graph):
+            with torch.compiler.set_stance("eager_on_recompile"), torch.cuda.graph(graph, pool=pool):
                 parts = self.loss_fn(self.tokens, self.targets)
                 (parts.total / self.n_micro).backward()
+                if finish is not None:
+                    finish()
         except RuntimeError as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise GraphCaptureError(
                 f"train.cuda_graph: the micro-batch could not be captured at {_culprit(e)} ({first})",
                 "set train.cuda_graph=false, and report the config: something in the step synchronises with the host",
             ) from e
-        self.graph = graph
-        self.out = ReplayedLoss(parts.lm_loss.detach(), parts.aux_loss.detach())
-        self._stats = [(m, m.stats) for m in self.model.modules() if isinstance(m, MoELayer)]
+        stats = [(m, m.stats) for m in self.model.modules() if isinstance(m, MoELayer)]
+        return _Captured(graph, ReplayedLoss(parts.lm_loss.detach(), parts.aux_loss.detach()), stats)
 
 
 def _culprit(e: BaseException) -> str:

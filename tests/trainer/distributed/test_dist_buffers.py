@@ -14,7 +14,7 @@ from moectl.core.config.schema import ParallelConfig
 from moectl.core.errors import ConfigError
 from trainer.distributed import AliasedStagingStorage, DistributedModel, GradSyncError, ParamSyncError, ParamSyncState
 from trainer.parallel import ParallelState
-from trainer.distributed.bucket_group import BucketGroup
+from trainer.distributed.bucket_group import BucketGroup, GradSyncState
 from trainer.distributed.layout import PARAM_ALIGN, default_bucket_size, plan_buffer
 from trainer.parallel.groups import check_ep_size, expert_seed, init_distributed
 from trainer.main_grad import accumulate_wgrad
@@ -163,6 +163,52 @@ def test_no_sync_accumulates_without_launching() -> None:
     (2 * ref(x).sum()).backward()
     torch.testing.assert_close(model.inp.weight.main_grad, ref.inp.weight.grad)
     dm.finish_grad_sync()
+
+
+def test_a_replayed_reduce_is_recorded_only_with_nothing_in_flight() -> None:
+    """`mark_grads_reduced` stands for a graph replay's reductions: it leaves every group reduced (so the
+    optimizer may step), and refuses while a reduce launched by Python is still in flight."""
+    _, dm, opt = make(ONE, ParallelConfig(), Run())
+    dm.zero_grad_buffer()
+    forward_backward(dm, ONE, Run(), 0)
+    dm.mark_grads_reduced()
+    assert dm.grads_reduced() and all(g.grad_state is GradSyncState.REDUCED for g in dm.bucket_groups)
+    opt.step(0.1)
+    g = dm.bucket_groups[0]
+    g.reset_grad_sync()
+    g._grad_handles.append(object())  # a reduce launched and not waited
+    with pytest.raises(GradSyncError, match="in flight"):
+        g.mark_reduced()
+
+
+def test_a_replayed_gather_moves_staged_groups_to_post_processed() -> None:
+    """`stage_for_graph_gather` + `mark_params_gathered` stand for a replay of a forward that gathers: every
+    group staged before (a settled one re-staged), post-processed after; a settled group (the capture's own
+    hooks ran) stays so; a gather in flight is refused."""
+    _, dm, opt = make(ONE, ParallelConfig(overlap_param_gather=True), Run())
+    dm.zero_grad_buffer()
+    forward_backward(dm, ONE, Run(), 0)
+    dm.finish_grad_sync()
+    opt.step(0.1)  # overlap: staged, gathered by the next forward
+    dm.force_param_sync()  # an eval in between settles them
+    dm.stage_for_graph_gather()
+    assert all(g.state is ParamSyncState.STAGED for g in dm.bucket_groups)
+    dm.mark_params_gathered()
+    assert all(g.state is ParamSyncState.POST_PROCESSED for g in dm.bucket_groups)
+    dm.mark_params_gathered()  # after a capture, whose hooks settled them already
+    assert all(g.state is ParamSyncState.POST_PROCESSED for g in dm.bucket_groups)
+    g = dm.bucket_groups[0]
+    g.stage()
+    g.dispatch()
+    g.sync.handles.append(object())  # dispatched by Python, not waited
+    with pytest.raises(ParamSyncError, match="in flight"):
+        g.mark_gathered()
+
+
+def test_graph_collectives_need_data_parallel_data_to_move() -> None:
+    """One rank reduces and gathers nothing, so no graph holds either (two ranks: test_graph_loop.py)."""
+    _, dm, _ = make(ONE, ParallelConfig(overlap_param_gather=True), Run())
+    assert not dm.reduces_grads and not dm.gathers_in_graph
 
 
 def test_a_param_reporting_twice_is_an_error() -> None:

@@ -1,15 +1,17 @@
 """The loop's graph path on the CPU, with an eager stand-in for the captured graph (no CUDA needed).
 
 What the stand-in leaves to the loop is exactly what a real graph leaves to it: zeroing the grads, finishing
-the param gather and refreshing the pinned weights before the step, running every micro-batch under
-`no_sync`, launching the grad reduction after the last one, and the optimizer step. So a run through it must
-equal the eager loop bit for bit, on one rank and on two gloo ranks with overlapped grad reduce and param
-gather (where a forgotten `start_grad_sync` is an error, and a reduction launched from inside a micro-batch
-would be double counted).
+the param gather and refreshing the pinned weights before the step, running every micro-batch but the last
+under `no_sync`, the last one's grad reductions inside its graph (data parallel: recorded by the loop after
+each replay, since no hook runs in one) or launched after it (`MOECTL_GRAPH_GRAD_SYNC=0`), and the optimizer
+step. So a run through it must equal the eager loop bit for bit, on one rank and on two gloo ranks with and
+without overlapped grad reduce and param gather (where a reduction left unrecorded or unlaunched is an error
+or launched twice, and a reduction launched from inside another micro-batch would be double counted).
 """
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,9 @@ import torch
 import trainer.loop as loop_module
 from dist_helpers import run_distributed
 from moectl.core.config.load import load_config
+from trainer.distributed.bucket_group import GradSyncState
+from trainer.distributed.param_sync import SETTLED, ParamSyncState
+from trainer.parallel import comm
 from trainer.graphs.capture import ReplayedLoss
 from trainer.loop import Trainer
 from trainer.observer import SilentObserver
@@ -33,19 +38,59 @@ BASE = [
 
 
 class EagerStandIn:
-    """`MicroBatchGraph`'s interface, run eagerly: forward, loss / n_micro, backward, per call."""
+    """`MicroBatchGraph`'s interface, run eagerly: forward, loss / n_micro, backward (then `finish`), per call.
+
+    A real replay runs the captured device work and no Python. The stand-in's later calls of a variant do
+    the same: the gathers of a gathering variant, then the micro-batch with the pre-hooks and the grad hooks
+    recording nothing, then (`finish`) each group's reduce with its state put back; so the loop must stage,
+    mark and record everything itself. A variant without gathers must find every group settled, as the
+    graph assumes (it holds no gather)."""
+
+    engine: Any = None  # the run's engine, set by `_run` once the trainer exists
 
     def __init__(self, model: torch.nn.Module, loss_fn: Any, n_micro: int) -> None:
         self.loss_fn, self.n_micro = loss_fn, n_micro
-        self.refreshes = self.replays = 0
+        self.refreshes = self.replays = self.finishes = self.gathers = 0
+        self.captured: set[tuple[bool, bool]] = set()
 
     def refresh_weights(self) -> None:
         self.refreshes += 1
 
-    def run(self, tokens: torch.Tensor, targets: torch.Tensor) -> ReplayedLoss:
-        parts = self.loss_fn(tokens, targets)
-        (parts.total / self.n_micro).backward()
+    def run(self, tokens: torch.Tensor, targets: torch.Tensor, gathers: bool = False,
+            finish: Any = None) -> ReplayedLoss:
+        key = (gathers, finish is not None)
+        replay = key in self.captured
+        self.captured.add(key)
         self.replays += 1
+        self.gathers += gathers
+        self.finishes += finish is not None
+        dmodel = getattr(self.engine, "dmodel", None)
+        if not replay or dmodel is None:  # the capture: Python runs (hooks, finish)
+            parts = self.loss_fn(tokens, targets)
+            (parts.total / self.n_micro).backward()
+            if finish is not None:
+                finish()
+            return ReplayedLoss(parts.lm_loss.detach(), parts.aux_loss.detach())
+        groups = dmodel.bucket_groups
+        if not gathers:
+            unsettled = [g.name for g in groups if g.state not in SETTLED]
+            assert not unsettled, f"a graph without gathers replayed over pending gathers: {unsettled[:2]}"
+        states = [g.sync.state for g in groups]
+        if gathers:
+            for g in groups:
+                for output, input in g.gather_pairs() if g.needs_gather else []:
+                    comm.all_gather(output, input, g.group)
+        for g in groups:  # the pre-hooks ran at capture only
+            g.sync.state = ParamSyncState.POST_PROCESSED
+        with dmodel.no_sync():  # the grad hooks count nothing
+            parts = self.loss_fn(tokens, targets)
+            (parts.total / self.n_micro).backward()
+        for g, state in zip(groups, states):
+            g.sync.state = state
+        if finish is not None:
+            for g in groups:
+                g.finish_grad_sync()
+                g.grad_state = GradSyncState.ACCUMULATING  # what Python recorded: nothing
         return ReplayedLoss(parts.lm_loss.detach(), parts.aux_loss.detach())
 
 
@@ -56,6 +101,8 @@ def _run(sets: list[str], run_dir: Path, graphs: bool, monkeypatch: Any = None) 
         patch(loop_module, "MicroBatchGraph", EagerStandIn)
     cfg = load_config(None, [*BASE, *sets, f"run_dir={run_dir}"])
     trainer = Trainer(cfg, SilentObserver())
+    if trainer.graph is not None:
+        trainer.graph.engine = trainer.engine
     result = trainer.run()
     trainer.engine.sync_params_for_eval()
     graph = trainer.graph
@@ -63,6 +110,7 @@ def _run(sets: list[str], run_dir: Path, graphs: bool, monkeypatch: Any = None) 
         "losses": result.losses, "evals": result.eval_losses,
         "params": {n: p.detach().clone() for n, p in trainer.model.named_parameters()},
         "replays": 0 if graph is None else graph.replays, "refreshes": 0 if graph is None else graph.refreshes,
+        "finishes": 0 if graph is None else graph.finishes, "gathers": 0 if graph is None else graph.gathers,
     }  # fmt: skip
 
 
@@ -80,18 +128,32 @@ def test_the_graph_path_of_the_loop_equals_eager_on_one_rank(tmp_path: Path, mon
     eager = _run(sets, tmp_path / "eager", graphs=False)
     graph = _run(sets, tmp_path / "graph", graphs=True, monkeypatch=monkeypatch)
     assert graph["replays"] == 3 * 3 and graph["refreshes"] == 3  # steps 2-4; step 1 eager
+    assert graph["finishes"] == graph["gathers"] == 0  # one rank: nothing to reduce or gather
     assert _same(eager, graph)
 
 
-def _two_rank_body(rank: int, world_size: int, root: str) -> dict[str, bool | int]:
+def _two_rank_body(rank: int, world_size: int, root: str, overlap: bool) -> dict[str, Any]:
     sets = ["train.global_batch_size=12", "parallel.use_distributed_optimizer=true",
-            "parallel.overlap_grad_reduce=true", "parallel.overlap_param_gather=true"]  # fmt: skip
+            f"parallel.overlap_grad_reduce={overlap}", f"parallel.overlap_param_gather={overlap}"]  # fmt: skip
     eager = _run(sets, Path(root) / f"eager{rank}", graphs=False)
     graph = _run(sets, Path(root) / f"graph{rank}", graphs=True)
-    return {"same": _same(eager, graph), "replays": graph["replays"]}
+    out: dict[str, Any] = {"same": _same(eager, graph), "replays": graph["replays"], "finishes": graph["finishes"],
+                           "gathers": graph["gathers"]}  # fmt: skip
+    if overlap:  # the A/B switches: one graph, the gather before the step and the reductions after it
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("MOECTL_GRAPH_GRAD_SYNC", "0")
+            mp.setenv("MOECTL_GRAPH_PARAM_GATHER", "0")
+            after = _run(sets, Path(root) / f"after{rank}", graphs=True)
+        out.update(same_after=_same(eager, after), collectives_after=after["finishes"] + after["gathers"])
+    return out
 
 
 @pytest.mark.slow
-def test_the_graph_path_of_the_loop_equals_eager_on_two_ranks_with_overlap(tmp_path: Path) -> None:
-    for r in run_distributed(_two_rank_body, world_size=2, timeout=240, root=str(tmp_path)):
-        assert r == {"same": True, "replays": 9}, r
+@pytest.mark.parametrize("overlap", [True, False])
+def test_the_graph_path_of_the_loop_equals_eager_on_two_ranks(tmp_path: Path, overlap: bool) -> None:
+    # steps 2-4, each with one last micro-batch; a first one that gathers where the gather overlaps
+    want: dict[str, Any] = {"same": True, "replays": 9, "finishes": 3, "gathers": 3 if overlap else 0}
+    if overlap:
+        want.update(same_after=True, collectives_after=0)
+    for r in run_distributed(_two_rank_body, world_size=2, timeout=300, root=str(tmp_path), overlap=overlap):
+        assert r == want, r
