@@ -441,6 +441,9 @@ class Trainer:
                 self._reserve_save_buffers(observer, writer)
                 with observer.running(tc.train_iters, start):
                     self._loop(signals, observer, writer, result, state)
+                # The model holds the last update's params when run() returns (an overlapped gather is
+                # otherwise left to a next forward that never comes); every rank got here together.
+                self.engine.sync_params_for_eval()
         except Exception as e:
             # The run waits for a save in flight before it ends: it may still commit, and the error then
             # names it as the checkpoint to resume from.

@@ -52,7 +52,7 @@ RtolOpt = Annotated[
     "differ. Exit 0 equal, 1 different."
     + examples(
         "moectl parity configs/tiny.yaml --flag moe.single_grouped_weight=false --steps 5",
-        "moectl parity configs/tiny.yaml --flag parallel.overlap_grad_reduce=true --nproc-per-node 2",
+        "moectl parity configs/tiny.yaml --flag parallel.overlap_grad_reduce=false --nproc-per-node 2",
         "moectl parity configs/tiny.yaml --flag mixed_precision.bf16=true --rtol 1e-2 --json parity.json",
     ),
 )

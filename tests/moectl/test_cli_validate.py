@@ -36,7 +36,8 @@ def test_valid_config_exits_0_with_a_summary() -> None:
 
 
 def test_violations_exit_1_and_show_rule_keys_and_fix() -> None:
-    r = invoke(TINY, "--set", "parallel.overlap_param_gather=true", "--set", "moe.router_topk=9")
+    r = invoke(TINY, "--set", "parallel.overlap_param_gather=true", "--set", "parallel.overlap_grad_reduce=false",
+               "--set", "moe.router_topk=9")
     assert r.exit_code == 1, r.output
     for text in ("MOE016", "MOE018", "moe.router_topk=9", "parallel.overlap_grad_reduce=true", "error", "invalid"):
         assert text in r.stdout

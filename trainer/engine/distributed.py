@@ -16,6 +16,7 @@ calling the model itself (`model.loss(...)`): the wrapper's hooks live on the mo
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from typing import Literal
 
@@ -24,6 +25,7 @@ from torch import nn
 
 from moectl.core.config.schema import OptimizerConfig, ParallelConfig
 from moectl.core.errors import ConfigError
+from moectl.core.rules import overlap_policy
 from trainer.distributed.ddp import DistributedModel, StorageSpec
 from trainer.parallel.groups import ParallelState
 from trainer.distributed.quantized_storage import quantized_storage_of
@@ -40,6 +42,9 @@ class DistributedEngine:
         if optimizer_cfg.optimizer not in ("adam", "muon"):
             raise ConfigError("optimizer.optimizer", optimizer_cfg.optimizer,
                               "the distributed engine implements AdamW and Muon", fix="set optimizer.optimizer=adam")
+        # null overlap flags: on under data parallelism (the same resolution the rules check)
+        grad, gather = overlap_policy(parallel_cfg, pstate.dp.size)
+        parallel_cfg = dataclasses.replace(parallel_cfg, overlap_grad_reduce=grad, overlap_param_gather=gather)
         muon = optimizer_cfg.optimizer == "muon"
         # Muon: matrices tagged "muon" in layer-wise buffers (whole matrices per rank), the rest "adam".
         options = (muon_model_options(parallel_cfg.use_distributed_optimizer, optimizer_cfg.muon_split_glu)

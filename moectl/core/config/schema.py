@@ -140,8 +140,16 @@ class ParallelConfig:
 
     expert_model_parallel_size: int = doc(1, "Expert-parallel size (ep); must divide the world size.")
     use_distributed_optimizer: bool = doc(True, "Shard fp32 masters and optimizer state over data-parallel ranks.")
-    overlap_grad_reduce: bool = doc(False, "Reduce grads bucket by bucket during backward.")
-    overlap_param_gather: bool = doc(False, "All-gather params lazily in the next forward's pre-hooks.")
+    overlap_grad_reduce: Optional[bool] = doc(
+        None,
+        "Reduce grads bucket by bucket during backward. null = on under data parallelism (world size > 1) "
+        "or with overlap_param_gather=true.",
+    )
+    overlap_param_gather: Optional[bool] = doc(
+        None,
+        "All-gather params lazily in the next forward's pre-hooks. null = on under data parallelism with the "
+        "distributed optimizer and overlapped grad reduce.",
+    )
     bucket_size: Optional[int] = doc(None, "Elements per bucket; null = max(40M, 1M * dp).")
     gradient_accumulation_fusion: Optional[bool] = doc(
         None,

@@ -19,7 +19,10 @@ import pytest
 from moectl.core import rules
 from moectl.core.config import Config
 from moectl.core.config.load import load_config, yaml_scalar
-from moectl.core.rules import RETIRED, RULES, Device, Environment, TEInstall, Violation, check, has_errors
+from moectl.core.config.schema import ParallelConfig
+from moectl.core.rules import (
+    RETIRED, RULES, Device, Environment, TEInstall, Violation, check, has_errors, overlap_policy,
+)
 
 REPO = Path(__file__).resolve().parents[3]
 NO_MACHINE = Environment(te=None, device=None)
@@ -185,8 +188,8 @@ CASES = [
     # overlap
     Case(
         "MOE016",
-        ["parallel.overlap_param_gather=true"],
-        ["parallel.overlap_param_gather=true", "parallel.overlap_grad_reduce=true"],
+        ["parallel.overlap_param_gather=true", "parallel.overlap_grad_reduce=false"],
+        ["parallel.overlap_param_gather=true"],  # a null reduce follows a set gather
     ),
     Case(
         "MOE017",
@@ -791,6 +794,7 @@ def test_several_families_are_all_reported() -> None:
             "optimizer.optimizer=muon",
             "mixed_precision.fp4_param_gather=true",  # optimizer: MOE011
             "parallel.overlap_param_gather=true",  # overlap: MOE016
+            "parallel.overlap_grad_reduce=false",
             "moe.router_topk=5",  # MoE: MOE018
             "model.num_query_groups=3",  # parallel: MOE032
             "train.cuda_graph=true",  # CUDA graphs: MOE034
@@ -954,3 +958,29 @@ def test_gpu_memory_refuses_the_rest(text: str) -> None:
 
     with pytest.raises(ValueError, match="expected GiB per GPU"):
         parse_gpu_memory(text)
+
+
+@pytest.mark.parametrize(
+    ("grad", "gather", "dist_opt", "dp", "want"),
+    [
+        (None, None, True, 1, (False, False)),  # one rank: nothing to overlap
+        (None, None, True, 4, (True, True)),  # data parallel: both on
+        (None, None, False, 4, (True, False)),  # no distributed optimizer: nothing is gathered
+        (False, None, True, 4, (False, False)),  # the gather follows an explicit reduce choice
+        (None, True, True, 1, (True, True)),  # a set gather turns a null reduce on (MOE016 stays quiet)
+        (True, False, True, 4, (True, False)),  # set values win
+    ],
+)
+def test_overlap_policy_resolves_null_by_data_parallel_size(
+    grad: bool | None, gather: bool | None, dist_opt: bool, dp: int, want: tuple[bool, bool]
+) -> None:
+    p = ParallelConfig(overlap_grad_reduce=grad, overlap_param_gather=gather, use_distributed_optimizer=dist_opt)
+    assert overlap_policy(p, dp) == want
+
+
+def test_the_null_overlap_never_trips_the_overlap_rules() -> None:
+    """A config that leaves both null validates at every world size, with or without the distributed optimizer."""
+    for world in (1, 2, 4):
+        for dist_opt in ("true", "false"):
+            found = run([f"parallel.use_distributed_optimizer={dist_opt}"], world)
+            assert not [v for v in found if v.rule in ("MOE016", "MOE017")], (world, dist_opt, found)
