@@ -38,8 +38,8 @@ BASE = [
     f"train.train_iters={STEPS}", "train.eval_interval=2", "train.eval_iters=2", "logging.jsonl=false",
 ]
 RUNS: dict[str, list[str]] = {
-    "dp2": [],
-    "overlap": ["parallel.overlap_grad_reduce=true", "parallel.overlap_param_gather=true"],
+    "dp2": ["parallel.overlap_grad_reduce=false", "parallel.overlap_param_gather=false"],
+    "overlap": [],  # null: both overlap under data parallelism (moectl.core.rules.overlap_policy)
     "small_buckets": ["parallel.bucket_size=3000", "parallel.overlap_grad_reduce=true"],
     "ep2": ["parallel.expert_model_parallel_size=2"],
 }
@@ -57,6 +57,7 @@ def _train(overrides: list[str], run_dir: Path, runtime: Runtime | None = None) 
         "params": {n: p.detach().float().cpu().clone() for n, p in trainer.model.named_parameters()},
         "hash_mismatches": dmodel.check_param_hashes(),
         "first_expert": getattr(trainer.model.moe_layers()[0].dispatcher, "first_expert", 0),
+        "overlap_flags": (dmodel.overlap_grad_reduce, dmodel.overlap_param_gather),
     }
 
 
@@ -103,6 +104,7 @@ def loop_body(rank: int, world_size: int, root: str, backend: str = "gloo", bf16
             max(abs(a - b) / abs(b) for a, b in zip(dp2["losses"], ref["losses"])),
             params_diff(dp2["params"], ref["params"]),
         ),
+        "flags": (dp2["overlap_flags"], over["overlap_flags"]),
         "overlap_bitwise": (over["losses"] == dp2["losses"] and over["evals"] == dp2["evals"]
                             and all(torch.equal(p, dp2["params"][n]) for n, p in over["params"].items())),
         "overlap_vs_off": params_diff(over["params"], dp2["params"]),
@@ -129,6 +131,7 @@ def check(results: list[dict[str, Any]], tol: float, bitwise: bool) -> None:
         else:
             assert r["overlap_vs_off"] <= tol, where
         assert all(v == [] for v in r["hash_mismatches"].values()), where
+        assert r["flags"] == ((False, False), (True, True)), where  # off as set; the null default overlaps
 
 
 @pytest.mark.slow

@@ -94,7 +94,10 @@ class EagerStandIn:
         return ReplayedLoss(parts.lm_loss.detach(), parts.aux_loss.detach())
 
 
-def _run(sets: list[str], run_dir: Path, graphs: bool, monkeypatch: Any = None) -> dict[str, Any]:
+def _run(sets: list[str], run_dir: Path, graphs: bool, monkeypatch: Any = None,
+         inf_at_step: int | None = None) -> dict[str, Any]:
+    """One run. `inf_at_step`: rank 1 (or the only rank) writes inf into a reduced grad before that step's
+    update (0-based), so every rank skips it (`train.on_nonfinite=skip` in `sets`)."""
     if graphs:
         patch = monkeypatch.setattr if monkeypatch is not None else _setattr
         patch(loop_module, "wants_cuda_graph", lambda cfg, device: True)
@@ -103,6 +106,19 @@ def _run(sets: list[str], run_dir: Path, graphs: bool, monkeypatch: Any = None) 
     trainer = Trainer(cfg, SilentObserver())
     if trainer.graph is not None:
         trainer.graph.engine = trainer.engine
+    skipped: list[bool] = []
+    if inf_at_step is not None:
+        engine, step = trainer.engine, trainer.engine.step
+        calls = iter(range(10**6))
+
+        def poisoned_step(lr: float) -> Any:
+            if next(calls) == inf_at_step and trainer.rt.rank == trainer.rt.world_size - 1:
+                next(iter(engine.model.parameters())).main_grad.fill_(float("inf"))
+            out = step(lr)
+            skipped.append(out.skipped)
+            return out
+
+        engine.step = poisoned_step  # type: ignore[method-assign]
     result = trainer.run()
     trainer.engine.sync_params_for_eval()
     graph = trainer.graph
@@ -111,6 +127,7 @@ def _run(sets: list[str], run_dir: Path, graphs: bool, monkeypatch: Any = None) 
         "params": {n: p.detach().clone() for n, p in trainer.model.named_parameters()},
         "replays": 0 if graph is None else graph.replays, "refreshes": 0 if graph is None else graph.refreshes,
         "finishes": 0 if graph is None else graph.finishes, "gathers": 0 if graph is None else graph.gathers,
+        "skipped": skipped,
     }  # fmt: skip
 
 
@@ -139,6 +156,11 @@ def _two_rank_body(rank: int, world_size: int, root: str, overlap: bool) -> dict
     graph = _run(sets, Path(root) / f"graph{rank}", graphs=True)
     out: dict[str, Any] = {"same": _same(eager, graph), "replays": graph["replays"], "finishes": graph["finishes"],
                            "gathers": graph["gathers"]}  # fmt: skip
+    # a skipped update stages nothing: the next step's gathering graph re-stages the settled groups
+    sets_skip = [*sets, "train.on_nonfinite=skip"]
+    eager_skip = _run(sets_skip, Path(root) / f"eager-skip{rank}", graphs=False, inf_at_step=2)
+    graph_skip = _run(sets_skip, Path(root) / f"graph-skip{rank}", graphs=True, inf_at_step=2)
+    out["skip"] = (_same(eager_skip, graph_skip), graph_skip["skipped"], eager_skip["skipped"] == graph_skip["skipped"])
     if overlap:  # the A/B switches: one graph, the gather before the step and the reductions after it
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("MOECTL_GRAPH_GRAD_SYNC", "0")
@@ -152,7 +174,8 @@ def _two_rank_body(rank: int, world_size: int, root: str, overlap: bool) -> dict
 @pytest.mark.parametrize("overlap", [True, False])
 def test_the_graph_path_of_the_loop_equals_eager_on_two_ranks(tmp_path: Path, overlap: bool) -> None:
     # steps 2-4, each with one last micro-batch; a first one that gathers where the gather overlaps
-    want: dict[str, Any] = {"same": True, "replays": 9, "finishes": 3, "gathers": 3 if overlap else 0}
+    want: dict[str, Any] = {"same": True, "replays": 9, "finishes": 3, "gathers": 3 if overlap else 0,
+                            "skip": (True, [False, False, True, False], True)}  # fmt: skip
     if overlap:
         want.update(same_after=True, collectives_after=0)
     for r in run_distributed(_two_rank_body, world_size=2, timeout=300, root=str(tmp_path), overlap=overlap):

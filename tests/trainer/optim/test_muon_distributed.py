@@ -57,11 +57,12 @@ BASE = [
     f"optimizer.lr_decay_iters={STEPS}", "optimizer.optimizer=muon", "train.eval_interval=null",
     "logging.jsonl=false",
 ]
+NO_OVERLAP = ["parallel.overlap_grad_reduce=false", "parallel.overlap_param_gather=false"]  # null overlaps at dp 2
 RUNS: dict[str, list[str]] = {
-    "dp2": [],
+    "dp2": NO_OVERLAP,
     "overlap": ["parallel.overlap_grad_reduce=true", "parallel.overlap_param_gather=true"],
-    "ddp": ["parallel.use_distributed_optimizer=false"],
-    "ep2": ["parallel.expert_model_parallel_size=2"],
+    "ddp": ["parallel.use_distributed_optimizer=false", *NO_OVERLAP],
+    "ep2": ["parallel.expert_model_parallel_size=2", *NO_OVERLAP],
 }
 
 
@@ -167,7 +168,7 @@ OVERLAP = ["parallel.overlap_grad_reduce=true", "parallel.overlap_param_gather=t
 
 def _mxfp8_gather(root: Path, device: str = "cpu") -> dict[str, Any]:
     out = {}
-    for name, extra in {"off": [], "on": GATHER, "on_overlap": [*GATHER, *OVERLAP]}.items():
+    for name, extra in {"off": NO_OVERLAP, "on": [*GATHER, *NO_OVERLAP], "on_overlap": [*GATHER, *OVERLAP]}.items():
         t = _trainer([*MXFP8, *extra, f"train.device={device}"], root / f"mxfp8-{name}")
         result = t.run()
         t.engine.sync_params_for_eval()
