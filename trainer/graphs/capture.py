@@ -34,7 +34,8 @@ grouped GEMMs read them there (MOE034, `static_expert_rows`); one expert-paralle
 under drop-and-pad, whose collectives (static splits, the ep group's own communicator) are captured with the
 micro-batch (MOE058, `static_token_exchange`); a backend
 that reads no counts on the host (MOE059). The first step runs eagerly (compiles, autotuning, lazily built
-state); the capture happens at the first micro-batch of the next step, on a private memory pool.
+state); the next step captures each variant at its first micro-batch of that kind (first, middle, last),
+all on one private memory pool.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ from torch import nn
 from moectl.core.config.schema import Config
 from moectl.core.errors import MoectlError
 from moectl.core.rules import null_graph_policy
+from trainer.distributed.bucket_group import GradSyncError
+from trainer.distributed.param_sync import ParamSyncError
 from trainer.graphs.static_weights import StaticWeights
 from trainer.moe.layer import MoELayer
 
@@ -61,7 +64,8 @@ class GraphCaptureError(MoectlError):
 
 @dataclass
 class ReplayedLoss:
-    """The loss parts a replay leaves in the graph's static output tensors (overwritten by the next replay)."""
+    """The loss parts a replay leaves in the graph's static output tensors (valid until the next replay of any
+    variant: the variants share one memory pool)."""
 
     lm_loss: torch.Tensor
     aux_loss: torch.Tensor
@@ -152,7 +156,10 @@ class MicroBatchGraph:
         torch.cuda.empty_cache()
         graph = torch.cuda.CUDAGraph()
         # One pool for every variant: a later capture reuses an earlier one's activations, which are dead
-        # between replays (each variant's outputs stay reserved, so none overwrites what another returned).
+        # between replays. A later variant's outputs may sit in blocks an earlier one used as scratch, so an
+        # earlier variant's replay overwrites them: the loop reads each replay's losses before the next, the
+        # layers' stats are pointed back after every replay, and metrics read the step's last one before the
+        # next step's first. The variants are fixed per run and replay in their capture order.
         pool = next(iter(self._variants.values())).graph.pool() if self._variants else None
         try:
             # A compiled region whose guards fail here would compile inside the capture, and inductor's
@@ -164,6 +171,8 @@ class MicroBatchGraph:
                 (parts.total / self.n_micro).backward()
                 if finish is not None:
                     finish()
+        except (GradSyncError, ParamSyncError):
+            raise  # the step's own bookkeeping (a param without a grad under overlap): its message has the fix
         except RuntimeError as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise GraphCaptureError(
@@ -193,9 +202,9 @@ def wants_cuda_graph(cfg: Config, device: torch.device, capability: tuple[int, i
     or Blackwell GPU (`capability`, else the device's), bf16 params, static expert rows
     (`static_expert_rows`), one expert-parallel rank or the all-to-all under drop-and-pad
     (`static_token_exchange`: ep=4 on 4 H100s, 374 -> 258 ms), a grouped backend (not loop or te), Adam or Muon, no
-    fp8 or fp8 tensorwise (e4m3 or hybrid), no delayed wgrad. Elsewhere `true` still works (the rules say
-    what it needs); null does not take the chance: `torch._grouped_mm` keeps its group offsets on the device
-    only for bf16 on sm90/sm100, and falls back to a loop that reads them on the host for fp32 params or
+    fp8 or fp8 tensorwise (e4m3 or hybrid), no delayed wgrad, no expert biases. Elsewhere `true` still works
+    (the rules say what it needs); null does not take the chance: `torch._grouped_mm` keeps its group offsets
+    on the device only for bf16 on sm90/sm100, and falls back to a loop that reads them on the host for fp32 params or
     older GPUs. The policy itself is `moectl.core.rules.null_graph_policy`, which MOE064 shares."""
     if cfg.train.cuda_graph is not None:
         return cfg.train.cuda_graph

@@ -101,8 +101,10 @@ def _optimizer_tensors(optimizer: Any) -> list[torch.Tensor]:
     return out
 
 
-def trace(overrides: list[str], run_dir: Path, runtime: Any = None) -> dict[str, Any]:
-    """The run's per-micro-batch and per-step record (see the module docstring)."""
+def trace(overrides: list[str], run_dir: Path, runtime: Any = None, sync_each_step: bool = True) -> dict[str, Any]:
+    """The run's per-micro-batch and per-step record (see the module docstring). `sync_each_step=False` leaves
+    an overlapped param gather to the next step's first forward (inside its graph under data parallelism),
+    so that gather has to be right for the next step to match; the snapshot then holds the staged params."""
     # A fresh Dynamo cache, as a `moectl train` process starts with: the compiled regions' code objects are
     # shared by every model of the process, and after other tests compiled them at other shapes (the tiny
     # config's Muon run of test_muon.py, say) Dynamo recompiled them with dynamic shapes and the capture,
@@ -127,7 +129,8 @@ def trace(overrides: list[str], run_dir: Path, runtime: Any = None) -> dict[str,
         record = trainer.train_step(step)
         # Finish the step's param gather first: a published per-tensor fp8 weight is a view of the gather
         # buffer, so an eager run's snapshot would otherwise catch the next gather landing, or not, by timing.
-        trainer.engine.sync_params_for_eval()
+        if sync_each_step:
+            trainer.engine.sync_params_for_eval()
         torch.cuda.synchronize()
         entry: dict[str, Any] = {
             "loss": record["loss"], "aux": record["aux_loss"], "grad_norm": record["grad_norm"],
@@ -225,8 +228,10 @@ def _two_gpu_body(rank: int, world_size: int, root: str, case: str) -> dict[str,
     dist.init_process_group("nccl", init_method=f"file://{root}/nccl-rdzv", rank=rank, world_size=world_size)
     over = ["parallel.use_distributed_optimizer=true", "parallel.overlap_grad_reduce=true",
             "parallel.overlap_param_gather=true", "train.global_batch_size=12", *TWO_GPU_CASES[case]]  # fmt: skip
-    eager = trace([*over, EAGER], Path(root) / f"eager-{rank}")
-    graph = trace([*over, "train.cuda_graph=true"], Path(root) / f"graph-{rank}")
+    # high-precision params: no per-step sync, so the next step's graph must gather them itself
+    sync = case.startswith("fp8")
+    eager = trace([*over, EAGER], Path(root) / f"eager-{rank}", sync_each_step=sync)
+    graph = trace([*over, "train.cuda_graph=true"], Path(root) / f"graph-{rank}", sync_each_step=sync)
     diff = differences(eager, graph, reduced_in_place=True, step_weights_one_side=case == "fp8")
     return {"diff": diff[:6], "replays": graph["replays"],
             "compared": len(eager["micro"]) - STEPS, "in_graph": graph["in_graph"]}

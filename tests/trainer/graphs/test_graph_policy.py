@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
 
 from moectl.core.config.load import load_config
-from trainer.graphs import StaticWeights, wants_cuda_graph
+from trainer.distributed.bucket_group import GradSyncError
+from trainer.graphs import MicroBatchGraph, StaticWeights, wants_cuda_graph
+from trainer.graphs.capture import GraphCaptureError
 from trainer.precision.recipes.tensorwise import TensorwiseRecipe
 
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")
@@ -28,6 +33,7 @@ HOPPER = (9, 0)
         ([*BF16, *PAD], CPU, None, False),
         (BF16, CUDA, HOPPER, True),  # dropless bf16: T*K rows, split by device offsets
         ([*BF16, "moe.single_grouped_weight=false"], CUDA, HOPPER, True),
+        ([*BF16, *PAD, "moe.add_bias=true"], CUDA, HOPPER, False),  # the bias grads' segment_reduce syncs (MOE066)
         (BF16, CUDA, (10, 0), True),  # Blackwell: grouped_mm's device-offset kernels too
         (BF16, CUDA, (8, 0), False),  # Ampere: grouped_mm's fallback reads the offsets on the host
         ([], CUDA, HOPPER, False),  # fp32 params: the same fallback
@@ -101,3 +107,38 @@ def test_pinned_weights_keep_their_addresses_and_follow_each_publication() -> No
     weights.refresh()
     expect = recipe.quantize_weight(first, columnwise=True)
     assert torch.equal(pinned.columnwise.data.view(torch.uint8), expect.columnwise.data.view(torch.uint8))
+
+
+class _FakeGraph:
+    """What `_capture` asks of `torch.cuda.CUDAGraph`, on the CPU (nothing is recorded)."""
+
+    def pool(self) -> None:
+        return None
+
+    def replay(self) -> None:
+        pass
+
+
+def _capture_raising(monkeypatch: pytest.MonkeyPatch, error: Exception) -> None:
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda *a, **k: contextlib.nullcontext())
+
+    def loss(tokens: torch.Tensor, targets: torch.Tensor) -> Any:
+        raise error
+
+    MicroBatchGraph(torch.nn.Linear(2, 2), loss, n_micro=1).run(torch.zeros(1, 2), torch.zeros(1, 2))
+
+
+def test_a_capture_failure_names_the_culprit_and_the_way_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(GraphCaptureError, match="could not be captured") as e:
+        _capture_raising(monkeypatch, RuntimeError("operation not permitted when stream is capturing"))
+    assert "train.cuda_graph=false" in e.value.one_line()
+
+
+def test_the_steps_own_bookkeeping_errors_are_not_blamed_on_the_capture(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A param without a grad under overlapped reduce raises GradSyncError inside the capture of the last
+    micro-batch: its own message says what to do, so it passes through rather than as "set cuda_graph=false"."""
+    with pytest.raises(GradSyncError, match="every trainable param"):
+        _capture_raising(monkeypatch, GradSyncError("with overlap_grad_reduce every trainable param must get a grad"))
