@@ -92,8 +92,9 @@ from typing import Any, Callable, Iterator, Literal, Mapping, Optional, Sequence
 
 from moectl.core import hardware
 from moectl.core.facts import GATED_ACTIVATIONS, RECIPE_ALIGN
-from moectl.core.config.schema import Config, ParallelConfig
+from moectl.core.config.schema import Config
 from moectl.core.gpu_memory import GpuMemory
+from moectl.core.overlap import overlap_policy
 from moectl.core.summary import human_bytes, memory
 
 Severity = Literal["error", "warning"]
@@ -1201,18 +1202,6 @@ def static_token_exchange(cfg: Config) -> bool:
     return cfg.parallel.expert_model_parallel_size <= 1 or (
         m.token_dispatcher == "alltoall" and m.capacity_factor is not None and m.pad_expert_input_to_capacity
     )
-
-
-def overlap_policy(p: ParallelConfig, dp: int) -> tuple[bool, bool]:
-    """`(overlap_grad_reduce, overlap_param_gather)` as a run of data parallel size `dp` uses them: each the
-    value set, else null's choice: on under data parallelism, where overlap is what makes dp scale (dp=4 on
-    H100s, reference config: 0.938x of one GPU per GPU without, 0.978x with, docs/benchmarks.md seventeenth
-    session), the gather only with the distributed optimizer (nothing else is gathered) and the overlapped
-    reduce (its hooks drive it, MOE016). A set param gather turns a null reduce on."""
-    grad = p.overlap_grad_reduce if p.overlap_grad_reduce is not None else (dp > 1 or p.overlap_param_gather is True)
-    gather = (p.overlap_param_gather if p.overlap_param_gather is not None
-              else dp > 1 and grad and p.use_distributed_optimizer)  # fmt: skip
-    return grad, gather
 
 
 def null_graph_policy(cfg: Config, major: int, *, assume_static_exchange: bool = False) -> bool:

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from moectl.core.config.schema import Config
+from moectl.core.overlap import overlap_policy
 from moectl.core.params import count_params
 
 # Bytes per element of a quantized weight, both planes (rowwise for forward, columnwise for backward).
@@ -228,7 +229,8 @@ def summary_lines(s: RunSummary, cfg: Config) -> list[tuple[str, str]]:
         (
             "world",
             f"{lay.world_size} {ranks}: dp {lay.dp}, ep {lay.ep}, expert-dp {lay.expert_dp} "
-            f"({lay.experts_per_rank} of {cfg.moe.num_experts} experts per rank)",
+            f"({lay.experts_per_rank} of {cfg.moe.num_experts} experts per rank); overlap: "
+            + _overlap_text(cfg, lay.dp),
         ),
         (
             "params",
@@ -243,3 +245,11 @@ def summary_lines(s: RunSummary, cfg: Config) -> list[tuple[str, str]]:
             f"(sharded: {mem.sharded_over})",
         ),
     ]
+
+
+def _overlap_text(cfg: Config, dp: int) -> str:
+    """What the run overlaps, saying which choice a null made: "grad reduce on, param gather on (null)"."""
+    grad, gather = overlap_policy(cfg.parallel, dp)
+    p = cfg.parallel
+    null = " (null)" if p.overlap_grad_reduce is None or p.overlap_param_gather is None else ""
+    return f"grad reduce {'on' if grad else 'off'}, param gather {'on' if gather else 'off'}{null}"

@@ -39,7 +39,7 @@ BASE = [
 ]
 RUNS: dict[str, list[str]] = {
     "dp2": ["parallel.overlap_grad_reduce=false", "parallel.overlap_param_gather=false"],
-    "overlap": [],  # null: both overlap under data parallelism (moectl.core.rules.overlap_policy)
+    "overlap": [],  # null: both overlap under data parallelism (moectl.core.overlap.overlap_policy)
     "small_buckets": ["parallel.bucket_size=3000", "parallel.overlap_grad_reduce=true"],
     "ep2": ["parallel.expert_model_parallel_size=2"],
 }

@@ -105,7 +105,7 @@ class DistributedModel:
         self.pstate = pstate
         self.use_distributed_optimizer = parallel_cfg.use_distributed_optimizer
         # The library takes the flags as set, a null as off (Megatron's DDP defaults); the trainer's engine
-        # resolves null by the product's policy first (moectl.core.rules.overlap_policy: on under dp).
+        # resolves null by the product's policy first (moectl.core.overlap.overlap_policy: on under dp).
         self.overlap_grad_reduce = bool(parallel_cfg.overlap_grad_reduce)
         self.overlap_param_gather = bool(parallel_cfg.overlap_param_gather)
         self._is_last_microbatch = True

@@ -25,7 +25,7 @@ from torch import nn
 
 from moectl.core.config.schema import OptimizerConfig, ParallelConfig
 from moectl.core.errors import ConfigError
-from moectl.core.rules import overlap_policy
+from moectl.core.overlap import overlap_policy
 from trainer.distributed.ddp import DistributedModel, StorageSpec
 from trainer.parallel.groups import ParallelState
 from trainer.distributed.quantized_storage import quantized_storage_of

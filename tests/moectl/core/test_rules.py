@@ -20,9 +20,8 @@ from moectl.core import rules
 from moectl.core.config import Config
 from moectl.core.config.load import load_config, yaml_scalar
 from moectl.core.config.schema import ParallelConfig
-from moectl.core.rules import (
-    RETIRED, RULES, Device, Environment, TEInstall, Violation, check, has_errors, overlap_policy,
-)
+from moectl.core.overlap import overlap_policy
+from moectl.core.rules import RETIRED, RULES, Device, Environment, TEInstall, Violation, check, has_errors
 
 REPO = Path(__file__).resolve().parents[3]
 NO_MACHINE = Environment(te=None, device=None)

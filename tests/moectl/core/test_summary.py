@@ -8,7 +8,7 @@ import pytest
 
 from moectl.core.config import Config
 from moectl.core.config.load import load_config
-from moectl.core.summary import human_bytes, human_count, layout, memory, param_counts, summarize
+from moectl.core.summary import human_bytes, human_count, layout, memory, param_counts, summarize, summary_lines
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -107,3 +107,19 @@ def test_summarize_refuses_sizes_the_rules_reject() -> None:
 def test_human_units() -> None:
     assert human_count(46_702_792_704) == "46.7B" and human_count(999) == "999"
     assert human_bytes(3 * 2**30) == "3 GiB" and human_bytes(512) == "512 B"
+
+
+@pytest.mark.parametrize(
+    ("world", "sets", "want"),
+    [
+        (1, [], "overlap: grad reduce off, param gather off (null)"),
+        (2, [], "overlap: grad reduce on, param gather on (null)"),
+        (2, ["parallel.overlap_grad_reduce=false", "parallel.overlap_param_gather=false"],
+         "overlap: grad reduce off, param gather off"),
+        (2, ["parallel.use_distributed_optimizer=false"], "overlap: grad reduce on, param gather off (null)"),
+    ],
+)
+def test_the_world_row_says_what_overlaps(world: int, sets: list[str], want: str) -> None:
+    c = load_config(None, list(sets))
+    rows = dict(summary_lines(summarize(c, world), c))
+    assert rows["world"].endswith(want), rows["world"]
