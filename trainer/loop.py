@@ -26,8 +26,9 @@ import torch
 from ckpt import list_committed, resolve_load_path
 from moectl.core.config import dump_config
 from moectl.core.config.schema import Config
-from moectl.core.params import count_params
 from moectl.core.errors import ConfigError, MoectlError
+from moectl.core.overlap import overlap_policy
+from moectl.core.params import count_params
 from trainer.build import build_data_for, build_engine, build_model
 from trainer.checkpointing import load_training_checkpoint, save_training_checkpoint
 from trainer.checkpointing.saver import RunCheckpointer, SaveReport
@@ -341,6 +342,9 @@ class Trainer:
             f"  data: {self.train_data.stream.describe()} | batch {cfg.train.global_batch_size} x {cfg.model.seq_length} "
             f"tokens ({self.n_micro} micro-batches of {cfg.train.micro_batch_size}/rank) | run_dir {self.run_dir}",
         ]
+        if self.dp > 1:
+            grad, gather = overlap_policy(cfg.parallel, self.dp)
+            lines.append(f"  overlap: grad reduce {'on' if grad else 'off'}, param gather {'on' if gather else 'off'}")
         if self.compiled_regions:
             lines.append(
                 f"  compile: regional, {len(self.compiled_regions)} regions (norms, attention core, routers) "
