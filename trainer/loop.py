@@ -2,8 +2,8 @@
 
 One step: zero grads -> for each micro-batch: forward, loss / n_micro, backward (the last one lets
 the engine launch grad reduction) -> engine.step(lr) -> metrics. With `train.cuda_graph` every step after
-the first replays each micro-batch from a captured graph, the last one's holding the data parallel grad
-reductions (trainer/graphs/capture.py says what stays out).
+the first replays each micro-batch from a captured graph; under data parallelism the first one's holds the
+param gathers and the last one's the grad reductions (trainer/graphs/capture.py says what stays out).
 A non-finite loss or grad norm stops the run with a clear message (`train.on_nonfinite: stop`) or skips
 the update (`skip`).
 SIGINT/SIGTERM end the run after the step in flight, agreed over all ranks (trainer/stop.py), with a
