@@ -27,7 +27,7 @@ from ckpt import list_committed, resolve_load_path
 from moectl.core.config import dump_config
 from moectl.core.config.schema import Config
 from moectl.core.errors import ConfigError, MoectlError
-from moectl.core.overlap import overlap_policy
+from moectl.core.overlap import describe_overlap
 from moectl.core.params import count_params
 from trainer.build import build_data_for, build_engine, build_model
 from trainer.checkpointing import load_training_checkpoint, save_training_checkpoint
@@ -343,8 +343,7 @@ class Trainer:
             f"tokens ({self.n_micro} micro-batches of {cfg.train.micro_batch_size}/rank) | run_dir {self.run_dir}",
         ]
         if self.dp > 1:
-            grad, gather = overlap_policy(cfg.parallel, self.dp)
-            lines.append(f"  overlap: grad reduce {'on' if grad else 'off'}, param gather {'on' if gather else 'off'}")
+            lines.append(f"  overlap: {describe_overlap(cfg.parallel, self.dp)}")
         if self.compiled_regions:
             lines.append(
                 f"  compile: regional, {len(self.compiled_regions)} regions (norms, attention core, routers) "
@@ -358,12 +357,13 @@ class Trainer:
             recipe = self.model.recipe
             lines.append("  " + describe_te(recipe.name if recipe is not None else None, cfg.moe.activation))
         if self.graph is not None:
+            gathers = "the first one's with its param gathers" if self.gathers_in_graph else "param gather before them"
+            reduces = ("the last one's with its grad reductions" if self.engine.reduces_in_graph
+                       else "grad reduction after")  # fmt: skip
             lines.append(
                 f"  cuda_graph{'' if cfg.train.cuda_graph else ' (null: on for this config)'}: the first step eager, "
-                "then each micro-batch's forward + backward replayed from a CUDA graph ("
-                + ("the first one's with its param gathers, " if self.gathers_in_graph else "param gather before them, ")
-                + ("the last one's with its grad reductions; " if self.engine.reduces_in_graph else "grad reduction after; ")
-                + "optimizer eager)"
+                f"then each micro-batch's forward + backward replayed from a CUDA graph ({gathers}, {reduces}; "
+                "optimizer eager)"
             )
         mp = cfg.mixed_precision
         if mp.fp8_param_gather or mp.fp4_param_gather:

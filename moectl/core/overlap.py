@@ -1,7 +1,7 @@
 """`overlap_policy`: the grad reduce and param gather overlap a run uses, its null defaults resolved.
 
-One function, read by the rules (MOE016, MOE017), the run summary and the trainer's engine, so the three
-never disagree on what a null flag means.
+One function, read by the rules (MOE016, MOE017), the run summary, the train banner and the trainer's
+engine, so they never disagree on what a null flag means.
 """
 
 from __future__ import annotations
@@ -19,3 +19,11 @@ def overlap_policy(p: ParallelConfig, dp: int) -> tuple[bool, bool]:
     gather = (p.overlap_param_gather if p.overlap_param_gather is not None
               else dp > 1 and grad and p.use_distributed_optimizer)  # fmt: skip
     return grad, gather
+
+
+def describe_overlap(p: ParallelConfig, dp: int) -> str:
+    """What a run of data parallel size `dp` overlaps, saying when a null chose it:
+    "grad reduce on, param gather on (null)"."""
+    grad, gather = overlap_policy(p, dp)
+    null = " (null)" if p.overlap_grad_reduce is None or p.overlap_param_gather is None else ""
+    return f"grad reduce {'on' if grad else 'off'}, param gather {'on' if gather else 'off'}{null}"

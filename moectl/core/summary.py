@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from moectl.core.config.schema import Config
-from moectl.core.overlap import overlap_policy
+from moectl.core.overlap import describe_overlap
 from moectl.core.params import count_params
 
 # Bytes per element of a quantized weight, both planes (rowwise for forward, columnwise for backward).
@@ -230,7 +230,7 @@ def summary_lines(s: RunSummary, cfg: Config) -> list[tuple[str, str]]:
             "world",
             f"{lay.world_size} {ranks}: dp {lay.dp}, ep {lay.ep}, expert-dp {lay.expert_dp} "
             f"({lay.experts_per_rank} of {cfg.moe.num_experts} experts per rank); overlap: "
-            + _overlap_text(cfg, lay.dp),
+            + describe_overlap(cfg.parallel, lay.dp),
         ),
         (
             "params",
@@ -245,11 +245,3 @@ def summary_lines(s: RunSummary, cfg: Config) -> list[tuple[str, str]]:
             f"(sharded: {mem.sharded_over})",
         ),
     ]
-
-
-def _overlap_text(cfg: Config, dp: int) -> str:
-    """What the run overlaps, saying which choice a null made: "grad reduce on, param gather on (null)"."""
-    grad, gather = overlap_policy(cfg.parallel, dp)
-    p = cfg.parallel
-    null = " (null)" if p.overlap_grad_reduce is None or p.overlap_param_gather is None else ""
-    return f"grad reduce {'on' if grad else 'off'}, param gather {'on' if gather else 'off'}{null}"
