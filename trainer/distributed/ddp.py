@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import os
 import weakref
 from collections import OrderedDict
 from typing import Any, Callable, Iterator, Mapping
@@ -59,6 +58,7 @@ from trainer.distributed.param_storage import HighPrecisionStorage, ParamStorage
 from trainer.distributed.param_sync import SETTLED, ParamSyncError, ParamSyncState
 from trainer.parallel.groups import ParallelState
 from trainer.main_grad import READY_HOOK, grad_ready, settle_stale
+from trainer.switches import switched_off
 
 from moectl.core.config.schema import ParallelConfig
 
@@ -76,7 +76,7 @@ def stale_capable_params(module: torch.nn.Module) -> frozenset[torch.nn.Paramete
     """Params whose layer overwrites a stale grad itself (`trainer.main_grad`), so zero_grad may skip filling
     them: what modules with `stale_grad_params(device)` name (the grouped expert MLP). None under
     MOECTL_STALE_GRADS=0 (or false/off/no: every grad zero-filled, the A/B switch)."""
-    if os.environ.get("MOECTL_STALE_GRADS", "1").strip().lower() in ("0", "false", "off", "no"):
+    if switched_off("MOECTL_STALE_GRADS"):
         return frozenset()
     found: set[torch.nn.Parameter] = set()
     for m in module.modules():
@@ -366,9 +366,9 @@ class DistributedModel:
     @property
     def gathers_in_graph(self) -> bool:
         """Whether a captured forward may hold the param gathers: overlapped gathers (the forward pre-hooks
-        launch and wait them) that move data, of high-precision storage only. A quantized storage publishes weights that a
-        graph reads from pinned copies refreshed before the step (`trainer/graphs/static_weights.py`), so
-        its gather must finish before the step."""
+        launch and wait them) that move data, of high-precision storage only. A quantized storage publishes
+        weights that a graph reads from pinned copies refreshed before the step
+        (`trainer/graphs/static_weights.py`), so its gather must finish before the step."""
         return (self.overlap_param_gather and any(g.needs_gather for g in self.bucket_groups)
                 and all(type(g.storage) is HighPrecisionStorage for g in self.bucket_groups))  # fmt: skip
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 from typing import Literal
 
 import torch
@@ -28,6 +27,7 @@ from moectl.core.errors import ConfigError
 from moectl.core.overlap import overlap_policy
 from trainer.distributed.ddp import DistributedModel, StorageSpec
 from trainer.parallel.groups import ParallelState
+from trainer.switches import switched_off
 from trainer.distributed.quantized_storage import quantized_storage_of
 from trainer.optim.chained import ChainedOptimizer, build_muon_optimizer
 from trainer.optim.distributed_optimizer import DistributedOptimizer
@@ -70,7 +70,7 @@ class DistributedEngine:
         """Data parallel grads are reduced inside the last micro-batch's CUDA graph, overlapping its backward
         under `overlap_grad_reduce` (dp=4, reference config: docs/benchmarks.md, seventeenth session).
         `MOECTL_GRAPH_GRAD_SYNC=0` launches them after the last replay instead, the A/B switch."""
-        return self.dmodel.reduces_grads and not _switched_off("MOECTL_GRAPH_GRAD_SYNC")
+        return self.dmodel.reduces_grads and not switched_off("MOECTL_GRAPH_GRAD_SYNC")
 
     def finish_grad_sync(self) -> None:
         self.dmodel.finish_grad_sync()
@@ -83,7 +83,7 @@ class DistributedEngine:
         """With `overlap_param_gather` and high-precision params, the first micro-batch's CUDA graph holds
         the param all-gathers, each launched by a forward pre-hook one group ahead, as eagerly.
         `MOECTL_GRAPH_PARAM_GATHER=0` finishes them before the step instead, the A/B switch."""
-        return self.dmodel.gathers_in_graph and not _switched_off("MOECTL_GRAPH_PARAM_GATHER")
+        return self.dmodel.gathers_in_graph and not switched_off("MOECTL_GRAPH_PARAM_GATHER")
 
     def stage_for_graph_gather(self) -> None:
         self.dmodel.stage_for_graph_gather()
@@ -128,8 +128,3 @@ class DistributedEngine:
         if step is not None:
             state["step"] = step
         self.optimizer.load_logical_state(state)
-
-
-def _switched_off(name: str) -> bool:
-    """An A/B environment switch set to 0 (or false/off/no)."""
-    return os.environ.get(name, "1").strip().lower() in ("0", "false", "off", "no")
