@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, TypeVar
 
 import torch
 
@@ -62,8 +62,12 @@ def capacity(capacity_factor: float, num_tokens: int, topk: int, num_experts: in
     return math.ceil(capacity_factor * num_tokens * topk / num_experts)
 
 
-def _round_up(n_E: torch.Tensor, align: int) -> torch.Tensor:
-    return (n_E + align - 1) // align * align
+N = TypeVar("N", int, torch.Tensor)
+
+
+def round_up(n: N, align: int) -> N:
+    """`n` (an int, or a tensor of counts) rounded up to a multiple of `align`."""
+    return (n + align - 1) // align * align
 
 
 class LocalDispatcher:
@@ -96,7 +100,7 @@ class LocalDispatcher:
         if not self.pad_to_capacity:
             return None
         assert self.capacity_factor is not None
-        return -(-capacity(self.capacity_factor, T, K, self.num_experts) // self.align) * self.align
+        return round_up(capacity(self.capacity_factor, T, K, self.num_experts), self.align)
 
     def kept_per_expert(self, router_out: RouterOutput) -> torch.Tensor:
         """Routings each expert keeps after the capacity drop (`[E]`, as `dispatch` sizes them), from the
@@ -149,10 +153,10 @@ class LocalDispatcher:
             P = C_pad * E  # static: no host sync
         elif self.align > 1 and self.capacity_factor is None:
             P = self.dropless_rows(T, K)
-            rows_E = _round_up(counts_E, self.align)
+            rows_E = round_up(counts_E, self.align)
             rows_E[-1] += P - rows_E.sum()  # the slack: padding of the last expert, still a multiple of align
         elif self.align > 1:
-            rows_E = _round_up(counts_E, self.align)
+            rows_E = round_up(counts_E, self.align)
             P = int(rows_E.sum())  # host sync: P is data-dependent
         else:
             rows_E = counts_E

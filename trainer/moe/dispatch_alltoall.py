@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from moectl.core.errors import ConfigError
 from trainer.host_copy import to_host_later
-from trainer.moe.dispatch import DispatchPlan, LocalDispatcher
+from trainer.moe.dispatch import DispatchPlan, LocalDispatcher, round_up
 from trainer.moe.ep_comm import all_to_all, all_to_all_counts
 from trainer.moe.permute import combine_rows, dispatch_rows
 from trainer.moe.router import RouterOutput
@@ -82,10 +82,6 @@ def check_divisible(num_experts: int, ep: int) -> None:
         )  # fmt: skip
 
 
-def _round_up(n: torch.Tensor, align: int) -> torch.Tensor:
-    return (n + align - 1) // align * align
-
-
 def expert_major(
     counts_SL: torch.Tensor, counts_host: list[int], align: int
 ) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor, torch.Tensor]:
@@ -96,9 +92,9 @@ def expert_major(
     """
     S, L = counts_SL.shape
     tokens_L = counts_SL.sum(0)
-    rows_L = _round_up(tokens_L, align)
+    rows_L = round_up(tokens_L, align)
     per_expert = [sum(counts_host[s * L + e] for s in range(S)) for e in range(L)]
-    P = sum(-(-n // align) * align for n in per_expert)
+    P = sum(round_up(n, align) for n in per_expert)
     Q = sum(counts_host)
     row_start_L = torch.cumsum(rows_L, 0) - rows_L
     before_SL = torch.cumsum(counts_SL, 0) - counts_SL  # rows of earlier sources in the same expert
@@ -141,7 +137,7 @@ class AllToAllDispatcher:
         sources sends it C_pad rows, padded on arrival to a multiple of `align`, so recipes' grouped GEMMs
         split them without a host read, as on one rank. Else None: they depend on what the other ranks send."""
         C_pad = self.source.rows_per_expert(T, K)
-        return None if C_pad is None else -(-self.group.size * C_pad // self.align) * self.align
+        return None if C_pad is None else round_up(self.group.size * C_pad, self.align)
 
     def dispatch(
         self, x_TD: torch.Tensor, router_out: RouterOutput, flush: Optional[Callable[[], None]] = None
