@@ -11,12 +11,18 @@ H100 (docs/benchmarks.md). Two facts cut the work:
 - the scaled addition reads its input in the epilogue (`out = alpha * acc + beta * C`), from a tensor other
   than the output: no copy, and the product and the addition round once, as in baddbmm.
 
-`B X` is an ordinary product (`axpby_`). Every kernel takes strides, so a tall slice, which iterates from the
-right (`X = a X + X B`), runs as the transposed views (`X^T = a X^T + B X^T`, B symmetric): nothing is copied.
+`B X` is an ordinary product. By default (`iterate`'s `bx`) the kernel that builds B also adds `a` on its
+diagonal before the one rounding, `B' = a I + b A + c A A`, and `X = B' X` is a plain cuBLAS `bmm`, which
+runs this non-symmetric product faster (~710 TFLOP/s against `axpby_`'s ~600; the reference model's four
+shape groups 62.9 -> 57.2 ms on an H100, and 0.0086 vs 0.0097 relative error against fp32: one rounding of
+`a + B_ii` costs no more than the epilogue add). `axpby_` (`MOECTL_NS_BX=triton`) adds `a X` in its epilogue
+instead. Every kernel takes strides, so a tall slice, which iterates from the right (`X = a X + X B`), runs as
+the transposed views (`X^T = a X^T + B X^T`, B symmetric): nothing is copied.
 
 The first step can also take each slice's normalisation (`scale`, `1 / (|X| + eps)`) in its epilogues: with
 `X' = s X`, `A = s^2 X X^T` and the next X is `s (a X + B X)`, so Muon's pass that divides X by its norm is
 gone (`muon.orthogonalize_` with the blend's sums of squares), and `X / |X|` is never rounded to bf16.
+With the cuBLAS product the first step's B takes `s` once instead (`s B' X = B' (s X)`).
 
 Two kernel families, the same sums in the same order (bitwise equal on an H100, measured): on Hopper and
 later the operands arrive by TMA (`_gram_kernel_tma`, `_axpby_kernel_tma`: a tall slice's transposed view is
@@ -85,8 +91,8 @@ def _upper_tiles(tiles: int, device: torch.device) -> torch.Tensor:
 
 @triton.jit
 def _gram_kernel(y_ptr, c_ptr, out_ptr, s_ptr, pairs_ptr, K: tl.constexpr, sy_b, sy_m, sy_k, sc_b, sc_m, sc_n, so_b,
-                 so_m, so_n, alpha, beta, HAS_C: tl.constexpr, HAS_S: tl.constexpr, BLOCK: tl.constexpr,
-                 BLOCK_K: tl.constexpr):  # fmt: skip
+                 so_m, so_n, alpha, beta, diag, HAS_C: tl.constexpr, HAS_S: tl.constexpr, HAS_D: tl.constexpr,
+                 SCALE_POW: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     pid = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     ti = tl.load(pairs_ptr + 2 * pid)
@@ -103,11 +109,13 @@ def _gram_kernel(y_ptr, c_ptr, out_ptr, s_ptr, pairs_ptr, K: tl.constexpr, sy_b,
         a_ptrs += BLOCK_K * sy_k
         b_ptrs += BLOCK_K * sy_k
     acc = acc * alpha
-    if HAS_S:  # the slice's normalisation folded in: (s X)(s X)^T
-        sb = tl.load(s_ptr + b)
-        acc = acc * (sb * sb)
     if HAS_C:
         acc += beta * tl.load(c_ptr + b * sc_b + rm[:, None] * sc_m + rn[None, :] * sc_n).to(tl.float32)
+    if HAS_D:  # a I + ...: B X then needs no added input (one rounding, as the epilogue add had)
+        acc += tl.where(rm[:, None] == rn[None, :], diag, 0.0)
+    if HAS_S:  # the slice's normalisation folded in: (s X)(s X)^T, or s B for B (s X)
+        sb = tl.load(s_ptr + b)
+        acc = acc * (sb * sb) if SCALE_POW == 2 else acc * sb
     val = acc.to(out_ptr.dtype.element_ty)
     o = out_ptr + b * so_b
     tl.store(o + rm[:, None] * so_m + rn[None, :] * so_n, val)
@@ -147,8 +155,9 @@ except ImportError:  # pragma: no cover - older Triton: the pointer kernels only
 
 @triton.jit
 def _gram_kernel_tma(y_desc, c_desc, out_desc, s_ptr, pairs_ptr, M: tl.constexpr, K: tl.constexpr, alpha, beta,
-                     HAS_C: tl.constexpr, HAS_S: tl.constexpr, TRANS_Y: tl.constexpr, BLOCK: tl.constexpr,
-                     BLOCK_K: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
+                     diag, HAS_C: tl.constexpr, HAS_S: tl.constexpr, HAS_D: tl.constexpr, SCALE_POW: tl.constexpr,
+                     TRANS_Y: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr,
+                     STAGES: tl.constexpr):  # fmt: skip
     # y's storage as rows: `[B*M, K]` (TRANS_Y false) or, for the transposed view of a tall slice, `[B*K, M]`;
     # c and out `[B*M, M]`. The sums run in the pointer kernel's order (K ascending).
     pid = tl.program_id(0)
@@ -164,11 +173,15 @@ def _gram_kernel_tma(y_desc, c_desc, out_desc, s_ptr, pairs_ptr, M: tl.constexpr
         for kk in tl.range(0, K // BLOCK_K, num_stages=STAGES):
             acc = tl.dot(y_desc.load([b * M + i0, kk * BLOCK_K]), y_desc.load([b * M + j0, kk * BLOCK_K]).T, acc)
     acc = acc * alpha
-    if HAS_S:  # the slice's normalisation folded in: (s X)(s X)^T
-        sb = tl.load(s_ptr + b)
-        acc = acc * (sb * sb)
     if HAS_C:
         acc += beta * c_desc.load([b * M + i0, j0]).to(tl.float32)
+    if HAS_D:
+        if i0 == j0:
+            d_idx = tl.arange(0, BLOCK)
+            acc += tl.where(d_idx[:, None] == d_idx[None, :], diag, 0.0)
+    if HAS_S:  # the slice's normalisation folded in: (s X)(s X)^T, or s B for B (s X)
+        sb = tl.load(s_ptr + b)
+        acc = acc * (sb * sb) if SCALE_POW == 2 else acc * sb
     val = acc.to(out_desc.dtype)
     out_desc.store([b * M + i0, j0], val)
     if i0 != j0:  # the mirror tile, the same rounded values
@@ -225,17 +238,22 @@ def _tma_ok(*ts: torch.Tensor) -> bool:
 
 
 def gram_(y: torch.Tensor, out: torch.Tensor, alpha: float = 1.0, beta: float = 0.0, c: torch.Tensor | None = None,
-          scale: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-    """`out = alpha * s^2 * y @ y.mT + beta * c` for `[B, m, k]` `y` (any strides) into `[B, m, m]` `out`.
+          scale: torch.Tensor | None = None, diag: float = 0.0, scale_power: int = 2) -> torch.Tensor:  # fmt: skip
+    """`out = s^p * (alpha * y @ y.mT + beta * c + diag * I)` for `[B, m, k]` `y` (any strides) into `[B, m, m]`
+    `out`, in fp32 and rounded once.
 
     The result is exactly symmetric. `c` must be symmetric (it is read on and above the diagonal only).
     `scale`: an fp32 `[B]` factor `s` per slice (the normalisation of a slice not yet normalised); else 1.
+    `scale_power` p: 2 for a Gram of the unnormalised X, 1 for B when B's product is with it.
     """
+    if scale_power not in (1, 2):
+        raise ValueError(f"scale_power must be 1 or 2, got {scale_power}")
     batch, m, k = y.shape
     cc = c if c is not None else out  # not read without HAS_C
     ss = scale if scale is not None else _no_scale(y.device)  # not read without HAS_S
     pairs = _upper_tiles(m // BLOCK_MN, y.device)
-    flags = dict(HAS_C=c is not None, HAS_S=scale is not None, BLOCK=BLOCK_MN)
+    flags = dict(HAS_C=c is not None, HAS_S=scale is not None, HAS_D=diag != 0.0, SCALE_POW=scale_power,
+                 BLOCK=BLOCK_MN)
     if out.is_contiguous() and cc.is_contiguous() and _tma_ok(y, cc, out):
         warps, stages, block_k = _config("GRAM_TMA", GRAM_TMA_CONFIG)
         assert out.shape == (batch, m, m) and m % BLOCK_MN == 0 and k % block_k == 0, (tuple(y.shape), tuple(out.shape))
@@ -244,12 +262,13 @@ def gram_(y: torch.Tensor, out: torch.Tensor, alpha: float = 1.0, beta: float = 
                  TensorDescriptor.from_tensor(cc.reshape(-1, m), [BLOCK_MN, BLOCK_MN]),
                  TensorDescriptor.from_tensor(out.reshape(-1, m), [BLOCK_MN, BLOCK_MN]))  # fmt: skip
         tuning = dict(TRANS_Y=trans, BLOCK_K=block_k, STAGES=stages, num_warps=warps, num_stages=stages)
-        _gram_kernel_tma[(pairs.shape[0], batch)](*descs, ss, pairs, m, k, alpha, beta, **flags, **tuning)
+        _gram_kernel_tma[(pairs.shape[0], batch)](*descs, ss, pairs, m, k, alpha, beta, diag, **flags, **tuning)
         return out
     warps, stages, block_k = _config("GRAM", GRAM_CONFIG)
     assert out.shape == (batch, m, m) and m % BLOCK_MN == 0 and k % block_k == 0, (tuple(y.shape), tuple(out.shape))
     _gram_kernel[(pairs.shape[0], batch)](
-        y, cc, out, ss, pairs, k, *y.stride(), *cc.stride(), *out.stride(), alpha, beta, **flags, BLOCK_K=block_k,
+        y, cc, out, ss, pairs, k, *y.stride(), *cc.stride(), *out.stride(), alpha, beta, diag, **flags,
+        BLOCK_K=block_k,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
@@ -290,15 +309,23 @@ def _no_scale(device: torch.device) -> torch.Tensor:
 
 
 def iterate(x: torch.Tensor, steps: int, coefficients: tuple[float, float, float], tall: bool,
-            scale: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+            scale: torch.Tensor | None = None, bx: str | None = None) -> torch.Tensor:  # fmt: skip
     """`steps` quintic steps on `[B, rows, cols]` `x` (consumed), as `muon._iterate_fused` runs them with cuBLAS.
 
     A tall slice (rows > cols) runs on the transposed views. Returns a tensor of `x`'s shape and strides
     (`x` itself or its one ping-pong buffer). `scale`: fp32 `[B]`, each slice's normalisation `1 / (|X| + eps)`
     when `x` is not yet normalised: the first step's products take it in their epilogues (`X' = s X`, so
     `A = s^2 X X^T` and `X'' = s (a X + B X)`), which saves the pass over X that normalising first costs.
+
+    `bx` (default `bx_path()`): who multiplies B into X. "cublas": B's kernel adds `a I` (and the first step's
+    `s`) in its epilogue, `B' = s (a I + b A + c A A)` rounded once, and `X = B' X` is a plain cuBLAS `bmm`,
+    which runs this non-symmetric product faster than the Triton kernel; "triton": `axpby_` adds `a X` in its
+    epilogue instead.
     """
     a, b, c = coefficients
+    bx = bx or bx_path()
+    if bx not in BX_PATHS:
+        raise ValueError(f"{BX_ENV}={bx!r}: expected one of {BX_PATHS}")
     cur, nxt = x, torch.empty_like(x)
     wide = (lambda t: t.mT) if tall else (lambda t: t)
     batch, m, _ = wide(x).shape
@@ -306,8 +333,22 @@ def iterate(x: torch.Tensor, steps: int, coefficients: tuple[float, float, float
     B = torch.empty_like(A)
     for _ in range(steps):
         gram_(wide(cur), A, scale=scale)
-        gram_(A, B, alpha=c, beta=b, c=A)
-        axpby_(B, wide(cur), wide(nxt), a, scale=scale)
+        if bx == "cublas":
+            gram_(A, B, alpha=c, beta=b, c=A, diag=a, scale=scale, scale_power=1)
+            # B' is symmetric: a tall slice's X^T <- B' X^T is X <- X B'
+            torch.bmm(cur, B, out=nxt) if tall else torch.bmm(B, cur, out=nxt)
+        else:
+            gram_(A, B, alpha=c, beta=b, c=A)
+            axpby_(B, wide(cur), wide(nxt), a, scale=scale)
         cur, nxt = nxt, cur
         scale = None
     return cur
+
+
+BX_ENV = "MOECTL_NS_BX"
+BX_PATHS = ("cublas", "triton")
+
+
+def bx_path() -> str:
+    """The default product `B X` of each step: `MOECTL_NS_BX`, else cuBLAS (faster on an H100: docs/benchmarks.md)."""
+    return os.environ.get(BX_ENV, "cublas")

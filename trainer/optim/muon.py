@@ -30,13 +30,15 @@ one rounding to bf16, where the unfused form rounds `A`, `c A`, `(c A) A`, `b A`
 (half the error against the fp32 iteration, measured, and no elementwise kernels between the GEMMs).
 A tall slice iterates from the right (`A = X^T X`, `X = a X + X B`), so every tensor stays contiguous.
 On CUDA, where the slices tile, the same chain runs on Triton GEMMs instead (`kernels/ns_gemm_triton.py`:
-the symmetric products computed once, the scaled input read in the epilogue, so nothing is copied; bf16
-and fp16 alike, no fold); the cuBLAS chain below is the fallback and `MOECTL_TRITON_NS=0` selects it.
+the symmetric products computed once, the scaled inputs read in the epilogue, so nothing is copied, and
+`a I` added to B before its one rounding so `B X` is a plain cuBLAS product; bf16 and fp16 alike); the
+cuBLAS chain below is the fallback and `MOECTL_TRITON_NS=0` selects it.
 
 `float16` (an option, not the default): on cuBLAS, the same chain with `a` folded into B's diagonal, `X = (a I + B) X`,
 one `bmm` without the input copy `baddbmm` makes of X (cuBLAS accumulates into its output, so torch first
 copies the added tensor there: 16 ms of a reference-model step on an H100). In bf16 that fold doubles the
-error (the diagonal `a + B_ii`, up to 3.4, rounds at 2^-7 absolute), so bf16 keeps the copy. fp16 keeps 11
+error (B is rounded, then the diagonal `a + B_ii`, up to 3.4, rounds again at 2^-7 absolute), so bf16 keeps
+the copy on this path; the Triton path rounds `a I + B` once, which errs no more than the copy does. fp16 keeps 11
 significant bits: its folded iteration errs about 4x less than the bf16 one against fp32 (0.003 vs 0.012
 relative on random matrices, CPU) and its range suffices: after the Frobenius normalisation every entry of X,
 A = X X^T and X's next value is at most ~1.2 in size and B's at most |b| + |c| < 7; only entries below

@@ -6,7 +6,8 @@ scale; the Gram outputs exactly symmetric (the mirror tile stores the same round
 iteration within the bf16 tolerance of the fp32 iteration (0.025, tests/trainer/optim/test_muon_batch.py) at
 the reference model's slice shapes, tall ones on the transposed views, and bit-reproducible run to run. A
 wrong tile mapping, a missing mirror store or a transposed operand errs by O(1). Each runs twice on Hopper:
-with the TMA kernels (the default there) and with the pointer kernels (`MOECTL_NS_TMA=0`, every other GPU).
+with the TMA kernels (the default there) and with the pointer kernels (`MOECTL_NS_TMA=0`, every other GPU);
+the iteration with either `B X` product (`MOECTL_NS_BX`: cuBLAS after folding `a I` into B, or Triton).
 
 CPU test: never selected off CUDA.
 """
@@ -61,6 +62,12 @@ def test_gram_is_the_symmetric_product(strided: bool, kernels: str) -> None:
     K.gram_(c, out2, alpha=2.0315, beta=-4.775, c=c)
     _close(out2, -4.775 * c.float() + 2.0315 * c.float() @ c.float())
     assert torch.equal(out2, out2.mT)
+    # B' = s (a I + b C + c C C), the first step's B with `a` and the scale folded in (the cuBLAS B X path)
+    s = torch.tensor([0.5, 2.0, 3.0], device="cuda")
+    K.gram_(c, out2, alpha=2.0315, beta=-4.775, c=c, diag=3.4445, scale=s, scale_power=1)
+    eye = torch.eye(c.shape[-1], device="cuda")
+    _close(out2, s[:, None, None] * (3.4445 * eye - 4.775 * c.float() + 2.0315 * c.float() @ c.float()))
+    assert torch.equal(out2, out2.mT)
 
 
 @gpu
@@ -77,9 +84,16 @@ def test_axpby_is_the_product_plus_the_scaled_input_on_strided_views(kernels: st
         _close(out, l.float() @ r.float() + 3.4445 * r.float())
 
 
+@pytest.fixture(params=["cublas", "triton"])
+def bx(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test on each `B X` product: cuBLAS after `a I` folded into B, or the Triton kernel adding `a X`."""
+    monkeypatch.setenv("MOECTL_NS_BX", request.param)
+    return request.param
+
+
 @gpu
 @pytest.mark.parametrize("shape", [(4, 1024, 2048), (4, 2048, 1024), (2, 3072, 2048)])
-def test_the_iteration_tracks_fp32_and_is_reproducible(shape: tuple[int, int, int], kernels: str) -> None:
+def test_the_iteration_tracks_fp32_and_is_reproducible(shape: tuple[int, int, int], kernels: str, bx: str) -> None:
     gen = torch.Generator(device="cuda").manual_seed(2)
     G = torch.randn(shape, device="cuda", generator=gen)
     X = G.to(torch.bfloat16)
@@ -106,7 +120,7 @@ def test_the_switch_keeps_cublas(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @gpu
 @pytest.mark.parametrize("tall", [False, True])
-def test_the_normalisation_folds_into_the_first_step(tall: bool, kernels: str) -> None:
+def test_the_normalisation_folds_into_the_first_step(tall: bool, kernels: str, bx: str) -> None:
     """Scaling the first step's products by each slice's 1 / (|X| + eps) is normalising X first: equal within
     the bf16 roundings the fold skips (X / |X| is never rounded), for slices of very different norms."""
     from trainer.kernels import ns_gemm_triton as K
