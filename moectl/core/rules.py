@@ -24,8 +24,8 @@ counts on the device, fp32 main grads),
 MOE061 (retired: emulated GEMMs under CUDA graphs capture now), MOE062 (moe: what the `te` expert backend
 runs: bf16/fp32 or fp8 tensorwise, no fp8/fp4 param gather), MOE063 (hardware: the GEMM widths fit the
 native fp8 kernels), MOE064 (CUDA graphs: a dynamic expert-parallel exchange keeps the step eager),
-MOE065 (moe: the all-gather dispatcher drops no tokens), MOE066 (CUDA graphs: experts without biases, whose
-grads' per-expert sum syncs with the host).
+MOE065 (moe: the all-gather dispatcher drops no tokens), MOE066 (retired: CUDA graphs refused expert biases,
+whose grads' per-expert sum synced with the host; it no longer does).
 
 Environment rules (Transformer Engine, device) probe lazily and cheaply: TE is looked up through
 `importlib.util.find_spec` and package metadata, never imported; torch is imported only when a GPU
@@ -376,6 +376,9 @@ RETIRED: dict[str, str] = {
     "whose grouped GEMMs split their token groups by sizes read on the host; under drop-and-pad (which MOE034 "
     "requires of fp8/fp4 experts) the dispatcher now tells the experts their equal rows, nothing is read on "
     "the host, and every recipe replays bitwise like eager (tests/trainer/graphs/test_cuda_graph_gpu.py)",
+    "MOE066": "it refused train.cuda_graph with moe.add_bias, whose grads' per-expert sum (torch.segment_reduce) "
+    "copied the token counts to the host; on CUDA that sum now reads them on the device (a Triton kernel, "
+    "trainer/kernels/segment_sum_triton.py), and bias configs replay bitwise like eager",
 }
 
 
@@ -1216,7 +1219,6 @@ def null_graph_policy(cfg: Config, major: int, *, assume_static_exchange: bool =
         and mp.bf16
         and static
         and m.backend not in ("loop", "te")  # both read the expert row counts on the host (MOE059)
-        and not m.add_bias  # the bias grads' segment_reduce syncs with the host (MOE066)
         and not m.delay_wgrad_compute
         and cfg.optimizer.optimizer in ("adam", "muon")  # Muon: 82.7k -> 92.6k tok/s on an H100 (benchmarks.md)
         and not mp.fp4
@@ -1345,19 +1347,6 @@ def cuda_graph_needs_grouped_backend(c: Context) -> Iterator[_Hit]:
         yield _Hit(
             f"train.cuda_graph=true with moe.backend={backend}: {what} reads token counts on the host",
             "set moe.backend=auto (fused on CUDA) or grouped, or train.cuda_graph=false",
-        )
-
-
-@rule("MOE066", "cuda_graph", "error", ["train.cuda_graph", "moe.add_bias"], "CUDA graphs need experts without biases")
-def cuda_graph_needs_bias_free_experts(c: Context) -> Iterator[_Hit]:
-    """The expert biases' grads are summed per expert by `torch.segment_reduce` over the token counts
-    (`trainer/moe/expert_math.py: segment_sum`, deterministic where `index_add_`'s atomics are not), and on
-    CUDA it synchronises with the host: the capture fails with "operation not permitted when stream is
-    capturing" (seen on an H100, seventeenth session, in the bias-grad backward of a bf16 run)."""
-    if c.cfg.train.cuda_graph and c.moe_layers > 0 and c.cfg.moe.add_bias:
-        yield _Hit(
-            "train.cuda_graph=true with moe.add_bias=true: the expert bias grads' per-expert sum syncs with the host",
-            "set train.cuda_graph=false, or moe.add_bias=false",
         )
 
 

@@ -30,6 +30,7 @@ import torch
 
 from moectl.core.errors import MoectlError
 from moectl.core.facts import ACTIVATIONS, QUICK_GELU_ALPHA, ffn_width, is_gated
+from trainer.kernels import has_triton
 
 Tensor = torch.Tensor
 OptTensor = Optional[torch.Tensor]
@@ -190,9 +191,28 @@ def expert_of_row(tokens_per_expert_E: Tensor, rows: int) -> Tensor:
 
 
 def segment_sum(v_TX: Tensor, tokens_per_expert_E: Tensor) -> Tensor:
-    """Per-expert row sums `[E, X]` in fp32 (bias grads): one ordered reduction per segment, so the sums are
-    deterministic (no index_add atomics)."""
+    """Per-expert row sums `[E, X]` in fp32 (bias grads), deterministic (no index_add atomics).
+
+    On CUDA the counts stay on the device, so a step with expert biases captures in a CUDA graph: a Triton
+    kernel summing each segment in row order (`kernels/segment_sum_triton.py`), or without Triton the product
+    of a one-hot `[T, E]` matrix with the rows in fp32. Elsewhere `torch.segment_reduce` (on CUDA it copies
+    the lengths to the host)."""
+    if v_TX.is_cuda:
+        if has_triton():
+            from trainer.kernels import segment_sum_triton
+
+            return segment_sum_triton.segment_sum(v_TX, tokens_per_expert_E)
+        return segment_sum_one_hot(v_TX, tokens_per_expert_E)
     return torch.segment_reduce(v_TX.float(), "sum", lengths=tokens_per_expert_E.long(), axis=0)
+
+
+def segment_sum_one_hot(v_TX: Tensor, tokens_per_expert_E: Tensor) -> Tensor:
+    """`segment_sum` as the fp32 product of the rows' one-hot expert matrix `[E, T]` with `v` (CUDA without
+    Triton: no host sync, deterministic, E times the adds of a segment sum). The counts must total T."""
+    E = tokens_per_expert_E.shape[0]
+    experts_T = expert_of_row(tokens_per_expert_E, v_TX.shape[0]).long()
+    one_hot_ET = (experts_T[None, :] == torch.arange(E, device=v_TX.device)[:, None]).float()
+    return one_hot_ET @ v_TX.float()
 
 
 def bias_grads(dh_TH: Tensor, dz_TD: Tensor, tokens_per_expert_E: Tensor, b1_EH: OptTensor,

@@ -218,11 +218,11 @@ class TrainConfig:
         "step; under data parallelism the first micro-batch's graph holds the param gathers and the last one's the "
         "grad reductions, the optimizer stays eager. true needs a static expert input (drop-and-pad, "
         "or dropless with bf16, fp8 tensorwise/delayed or e4m3 rowwise GEMMs), a GPU, one expert-parallel rank (or the "
-        "all-to-all under drop-and-pad), a grouped backend, adam/muon and no expert biases "
-        "(MOE034, MOE035, MOE058-060, MOE066). null = on where it is measured to win: an sm90/sm100 GPU, "
+        "all-to-all under drop-and-pad), a grouped backend and adam/muon "
+        "(MOE034, MOE035, MOE058-060). null = on where it is measured to win: an sm90/sm100 GPU, "
         "bf16 params, drop-and-pad or dropless experts, ep 1 (or ep's all-to-all under drop-and-pad), adam or "
-        "muon, no fp8 or fp8 tensorwise (e4m3 or hybrid, with or without fp8 param gather), no delayed wgrad, "
-        "no expert biases; off otherwise (fp32 params and older GPUs: torch's grouped GEMM reads its group "
+        "muon, no fp8 or fp8 tensorwise (e4m3 or hybrid, with or without fp8 param gather), no delayed wgrad; "
+        "off otherwise (fp32 params and older GPUs: torch's grouped GEMM reads its group "
         "offsets on the host there).",
     )
     compile: Literal["none", "regional", "auto"] = doc(

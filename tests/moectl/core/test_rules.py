@@ -536,8 +536,6 @@ CASES = [
          name="te"),
     Case("MOE060", ["train.cuda_graph=true", *DROP_AND_PAD, "optimizer.optimizer=sgd"],
          ["train.cuda_graph=true", *DROP_AND_PAD]),
-    Case("MOE066", ["train.cuda_graph=true", *DROP_AND_PAD, "moe.add_bias=true"],
-         ["train.cuda_graph=false", *DROP_AND_PAD, "moe.add_bias=true"]),
     Case(
         "MOE047",
         ["data.eval_fraction=0"],

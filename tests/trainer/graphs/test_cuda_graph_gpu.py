@@ -53,6 +53,9 @@ VARIANTS = {
     "bf16-per-expert": ["moe.single_grouped_weight=false"],
     "bf16-dropless": DROPLESS,
     "bf16-dropless-per-expert": [*DROPLESS, "moe.single_grouped_weight=false"],
+    # expert biases: their grads are summed per expert from device counts (was MOE066: a host sync)
+    "bf16-bias": ["moe.add_bias=true"],
+    "bf16-dropless-bias-per-expert": [*DROPLESS, "moe.add_bias=true", "moe.single_grouped_weight=false"],
     "fp8": FP8,
     # dropless fp8: the input sized to its static bound, the slack padded into the last expert
     "fp8-dropless": [*FP8, *DROPLESS],

@@ -33,7 +33,7 @@ HOPPER = (9, 0)
         ([*BF16, *PAD], CPU, None, False),
         (BF16, CUDA, HOPPER, True),  # dropless bf16: T*K rows, split by device offsets
         ([*BF16, "moe.single_grouped_weight=false"], CUDA, HOPPER, True),
-        ([*BF16, *PAD, "moe.add_bias=true"], CUDA, HOPPER, False),  # the bias grads' segment_reduce syncs (MOE066)
+        ([*BF16, *PAD, "moe.add_bias=true"], CUDA, HOPPER, True),  # bias grads summed on the device
         (BF16, CUDA, (10, 0), True),  # Blackwell: grouped_mm's device-offset kernels too
         (BF16, CUDA, (8, 0), False),  # Ampere: grouped_mm's fallback reads the offsets on the host
         ([], CUDA, HOPPER, False),  # fp32 params: the same fallback
