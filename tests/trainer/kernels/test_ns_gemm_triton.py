@@ -47,12 +47,13 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
 
 @gpu
 @pytest.mark.parametrize("strided", [False, True])
-def test_gram_is_the_symmetric_product(strided: bool, kernels: str) -> None:
+@pytest.mark.parametrize("m", [256, 384])  # even tile count: two row tiles per TMA program; odd: one
+def test_gram_is_the_symmetric_product(strided: bool, m: int, kernels: str) -> None:
     from trainer.kernels import ns_gemm_triton as K
 
     gen = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(3, 384, 256, device="cuda", generator=gen, dtype=torch.bfloat16)
-    y = x.mT if strided else x.mT.contiguous()  # [3, 256, 384]: a tall slice's transposed view, or contiguous
+    x = torch.randn(3, 384, m, device="cuda", generator=gen, dtype=torch.bfloat16)
+    y = x.mT if strided else x.mT.contiguous()  # [3, m, 384]: a tall slice's transposed view, or contiguous
     out = torch.empty(3, y.shape[1], y.shape[1], device="cuda", dtype=torch.bfloat16)
     K.gram_(y, out)
     _close(out, y.float() @ y.float().mT)
