@@ -42,11 +42,13 @@ def settle_stale(param: torch.Tensor) -> None:
         settle_stale_([param.main_grad], [flag])  # type: ignore[attr-defined]
 
 
-def accumulate_wgrad(param: torch.nn.Parameter, grad: torch.Tensor, fuse: bool) -> torch.Tensor | None:
+def accumulate_wgrad(param: torch.nn.Parameter, grad: torch.Tensor, fuse: bool,
+                     report: bool = True) -> torch.Tensor | None:  # fmt: skip
     """Route one weight grad: into `param.main_grad` when `fuse` (returns None), else return it.
 
     `grad` is the grad for the whole parameter (same shape). Accumulation is in the buffer's dtype
-    (fp32 by default), which is the point: micro-batch grads never round through bf16.
+    (fp32 by default), which is the point: micro-batch grads never round through bf16. `report` false: a
+    part of this backward's grad, another part will report (a layer run on its rows in chunks).
     """
     if not fuse:
         return grad
@@ -59,7 +61,8 @@ def accumulate_wgrad(param: torch.nn.Parameter, grad: torch.Tensor, fuse: bool) 
     with region(GRAD_ACCUMULATE):
         settle_stale(param)
         main_grad.add_(grad)  # bf16 -> fp32 inside the add: a separate .to() would be one more full pass
-    grad_ready(param)
+    if report:
+        grad_ready(param)
     return None
 
 

@@ -25,7 +25,8 @@ MOE061 (retired: emulated GEMMs under CUDA graphs capture now), MOE062 (moe: wha
 runs: bf16/fp32 or fp8 tensorwise, no fp8/fp4 param gather), MOE063 (hardware: the GEMM widths fit the
 native fp8 kernels), MOE064 (CUDA graphs: a dynamic expert-parallel exchange keeps the step eager),
 MOE065 (moe: the all-gather dispatcher drops no tokens), MOE066 (retired: CUDA graphs refused expert biases,
-whose grads' per-expert sum synced with the host; it no longer does).
+whose grads' per-expert sum synced with the host; it no longer does), MOE067 (moe: the overlapped ep exchange,
+`ep_overlap_chunks`, needs the all-to-all under drop-and-pad).
 
 Environment rules (Transformer Engine, device) probe lazily and cheaply: TE is looked up through
 `importlib.util.find_spec` and package metadata, never imported; torch is imported only when a GPU
@@ -1381,6 +1382,44 @@ def dynamic_ep_exchange_runs_eagerly(c: Context) -> Iterator[_Hit]:
         "train.cuda_graph=false to keep this exchange and silence this",
         keys=("parallel.expert_model_parallel_size", key, "train.cuda_graph", "device"),
     )
+
+
+@rule(
+    "MOE067",
+    "moe",
+    "error",
+    ["moe.ep_overlap_chunks", "parallel.expert_model_parallel_size", "moe.token_dispatcher", "moe.capacity_factor",
+     "moe.pad_expert_input_to_capacity", "moe.delay_wgrad_compute"],
+    "the overlapped expert-parallel exchange needs the all-to-all under drop-and-pad",
+)
+def ep_overlap_chunks_needs_static_alltoall(c: Context) -> Iterator[_Hit]:
+    """`moe.ep_overlap_chunks` > 1 cuts each expert's padded capacity slots into equal runs, one static
+    all-to-all per run each way, so the transfers of one run overlap the expert MLP of the others
+    (trainer/moe/dispatch_alltoall.py: dispatch_compute_combine). It needs split sizes fixed by the config
+    (the alltoall dispatcher with capacity_factor and pad_expert_input_to_capacity) and more than one ep
+    rank (one rank sends nothing), and it does not mix with delay_wgrad_compute, which hides the weight grads
+    behind the one backward all-to-all instead. The chunk count must also divide each expert's padded
+    capacity, which depends on the recipe's alignment: the first forward checks that and names the capacity."""
+    m, ep = c.cfg.moe, c.cfg.parallel.expert_model_parallel_size
+    n = m.ep_overlap_chunks
+    if n < 1:
+        yield _Hit(f"moe.ep_overlap_chunks={n}: must be at least 1", "set moe.ep_overlap_chunks=1 (no chunks) or more")
+        return
+    if n == 1:
+        return
+    if ep <= 1:
+        yield _Hit(f"moe.ep_overlap_chunks={n} with parallel.expert_model_parallel_size={ep}: no all-to-all to overlap",
+                   "set moe.ep_overlap_chunks=1, or use expert parallelism")  # fmt: skip
+    if m.token_dispatcher != "alltoall" or m.capacity_factor is None or not m.pad_expert_input_to_capacity:
+        yield _Hit(
+            f"moe.ep_overlap_chunks={n} needs static all-to-all splits: moe.token_dispatcher=alltoall, "
+            "moe.capacity_factor and moe.pad_expert_input_to_capacity=true",
+            "set those (e.g. moe.capacity_factor=1.0 and moe.pad_expert_input_to_capacity=true), or "
+            "moe.ep_overlap_chunks=1",
+        )
+    if m.delay_wgrad_compute:
+        yield _Hit(f"moe.ep_overlap_chunks={n} with moe.delay_wgrad_compute=true: two overlaps of one all-to-all",
+                   "set moe.delay_wgrad_compute=false, or moe.ep_overlap_chunks=1")  # fmt: skip
 
 
 @rule(

@@ -80,9 +80,12 @@ class LocalDispatcher:
         align: int = 1,
         capacity_factor: Optional[float] = None,
         pad_to_capacity: bool = False,
+        chunks: int = 1,
     ) -> None:
         if align < 1:
             raise ValueError(f"align must be >= 1, got {align}")
+        if chunks < 1 or (chunks > 1 and not pad_to_capacity):
+            raise ValueError(f"chunks={chunks}: a chunked layout needs chunks >= 1 and pad_to_capacity")
         if pad_to_capacity and capacity_factor is None:
             raise ConfigError(
                 "moe.pad_expert_input_to_capacity", True, "needs a capacity to pad to",
@@ -94,6 +97,7 @@ class LocalDispatcher:
         self.align = align
         self.capacity_factor = capacity_factor
         self.pad_to_capacity = pad_to_capacity
+        self.chunks = chunks  # > 1: x_PD chunk-major, [chunk][expert][C_pad / chunks rows] (the ep overlap)
 
     def rows_per_expert(self, T: int, K: int) -> Optional[int]:
         """Every expert's input rows when they are fixed by the config (padded to capacity), else None."""
@@ -151,6 +155,12 @@ class LocalDispatcher:
             assert C_pad is not None
             rows_E = torch.full((E,), C_pad, dtype=torch.int64, device=dev)
             P = C_pad * E  # static: no host sync
+            if C_pad % self.chunks:
+                raise ConfigError(
+                    "moe.ep_overlap_chunks", self.chunks,
+                    f"must divide every expert's padded capacity ({C_pad} rows for {T} tokens per micro-batch)",
+                    "choose a divisor of it (e.g. 2 or 4), or 1",
+                )  # fmt: skip
         elif self.align > 1 and self.capacity_factor is None:
             P = self.dropless_rows(T, K)
             rows_E = round_up(counts_E, self.align)
@@ -170,7 +180,13 @@ class LocalDispatcher:
             e_R = key_R.clamp(max=E - 1)
             kept_start_E = torch.cumsum(counts_E, 0) - counts_E
             row_start_E = torch.cumsum(rows_E, 0) - rows_E
-            dest_R = torch.where(key_R < E, row_start_E[e_R] + arange_N - kept_start_E[e_R], P)  # P: dropped
+            slot_R = arange_N - kept_start_E[e_R]  # the routing's place among its expert's kept ones
+            if self.chunks > 1:  # slot s of expert e in chunk s // c, so each chunk is one contiguous block
+                c = P // (E * self.chunks)
+                at_R = (slot_R // c) * (E * c) + e_R * c + slot_R % c
+            else:
+                at_R = row_start_E[e_R] + slot_R
+            dest_R = torch.where(key_R < E, at_R, P)  # P: dropped
             # every dropped routing writes the trash slot P, which is sliced off: which one wins is moot
             src_P = torch.full((P + 1,), N, dtype=torch.int64, device=dev).index_put_((dest_R,), order_R)[:P]
         row_N = torch.empty_like(order_R).index_put_((order_R,), dest_R)  # order_R is a permutation

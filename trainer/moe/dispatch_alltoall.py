@@ -46,13 +46,17 @@ import torch.distributed as dist
 from moectl.core.errors import ConfigError
 from trainer.host_copy import to_host_later
 from trainer.moe.dispatch import DispatchPlan, LocalDispatcher, round_up
-from trainer.moe.ep_comm import all_to_all, all_to_all_counts
+from trainer.moe.ep_comm import (Landing, Ticket, all_to_all, all_to_all_counts, all_to_all_start, all_to_all_wait,
+                                 join_chunks, split_chunks)  # fmt: skip
 from trainer.moe.permute import combine_rows, dispatch_rows
 from trainer.moe.router import RouterOutput
 from trainer.parallel import comm
 
 if TYPE_CHECKING:
     from trainer.parallel.groups import Group
+
+#: the experts of a layer as the chunked path calls them: (x_PD, rows_per_expert_E, probs_P, rows_each) -> y_PD
+ExpertsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Optional[int]], torch.Tensor]
 
 
 @dataclass
@@ -119,6 +123,7 @@ class AllToAllDispatcher:
         align: int = 1,
         capacity_factor: Optional[float] = None,
         pad_to_capacity: bool = False,
+        chunks: int = 1,
     ) -> None:
         check_divisible(num_experts, ep_group.size)
         if align < 1:
@@ -128,8 +133,9 @@ class AllToAllDispatcher:
         self.num_local_experts = num_experts // ep_group.size
         self.first_expert = ep_group.rank * self.num_local_experts
         self.align = align
+        self.chunks = chunks
         self.source = LocalDispatcher(num_experts, align=1, capacity_factor=capacity_factor,
-                                      pad_to_capacity=pad_to_capacity)
+                                      pad_to_capacity=pad_to_capacity, chunks=chunks)
         self._same_T: set[int] = set()  # token counts every ep rank was checked to route alike (static splits)
 
     def rows_per_expert(self, T: int, K: int) -> Optional[int]:
@@ -171,6 +177,59 @@ class AllToAllDispatcher:
         probs_P = dispatch_rows(probs_Q[:, None], src_P, dest_Q, 1, padded, False)[:, 0]
         plan = AllToAllPlan(source, send_splits, recv_splits, dest_Q, src_P, P, tokens_L, rows_L)
         return x_PD, rows_L, probs_P, plan
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether the layer runs `dispatch_compute_combine` (chunks whose transfers overlap compute)."""
+        return self.chunks > 1 and self.group.pg is not None
+
+    def dispatch_compute_combine(
+        self, x_TD: torch.Tensor, router_out: RouterOutput, experts: ExpertsFn
+    ) -> tuple[torch.Tensor, AllToAllPlan]:
+        """`combine(experts(*dispatch(...)))` in `self.chunks` chunks whose all-to-alls overlap compute: `(y_TD,
+        plan)` (the plan of the last chunk, for its counts).
+
+        Drop-and-pad only: the source lays its rows out chunk-major (`LocalDispatcher(chunks=)`: chunk c holds
+        slots [c C_pad/n, (c+1) C_pad/n) of every expert), so each chunk is one static all-to-all. All chunks'
+        rows are launched first; chunk c's expert MLP then runs while chunk c+1's rows travel, and chunk c's
+        outputs travel back while chunk c+1 computes. The backward mirrors it (`ep_comm.all_to_all_start`):
+        only the first and last transfers of n each way stay exposed. The probs (fp32, 1/D of the bytes)
+        travel first, waited on at once. Each row meets the same expert weights as unchunked; the expert MLP
+        runs once per chunk, so its weight grads are summed in n parts (`experts` reports them once).
+        """
+        ep, L, n = self.group.size, self.num_local_experts, self.chunks
+        T, K = router_out.indices_TK.shape
+        C_pad = self.source.rows_per_expert(T, K)
+        if C_pad is None:
+            raise ConfigError("moe.ep_overlap_chunks", n, "needs moe.pad_expert_input_to_capacity=true (static splits)",
+                              "set moe.pad_expert_input_to_capacity=true and a moe.capacity_factor, or use 1")  # fmt: skip
+        self._check_same_T(T, x_TD.device)
+        x_SD, _, probs_S, source = self.source.dispatch(x_TD, router_out)  # chunk-major, checks n | C_pad
+        c = C_pad // n
+        splits = [L * c] * ep  # the same each way: every source sends c rows per expert per chunk
+        counts_SL = torch.full((ep, L), c, dtype=torch.int64, device=x_TD.device)
+        dest_Q, src_P, P, tokens_L, rows_L = expert_major(counts_SL, [c] * (ep * L), self.align)
+        padded = P != ep * L * c
+        rows_each = round_up(ep * c, self.align)
+        # the rows' grads land in one buffer in the backward, the outputs in another forward: no joining copies
+        x_grads, y_rows = Landing(n), Landing(n)
+        x_chunks = split_chunks(x_SD, n, x_grads)
+        probs_Q = [all_to_all(p, splits, splits, self.group) for p in probs_S.split(self.num_experts * c)]  # first:
+        # waited on at once, so no wait queues behind the rows' transfers
+        sent = [all_to_all_start(x, splits, splits, self.group, Ticket(i, backward=x_grads))
+                for i, x in enumerate(x_chunks)]  # fmt: skip
+        back = []
+        for (placeholder, ticket), p_Q in zip(sent, probs_Q):
+            x_QD = all_to_all_wait(placeholder, ticket, splits, splits, self.group)
+            x_PD = dispatch_rows(x_QD, src_P, dest_Q, 1, padded, False)
+            probs_P = dispatch_rows(p_Q[:, None], src_P, dest_Q, 1, padded, False)[:, 0]
+            y_PD = experts(x_PD, rows_L, probs_P, rows_each)
+            y_QD = combine_rows(y_PD, src_P, dest_Q, 1, padded, False)
+            back.append(all_to_all_start(y_QD, splits, splits, self.group, Ticket(len(back), forward=y_rows)))
+        y_SD = join_chunks([all_to_all_wait(placeholder, ticket, splits, splits, self.group)
+                            for placeholder, ticket in back], y_rows)  # fmt: skip
+        plan = AllToAllPlan(source, splits, splits, dest_Q, src_P, P, tokens_L, rows_L)
+        return self.source.combine(y_SD, source), plan
 
     def _check_same_T(self, T: int, device: torch.device) -> None:
         """Static splits assume every ep rank routes T tokens; a rank with another T would make the all-to-all

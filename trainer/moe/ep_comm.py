@@ -149,3 +149,150 @@ def reduce_scatter_rows(x: torch.Tensor, group: "Group") -> torch.Tensor:
     if group.pg is None:
         return x
     return _ReduceScatterRows.apply(x, group)
+
+
+# --- an all-to-all split in two autograd nodes, so compute can run while it is in flight -------------------
+class Landing:
+    """One buffer for the rows of n chunked transfers, each landing in its own block, so the chunks (or their
+    grads) join without a copy (`join_chunks`, `split_chunks`). Allocated when the first of them launches."""
+
+    def __init__(self, chunks: int) -> None:
+        self.chunks = chunks
+        self.buf: Optional[torch.Tensor] = None
+
+    def block(self, index: int, like: torch.Tensor, rows: int) -> torch.Tensor:
+        if self.buf is None or self.buf.shape[0] != rows * self.chunks:
+            self.buf = like.new_empty((rows * self.chunks, *like.shape[1:]))
+        return self.buf[index * rows:(index + 1) * rows]
+
+    def holds(self, blocks: Sequence[Optional[torch.Tensor]]) -> bool:
+        """Whether `blocks` are this buffer's blocks, in order (then the buffer is their concatenation)."""
+        if self.buf is None or len(blocks) != self.chunks:
+            return False
+        rows = self.buf.shape[0] // self.chunks
+        return all(b is not None and b.shape == (rows, *self.buf.shape[1:]) and b.stride() == self.buf.stride()
+                   and b.data_ptr() == self.buf[i * rows:].data_ptr() for i, b in enumerate(blocks))  # fmt: skip
+
+
+class Ticket:
+    """One in-flight all-to-all between its start and its wait, in either direction (forward, then backward).
+    `landing`: the forward's (`forward`) or the backward's (`backward`) received rows land in block `index`
+    of it."""
+
+    def __init__(self, index: int = 0, forward: Optional[Landing] = None, backward: Optional[Landing] = None) -> None:
+        self.work: Any = None
+        self.out: Optional[torch.Tensor] = None
+        self.index, self.landings = index, {True: forward, False: backward}
+
+    def launch(self, x: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int], group: "Group",
+               forward: bool) -> None:  # fmt: skip
+        x = x.contiguous()
+        landing = self.landings[forward]
+        rows = sum(out_splits)
+        self.out = x.new_empty((rows, *x.shape[1:])) if landing is None else landing.block(self.index, x, rows)
+        self.work = dist.all_to_all_single(self.out, x, list(out_splits), list(in_splits), group=group.pg,
+                                           async_op=True)  # fmt: skip
+
+    def wait(self) -> torch.Tensor:
+        """The received rows; the current stream waits for them (the host does not)."""
+        assert self.out is not None, "waited on an all-to-all that was never started"
+        if self.work is not None:
+            self.work.wait()
+        out, self.work, self.out = self.out, None, None
+        return out
+
+
+class _A2AStart(torch.autograd.Function):
+    # forward: launch x's all-to-all. backward: wait for the reverse one `_A2AWait.backward` launched, and
+    # return its rows as x's grad (the incoming grad is a placeholder that only orders the two nodes).
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: "Group",  # type: ignore[override]
+                ticket: Ticket) -> torch.Tensor:  # fmt: skip
+        ctx.ticket = ticket
+        ticket.launch(x, out_splits, in_splits, group, forward=True)
+        return x.new_empty(0)  # a placeholder: the rows arrive at the wait
+
+    @staticmethod
+    def backward(ctx: Any, _placeholder: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        return ctx.ticket.wait(), None, None, None, None
+
+
+class _A2AWait(torch.autograd.Function):
+    # forward: wait for the rows. backward: launch the reverse all-to-all of their grad and return at once.
+    @staticmethod
+    def forward(ctx: Any, _placeholder: torch.Tensor, out_splits: list[int], in_splits: list[int],  # type: ignore[override]
+                group: "Group", ticket: Ticket) -> torch.Tensor:  # fmt: skip
+        ctx.splits, ctx.group, ctx.ticket = (out_splits, in_splits), group, ticket
+        return ticket.wait()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        out_splits, in_splits = ctx.splits
+        ctx.ticket.launch(grad, in_splits, out_splits, ctx.group, forward=False)
+        return grad.new_empty(0), None, None, None, None
+
+
+def all_to_all_start(x: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int], group: "Group",
+                     ticket: Optional[Ticket] = None) -> tuple[torch.Tensor, Ticket]:  # fmt: skip
+    """Launch `all_to_all(x, out_splits, in_splits)` without waiting: returns a placeholder to pass to
+    `all_to_all_wait` (with the ticket) where the rows are first needed. Work queued in between overlaps the
+    transfer, in the forward and, mirrored, in the backward: there the wait node launches the reverse
+    all-to-all and the start node waits for it, and autograd runs the other chunks' nodes in between
+    (it runs ready nodes latest-created first). One ticket per transfer (`ticket`: one with landings, else a
+    new one); a one-rank group sends nothing."""
+    ticket = ticket if ticket is not None else Ticket()
+    if group.pg is None:
+        ticket.out = x
+        return x, ticket
+    return _A2AStart.apply(x, list(out_splits), list(in_splits), group, ticket), ticket
+
+
+def all_to_all_wait(placeholder: torch.Tensor, ticket: Ticket, out_splits: Sequence[int],
+                    in_splits: Sequence[int], group: "Group") -> torch.Tensor:  # fmt: skip
+    """The rows `all_to_all_start` launched, once arrived (differentiable; see there)."""
+    if group.pg is None:
+        return ticket.wait()
+    return _A2AWait.apply(placeholder, list(out_splits), list(in_splits), group, ticket)
+
+
+class _Join(torch.autograd.Function):
+    # the landing's blocks as one tensor: its buffer (no copy); backward: the grad's blocks (views)
+    @staticmethod
+    def forward(ctx: Any, landing: Landing, *blocks: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.rows = [b.shape[0] for b in blocks]
+        assert landing.buf is not None
+        return landing.buf.view(landing.buf.shape)  # a view: the buffer's own autograd state stays untouched
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        return (None, *grad.split(ctx.rows))
+
+
+class _Split(torch.autograd.Function):
+    # x's row blocks; backward: the landing's buffer when the blocks' grads landed in it in order (no copy)
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, rows: int, landing: Landing) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        ctx.landing = landing
+        return tuple(x.split(rows))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> tuple[Any, ...]:  # type: ignore[override]
+        if ctx.landing.holds(grads):
+            return ctx.landing.buf, None, None
+        like = next(g for g in grads if g is not None)
+        return torch.cat([g if g is not None else like.new_zeros(like.shape) for g in grads]), None, None
+
+
+def join_chunks(blocks: Sequence[torch.Tensor], landing: Landing) -> torch.Tensor:
+    """`torch.cat(blocks)`, without the copy when they are `landing`'s blocks in order (differentiable)."""
+    if not landing.holds(blocks):
+        return torch.cat(list(blocks))
+    return _Join.apply(landing, *blocks)
+
+
+def split_chunks(x: torch.Tensor, chunks: int, landing: Landing) -> tuple[torch.Tensor, ...]:
+    """`x.split(rows)` into `chunks` blocks; in the backward, grads that landed in `landing` (a `Ticket`'s
+    backward landing) join without the copy a split's backward makes."""
+    if x.shape[0] % chunks:
+        raise ValueError(f"{x.shape[0]} rows do not split into {chunks} equal chunks")
+    return _Split.apply(x, x.shape[0] // chunks, landing)

@@ -42,4 +42,4 @@ def build_dispatcher(cfg: MoEConfig, *, align: int, ep_group: Optional["Group"])
         return LocalDispatcher(cfg.num_experts, **common)  # type: ignore[arg-type]
     if cfg.token_dispatcher == "allgather":
         return AllGatherDispatcher(cfg.num_experts, ep_group, **common)  # type: ignore[arg-type]
-    return AllToAllDispatcher(cfg.num_experts, ep_group, **common)  # type: ignore[arg-type]
+    return AllToAllDispatcher(cfg.num_experts, ep_group, chunks=cfg.ep_overlap_chunks, **common)  # type: ignore[arg-type]

@@ -28,7 +28,8 @@ backends'); autograd casts them to the params' dtype, `main_grad` accumulates th
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import contextlib
+from typing import Any, Iterator, Optional
 
 import torch
 from torch import nn
@@ -172,15 +173,31 @@ class GroupedLinearParams(nn.Module):
 
     @staticmethod
     def route_grads(
-        params: list[nn.Parameter], grad_E: Optional[torch.Tensor], grouped: bool, fuse: bool
+        params: list[nn.Parameter], grad_E: Optional[torch.Tensor], grouped: bool, fuse: bool, report: bool = True
     ) -> list[Optional[torch.Tensor]]:
-        """Per-param grads for autograd (None when fused into `main_grad`, or when there is no grad)."""
+        """Per-param grads for autograd (None when fused into `main_grad`, or when there is no grad); `report`:
+        whether fused grads are reported complete (`accumulate_wgrad`)."""
         if not params:
             return []
         if grad_E is None:
             return [None] * len(params)
         grads = [grad_E] if grouped else list(grad_E.unbind(0))
-        return [accumulate_wgrad(p, g, fuse) for p, g in zip(params, grads)]
+        return [accumulate_wgrad(p, g, fuse, report) for p, g in zip(params, grads)]
+
+
+class ChunkReports:
+    """The backwards of one forward's n expert calls (a layer run on its rows in chunks): a fused weight grad
+    is summed over all n, so only the last backward to run reports it complete (`grad_ready` once each)."""
+
+    def __init__(self, calls: int) -> None:
+        self.left = calls
+
+    def last(self) -> bool:
+        """Count one backward; True for the last of them."""
+        self.left -= 1
+        if self.left < 0:
+            raise RuntimeError("more expert backwards than chunks in one forward")
+        return self.left == 0
 
 
 class _ExpertMLPFunction(torch.autograd.Function):
@@ -213,6 +230,7 @@ class _ExpertMLPFunction(torch.autograd.Function):
         )
         ctx.backend, ctx.module, ctx.groups, ctx.precision = backend, module, groups, precision
         ctx.has_probs = probs_P is not None
+        ctx.reports = module._chunk_reports  # None: this call's backward reports the weight grads
         return y_PD
 
     @staticmethod
@@ -228,14 +246,15 @@ class _ExpertMLPFunction(torch.autograd.Function):
         into = extra.get("wgrad_into")
         dx_PD, dw1_EHD, db1_EH, dw2_EDF, db2_ED, dprobs_P = ctx.backend.backward(ctx.backend_ctx, dy_PD, **extra)
         ctx.backend_ctx = None  # free activations now, not when the graph dies
-        if into is not None:  # the backend accumulated the weight grads: report them, as accumulate_wgrad does
+        report = ctx.reports is None or ctx.reports.last()  # the last chunk's backward reports for all of them
+        if into is not None and report:  # the backend accumulated the weight grads: report, as accumulate_wgrad does
             for p in (*w2, *w1):
                 grad_ready(p)
         # Order matters only for grad_ready hooks (bucket completion): fc2 then fc1, the order backward runs.
-        g_w2 = fc2.route_grads(w2, dw2_EDF, fc2.grouped_weight, fuse)
-        g_b2 = fc2.route_grads(b2, db2_ED, fc2.grouped_bias, fuse)
-        g_w1 = fc1.route_grads(w1, dw1_EHD, fc1.grouped_weight, fuse)
-        g_b1 = fc1.route_grads(b1, db1_EH, fc1.grouped_bias, fuse)
+        g_w2 = fc2.route_grads(w2, dw2_EDF, fc2.grouped_weight, fuse, report)
+        g_b2 = fc2.route_grads(b2, db2_ED, fc2.grouped_bias, fuse, report)
+        g_w1 = fc1.route_grads(w1, dw1_EHD, fc1.grouped_weight, fuse, report)
+        g_b1 = fc1.route_grads(b1, db1_EH, fc1.grouped_bias, fuse, report)
         dprobs_P = dprobs_P if ctx.has_probs else None
         return (dx_PD, None, dprobs_P, None, None, None, None, *g_w1, *g_b1, *g_w2, *g_b2)
 
@@ -355,6 +374,7 @@ class GroupedMLP(nn.Module):
         self.recipe_states: dict[str, Any] = {}  # the recipe's scaling state (delayed: amax histories)
         #: the deferred weight grads of this layer's backward (None: computed with the data grads)
         self.delayed: Optional[DelayedWgrad] = DelayedWgrad() if delay_wgrad else None
+        self._chunk_reports: Optional[ChunkReports] = None  # set by `chunked` for the calls inside it
 
     def stale_grad_params(self, device: torch.device) -> list[nn.Parameter]:
         """The weights whose grads this layer overwrites when they are flagged stale (trainer/main_grad.py), so
@@ -382,6 +402,18 @@ class GroupedMLP(nn.Module):
                 )
             self._backends[device] = backend
         return self._backends[device]
+
+    @contextlib.contextmanager
+    def chunked(self, calls: int) -> Iterator[None]:
+        """The `calls` forwards inside are one layer's rows in chunks: their weight grads are reported once,
+        by the last backward (grad buckets count one report per param per backward)."""
+        if self.delayed is not None:
+            raise ValueError("chunked expert calls and delayed wgrad do not mix (MOE067)")
+        self._chunk_reports = ChunkReports(calls) if torch.is_grad_enabled() else None
+        try:
+            yield
+        finally:
+            self._chunk_reports = None
 
     def forward(
         self, x_PD: torch.Tensor, tokens_per_expert_E: torch.Tensor, probs_P: Optional[torch.Tensor],

@@ -93,15 +93,23 @@ class MoELayer(nn.Module):
             routed = self.router(x_TD)
         # delayed wgrad: the dispatcher's backward runs the experts' weight grads while the data grads travel
         flush = self.experts.delayed.flush if self.experts.delayed is not None else None
-        with region(regions.DISPATCH):
-            x_PD, rows_per_expert_E, probs_P, plan = self.dispatcher.dispatch(x_TD, routed, flush=flush)
-        with region(regions.EXPERTS):
+        if getattr(self.dispatcher, "overlaps", False):  # ep chunks: transfers in flight beside the expert MLP
+            with region(regions.DISPATCH), self.experts.chunked(self.dispatcher.chunks):
+                y_TD, plan = self.dispatcher.dispatch_compute_combine(x_TD, routed, self._experts_region)
+        else:
+            with region(regions.DISPATCH):
+                x_PD, rows_per_expert_E, probs_P, plan = self.dispatcher.dispatch(x_TD, routed, flush=flush)
             rows_each = self.dispatcher.rows_per_expert(T=B * S, K=routed.indices_TK.shape[1])
-            y_PD = self.experts(x_PD, rows_per_expert_E, probs_P, rows_each)
-        with region(regions.COMBINE):
-            y_TD = self.dispatcher.combine(y_PD, plan)
+            y_PD = self._experts_region(x_PD, rows_per_expert_E, probs_P, rows_each)
+            with region(regions.COMBINE):
+                y_TD = self.dispatcher.combine(y_PD, plan)
         self.stats = MoEStats(routed.aux_loss, routed.z_loss, routed.tokens_per_expert_E.detach(), plan.num_dropped)
         return y_TD.view(B, S, D)
+
+    def _experts_region(self, x_PD: torch.Tensor, rows_per_expert_E: torch.Tensor, probs_P: torch.Tensor,
+                        rows_each: Optional[int]) -> torch.Tensor:  # fmt: skip
+        with region(regions.EXPERTS):
+            return self.experts(x_PD, rows_per_expert_E, probs_P, rows_each)
 
     @property
     def aux_loss(self) -> torch.Tensor:

@@ -106,6 +106,13 @@ class MoEConfig:
         "Compute expert weight grads after the data grads of the layer, during the expert-parallel all-to-all "
         "of the data grads (Megatron's overlap); bitwise the same grads.",
     )
+    ep_overlap_chunks: int = doc(
+        1,
+        "Expert parallelism under drop-and-pad: split each micro-batch's expert rows into this many chunks "
+        "(each expert's capacity slots in equal runs) whose all-to-alls, forward and backward, overlap the "
+        "expert MLP of the other chunks. 1 = one all-to-all each way, waited on at once. Needs ep > 1, the "
+        "alltoall dispatcher, pad_expert_input_to_capacity and no delay_wgrad_compute (MOE067).",
+    )
 
 
 @dataclass(kw_only=True)

@@ -39,6 +39,11 @@ CASES: dict[str, dict[str, Any]] = {
     "allgather-per-expert-align4": dict(single_grouped_weight=False, token_dispatcher="allgather", align=4),
     "alltoall-capacity-align4": dict(capacity_factor=1.0, align=4),
     "alltoall-pad-to-capacity": dict(capacity_factor=1.25, pad_expert_input_to_capacity=True),
+    # the overlapped exchange: the rows in chunks of capacity slots, each chunk's all-to-alls beside the
+    # other chunks' expert MLP (C_pad = 20 rows per expert: chunks of 10; of 5, padded on arrival to 12)
+    "alltoall-pad-chunks2": dict(capacity_factor=1.25, pad_expert_input_to_capacity=True, ep_overlap_chunks=2),
+    "alltoall-pad-chunks4-per-expert-align4": dict(capacity_factor=1.25, pad_expert_input_to_capacity=True,
+                                                   ep_overlap_chunks=4, single_grouped_weight=False, align=4),
 }
 
 

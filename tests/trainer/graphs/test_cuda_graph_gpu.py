@@ -222,6 +222,9 @@ TWO_GPU_CASES = {
     "fp8-param-gather": [*FP8, "mixed_precision.fp8_param_gather=true"],
     # the all-to-all under drop-and-pad (BASE) is static: its collectives are captured with the micro-batch
     "ep2-alltoall": ["parallel.expert_model_parallel_size=2", "moe.token_dispatcher=alltoall"],
+    # the overlapped exchange: async all-to-alls started and waited inside the captured micro-batch
+    "ep2-alltoall-chunks2": ["parallel.expert_model_parallel_size=2", "moe.token_dispatcher=alltoall",
+                             "moe.ep_overlap_chunks=2"],
 }
 
 
