@@ -188,6 +188,7 @@ class Ticket:
                forward: bool) -> None:  # fmt: skip
         x = x.contiguous()
         landing = self.landings[forward]
+        self.landings[forward] = None  # held by its user from here: autograd's ctx must not keep the buffer alive
         rows = sum(out_splits)
         self.out = x.new_empty((rows, *x.shape[1:])) if landing is None else landing.block(self.index, x, rows)
         self.work = dist.all_to_all_single(self.out, x, list(out_splits), list(in_splits), group=group.pg,
@@ -277,8 +278,9 @@ class _Split(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> tuple[Any, ...]:  # type: ignore[override]
-        if ctx.landing.holds(grads):
-            return ctx.landing.buf, None, None
+        landing, ctx.landing = ctx.landing, None  # the graph may outlive this backward: let the buffer go
+        if landing.holds(grads):
+            return landing.buf, None, None
         like = next(g for g in grads if g is not None)
         return torch.cat([g if g is not None else like.new_zeros(like.shape) for g in grads]), None, None
 

@@ -229,6 +229,40 @@ def _skewed_layer(states: dict[int, ParallelState], rank: int, device: torch.dev
     return out
 
 
+def _chunk_buffers_freed(states: dict[int, ParallelState], device: torch.device, dtype: torch.dtype) -> list[int]:
+    """The chunked exchange's landing buffers alive (per checkpoint: after the forward, after the backward with
+    the graph still referenced): autograd keeps a node's ctx until the graph dies, so a buffer held there
+    would outlive its use by the whole step, for every layer."""
+    import weakref
+
+    from trainer.moe import MoELayer, dispatch_alltoall
+
+    bufs: list[weakref.ref] = []
+
+    class Watched(dispatch_alltoall.Landing):
+        def block(self, index: int, like: torch.Tensor, rows: int) -> torch.Tensor:
+            view = super().block(index, like, rows)
+            if index == 0:
+                bufs.append(weakref.ref(self.buf))
+            return view
+
+    moe = MoEConfig(num_experts=E, router_topk=TOPK, ffn_hidden_size=16, capacity_factor=1.25,
+                    pad_expert_input_to_capacity=True, ep_overlap_chunks=2)  # fmt: skip
+    layer = MoELayer(moe, 32, generator=torch.Generator().manual_seed(3), params_dtype=dtype,
+                     ep_group=states[2].ep).to(device)  # fmt: skip
+    original, dispatch_alltoall.Landing = dispatch_alltoall.Landing, Watched
+    try:
+        x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(4)).to(device, dtype).requires_grad_()
+        loss = layer(x).float().square().sum()
+        alive = [sum(r() is not None for r in bufs)]
+        loss.backward()
+        alive.append(sum(r() is not None for r in bufs))
+    finally:
+        dispatch_alltoall.Landing = original
+    assert len(bufs) == 2, "the chunked path must have landed the outputs, then the grads"
+    return alive
+
+
 def ep_body(rank: int, world_size: int, backend: str = "gloo", root: str = "", bf16: bool = False) -> dict[str, Any]:
     device = torch.device("cpu")
     dtype = torch.bfloat16 if bf16 else torch.float32
@@ -243,6 +277,7 @@ def ep_body(rank: int, world_size: int, backend: str = "gloo", root: str = "", b
         results[name] = {**_ddp_step0(case, states, rank, device, dtype), **_train(case, states, rank, device, dtype)}
     for disp in ("alltoall", "allgather"):
         results[f"skewed-{disp}"] = _skewed_layer(states, rank, device, dtype, disp)
+    results["chunk-buffers-alive"] = _chunk_buffers_freed(states, device, dtype)
     return results
 
 
@@ -259,6 +294,7 @@ def check(results: list[dict[str, Any]], tol: Tol) -> None:
             assert r["zero_init_params"] <= tol.zero_init_param, where
             assert r["hash_mismatches"] == [], where
         assert res["alltoall-capacity-align4"]["dropped"] > 0, "the capacity case must actually drop routings"
+        assert res["chunk-buffers-alive"] == [0, 0], res["chunk-buffers-alive"]  # freed once used
         for disp in ("alltoall", "allgather"):
             r = res[f"skewed-{disp}"]
             where = f"rank {rank}, skewed {disp}: {r}"

@@ -47,9 +47,24 @@ def test_split_backward_takes_landed_grads_whole_else_concatenates() -> None:
     grads = _landed(landing)
     parts = split_chunks(x, N, landing)
     assert [p.shape[0] for p in parts] == [ROWS] * N
+    seen: list[int] = []
+    x.register_hook(lambda g: seen.append(g.data_ptr()))  # the grad as it arrives, before x.grad takes it
     torch.autograd.backward(parts, grads)
-    assert torch.equal(x.grad, landing.buf)
+    assert seen == [landing.buf.data_ptr()]  # the landing's buffer itself: no concatenation
+    assert torch.equal(x.grad, torch.cat(grads))
     x.grad = None
     parts = split_chunks(x, N, Landing(N))  # grads not landed there: a concatenation, a missing one as zeros
     torch.autograd.backward(parts[1:], grads[1:])
     assert torch.equal(x.grad, torch.cat([torch.zeros(ROWS, D), grads[1]]))
+
+
+def test_a_split_lets_its_landing_go_in_the_backward() -> None:
+    """Autograd keeps a node's ctx until the graph dies: a landing held there would keep a buffer of every
+    layer's rows alive through the whole backward (the tickets' release: tests/trainer/distributed/
+    test_dist_ep.py, `chunk-buffers-alive`)."""
+    x = torch.randn(N * ROWS, D, requires_grad=True)
+    landing = Landing(N)
+    parts = split_chunks(x, N, landing)
+    assert parts[0].grad_fn.landing is landing
+    torch.autograd.backward(parts, _landed(landing))
+    assert parts[0].grad_fn.landing is None
