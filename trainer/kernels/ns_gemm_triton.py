@@ -15,9 +15,10 @@ H100 (docs/benchmarks.md). Two facts cut the work:
 diagonal before the one rounding, `B' = a I + b A + c A A`, and `X = B' X` is a plain cuBLAS `bmm`, which
 runs this non-symmetric product faster (~710 TFLOP/s against `axpby_`'s ~600; the reference model's four
 shape groups 62.9 -> 57.2 ms on an H100, and 0.0086 vs 0.0097 relative error against fp32: one rounding of
-`a + B_ii` costs no more than the epilogue add). `axpby_` (`MOECTL_NS_BX=triton`) adds `a X` in its epilogue
-instead. Every kernel takes strides, so a tall slice, which iterates from the right (`X = a X + X B`), runs as
-the transposed views (`X^T = a X^T + B X^T`, B symmetric): nothing is copied.
+`a + B_ii` costs no more than the epilogue add); a tall slice, which iterates from the right, multiplies
+`X B'`. `axpby_` (`MOECTL_NS_BX=triton`, and fp16's first step) adds `a X` in its epilogue instead. Every
+Triton kernel takes strides, so with `axpby_` a tall slice runs as the transposed views (`X^T = a X^T +
+B X^T`, B symmetric): nothing is copied.
 
 The first step can also take each slice's normalisation (`scale`, `1 / (|X| + eps)`) in its epilogues: with
 `X' = s X`, `A = s^2 X X^T` and the next X is `s (a X + B X)`, so Muon's pass that divides X by its norm is
@@ -27,8 +28,8 @@ With the cuBLAS product the first step's B takes `s` once instead (`s B' X = B' 
 Two kernel families, the same sums in the same order (bitwise equal on an H100, measured): on Hopper and
 later the operands arrive by TMA (`_gram_kernel_tma`, `_axpby_kernel_tma`: a tall slice's transposed view is
 read as its own storage and transposed in shared memory); elsewhere, or for other layouts, pointer loads. A
-program owns one output tile of one batch slice; the reduction runs over K in BLOCK_K steps in a fixed
-order, so results are reproducible run to run (no autotuning either: a resumed run must pick the same
+program owns one output tile of one batch slice (two row tiles in `_gram2_kernel_tma`); the reduction runs
+over K in BLOCK_K steps in a fixed order, so results are reproducible run to run (no autotuning either: a resumed run must pick the same
 kernel, or it would not be bitwise). The sizes are compile-time constants: a model has a handful. Shapes
 must tile exactly (`fits`); the caller keeps cuBLAS otherwise (`MOECTL_TRITON_NS=0` keeps it always,
 `MOECTL_NS_TMA=0` the pointer kernels).
@@ -401,7 +402,9 @@ def iterate(x: torch.Tensor, steps: int, coefficients: tuple[float, float, float
     B = torch.empty_like(A)
     for _ in range(steps):
         gram_(wide(cur), A, scale=scale)
-        if bx == "cublas":
+        # fp16 keeps the scaled first step on Triton: B' = s (a I + ...) overflows fp16 where s is large (a
+        # zero slice, an expert with no tokens: s = 1e7, and inf * 0 = NaN); axpby_ scales in fp32 instead
+        if bx == "cublas" and not (scale is not None and x.dtype == torch.float16):
             gram_(A, B, alpha=c, beta=b, c=A, diag=a, scale=scale, scale_power=1)
             # B' is symmetric: a tall slice's X^T <- B' X^T is X <- X B'
             torch.bmm(cur, B, out=nxt) if tall else torch.bmm(B, cur, out=nxt)

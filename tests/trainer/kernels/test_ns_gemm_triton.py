@@ -136,3 +136,19 @@ def test_the_normalisation_folds_into_the_first_step(tall: bool, kernels: str, b
     err = (folded.float() - first.float()).norm(dim=(-2, -1)) / first.float().norm(dim=(-2, -1))
     assert float(err.max()) <= RANDOM_TOL, err
     assert folded.stride() == X.stride()
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_zero_slice_stays_zero_with_the_scale_folded_in(dtype: torch.dtype, bx: str) -> None:
+    """An expert that got no tokens has a zero momentum: its scale is 1 / eps = 1e7. On the cuBLAS product
+    the first step's B' = s (a I + ...) would overflow fp16 (inf * 0 = NaN), so fp16 scales that step in
+    axpby_'s fp32 epilogue; bf16 has the range."""
+    from trainer.kernels import ns_gemm_triton as K
+
+    X = torch.zeros(2, 256, 512, device="cuda", dtype=dtype)
+    X[1] = torch.randn(256, 512, device="cuda", generator=torch.Generator(device="cuda").manual_seed(5)).to(dtype)
+    norm = X.float().norm(dim=(-2, -1))
+    out = K.iterate(X.clone(), 5, muon.NS_COEFFICIENTS, False, (norm + muon.NS_EPS).reciprocal())
+    assert torch.isfinite(out).all() and not out[0].any()
+    assert out[1].float().norm() > 1  # the other slice was orthogonalised
