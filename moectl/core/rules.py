@@ -1389,7 +1389,7 @@ def dynamic_ep_exchange_runs_eagerly(c: Context) -> Iterator[_Hit]:
     "moe",
     "error",
     ["moe.ep_overlap_chunks", "parallel.expert_model_parallel_size", "moe.token_dispatcher", "moe.capacity_factor",
-     "moe.pad_expert_input_to_capacity", "moe.delay_wgrad_compute"],
+     "moe.pad_expert_input_to_capacity", "moe.delay_wgrad_compute", "mixed_precision.fp8_recipe"],
     "the overlapped expert-parallel exchange needs the all-to-all under drop-and-pad",
 )
 def ep_overlap_chunks_needs_static_alltoall(c: Context) -> Iterator[_Hit]:
@@ -1398,8 +1398,10 @@ def ep_overlap_chunks_needs_static_alltoall(c: Context) -> Iterator[_Hit]:
     (trainer/moe/dispatch_alltoall.py: dispatch_compute_combine). It needs split sizes fixed by the config
     (the alltoall dispatcher with capacity_factor and pad_expert_input_to_capacity) and more than one ep
     rank (one rank sends nothing), and it does not mix with delay_wgrad_compute, which hides the weight grads
-    behind the one backward all-to-all instead. The chunk count must also divide each expert's padded
-    capacity, which depends on the recipe's alignment: the first forward checks that and names the capacity."""
+    behind the one backward all-to-all instead, nor with the delayed fp8 recipe, whose amax history assumes
+    one quantization per operand and micro-batch (chunks would record n). The chunk count must also divide
+    each expert's capacity, ceil(capacity_factor * T * topk / E) for the T tokens of a rank's micro-batch: the
+    first forward checks that and names the capacity."""
     m, ep = c.cfg.moe, c.cfg.parallel.expert_model_parallel_size
     n = m.ep_overlap_chunks
     if n < 1:
@@ -1420,6 +1422,10 @@ def ep_overlap_chunks_needs_static_alltoall(c: Context) -> Iterator[_Hit]:
     if m.delay_wgrad_compute:
         yield _Hit(f"moe.ep_overlap_chunks={n} with moe.delay_wgrad_compute=true: two overlaps of one all-to-all",
                    "set moe.delay_wgrad_compute=false, or moe.ep_overlap_chunks=1")  # fmt: skip
+    mp = c.cfg.mixed_precision
+    if mp.fp8 and mp.fp8_recipe == "delayed":
+        yield _Hit(f"moe.ep_overlap_chunks={n} with mixed_precision.fp8_recipe=delayed: the experts would record "
+                   f"{n} amaxes per operand and micro-batch", "set moe.ep_overlap_chunks=1, or another fp8_recipe")  # fmt: skip
 
 
 @rule(
