@@ -31,8 +31,9 @@ one rounding to bf16, where the unfused form rounds `A`, `c A`, `(c A) A`, `b A`
 A tall slice iterates from the right (`A = X^T X`, `X = a X + X B`), so every tensor stays contiguous.
 On CUDA, where the slices tile, the same chain runs on Triton GEMMs instead (`kernels/ns_gemm_triton.py`:
 the symmetric products computed once, the scaled inputs read in the epilogue, so nothing is copied, and
-`a I` added to B before its one rounding so `B X` is a plain cuBLAS product; bf16 and fp16 alike); the
-cuBLAS chain below is the fallback and `MOECTL_TRITON_NS=0` selects it.
+`a I` added to B before its one rounding so `B X` is a plain cuBLAS product; bf16 and fp16 alike, but for
+fp16's first step, whose scale could overflow B); the cuBLAS chain below is the fallback and
+`MOECTL_TRITON_NS=0` selects it.
 
 `float16` (an option, not the default): on cuBLAS, the same chain with `a` folded into B's diagonal, `X = (a I + B) X`,
 one `bmm` without the input copy `baddbmm` makes of X (cuBLAS accumulates into its output, so torch first
