@@ -232,7 +232,9 @@ def _skewed_layer(states: dict[int, ParallelState], rank: int, device: torch.dev
 def _chunk_buffers_freed(states: dict[int, ParallelState], device: torch.device, dtype: torch.dtype) -> list[int]:
     """The chunked exchange's landing buffers alive (per checkpoint: after the forward, after the backward with
     the graph still referenced): autograd keeps a node's ctx until the graph dies, so a buffer held there
-    would outlive its use by the whole step, for every layer."""
+    would outlive its use by the whole step, for every layer. A finished transfer's work object may hold its
+    rows a moment longer on the backend's own thread (gloo): each count waits up to 2 s for them to go."""
+    import time
     import weakref
 
     from trainer.moe import MoELayer, dispatch_alltoall
@@ -253,10 +255,18 @@ def _chunk_buffers_freed(states: dict[int, ParallelState], device: torch.device,
     original, dispatch_alltoall.Landing = dispatch_alltoall.Landing, Watched
     try:
         x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(4)).to(device, dtype).requires_grad_()
+        def count() -> int:
+            for _ in range(200):
+                n = sum(r() is not None for r in bufs)
+                if n == 0:
+                    break
+                time.sleep(0.01)
+            return n
+
         loss = layer(x).float().square().sum()
-        alive = [sum(r() is not None for r in bufs)]
+        alive = [count()]
         loss.backward()
-        alive.append(sum(r() is not None for r in bufs))
+        alive.append(count())
     finally:
         dispatch_alltoall.Landing = original
     assert len(bufs) == 2, "the chunked path must have landed the outputs, then the grads"
