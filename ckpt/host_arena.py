@@ -20,6 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from moectl.core.arith import round_up
+
 ALIGN = 64  # bytes between views: whole cache lines, and a multiple of every dtype's element size
 _TOUCH_GRAIN = 64 << 20  # bytes per page-touching task
 REGISTERED, TORCH_PINNED, PAGEABLE = "registered", "torch-pinned", "pageable"
@@ -27,7 +29,7 @@ REGISTERED, TORCH_PINNED, PAGEABLE = "registered", "torch-pinned", "pageable"
 
 def aligned(n: int) -> int:
     """`n` rounded up to `ALIGN`."""
-    return -(-n // ALIGN) * ALIGN
+    return round_up(n, ALIGN)
 
 
 class HostArena:

@@ -52,6 +52,7 @@ from moectl.bench.backend_function import BackendFunction
 from moectl.bench import te_paths
 from moectl.bench.oom import OutOfMemory, free, oom_message
 from moectl.bench.timing import SUSTAINED_SECONDS, dense_ceiling_tflops, dense_matmul, interleaved_ms, queued_ms, sustained_ms
+from moectl.core.arith import ceil_div
 
 PATHS = ("loop", "eager", "compile", "grouped", "fused", "te")  # bf16 (fp32 in --quick on CPU)
 FP8_PATHS = fp8.FP8_PATHS
@@ -471,9 +472,9 @@ def _time_row(
     calls = {**calls, "dense": dense}  # the ceiling again, in the same rounds: what the device gives right now
     rounds = max(1, min(cfg.rounds, cfg.iters))
     try:
-        samples = interleaved_ms(calls, device, cfg.warmup, rounds, -(-cfg.iters // rounds))
+        samples = interleaved_ms(calls, device, cfg.warmup, rounds, ceil_div(cfg.iters, rounds))
         paths_only = {k: v for k, v in calls.items() if k != "dense"}
-        queued, behind = queued_ms(paths_only, device, rounds, -(-cfg.iters // rounds))
+        queued, behind = queued_ms(paths_only, device, rounds, ceil_div(cfg.iters, rounds))
         seconds = cfg.sustained_seconds if steady else 0.0
         sustained, states = sustained_ms(paths_only, device, cfg.sustained_rounds, seconds)
     except OutOfMemory as e:

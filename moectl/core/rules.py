@@ -92,6 +92,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Literal, Mapping, Optional, Sequence
 
 from moectl.core import hardware
+from moectl.core.arith import round_up
 from moectl.core.facts import GATED_ACTIVATIONS, RECIPE_ALIGN
 from moectl.core.config.schema import Config
 from moectl.core.gpu_memory import GpuMemory
@@ -558,7 +559,7 @@ def gemm_dims_fit_recipe_block(c: Context) -> Iterator[_Hit]:
         for key in dims:
             v = c.value(key)
             if v > 0 and v % block:
-                up = -(-v // block) * block
+                up = round_up(v, block)
                 yield _Hit(
                     f"{key}={v} is not a multiple of {block}, the block of the {recipe} recipe",
                     f"set {key} to a multiple of {block} (e.g. {up})",

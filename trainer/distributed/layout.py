@@ -16,6 +16,8 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
+from moectl.core.arith import round_up
+
 PARAM_ALIGN = 64
 BUCKET_ALIGN = 128
 DEFAULT_BUCKET_SIZE = 40_000_000
@@ -27,7 +29,8 @@ def default_bucket_size(dp_size: int) -> int:
 
 
 def pad_to(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
+    """`n` rounded up to a multiple of `multiple` (`arith.round_up`)."""
+    return round_up(n, multiple)
 
 
 def bucket_divisor(shard_group_size: int) -> int:

@@ -51,6 +51,8 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 import torch
 from torch import nn
 
+from moectl.core.arith import round_up
+
 from trainer.parallel import comm
 from trainer.distributed.param_storage import AliasedStagingStorage, ParamStorage, Shard
 from trainer.parallel.groups import Group
@@ -407,7 +409,7 @@ class PerTensorFP8Storage(QuantizedParamStorage):
             self._bucket_of[p] = bucket
             site = self.site(p)
             if site.module is None or site.expert is None:
-                slot = -(-slot // SCALE_SLOT_ALIGN) * SCALE_SLOT_ALIGN
+                slot = round_up(slot, SCALE_SLOT_ALIGN)
                 slot_of[p] = (slot, k)
                 whole.append(_Whole(p, start, end, slot, k))
             elif runs and runs[-1].extends(site, start, slot):

@@ -30,10 +30,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional, TypeVar
+from typing import Callable, Optional
 
 import torch
 
+from moectl.core.arith import round_up
 from moectl.core.errors import ConfigError
 from trainer.moe.delayed_wgrad import flush_point
 from trainer.moe.permute import combine_rows, dispatch_rows
@@ -62,12 +63,6 @@ def capacity(capacity_factor: float, num_tokens: int, topk: int, num_experts: in
     return math.ceil(capacity_factor * num_tokens * topk / num_experts)
 
 
-N = TypeVar("N", int, torch.Tensor)
-
-
-def round_up(n: N, align: int) -> N:
-    """`n` (an int, or a tensor of counts) rounded up to a multiple of `align`."""
-    return (n + align - 1) // align * align
 
 
 class LocalDispatcher:

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
+from moectl.core.arith import round_up
 from moectl.core.errors import ConfigError
 from trainer.moe.dispatch_alltoall import check_divisible
 from trainer.moe.ep_comm import all_gather_rows, all_gather_rows_nograd, reduce_scatter_rows
@@ -98,7 +99,7 @@ class AllGatherDispatcher:
         key_N = torch.where((local_N >= 0) & (local_N < L), local_N, L)  # other ranks' experts sort last
         order_N = torch.argsort(compact_ids(key_N, L), stable=True)
         counts_L = torch.bincount(key_N, minlength=L + 1)[:L]
-        rows_L = (counts_L + align - 1) // align * align
+        rows_L = round_up(counts_L, align)
         R, P = torch.stack([counts_L.sum(), rows_L.sum()]).tolist()  # host sync: sizes
         sel_R = order_N[:R]
         x_RD = x_AD[sel_R // K]

@@ -43,9 +43,10 @@ from typing import TYPE_CHECKING, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from moectl.core.arith import round_up
 from moectl.core.errors import ConfigError
 from trainer.host_copy import to_host_later
-from trainer.moe.dispatch import DispatchPlan, LocalDispatcher, round_up
+from trainer.moe.dispatch import DispatchPlan, LocalDispatcher
 from trainer.moe.ep_comm import (Landing, Ticket, all_to_all, all_to_all_counts, all_to_all_start, all_to_all_wait,
                                  join_chunks, split_chunks)  # fmt: skip
 from trainer.moe.permute import combine_rows, dispatch_rows

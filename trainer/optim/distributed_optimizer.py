@@ -45,6 +45,8 @@ from typing import Any, Iterator, Literal
 
 import torch
 
+from moectl.core.arith import ceil_div
+
 from moectl.core.config.schema import OptimizerConfig
 from trainer.distributed.bucket import Bucket, Piece
 from trainer.distributed.bucket_group import BucketGroup
@@ -81,7 +83,7 @@ def chunk_decay_flags(pieces: list[tuple[int, int, bool]], n: int, chunk: int, s
     chunk; params do, in the bucket). None where a chunk holds elements of a decayed and of an undecayed param.
     Padding between pieces takes its chunk's flag: its masters, grads and moments are zero, so decay leaves it
     zero."""
-    flags = torch.zeros(-(-(n + shift) // chunk), dtype=torch.uint8)
+    flags = torch.zeros(ceil_div(n + shift, chunk), dtype=torch.uint8)
     ends: dict[int, bool] = {}  # only a piece's first and last chunk can be shared with another piece
     for a, b, d in pieces:
         first, last = (a + shift) // chunk, (b - 1 + shift) // chunk

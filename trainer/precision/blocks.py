@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import torch
 
+from moectl.core.arith import ceil_div
+
 from trainer.kernels.fp8_transpose_triton import transpose_torch
 import torch.nn.functional as F
 
 
 def num_blocks(n: int, b: int) -> int:
     """Blocks of size `b` covering `n` elements."""
-    return -(-n // b)
+    return ceil_div(n, b)
 
 
 def to_blocks(x: torch.Tensor, bh: int, bw: int) -> torch.Tensor:

@@ -26,6 +26,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from moectl.core.arith import round_up
+
 from .groups import Jagged, TokenGroups
 from .kinds import KIND_MODULES
 from .qdata import QuantizedData
@@ -66,7 +68,7 @@ class ByteLayout:
 
 
 def _align(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
+    return round_up(n, ALIGN)
 
 
 @dataclass
