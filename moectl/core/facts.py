@@ -4,6 +4,7 @@ the checkpoint format, the engine's math and the kernels all read the same value
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal, Optional, get_args
 
@@ -13,6 +14,12 @@ ACTIVATIONS: tuple[str, ...] = get_args(Activation)
 # Gated activations read a gate and an up half from fc1, whose output is then 2F wide (H = 2F).
 GATED_ACTIVATIONS: tuple[str, ...] = ("swiglu", "quick_geglu")
 QUICK_GELU_ALPHA = 1.702  # quick_gelu(x) = x * sigmoid(1.702 x), as in CLIP and TE's ScaledClampedQGeGLU
+
+
+def expert_capacity(capacity_factor: float, num_tokens: int, topk: int, num_experts: int) -> int:
+    """Routings an expert may take under a capacity: ceil(factor * T*K / E) (the dispatchers drop the rest;
+    the rules size what depends on it)."""
+    return math.ceil(capacity_factor * num_tokens * topk / num_experts)
 
 
 def check_activation(activation: str) -> None:

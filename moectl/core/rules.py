@@ -93,7 +93,7 @@ from typing import Any, Callable, Iterator, Literal, Mapping, Optional, Sequence
 
 from moectl.core import hardware
 from moectl.core.arith import round_up
-from moectl.core.facts import GATED_ACTIVATIONS, RECIPE_ALIGN
+from moectl.core.facts import GATED_ACTIVATIONS, RECIPE_ALIGN, expert_capacity
 from moectl.core.config.schema import Config
 from moectl.core.gpu_memory import GpuMemory
 from moectl.core.overlap import overlap_policy
@@ -1390,7 +1390,8 @@ def dynamic_ep_exchange_runs_eagerly(c: Context) -> Iterator[_Hit]:
     "moe",
     "error",
     ["moe.ep_overlap_chunks", "parallel.expert_model_parallel_size", "moe.token_dispatcher", "moe.capacity_factor",
-     "moe.pad_expert_input_to_capacity", "moe.delay_wgrad_compute", "mixed_precision.fp8_recipe"],
+     "moe.pad_expert_input_to_capacity", "moe.delay_wgrad_compute", "mixed_precision.fp8_recipe",
+     "train.micro_batch_size", "model.seq_length"],
     "the overlapped expert-parallel exchange needs the all-to-all under drop-and-pad",
 )
 def ep_overlap_chunks_needs_static_alltoall(c: Context) -> Iterator[_Hit]:
@@ -1401,8 +1402,8 @@ def ep_overlap_chunks_needs_static_alltoall(c: Context) -> Iterator[_Hit]:
     rank (one rank sends nothing), and it does not mix with delay_wgrad_compute, which hides the weight grads
     behind the one backward all-to-all instead, nor with the delayed fp8 recipe, whose amax history assumes
     one quantization per operand and micro-batch (chunks would record n). The chunk count must also divide
-    each expert's capacity, ceil(capacity_factor * T * topk / E) for the T tokens of a rank's micro-batch: the
-    first forward checks that and names the capacity."""
+    each expert's capacity, ceil(capacity_factor * T * topk / E) for the T = micro_batch_size * seq_length
+    tokens of a rank's micro-batch (the dispatcher checks it again at its first forward)."""
     m, ep = c.cfg.moe, c.cfg.parallel.expert_model_parallel_size
     n = m.ep_overlap_chunks
     if n < 1:
@@ -1420,6 +1421,13 @@ def ep_overlap_chunks_needs_static_alltoall(c: Context) -> Iterator[_Hit]:
             "set those (e.g. moe.capacity_factor=1.0 and moe.pad_expert_input_to_capacity=true), or "
             "moe.ep_overlap_chunks=1",
         )
+    elif ep > 1:
+        tokens = c.cfg.train.micro_batch_size * c.cfg.model.seq_length
+        cap = expert_capacity(m.capacity_factor, tokens, m.router_topk, m.num_experts)
+        if m.num_experts > 0 and cap % n:
+            yield _Hit(f"moe.ep_overlap_chunks={n} must divide each expert's capacity, {cap} rows (capacity_factor "
+                       f"{m.capacity_factor} x {tokens} tokens x topk {m.router_topk} / {m.num_experts} experts)",
+                       f"choose a divisor of {cap}, or moe.ep_overlap_chunks=1")  # fmt: skip
     if m.delay_wgrad_compute:
         yield _Hit(f"moe.ep_overlap_chunks={n} with moe.delay_wgrad_compute=true: two overlaps of one all-to-all",
                    "set moe.delay_wgrad_compute=false, or moe.ep_overlap_chunks=1")  # fmt: skip

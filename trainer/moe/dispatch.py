@@ -28,7 +28,6 @@ Host syncs: only to size P when routings are dropped (a capacity without pad-to-
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -36,6 +35,7 @@ import torch
 
 from moectl.core.arith import round_up
 from moectl.core.errors import ConfigError
+from moectl.core.facts import expert_capacity
 from trainer.moe.delayed_wgrad import flush_point
 from trainer.moe.permute import combine_rows, dispatch_rows
 from trainer.moe.router import RouterOutput, compact_ids
@@ -56,11 +56,6 @@ class DispatchPlan:
     tokens_per_expert_E: torch.Tensor  # kept routings per expert, before padding (int64)
     rows_per_expert_E: torch.Tensor  # rows per expert in x_PD, padding included (int64)
     num_dropped: torch.Tensor  # routings dropped by the capacity (int64 scalar)
-
-
-def capacity(capacity_factor: float, num_tokens: int, topk: int, num_experts: int) -> int:
-    """Routings an expert may take: ceil(factor * T*K / E)."""
-    return math.ceil(capacity_factor * num_tokens * topk / num_experts)
 
 
 
@@ -99,7 +94,7 @@ class LocalDispatcher:
         if not self.pad_to_capacity:
             return None
         assert self.capacity_factor is not None
-        return round_up(capacity(self.capacity_factor, T, K, self.num_experts), self.align)
+        return round_up(expert_capacity(self.capacity_factor, T, K, self.num_experts), self.align)
 
     def kept_per_expert(self, router_out: RouterOutput) -> torch.Tensor:
         """Routings each expert keeps after the capacity drop (`[E]`, as `dispatch` sizes them), from the
@@ -108,7 +103,7 @@ class LocalDispatcher:
         if self.capacity_factor is None:
             return counts_E
         T, K = router_out.indices_TK.shape
-        return torch.clamp(counts_E, max=capacity(self.capacity_factor, T, K, self.num_experts))
+        return torch.clamp(counts_E, max=expert_capacity(self.capacity_factor, T, K, self.num_experts))
 
     def dropless_rows(self, T: int, K: int) -> int:
         """P for dropless experts: T*K routings plus at most `align - 1` padding rows per expert, rounded down
@@ -133,7 +128,7 @@ class LocalDispatcher:
 
         key_N = experts_N
         if self.capacity_factor is not None:
-            C = capacity(self.capacity_factor, T, K, E)
+            C = expert_capacity(self.capacity_factor, T, K, E)
             # rank each routing within its expert by prob (desc), ties by routing index; keep rank < C
             by_prob_N = torch.argsort(probs_N.detach(), descending=True, stable=True)
             ranked_N = by_prob_N[torch.argsort(compact_ids(experts_N[by_prob_N], E), stable=True)]

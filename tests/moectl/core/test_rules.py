@@ -540,6 +540,10 @@ CASES = [
          ["parallel.expert_model_parallel_size=2", "moe.ep_overlap_chunks=2", *DROP_AND_PAD], world=2, pass_world=2,
          name="delayed-wgrad"),
     Case("MOE067", ["moe.ep_overlap_chunks=0"], ["moe.ep_overlap_chunks=1"], name="zero"),
+    # capacity 1.25 x T tokens x topk / E experts, with the default config's T, topk and E
+    Case("MOE067", ["parallel.expert_model_parallel_size=2", "moe.ep_overlap_chunks=3", *DROP_AND_PAD],
+         ["parallel.expert_model_parallel_size=2", "moe.ep_overlap_chunks=2", *DROP_AND_PAD], world=2, pass_world=2,
+         name="capacity-divisor"),
     Case("MOE067", ["parallel.expert_model_parallel_size=2", "moe.ep_overlap_chunks=2", *DROP_AND_PAD,
                     "mixed_precision.bf16=true", "mixed_precision.fp8=e4m3", "mixed_precision.fp8_recipe=delayed"],
          ["parallel.expert_model_parallel_size=2", "moe.ep_overlap_chunks=2", *DROP_AND_PAD, "mixed_precision.bf16=true",
