@@ -35,6 +35,17 @@ def _a2a(x: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int], g
     return out
 
 
+def _a2a_async(x: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int], group: "Group",
+               out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Any]:  # fmt: skip
+    """`_a2a` launched without waiting: `(out, work)`; `out` (the received rows' buffer) is allocated unless
+    given. The caller waits on `work` before reading `out`."""
+    x = x.contiguous()
+    if out is None:
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    work = dist.all_to_all_single(out, x, list(out_splits), list(in_splits), group=group.pg, async_op=True)
+    return out, work
+
+
 class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
@@ -49,10 +60,7 @@ class _AllToAll(torch.autograd.Function):
         out_splits, in_splits = ctx.splits
         if ctx.during is None:
             return _a2a(grad, in_splits, out_splits, ctx.group), None, None, None, None
-        grad = grad.contiguous()
-        out = grad.new_empty((sum(in_splits), *grad.shape[1:]))
-        work = dist.all_to_all_single(out, grad, list(in_splits), list(out_splits), group=ctx.group.pg,
-                                      async_op=True)  # fmt: skip
+        out, work = _a2a_async(grad, in_splits, out_splits, ctx.group)
         ctx.during()  # e.g. the expert weight grads (delayed wgrad) while the data grads are on the wire
         work.wait()
         return out, None, None, None, None
@@ -186,13 +194,10 @@ class Ticket:
 
     def launch(self, x: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int], group: "Group",
                forward: bool) -> None:  # fmt: skip
-        x = x.contiguous()
         landing = self.landings[forward]
         self.landings[forward] = None  # held by its user from here: autograd's ctx must not keep the buffer alive
-        rows = sum(out_splits)
-        self.out = x.new_empty((rows, *x.shape[1:])) if landing is None else landing.block(self.index, x, rows)
-        self.work = dist.all_to_all_single(self.out, x, list(out_splits), list(in_splits), group=group.pg,
-                                           async_op=True)  # fmt: skip
+        out = None if landing is None else landing.block(self.index, x, sum(out_splits))
+        self.out, self.work = _a2a_async(x, out_splits, in_splits, group, out)
 
     def wait(self) -> torch.Tensor:
         """The received rows; the current stream waits for them (the host does not)."""
@@ -207,8 +212,9 @@ class _A2AStart(torch.autograd.Function):
     # forward: launch x's all-to-all. backward: wait for the reverse one `_A2AWait.backward` launched, and
     # return its rows as x's grad (the incoming grad is a placeholder that only orders the two nodes).
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: "Group",  # type: ignore[override]
-                ticket: Ticket) -> torch.Tensor:  # fmt: skip
+    def forward(  # type: ignore[override]
+        ctx: Any, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: "Group", ticket: Ticket
+    ) -> torch.Tensor:
         ctx.ticket = ticket
         ticket.launch(x, out_splits, in_splits, group, forward=True)
         return x.new_empty(0)  # a placeholder: the rows arrive at the wait
@@ -221,8 +227,10 @@ class _A2AStart(torch.autograd.Function):
 class _A2AWait(torch.autograd.Function):
     # forward: wait for the rows. backward: launch the reverse all-to-all of their grad and return at once.
     @staticmethod
-    def forward(ctx: Any, _placeholder: torch.Tensor, out_splits: list[int], in_splits: list[int],  # type: ignore[override]
-                group: "Group", ticket: Ticket) -> torch.Tensor:  # fmt: skip
+    def forward(  # type: ignore[override]
+        ctx: Any, _placeholder: torch.Tensor, out_splits: list[int], in_splits: list[int], group: "Group",
+        ticket: Ticket,
+    ) -> torch.Tensor:
         ctx.splits, ctx.group, ctx.ticket = (out_splits, in_splits), group, ticket
         return ticket.wait()
 
@@ -272,7 +280,9 @@ class _Join(torch.autograd.Function):
 class _Split(torch.autograd.Function):
     # x's row blocks; backward: the landing's buffer when the blocks' grads landed in it in order (no copy)
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, rows: int, landing: Landing) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        ctx: Any, x: torch.Tensor, rows: int, landing: Landing
+    ) -> tuple[torch.Tensor, ...]:
         ctx.landing = landing
         return tuple(x.split(rows))
 
