@@ -1200,13 +1200,17 @@ def device_offset_recipe(cfg: Config) -> bool:
     return mp.fp8_recipe in ("tensorwise", "delayed", "rowwise") and all(d % 16 == 0 for d in dims)
 
 
-def static_token_exchange(cfg: Config) -> bool:
-    """Whether the tokens reach their experts without a host sync: one expert-parallel rank, or the
-    all-to-all under drop-and-pad, whose split sizes are fixed by the config (trainer/moe/dispatch_alltoall.py)."""
+def padded_alltoall(cfg: Config) -> bool:
+    """Whether the experts' tokens travel by the all-to-all under drop-and-pad, whose split sizes are fixed by
+    the config (trainer/moe/dispatch_alltoall.py)."""
     m = cfg.moe
-    return cfg.parallel.expert_model_parallel_size <= 1 or (
-        m.token_dispatcher == "alltoall" and m.capacity_factor is not None and m.pad_expert_input_to_capacity
-    )
+    return m.token_dispatcher == "alltoall" and m.capacity_factor is not None and m.pad_expert_input_to_capacity
+
+
+def static_token_exchange(cfg: Config) -> bool:
+    """Whether the tokens reach their experts without a host sync: one expert-parallel rank, or
+    `padded_alltoall`."""
+    return cfg.parallel.expert_model_parallel_size <= 1 or padded_alltoall(cfg)
 
 
 def null_graph_policy(cfg: Config, major: int, *, assume_static_exchange: bool = False) -> bool:
@@ -1390,8 +1394,8 @@ def dynamic_ep_exchange_runs_eagerly(c: Context) -> Iterator[_Hit]:
     "moe",
     "error",
     ["moe.ep_overlap_chunks", "parallel.expert_model_parallel_size", "moe.token_dispatcher", "moe.capacity_factor",
-     "moe.pad_expert_input_to_capacity", "moe.delay_wgrad_compute", "mixed_precision.fp8_recipe",
-     "train.micro_batch_size", "model.seq_length"],
+     "moe.pad_expert_input_to_capacity", "moe.delay_wgrad_compute", "mixed_precision.fp8",
+     "mixed_precision.fp8_recipe", "train.micro_batch_size", "model.seq_length"],
     "the overlapped expert-parallel exchange needs the all-to-all under drop-and-pad",
 )
 def ep_overlap_chunks_needs_static_alltoall(c: Context) -> Iterator[_Hit]:
@@ -1414,7 +1418,7 @@ def ep_overlap_chunks_needs_static_alltoall(c: Context) -> Iterator[_Hit]:
     if ep <= 1:
         yield _Hit(f"moe.ep_overlap_chunks={n} with parallel.expert_model_parallel_size={ep}: no all-to-all to overlap",
                    "set moe.ep_overlap_chunks=1, or use expert parallelism")  # fmt: skip
-    if m.token_dispatcher != "alltoall" or m.capacity_factor is None or not m.pad_expert_input_to_capacity:
+    if not padded_alltoall(c.cfg):
         yield _Hit(
             f"moe.ep_overlap_chunks={n} needs static all-to-all splits: moe.token_dispatcher=alltoall, "
             "moe.capacity_factor and moe.pad_expert_input_to_capacity=true",
