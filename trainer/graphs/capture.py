@@ -202,7 +202,7 @@ def wants_cuda_graph(cfg: Config, device: torch.device, capability: tuple[int, i
     or Blackwell GPU (`capability`, else the device's), bf16 params, static expert rows
     (`static_expert_rows`), one expert-parallel rank or the all-to-all under drop-and-pad
     (`static_token_exchange`: ep=4 on 4 H100s, 374 -> 258 ms), a grouped backend (not loop or te), Adam or Muon, no
-    fp8 or fp8 tensorwise (e4m3 or hybrid), no delayed wgrad, no expert biases. Elsewhere `true` still works
+    fp8 or fp8 tensorwise (e4m3 or hybrid), no delayed wgrad. Elsewhere `true` still works
     (the rules say what it needs); null does not take the chance: `torch._grouped_mm` keeps its group offsets
     on the device only for bf16 on sm90/sm100, and falls back to a loop that reads them on the host for fp32 params or
     older GPUs. The policy itself is `moectl.core.rules.null_graph_policy`, which MOE064 shares."""

@@ -29,10 +29,10 @@ Two kernel families, the same sums in the same order (bitwise equal on an H100, 
 later the operands arrive by TMA (`_gram_kernel_tma`, `_axpby_kernel_tma`: a tall slice's transposed view is
 read as its own storage and transposed in shared memory); elsewhere, or for other layouts, pointer loads. A
 program owns one output tile of one batch slice (two row tiles in `_gram2_kernel_tma`); the reduction runs
-over K in BLOCK_K steps in a fixed order, so results are reproducible run to run (no autotuning either: a resumed run must pick the same
-kernel, or it would not be bitwise). The sizes are compile-time constants: a model has a handful. Shapes
-must tile exactly (`fits`); the caller keeps cuBLAS otherwise (`MOECTL_TRITON_NS=0` keeps it always,
-`MOECTL_NS_TMA=0` the pointer kernels).
+over K in BLOCK_K steps in a fixed order, so results are reproducible run to run (no autotuning either: a
+resumed run must pick the same kernel, or it would not be bitwise). The sizes are compile-time constants: a
+model has a handful. Shapes must tile exactly (`fits`); the caller keeps cuBLAS otherwise
+(`MOECTL_TRITON_NS=0` keeps it always, `MOECTL_NS_TMA=0` the pointer kernels).
 
 Where the Gram side spans an even number of tiles, a TMA program computes two row tiles against one column
 tile (`_gram2_kernel_tma`, 8 warps): the column tile's operand is loaded once for both, at the price of one
@@ -58,6 +58,7 @@ import triton
 import triton.language as tl
 
 from trainer.kernels import capability
+from trainer.switches import switched_off
 
 BLOCK_MN = 128  # the Gram's square output tiles (the mirror of tile (i, j) is tile (j, i)); B X's rows
 # (num_warps, num_stages, BLOCK_K) of the Gram kernel and (..., BLOCK_N) of B X: the fastest of a sweep on an
@@ -67,13 +68,16 @@ AXPBY_CONFIG = (8, 3, 64, 256)
 # the same for the TMA kernels (Hopper and later), from a sweep of 14 configs (docs/benchmarks.md, eleventh session)
 GRAM_TMA_CONFIG = (4, 3, 64)
 AXPBY_TMA_CONFIG = (8, 4, 64, 256)
+# two row tiles per TMA Gram program (`_gram2_kernel_tma`): the best of four (docs/benchmarks.md, eighteenth session)
 GRAM2_TMA_CONFIG = (8, 4, 64)
+BX_ENV = "MOECTL_NS_BX"  # who multiplies B into X in each step (`iterate`)
+BX_PATHS = ("cublas", "triton")
 
 
 def _two_row_tiles(m: int) -> bool:
     """Whether the TMA Gram runs two row tiles per program (`_gram2_kernel_tma`): an even number of tiles,
     unless `MOECTL_NS_GRAM2=0`."""
-    return (m // BLOCK_MN) % 2 == 0 and os.environ.get("MOECTL_NS_GRAM2", "1") != "0"
+    return (m // BLOCK_MN) % 2 == 0 and not switched_off("MOECTL_NS_GRAM2")
 
 
 def _config(name: str, default: tuple[int, ...]) -> tuple[int, ...]:
@@ -414,10 +418,6 @@ def iterate(x: torch.Tensor, steps: int, coefficients: tuple[float, float, float
         cur, nxt = nxt, cur
         scale = None
     return cur
-
-
-BX_ENV = "MOECTL_NS_BX"
-BX_PATHS = ("cublas", "triton")
 
 
 def bx_path() -> str:
