@@ -47,13 +47,18 @@ def _lerp(a, b, w):
 
 
 @triton.jit
-def _blend_kernel(g_ptr, m_ptr, out_ptr, partial_ptr, block0, coef, beta, NESTEROV: tl.constexpr,
-                  BLOCK: tl.constexpr):  # fmt: skip
+def _blend_kernel(g_ptr, m_ptr, out_ptr, partial_ptr, block0, coef, coef_ptr, skip_ptr, beta, NESTEROV: tl.constexpr,
+                  COEF_ON_DEVICE: tl.constexpr, SKIP: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    if COEF_ON_DEVICE:
+        coef = tl.load(coef_ptr)
     g = tl.load(g_ptr + offs).to(tl.float32) * coef
     m = _lerp(tl.load(m_ptr + offs), g, 1.0 - beta)
-    tl.store(m_ptr + offs, m)
+    if SKIP:  # a non-finite step: the momentum stays as it was (the blend is computed, and never applied)
+        tl.store(m_ptr + offs, m, mask=(offs >= 0) & (tl.load(skip_ptr) == 0.0))
+    else:
+        tl.store(m_ptr + offs, m)
     u = m
     if NESTEROV:
         u = _lerp(g, m, beta)
@@ -73,21 +78,28 @@ def _normalize_kernel(x_ptr, sumsq_ptr, eps, SLICE: tl.constexpr, BLOCK: tl.cons
 
 
 @triton.jit
-def _apply_kernel(p_ptr, o_ptr, q_ptr, decay, alpha, PUBLISH: tl.constexpr, BLOCK: tl.constexpr):
+def _apply_kernel(p_ptr, o_ptr, q_ptr, skip_ptr, decay, alpha, PUBLISH: tl.constexpr, SKIP: tl.constexpr,
+                  BLOCK: tl.constexpr):  # fmt: skip
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    keep = offs >= 0
+    if SKIP:  # a non-finite step: the master and the param stay as they were
+        keep = keep & (tl.load(skip_ptr) == 0.0)
     p = tl.load(p_ptr + offs) * decay
     p = p + alpha * tl.load(o_ptr + offs).to(tl.float32)
-    tl.store(p_ptr + offs, p)
+    tl.store(p_ptr + offs, p, mask=keep)
     if PUBLISH:  # round to nearest even, as staging's `copy_` casts
-        tl.store(q_ptr + offs, p.to(q_ptr.dtype.element_ty))
+        tl.store(q_ptr + offs, p.to(q_ptr.dtype.element_ty), mask=keep)
 
 
 def blend_(grad: torch.Tensor, momentum: torch.Tensor, out: torch.Tensor, partials: torch.Tensor, first_block: int,
-           *, coef: float, beta: float, nesterov: bool) -> None:
+           *, coef: float | torch.Tensor, beta: float, nesterov: bool, skip: torch.Tensor | None = None) -> None:
     """`momentum.lerp_(grad * coef, 1 - beta)`; `out` = the Nesterov blend (or the momentum) in its dtype;
     `partials[first_block + b]` = the sum of squares of block b of `out` (BLOCK elements; `slice_sums` turns
     them into per-slice sums). All contiguous, of one element count that is whole slices of `out`'s trailing
-    `[m, n]` (`fits`)."""
+    `[m, n]` (`fits`).
+
+    The device verdict (`grad_norm.GradVerdict`) may stay on the device: `coef` an fp32 scalar tensor read by
+    the kernel, `skip` an fp32 scalar (`found_inf`) that, when 1, leaves the momentum unwritten."""
     n, slice_elems = out.numel(), out.shape[-2] * out.shape[-1]
     if not (grad.is_contiguous() and momentum.is_contiguous() and out.is_contiguous()):
         raise ValueError("Muon's fused blend needs contiguous grad, momentum and output")
@@ -95,8 +107,15 @@ def blend_(grad: torch.Tensor, momentum: torch.Tensor, out: torch.Tensor, partia
         raise ValueError(f"Muon's fused blend: {grad.numel()}/{momentum.numel()}/{n} elements, slices of {slice_elems}")
     if partials.dtype != torch.float32 or first_block + n // BLOCK > partials.numel():
         raise ValueError(f"Muon's fused blend: {partials.numel()} partial sums, blocks {first_block}+{n // BLOCK}")
-    _blend_kernel[(n // BLOCK,)](grad, momentum, out, partials, first_block, coef, beta, NESTEROV=nesterov,
-                                 BLOCK=BLOCK, num_warps=8)  # fmt: skip
+    on_device = isinstance(coef, torch.Tensor)
+    for name, t in (("coef", coef if on_device else None), ("skip", skip)):
+        if t is not None and (t.numel() != 1 or t.dtype != torch.float32 or t.device != out.device):
+            raise ValueError(f"Muon's fused blend: {name} must be one fp32 element on {out.device}")
+    coef_ptr = coef if on_device else partials  # not read unless COEF_ON_DEVICE
+    _blend_kernel[(n // BLOCK,)](grad, momentum, out, partials, first_block, 1.0 if on_device else coef, coef_ptr,
+                                 partials if skip is None else skip, beta, NESTEROV=nesterov,
+                                 COEF_ON_DEVICE=on_device, SKIP=skip is not None, BLOCK=BLOCK,
+                                 num_warps=8)  # fmt: skip
 
 
 def slice_sums(partials: torch.Tensor, slice_elems: int) -> torch.Tensor:
@@ -113,13 +132,17 @@ def normalize_(X: torch.Tensor, sumsq: torch.Tensor, eps: float) -> None:
 
 
 def apply_(master: torch.Tensor, ortho: torch.Tensor, *, decay: float, alpha: float,
-           publish: torch.Tensor | None = None) -> None:
+           publish: torch.Tensor | None = None, skip: torch.Tensor | None = None) -> None:
     """`master = master * decay + alpha * ortho` in place (fp32 master, contiguous, whole blocks); `publish`
-    (contiguous, master's element count): also receives the new master cast to its dtype."""
+    (contiguous, master's element count): also receives the new master cast to its dtype. `skip` (one fp32
+    element on the device, `found_inf`): when 1, neither the master nor `publish` is written."""
     n = master.numel()
     if not (master.is_contiguous() and ortho.is_contiguous()) or ortho.numel() != n or n % BLOCK:
         raise ValueError(f"Muon's fused apply: master {tuple(master.shape)}, update {tuple(ortho.shape)}")
     if publish is not None and (not publish.is_contiguous() or publish.numel() != n):
         raise ValueError(f"Muon's fused apply: master {tuple(master.shape)}, published {tuple(publish.shape)}")
-    _apply_kernel[(n // BLOCK,)](master, ortho, master if publish is None else publish, decay, alpha,
-                                 PUBLISH=publish is not None, BLOCK=BLOCK, num_warps=8)  # fmt: skip
+    if skip is not None and (skip.numel() != 1 or skip.dtype != torch.float32 or skip.device != master.device):
+        raise ValueError(f"Muon's fused apply: skip must be one fp32 element on {master.device}")
+    _apply_kernel[(n // BLOCK,)](master, ortho, master if publish is None else publish,
+                                 master if skip is None else skip, decay, alpha, PUBLISH=publish is not None,
+                                 SKIP=skip is not None, BLOCK=BLOCK, num_warps=8)  # fmt: skip

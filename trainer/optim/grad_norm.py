@@ -104,6 +104,16 @@ class GradVerdict:
             return None
         return ((self.norm + CLIP_EPS) / max_norm).clamp(min=1.0).float()
 
+    def clip_factor(self, max_norm: float) -> torch.Tensor | None:
+        """`clip_coefficient` on the device: min(1, max_norm / (norm + 1e-6)), the same float64 operations, then
+        rounded to float32 (as a kernel's fp32 argument rounds the host value: the same bits). None when
+        clipping is off (`max_norm <= 0`)."""
+        if max_norm <= 0:
+            return None
+        # a true division: `max_norm / tensor` would multiply by the tensor's reciprocal (Tensor.__rtruediv__)
+        limit = torch.full_like(self.norm, max_norm)
+        return torch.div(limit, self.norm + CLIP_EPS).clamp(max=1.0).float()
+
     def start_read(self) -> None:
         """Queue the device-to-host copy of (norm, found_inf); idempotent."""
         if self._pending is None:

@@ -30,8 +30,11 @@ an fp32 matrix is its range of the param buffer (the update works in place, so t
 param and nothing is written back); other masters are built from `ParamStorage.init_source` and the init
 sources are released on every rank; the grad norm counts each rank's own shard (so every element once
 over the world) and a non-finite norm is agreed on by all ranks (`step(joint_norm=...)` takes the verdict
-a `ChainedOptimizer` computed over all its optimizers instead). The host reads the verdict before the
-update (Newton-Schulz has no `found_inf` input) and clips by a host factor.
+a `ChainedOptimizer` computed over all its optimizers instead). On CUDA the verdict stays on the device
+(`device_verdict`): the blend reads the clip coefficient and the skip flag, the apply reads the flag, and
+the host queues the whole step before it reads the norm, so the GPU does not idle while the host launches
+Newton-Schulz. On the CPU the host reads the verdict first and clips by a host factor (the coefficient is
+the same float64 formula either way, and the update the same operations, so the bits are too).
 """
 
 from __future__ import annotations
@@ -46,11 +49,14 @@ from moectl.core.facts import GluRows
 from trainer.distributed.bucket import Bucket
 from trainer.distributed.ddp import DistributedModel
 from trainer.optim.muon import glu_split_shape, resolve_compute_dtype
+from trainer.optim.grad_norm import GradVerdict
 from trainer.optim.muon_batch import MuonMatrix, muon_step_
 from trainer.optim.muon_routing import MUON_TAG, split_glu_rows
 from trainer.optim.sharded_base import Segment, ShardBase, ShardedOptimizerBase
+from trainer.switches import switched_off
 
 STATE_KEYS = ("master", "momentum_buffer")
+DEVICE_VERDICT_ENV = "MOECTL_MUON_DEVICE_VERDICT"
 
 
 @dataclass(frozen=True)
@@ -113,10 +119,16 @@ class LayerWiseMuon(ShardedOptimizerBase):
 
     def __init__(self, dmodel: DistributedModel, cfg: OptimizerConfig, *, tag: str = MUON_TAG,
                  on_nonfinite: Literal["stop", "skip"] = "stop",
-                 compute_dtype: torch.dtype | None = None, alias_masters: bool = True) -> None:
-        """`compute_dtype`: of Newton-Schulz; None resolves `cfg.muon_compute_dtype` on the params' device."""
+                 compute_dtype: torch.dtype | None = None, alias_masters: bool = True,
+                 device_verdict: bool | None = None) -> None:
+        """`compute_dtype`: of Newton-Schulz; None resolves `cfg.muon_compute_dtype` on the params' device.
+        `device_verdict`: whether the update reads the verdict on the device (None: on CUDA, unless
+        `MOECTL_MUON_DEVICE_VERDICT=0`; see the property)."""
         super().__init__(dmodel, cfg, tag=tag, on_nonfinite=on_nonfinite, alias_masters=alias_masters)
         self.compute_dtype = compute_dtype or resolve_compute_dtype(cfg.muon_compute_dtype, self.device)
+        if device_verdict is None:
+            device_verdict = self.device.type == "cuda" and not switched_off(DEVICE_VERDICT_ENV)
+        self._device_verdict = device_verdict
         for buf in self.buffers:  # per-tensor FP8 scales are agreed from shards: not wired for Muon (MOE010)
             if getattr(buf.storage, "needs_scales", False):
                 raise ValueError(f"{buf.key.describe()}: Muon supports no storage with per-tensor scales; use mxfp8 "
@@ -161,8 +173,9 @@ class LayerWiseMuon(ShardedOptimizerBase):
         return [(m.name, *m.slices) for s in self.shards for m in s.matrices]
 
     # ---------------------------------------------------------------- the step
-    def _update(self, lr: float, coef: float) -> None:
-        """One batched Muon step (`muon_batch.muon_step_`) over every owned matrix's fp32 master + momentum."""
+    def _matrices(self) -> list[MuonMatrix]:
+        """Every owned matrix's master, grad and momentum (views of the shards), and where its update is published
+        (the shard's range of the param buffer where staging is a plain cast, else None)."""
         matrices = []
         for s in self.shards:
             target = s.publish_target()
@@ -172,7 +185,31 @@ class LayerWiseMuon(ShardedOptimizerBase):
                 publish = None if target is None else target[m.lo:m.hi].view(shape)
                 matrices.append(MuonMatrix(s.master[m.lo:m.hi].view(shape), grad,
                                            s.momentum_buffer[m.lo:m.hi].view(shape), m.glu, publish))
-            s.published = target is not None  # every matrix of the shard; its padding never changes
+        return matrices
+
+    @property
+    def device_verdict(self) -> bool:
+        """Whether the update takes the clip coefficient and the skip flag as device tensors, so the host queues
+        the whole step (Newton-Schulz included) before it reads the norm: on CUDA by default, where otherwise
+        the GPU idles from that read until the host has launched the first batch. The CPU reads the verdict
+        first (nothing to overlap; the out-of-place skip would cost passes). `MOECTL_MUON_DEVICE_VERDICT=0` is
+        the A/B switch. The bits are the same either way."""
+        return self._device_verdict
+
+    def _step_matrices(self, lr: float, grad_scale: float | torch.Tensor,
+                       found_inf: Optional[torch.Tensor] = None) -> None:
+        matrices = self._matrices()
+        for s in self.shards:  # every matrix of a shard publishes or none does; its padding never changes
+            s.published = s.publish_target() is not None
         muon_step_(matrices, lr=lr, momentum=self.cfg.muon_momentum, nesterov=self.cfg.muon_nesterov,
                    ns_steps=self.cfg.muon_ns_steps, weight_decay=self.cfg.weight_decay,
-                   compute_dtype=self.compute_dtype, grad_scale=coef)
+                   compute_dtype=self.compute_dtype, grad_scale=grad_scale, found_inf=found_inf)
+
+    def _update(self, lr: float, coef: float) -> None:
+        """One batched Muon step (`muon_batch.muon_step_`) over every owned matrix's fp32 master + momentum."""
+        self._step_matrices(lr, coef)
+
+    def _update_on_device(self, lr: float, verdict: GradVerdict) -> None:
+        """`_update` with the clip coefficient and the skip flag read by the kernels on the device."""
+        coef = verdict.clip_factor(self.cfg.clip_grad)
+        self._step_matrices(lr, 1.0 if coef is None else coef, verdict.found_inf)

@@ -9,11 +9,13 @@ one `[B, m, n]` batch in the compute dtype and runs one batched iteration on it 
 What stays per matrix: the momentum EMA and the Nesterov blend (elementwise; the blend is written
 straight into the matrix's slot of the batch, so the only copy is the cast the compute dtype needs), the
 weight decay and the update with the matrix's own Moonlight scale, and the write of the new master into the
-bf16 param (`MuonMatrix.publish`, in the same pass: no separate staging copy reads the master again). On CUDA with a low-precision iteration
-those run as the fused kernels of `kernels/muon_triton.py` (`fused_elementwise` says when), which also
-apply the clip coefficient (`grad_scale`) on the fly; elsewhere as torch ops. Every op is the one `muon.muon_update_`
-runs on that matrix alone, and the batched fp32 GEMMs give each slice the same bits whatever else is in
-the batch (CPU, tested), so a grouped `[E, out, in]` weight and E per-expert weights stay bitwise alike.
+bf16 param (`MuonMatrix.publish`, in the same pass: no separate staging copy reads the master again). On
+CUDA with a low-precision iteration those run as the fused kernels of `kernels/muon_triton.py`
+(`fused_elementwise` says when), which also apply the clip coefficient (`grad_scale`) on the fly; elsewhere
+as torch ops. Both take the clip coefficient and the non-finite flag as device tensors too (the verdict left
+on the device, `layerwise.LayerWiseMuon.device_verdict`). Every op is the one `muon.muon_update_` runs on
+that matrix alone, and the batched fp32 GEMMs give each slice the same bits whatever else is in the batch
+(CPU, tested), so a grouped `[E, out, in]` weight and E per-expert weights stay bitwise alike.
 Against the 2-D GEMMs `muon_update_` runs on a lone `[m, n]` param, batched ones are bitwise equal on
 CPU except for tiny Gram matrices (min(m, n) <= 5 measured, MKL's small-GEMM path: rounding-level), so
 a run that is a single 2-D matrix keeps the 2-D GEMMs and only stacked 2-D matrices (e.g. every layer's
@@ -131,19 +133,24 @@ def fused_elementwise(run: Sequence[MuonMatrix], compute_dtype: torch.dtype) -> 
 
 @torch.no_grad()
 def muon_step_(matrices: Sequence[MuonMatrix], *, lr: float, momentum: float, nesterov: bool, ns_steps: int,
-               weight_decay: float, compute_dtype: torch.dtype, grad_scale: float = 1.0,
-               max_batch_elements: int = MAX_BATCH_ELEMENTS) -> None:
+               weight_decay: float, compute_dtype: torch.dtype, grad_scale: float | torch.Tensor = 1.0,
+               found_inf: Optional[torch.Tensor] = None, max_batch_elements: int = MAX_BATCH_ELEMENTS) -> None:
     """One Muon step in place on every matrix's master and momentum.
 
     `grad_scale`: the clip coefficient the grads are multiplied by first (`grad_norm.clipped`: in place
     on the torch path; the fused kernels scale on the fly and leave the grads as they were).
+
+    The verdict may stay on the device (`grad_norm.GradVerdict`, so the host queues the step before it knows
+    the norm): `grad_scale` an fp32 scalar tensor, `found_inf` an fp32 scalar that, when 1, leaves every
+    master, momentum, grad and published param as it was (the iteration still runs). The fused kernels read
+    both in place; the torch path computes out of place and keeps the old values where the flag is set.
 
     On CUDA the batches form a pipeline over two streams: while batch i's Newton-Schulz GEMMs run on the
     current stream, a side stream applies batch i-1's update and blends batch i+1 (memory-bound work under
     compute-bound GEMMs). Every kernel sees the same inputs as in sequence, so the bits are the same;
     `MOECTL_MUON_OVERLAP=0` runs the batches in sequence.
     """
-    step = _Step(lr, momentum, nesterov, weight_decay, compute_dtype, grad_scale)
+    step = _Step(lr, momentum, nesterov, weight_decay, compute_dtype, grad_scale, found_inf)
     runs = list(batches(matrices, max_batch_elements))
     if not runs:
         return
@@ -196,7 +203,8 @@ class _Step:
     nesterov: bool
     weight_decay: float
     compute_dtype: torch.dtype
-    grad_scale: float
+    grad_scale: float | torch.Tensor
+    found_inf: Optional[torch.Tensor] = None
 
     def prepare(self, run: list[MuonMatrix]) -> tuple[torch.Tensor, Optional[torch.Tensor], bool]:
         """Momentum EMA and Nesterov blend of every matrix of `run` into one new batch X; returns (X, each
@@ -214,9 +222,10 @@ class _Step:
             slot = X if X.dim() == 2 else X[at:at + mat.slices]
             if fused:
                 _kernels().blend_(mat.grad, mat.momentum, slot, partials, at * (m * n) // _kernels().BLOCK,
-                                  coef=self.grad_scale, beta=self.momentum, nesterov=self.nesterov)  # fmt: skip
+                                  coef=self.grad_scale, beta=self.momentum, nesterov=self.nesterov,
+                                  skip=self.found_inf)  # fmt: skip
             else:
-                _blend(mat, slot, self.grad_scale, self.momentum, self.nesterov)
+                _blend(mat, slot, self.grad_scale, self.momentum, self.nesterov, self.found_inf)
             at += mat.slices
         sumsq = None if partials is None else _kernels().slice_sums(partials, m * n)
         return X, sumsq, fused
@@ -230,7 +239,8 @@ class _Step:
             at += mat.slices
             alpha = -self.lr * muon_lr_scale(mat.shape)
             if fused:
-                _kernels().apply_(mat.master, ortho, decay=decay, alpha=alpha, publish=mat.publish)
+                _kernels().apply_(mat.master, ortho, decay=decay, alpha=alpha, publish=mat.publish,
+                                  skip=self.found_inf)
                 continue
             if mat.gathers:  # scatter the halves back into the weight's row order
                 whole = torch.empty(mat.master.shape, dtype=ortho.dtype, device=ortho.device)
@@ -239,22 +249,42 @@ class _Step:
                 ortho = whole
             else:
                 ortho = ortho.reshape(mat.master.shape)  # a view, maybe transposed
-            if self.weight_decay != 0:
-                mat.master.mul_(decay)
-            mat.master.add_(ortho, alpha=alpha)
+            if self.found_inf is None:
+                if self.weight_decay != 0:
+                    mat.master.mul_(decay)
+                mat.master.add_(ortho, alpha=alpha)
+                if mat.publish is not None:
+                    mat.publish.copy_(mat.master)
+                continue
+            # the verdict on the device: the same operations out of place, kept where the flag is 0
+            new = mat.master.mul(decay) if self.weight_decay != 0 else mat.master.clone()
+            new.add_(ortho, alpha=alpha)
+            skip = self.found_inf != 0
             if mat.publish is not None:
-                mat.publish.copy_(mat.master)
+                mat.publish.copy_(torch.where(skip, mat.publish, new.to(mat.publish.dtype)))
+            mat.master.copy_(torch.where(skip, mat.master, new))
 
 
-def _blend(mat: MuonMatrix, slot: torch.Tensor, grad_scale: float, momentum: float, nesterov: bool) -> None:
-    """The torch path of the momentum EMA and the Nesterov blend, written into the matrix's batch slot."""
-    grad = clipped(mat.grad, grad_scale)
-    mat.momentum.lerp_(grad, 1 - momentum)
+def _blend(mat: MuonMatrix, slot: torch.Tensor, grad_scale: float | torch.Tensor, momentum: float, nesterov: bool,
+           skip: Optional[torch.Tensor] = None) -> None:
+    """The torch path of the momentum EMA and the Nesterov blend, written into the matrix's batch slot.
+
+    With the verdict on the device (`grad_scale` a tensor, or a `skip` flag) nothing is written in place but
+    the slot until the new momentum is kept where the flag is 0; the grad is left unscaled, as the fused path
+    leaves it. The same operations either way, so the same bits."""
+    if skip is None and not isinstance(grad_scale, torch.Tensor):
+        grad = clipped(mat.grad, grad_scale)
+        buf = mat.momentum.lerp_(grad, 1 - momentum)
+    else:
+        grad = mat.grad.float() * grad_scale
+        buf = torch.lerp(mat.momentum, grad, 1 - momentum)
     if mat.gathers:  # the blend of the whole weight, its gate and up blocks gathered into the slot
-        update = torch.lerp(grad, mat.momentum, momentum) if nesterov else mat.momentum
+        update = torch.lerp(grad, buf, momentum) if nesterov else buf
         halves = glu_halves(update, mat.glu.interleave)  # type: ignore[union-attr]
         slot.view(halves.shape).copy_(halves)
     elif nesterov:  # computed in fp32, one cast on store
-        torch.lerp(grad, mat.momentum, momentum, out=slot.view(mat.master.shape))
+        torch.lerp(grad, buf, momentum, out=slot.view(mat.master.shape))
     else:
-        slot.view(mat.master.shape).copy_(mat.momentum)
+        slot.view(mat.master.shape).copy_(buf)
+    if buf is not mat.momentum:
+        mat.momentum.copy_(buf if skip is None else torch.where(skip != 0, mat.momentum, buf))

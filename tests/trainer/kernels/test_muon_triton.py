@@ -124,3 +124,38 @@ def test_fused_step_tracks_the_torch_step(monkeypatch: pytest.MonkeyPatch, neste
         # both bf16 steps within the bf16-vs-fp32 tolerance of the fp32 step (test_muon_batch.py's RANDOM_TOL)
         assert float((d - d32).norm() / d32.norm()) <= RANDOM_TOL, m.master.shape
         assert float((d_bf16 - d32).norm() / d32.norm()) <= RANDOM_TOL, m.master.shape
+
+
+@gpu
+@needs_kernels
+def test_blend_and_apply_read_the_verdict_on_the_device() -> None:
+    """`coef` as an fp32 device scalar gives the bits of the same host float; `skip` 1 leaves the momentum
+    (blend), the master and the published param (apply) unwritten, and `skip` 0 writes them as without it."""
+    from trainer.kernels import muon_triton
+
+    g, m, p = torch.randn(3, 2, 128, 256, device="cuda").unbind(0)
+    o = torch.randn(2, 128, 256, device="cuda").bfloat16()
+    blocks = g.numel() // muon_triton.BLOCK
+    zero, one = torch.zeros((), device="cuda"), torch.ones((), device="cuda")
+
+    def blend(coef: float | torch.Tensor, skip: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        mm, out, partials = m.clone(), torch.empty_like(o), torch.zeros(blocks, device="cuda")
+        muon_triton.blend_(g, mm, out, partials, 0, coef=coef, beta=0.9, nesterov=True, skip=skip)
+        return mm, out, partials
+
+    for coef in (0.3718, 1.0):
+        ref = blend(coef, None)
+        for got in (blend(torch.tensor(coef, device="cuda"), None), blend(torch.tensor(coef, device="cuda"), zero)):
+            assert all(torch.equal(a, b) for a, b in zip(ref, got))
+    assert not torch.equal(ref[0], m) and torch.equal(blend(0.5, one)[0], m)
+
+    def apply(skip: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        pp, q = p.clone(), p.bfloat16()
+        muon_triton.apply_(pp, o, decay=0.99, alpha=-0.1, publish=q, skip=skip)
+        return pp, q
+
+    ref = apply(None)
+    assert all(torch.equal(a, b) for a, b in zip(ref, apply(zero)))
+    skipped = apply(one)
+    assert not torch.equal(ref[0], p) and torch.equal(skipped[0], p) and torch.equal(skipped[1], p.bfloat16())
+

@@ -25,8 +25,9 @@ import pytest
 import torch
 
 from moectl.core.config.schema import OptimizerConfig
+from moectl.core.facts import GluRows
 from trainer.optim.muon import muon_update_, newton_schulz, resolve_compute_dtype
-from trainer.optim.muon_batch import MuonMatrix, batches, muon_step_
+from trainer.optim.muon_batch import MuonMatrix, batches, fused_elementwise, muon_step_
 
 RANDOM_TOL = 0.025
 RESOLVED = 2.0**-6  # singular values bf16 resolves, relative to the top one
@@ -253,3 +254,56 @@ def test_the_two_stream_pipeline_gives_the_sequential_bits(monkeypatch: pytest.M
         muon_step_(ref, **kw)  # type: ignore[arg-type]
     for m, r in zip(mats, ref):
         assert torch.equal(m.master, r.master) and torch.equal(m.momentum, r.momentum)
+
+
+def _verdict_mats(device: str, seed: int) -> list[MuonMatrix]:
+    """Wide, tall and grouped matrices, some publishing into a bf16 param, one gated fc1 with interleaved
+    gate/up blocks (its batch slot gathered) and one with `[gate; up]` rows: every branch of the step."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def t(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=gen).to(device)
+
+    shapes = [(64, 128), (2, 64, 128), (128, 64), (64, 128)]
+    mats = [MuonMatrix(t(*s), t(*s), t(*s), publish=t(*s).bfloat16() if i % 2 else None)
+            for i, s in enumerate(shapes)]
+    mats.append(MuonMatrix(t(128, 64), t(128, 64), t(128, 64), glu=GluRows(16), publish=t(128, 64).bfloat16()))
+    mats.append(MuonMatrix(t(2, 128, 64), t(2, 128, 64), t(2, 128, 64), glu=GluRows()))
+    return mats
+
+
+def _state(mats: list[MuonMatrix]) -> list[torch.Tensor]:
+    return [t.clone() for m in mats for t in (m.master, m.momentum, m.grad, m.publish) if t is not None]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_the_verdict_on_the_device_gives_the_host_bits_and_a_set_flag_writes_nothing(device: str,
+                                                                                     nesterov: bool) -> None:
+    """The clip coefficient as an fp32 device tensor and `found_inf` as a device flag (the update queued before
+    the host reads the norm, layerwise.LayerWiseMuon.device_verdict): with the flag 0 the bits of the host
+    coefficient's step, on the torch path and (CUDA, bf16) on the fused kernels; with the flag 1 every master,
+    momentum, grad and published param keeps its bits. A coefficient read wrongly (or ignored) moves every
+    element of the update; a flag ignored moves every master."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA (run on the device tool)")
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    hp = dict(lr=0.02, momentum=0.9, nesterov=nesterov, ns_steps=5, weight_decay=0.1, compute_dtype=dtype)
+    coef = 0.3718  # a clipped step: the grads scaled by a factor that rounds in fp32
+    host, dev = _verdict_mats(device, 8), _verdict_mats(device, 8)
+    grads = [m.grad.clone() for m in dev]
+    muon_step_(host, grad_scale=coef, **hp)  # type: ignore[arg-type]
+    flag = torch.zeros((), device=device)
+    muon_step_(dev, grad_scale=torch.tensor(coef, dtype=torch.float64, device=device).float(), found_inf=flag,
+               **hp)  # type: ignore[arg-type]
+    for h, d, g in zip(host, dev, grads):
+        assert torch.equal(h.master, d.master) and torch.equal(h.momentum, d.momentum), h.master.shape
+        assert h.publish is None or torch.equal(h.publish, d.publish)  # type: ignore[arg-type]
+        assert torch.equal(d.grad, g)  # the device path never scales the grads in place
+    before = _state(dev)
+    muon_step_(dev, grad_scale=torch.tensor(float("nan"), device=device), found_inf=flag + 1,
+               **hp)  # type: ignore[arg-type]
+    for a, b in zip(_state(dev), before):
+        assert torch.equal(a, b)
+    fused = [fused_elementwise(run, dtype) for run in batches(dev)]
+    assert fused == ([True, True, False] if device == "cuda" else [False] * 3)  # both paths ran on CUDA

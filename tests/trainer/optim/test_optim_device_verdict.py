@@ -279,12 +279,14 @@ def test_fused_skip_leaves_everything_bit_unchanged_and_stop_raises() -> None:
 
 
 # --------------------------------------------------------------------------------------- Muon + AdamW chain
-def _chain(alias: bool, on_nonfinite: str = "skip") -> tuple[ToyMoE, DistributedModel, ChainedOptimizer]:
+def _chain(alias: bool, on_nonfinite: str = "skip",
+           muon_device: bool | None = None) -> tuple[ToyMoE, DistributedModel, ChainedOptimizer]:
     cfg = OptimizerConfig(lr=0.02, weight_decay=0.1, clip_grad=3.0, muon_momentum=0.9)
     model = ToyMoE()
     dm = DistributedModel(model, ParallelConfig(bucket_size=100), ONE, **muon_model_options(True))
     policy: Any = on_nonfinite
-    members = [LayerWiseMuon(dm, cfg, tag=MUON_TAG, on_nonfinite=policy, alias_masters=alias),
+    members = [LayerWiseMuon(dm, cfg, tag=MUON_TAG, on_nonfinite=policy, alias_masters=alias,
+                             device_verdict=muon_device),
                DistributedOptimizer(dm, cfg, tag=ADAM_TAG, on_nonfinite=policy, fused=True, alias_masters=alias)]
     return model, dm, ChainedOptimizer(dm, members)
 
@@ -321,6 +323,71 @@ def test_chain_of_muon_and_fused_adamw_shares_one_device_verdict() -> None:
         assert torch.equal(pa[n], pb[n]), n
         for k, v in sa["params"][n].items():
             assert torch.equal(v, sb["params"][n][k]), (n, k)
+
+
+def test_muon_with_the_verdict_on_the_device_steps_the_host_bits_and_queues_before_reading(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`LayerWiseMuon(device_verdict=True)` (CUDA's default; here forced on the CPU's torch path): the update is
+    queued before the host reads the norm, the steps (clipped and not) give the host verdict's bits, and a
+    non-finite Muon grad leaves every param, master, momentum and grad as it was, under skip and stop."""
+    from trainer.optim import layerwise
+
+    events: list[str] = []
+    real_read, real_step = GradVerdict.read, layerwise.muon_step_
+
+    def read(self: GradVerdict) -> tuple[float, bool]:
+        events.append("read")
+        return real_read(self)
+
+    def step(*args: Any, **kwargs: Any) -> None:
+        events.append("device" if kwargs.get("found_inf") is not None else "host")
+        real_step(*args, **kwargs)
+
+    monkeypatch.setattr(GradVerdict, "read", read)
+    monkeypatch.setattr(layerwise, "muon_step_", step)
+    runs = []
+    for device in (False, True):
+        model, dm, chain = _chain(True, muon_device=device)
+        assert chain.members[0].device_verdict is device  # type: ignore[attr-defined]
+        norms = []
+        for i in range(4):
+            events.clear()
+            dm.zero_grad_buffer()
+            loss_fn(dm, i).backward()
+            dm.finish_grad_sync()
+            norms.append(chain.step(0.02).grad_norm)
+            assert events[:2] == (["device", "read"] if device else ["read", "host"]), events
+        runs.append((norms, {n: p.detach().clone() for n, p in model.named_parameters()}, chain.gather_logical_state()))
+    (na, pa, sa), (nb, pb, sb) = runs
+    assert na == nb and any(n > 3.0 for n in na) and not all(n > 3.0 for n in na)  # clipped steps and others
+    for n in pa:
+        assert torch.equal(pa[n], pb[n]), n
+        for k, v in sa["params"][n].items():
+            assert torch.equal(v, sb["params"][n][k]), (n, k)
+    for policy in ("skip", "stop"):
+        model, dm, chain = _chain(False, on_nonfinite=policy, muon_device=True)
+        dm.zero_grad_buffer()
+        loss_fn(dm, 0).backward()
+        dm.finish_grad_sync()
+        chain.step(0.02)
+        dm.zero_grad_buffer()
+        loss_fn(dm, 1).backward()
+        dm.finish_grad_sync()
+        model.experts.weight.main_grad.view(-1)[5] = float("inf")  # a Muon matrix's grad
+        before = ({n: p.detach().clone() for n, p in model.named_parameters()}, chain.gather_logical_state(),
+                  [b.grad_data.clone() for b in dm.buffers])
+        if policy == "skip":
+            assert chain.step(0.02).skipped and chain.step_count == 1
+        else:
+            with pytest.raises(NonFiniteGradError):
+                chain.step(0.02)
+        after = chain.gather_logical_state()
+        for n, p in model.named_parameters():
+            assert torch.equal(p.detach(), before[0][n]), (policy, n)
+            for k, v in before[1]["params"][n].items():
+                assert torch.equal(after["params"][n][k], v), (policy, n, k)
+        for b, g in zip(dm.buffers, before[2]):
+            assert torch.equal(b.grad_data, g), policy  # not scaled in place either
 
 
 # --------------------------------------------------------------------------------------- the norm
