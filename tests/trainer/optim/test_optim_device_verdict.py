@@ -498,6 +498,7 @@ FAST = [
     "model.seq_length=32", "moe.num_experts=4", "moe.ffn_hidden_size=16", "train.micro_batch_size=2",
     "train.global_batch_size=4", "data.source=synthetic", "train.eval_interval=null", "optimizer.lr_warmup_iters=1",
     "optimizer.lr_decay_iters=8", "logging.jsonl=false",
+    "train.device=cpu",  # the CPU AdamW paths, compared with CPU tensors, on a GPU host too
 ]
 
 
