@@ -28,17 +28,17 @@ With the cuBLAS product the first step's B takes `s` once instead (`s B' X = B' 
 Two kernel families, the same sums in the same order (bitwise equal on an H100, measured): on Hopper and
 later the operands arrive by TMA (`_gram_kernel_tma`, `_axpby_kernel_tma`: a tall slice's transposed view is
 read as its own storage and transposed in shared memory); elsewhere, or for other layouts, pointer loads. A
-program owns one output tile of one batch slice (two row tiles in `_gram2_kernel_tma`); the reduction runs
+program owns one output tile of one batch slice (or two row tiles, below); the reduction runs
 over K in BLOCK_K steps in a fixed order, so results are reproducible run to run (no autotuning either: a
 resumed run must pick the same kernel, or it would not be bitwise). The sizes are compile-time constants: a
 model has a handful. Shapes must tile exactly (`fits`); the caller keeps cuBLAS otherwise
 (`MOECTL_TRITON_NS=0` keeps it always, `MOECTL_NS_TMA=0` the pointer kernels).
 
 Where the Gram side spans an even number of tiles, a TMA program computes two row tiles against one column
-tile (`_gram2_kernel_tma`, 8 warps): the column tile's operand is loaded once for both, at the price of one
-wasted tile below the diagonal per row pair (40 computed for 36 needed at a 1024 side). Bitwise equal to the
-one-tile kernel (measured); the four shape groups 57.97 -> 56.19 ms on an H100 with (8, 4, 64), the best of
-four configs (`MOECTL_NS_GRAM2=0` keeps one tile per program).
+tile (`_gram_kernel_tma` with `ROWS` 2, 8 warps): the column tile's operand is loaded once for both, at the
+price of one wasted tile below the diagonal per row pair (40 computed for 36 needed at a 1024 side). Bitwise
+equal to one tile per program (tested); the four shape groups 57.97 -> 56.19 ms on an H100 with (8, 4, 64),
+the best of four configs (`MOECTL_NS_GRAM2=0` keeps one tile per program).
 
 Measured on an H100, the reference model's four shape groups, 5 steps: cuBLAS 89.3 ms (copies included),
 pointer kernels 68.2-70.3 ms, TMA 65.2-65.9 ms. Of the gate/up group's products, per step: `X X^T` at 516
@@ -68,14 +68,14 @@ AXPBY_CONFIG = (8, 3, 64, 256)
 # the same for the TMA kernels (Hopper and later), from a sweep of 14 configs (docs/benchmarks.md, eleventh session)
 GRAM_TMA_CONFIG = (4, 3, 64)
 AXPBY_TMA_CONFIG = (8, 4, 64, 256)
-# two row tiles per TMA Gram program (`_gram2_kernel_tma`): the best of four (docs/benchmarks.md, eighteenth session)
+# two row tiles per TMA Gram program (ROWS 2): the best of four (docs/benchmarks.md, eighteenth session)
 GRAM2_TMA_CONFIG = (8, 4, 64)
 BX_ENV = "MOECTL_NS_BX"  # who multiplies B into X in each step (`iterate`)
 BX_PATHS = ("cublas", "triton")
 
 
 def _two_row_tiles(m: int) -> bool:
-    """Whether the TMA Gram runs two row tiles per program (`_gram2_kernel_tma`): an even number of tiles,
+    """Whether the TMA Gram runs two row tiles per program (`_gram_kernel_tma`'s `ROWS`): an even number of tiles,
     unless `MOECTL_NS_GRAM2=0`."""
     return (m // BLOCK_MN) % 2 == 0 and not switched_off("MOECTL_NS_GRAM2")
 
@@ -110,8 +110,8 @@ def _upper_tiles(tiles: int, device: torch.device) -> torch.Tensor:
 
 @lru_cache(maxsize=None)
 def _upper_tile_pairs(tiles: int, device: torch.device) -> torch.Tensor:
-    """For `_gram2_kernel_tma`: (first row tile, col) with the first row tile even and col >= it, as an int32
-    `[programs, 2]` table on `device` (`tiles` even)."""
+    """For two row tiles per TMA Gram program: (first row tile, col) with the first row tile even and col >= it,
+    as an int32 `[programs, 2]` table on `device` (`tiles` even)."""
     pairs = [(i, j) for i in range(0, tiles, 2) for j in range(i, tiles)]
     return torch.tensor(pairs, dtype=torch.int32, device=device)
 
@@ -204,57 +204,39 @@ def _gram_epilogue_tma(acc, b, i0, j0, c_desc, out_desc, s_ptr, M: tl.constexpr,
 @triton.jit
 def _gram_kernel_tma(y_desc, c_desc, out_desc, s_ptr, pairs_ptr, M: tl.constexpr, K: tl.constexpr, alpha, beta,
                      diag, HAS_C: tl.constexpr, HAS_S: tl.constexpr, HAS_D: tl.constexpr, SCALE_POW: tl.constexpr,
-                     TRANS_Y: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr,
+                     TRANS_Y: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr,
                      STAGES: tl.constexpr):  # fmt: skip
     # y's storage as rows: `[B*M, K]` (TRANS_Y false) or, for the transposed view of a tall slice, `[B*K, M]`;
-    # c and out `[B*M, M]`. The sums run in the pointer kernel's order (K ascending).
-    pid = tl.program_id(0)
-    b = tl.program_id(1)
-    i0 = tl.load(pairs_ptr + 2 * pid) * BLOCK
-    j0 = tl.load(pairs_ptr + 2 * pid + 1) * BLOCK
-    acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
-    if TRANS_Y:
-        for kk in tl.range(0, K // BLOCK_K, num_stages=STAGES):
-            r = b * K + kk * BLOCK_K
-            acc = tl.dot(y_desc.load([r, i0]).T, y_desc.load([r, j0]), acc)
-    else:
-        for kk in tl.range(0, K // BLOCK_K, num_stages=STAGES):
-            acc = tl.dot(y_desc.load([b * M + i0, kk * BLOCK_K]), y_desc.load([b * M + j0, kk * BLOCK_K]).T, acc)
-    _gram_epilogue_tma(acc, b, i0, j0, c_desc, out_desc, s_ptr, M, alpha, beta, diag, HAS_C, HAS_S, HAS_D,
-                       SCALE_POW, BLOCK)  # fmt: skip
-
-
-@triton.jit
-def _gram2_kernel_tma(y_desc, c_desc, out_desc, s_ptr, pairs_ptr, M: tl.constexpr, K: tl.constexpr, alpha, beta,
-                      diag, HAS_C: tl.constexpr, HAS_S: tl.constexpr, HAS_D: tl.constexpr, SCALE_POW: tl.constexpr,
-                      TRANS_Y: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr,
-                      STAGES: tl.constexpr):  # fmt: skip
-    # `_gram_kernel_tma` for two row tiles (i0, i0 + BLOCK) against one column tile j0 >= i0: the column
-    # tile's operand is loaded once for both. With j0 == i0 the lower tile is below the diagonal: computed
-    # (the loop stays branch-free) but not stored; its mirror is the upper tile of program (i0, j0 + BLOCK).
+    # c and out `[B*M, M]`. The sums run in the pointer kernel's order (K ascending). ROWS row tiles (i0, and
+    # with 2 also i0 + BLOCK) against one column tile j0 >= i0: the column tile's operand is loaded once for
+    # both. With ROWS 2 and j0 == i0 the lower tile is below the diagonal: computed (the loop stays
+    # branch-free) but not stored; its mirror is the upper tile of program (i0, j0 + BLOCK).
     pid = tl.program_id(0)
     b = tl.program_id(1)
     i0 = tl.load(pairs_ptr + 2 * pid) * BLOCK
     j0 = tl.load(pairs_ptr + 2 * pid + 1) * BLOCK
     i1 = i0 + BLOCK
     acc0 = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
-    acc1 = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)  # ROWS == 2 only
     if TRANS_Y:
         for kk in tl.range(0, K // BLOCK_K, num_stages=STAGES):
             r = b * K + kk * BLOCK_K
             col = y_desc.load([r, j0])
             acc0 = tl.dot(y_desc.load([r, i0]).T, col, acc0)
-            acc1 = tl.dot(y_desc.load([r, i1]).T, col, acc1)
+            if ROWS == 2:
+                acc1 = tl.dot(y_desc.load([r, i1]).T, col, acc1)
     else:
         for kk in tl.range(0, K // BLOCK_K, num_stages=STAGES):
             col = y_desc.load([b * M + j0, kk * BLOCK_K]).T
             acc0 = tl.dot(y_desc.load([b * M + i0, kk * BLOCK_K]), col, acc0)
-            acc1 = tl.dot(y_desc.load([b * M + i1, kk * BLOCK_K]), col, acc1)
+            if ROWS == 2:
+                acc1 = tl.dot(y_desc.load([b * M + i1, kk * BLOCK_K]), col, acc1)
     _gram_epilogue_tma(acc0, b, i0, j0, c_desc, out_desc, s_ptr, M, alpha, beta, diag, HAS_C, HAS_S, HAS_D,
                        SCALE_POW, BLOCK)  # fmt: skip
-    if i1 <= j0:
-        _gram_epilogue_tma(acc1, b, i1, j0, c_desc, out_desc, s_ptr, M, alpha, beta, diag, HAS_C, HAS_S, HAS_D,
-                           SCALE_POW, BLOCK)  # fmt: skip
+    if ROWS == 2:
+        if i1 <= j0:
+            _gram_epilogue_tma(acc1, b, i1, j0, c_desc, out_desc, s_ptr, M, alpha, beta, diag, HAS_C, HAS_S,
+                               HAS_D, SCALE_POW, BLOCK)  # fmt: skip
 
 
 @triton.jit
@@ -324,18 +306,18 @@ def gram_(y: torch.Tensor, out: torch.Tensor, alpha: float = 1.0, beta: float = 
     flags = dict(HAS_C=c is not None, HAS_S=scale is not None, HAS_D=diag != 0.0, SCALE_POW=scale_power,
                  BLOCK=BLOCK_MN)
     if out.is_contiguous() and cc.is_contiguous() and _tma_ok(y, cc, out):
-        kernel, config = ((_gram2_kernel_tma, ("GRAM2_TMA", GRAM2_TMA_CONFIG)) if _two_row_tiles(m)
-                          else (_gram_kernel_tma, ("GRAM_TMA", GRAM_TMA_CONFIG)))  # fmt: skip
+        rows = 2 if _two_row_tiles(m) else 1
+        config = ("GRAM2_TMA", GRAM2_TMA_CONFIG) if rows == 2 else ("GRAM_TMA", GRAM_TMA_CONFIG)
         warps, stages, block_k = _config(*config)
-        if kernel is _gram2_kernel_tma:
+        if rows == 2:
             pairs = _upper_tile_pairs(m // BLOCK_MN, y.device)
         assert out.shape == (batch, m, m) and m % BLOCK_MN == 0 and k % block_k == 0, (tuple(y.shape), tuple(out.shape))
         y_rows, trans = _rows(y)
         descs = (TensorDescriptor.from_tensor(y_rows, [block_k, BLOCK_MN] if trans else [BLOCK_MN, block_k]),
                  TensorDescriptor.from_tensor(cc.reshape(-1, m), [BLOCK_MN, BLOCK_MN]),
                  TensorDescriptor.from_tensor(out.reshape(-1, m), [BLOCK_MN, BLOCK_MN]))  # fmt: skip
-        tuning = dict(TRANS_Y=trans, BLOCK_K=block_k, STAGES=stages, num_warps=warps, num_stages=stages)
-        kernel[(pairs.shape[0], batch)](*descs, ss, pairs, m, k, alpha, beta, diag, **flags, **tuning)
+        tuning = dict(TRANS_Y=trans, ROWS=rows, BLOCK_K=block_k, STAGES=stages, num_warps=warps, num_stages=stages)
+        _gram_kernel_tma[(pairs.shape[0], batch)](*descs, ss, pairs, m, k, alpha, beta, diag, **flags, **tuning)
         return out
     warps, stages, block_k = _config("GRAM", GRAM_CONFIG)
     assert out.shape == (batch, m, m) and m % BLOCK_MN == 0 and k % block_k == 0, (tuple(y.shape), tuple(out.shape))

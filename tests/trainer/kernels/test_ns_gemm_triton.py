@@ -72,6 +72,33 @@ def test_gram_is_the_symmetric_product(strided: bool, m: int, kernels: str) -> N
 
 
 @gpu
+@pytest.mark.parametrize("strided", [False, True])
+def test_two_row_tiles_per_program_give_the_one_tile_bits(strided: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The TMA Gram with ROWS 2 (even tile counts, the default) and with ROWS 1 (`MOECTL_NS_GRAM2=0`) sum the
+    same products in the same K order: bitwise equal, for the Gram and for B with every epilogue term. A row
+    tile paired with the wrong column tile, or the lower tile stored on the diagonal, changes bits."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the two-tile kernel is the TMA one (compute capability 9.0)")
+    from trainer.kernels import ns_gemm_triton as K
+
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    x = torch.randn(3, 512, 1024, device="cuda", generator=gen, dtype=torch.bfloat16)
+    y = x.mT if strided else x.mT.contiguous()  # [3, 1024, 512]: 8 tiles a side
+    s = torch.tensor([0.5, 2.0, 3.0], device="cuda")
+    outs = []
+    for two in ("1", "0"):
+        monkeypatch.setenv("MOECTL_NS_GRAM2", two)
+        assert K._two_row_tiles(1024) is (two == "1")
+        A = K.gram_(y, torch.empty(3, 1024, 1024, device="cuda", dtype=torch.bfloat16), scale=s)
+        c = A / A.abs().max()
+        B = K.gram_(c, torch.empty_like(A), alpha=2.0315, beta=-4.775, c=c, diag=3.4445, scale=s, scale_power=1)
+        outs.append((A, B))
+    (a2, b2), (a1, b1) = outs
+    assert torch.equal(a2, a1) and torch.equal(b2, b1)
+    _close(a1, (s[:, None, None] ** 2) * (y.float() @ y.float().mT))
+
+
+@gpu
 def test_axpby_is_the_product_plus_the_scaled_input_on_strided_views(kernels: str) -> None:
     from trainer.kernels import ns_gemm_triton as K
 
