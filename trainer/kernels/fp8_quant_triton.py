@@ -47,7 +47,6 @@ half-up, not to nearest even, so there it agrees with the eager path within one 
 
 from __future__ import annotations
 
-import os
 from typing import Any, NamedTuple, Optional
 
 import torch
@@ -63,6 +62,7 @@ except ImportError:  # pragma: no cover - older Triton
 from trainer.kernels import capability  # cached per device
 from trainer.kernels import fp8_scale
 from trainer.kernels.fp8_scale import FLT_MAX
+from trainer.switches import switched_off
 
 QUANT_BLOCK_M = 64
 QUANT_BLOCK_K = 128
@@ -381,7 +381,7 @@ def _col_tma_ok(col_BKM: torch.Tensor) -> bool:
         and col_BKM.shape[0] == 1
         and col_BKM.shape[2] % 16 == 0
         and col_BKM.data_ptr() % 16 == 0
-        and os.environ.get("MOECTL_QUANT_TMA", "1") != "0"
+        and not switched_off("MOECTL_QUANT_TMA")
         and (capability(col_BKM.device) or (0, 0))[0] >= 9
     )
 

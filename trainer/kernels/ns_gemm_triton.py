@@ -279,7 +279,7 @@ def _rows(t: torch.Tensor) -> tuple[torch.Tensor, bool] | None:
 
 def _tma_ok(*ts: torch.Tensor) -> bool:
     """Whether the TMA kernels take these operands: Hopper or later, each contiguous or a contiguous `.mT`."""
-    if TensorDescriptor is None or os.environ.get("MOECTL_NS_TMA", "1") == "0":
+    if TensorDescriptor is None or switched_off("MOECTL_NS_TMA"):
         return False
     t0 = ts[0]
     cap = capability(t0.device)  # cached device query

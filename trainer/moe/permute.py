@@ -20,12 +20,12 @@ appended row); `MOECTL_TRITON_GATHER_SUM=0` keeps the torch ops.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 
 from trainer.kernels import has_triton
+from trainer.switches import switched_off
 
 
 def _with_zero_row(t_XD: torch.Tensor) -> torch.Tensor:
@@ -41,7 +41,7 @@ def _gather_sum(t_XD: torch.Tensor, index_N: torch.Tensor, topk: int, zero_row: 
     """`[N / K, D]`: the K rows `index_N` picks for each output row, summed in fp32 in order k = 0..K-1."""
     if topk == 1:  # a plain row gather (the all-to-all's receiver side): nothing to sum
         return _gather(t_XD, index_N, zero_row)
-    if t_XD.is_cuda and os.environ.get("MOECTL_TRITON_GATHER_SUM", "1") != "0" and has_triton():
+    if t_XD.is_cuda and not switched_off("MOECTL_TRITON_GATHER_SUM") and has_triton():
         from trainer.kernels.gather_sum_triton import gather_sum
 
         return gather_sum(t_XD.contiguous(), index_N, topk)  # an index X (dropped) reads zeros

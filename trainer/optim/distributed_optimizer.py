@@ -39,7 +39,6 @@ It steps the buffers of one optimizer tag of a `DistributedModel`. Invariants:
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Literal
 
@@ -57,6 +56,7 @@ from trainer.optim.grad_norm import GradVerdict
 from trainer.optim.grad_norm import clipped
 from trainer.kernels import has_triton
 from trainer.optim.sharded_base import Segment, ShardBase, ShardedOptimizerBase
+from trainer.switches import switched_off
 
 STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
 #: "0": torch's fused AdamW kernel on CUDA instead of `kernels/adamw_triton.py`
@@ -67,7 +67,7 @@ DECAY_CHUNK = PARAM_ALIGN
 
 def wants_triton_adamw(device: torch.device) -> bool:
     """Whether fused AdamW on `device` runs `kernels/adamw_triton.py` (CUDA with Triton, not switched off)."""
-    return device.type == "cuda" and has_triton() and os.environ.get(TRITON_ADAMW_ENV, "1") != "0"
+    return device.type == "cuda" and has_triton() and not switched_off(TRITON_ADAMW_ENV)
 
 
 def adamw_triton() -> Any:

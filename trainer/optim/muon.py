@@ -64,10 +64,11 @@ equal (tested), which is what makes the two expert layouts train alike.
 from __future__ import annotations
 
 import math
-import os
 from typing import Optional
 
 import torch
+
+from trainer.switches import switched_off
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_EPS = 1e-7
@@ -173,7 +174,7 @@ def _iterate_fused(X: torch.Tensor, steps: int, tall: bool, scale: Optional[torc
 def _use_triton(X: torch.Tensor) -> bool:
     """Whether the Triton Newton-Schulz GEMMs (`kernels/ns_gemm_triton.py`) run this `[B, m, n]` batch: on
     CUDA, where its slices tile exactly, unless `MOECTL_TRITON_NS=0` keeps cuBLAS."""
-    if not X.is_cuda or os.environ.get(TRITON_NS_ENV, "1") == "0":
+    if not X.is_cuda or switched_off(TRITON_NS_ENV):
         return False
     from trainer.kernels import ns_gemm_triton
 

@@ -38,7 +38,6 @@ nothing once one GEMM fills the device.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Sequence
 
@@ -49,6 +48,7 @@ from trainer.kernels import has_triton
 from trainer.optim.grad_norm import clipped
 from trainer.optim.muon import glu_halves, glu_split_shape, muon_lr_scale, orthogonalize_
 from trainer.streams import side_stream
+from trainer.switches import switched_off
 
 #: elements per Newton-Schulz batch (2^28: 512 MiB per batch-sized tensor in bf16)
 MAX_BATCH_ELEMENTS = 1 << 28
@@ -191,7 +191,7 @@ def muon_step_(matrices: Sequence[MuonMatrix], *, lr: float, momentum: float, ne
 def _overlaps(runs: list[list[MuonMatrix]]) -> bool:
     """Whether the batches run as the two-stream pipeline: on CUDA, more than one batch, not switched off."""
     return (len(runs) > 1 and runs[0][0].master.device.type == "cuda"
-            and os.environ.get(OVERLAP_ENV, "1") != "0")  # fmt: skip
+            and not switched_off(OVERLAP_ENV))  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,6 @@ this base:
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Literal, NamedTuple, Optional
 
@@ -43,6 +42,7 @@ from trainer.distributed.param_sync import Action
 from trainer.optim.grad_norm import GradVerdict, clip_coefficient, global_grad_verdict, local_sq_sum
 from trainer.optim.logical_state import gather_logical_state
 from trainer.optim.step_result import NonFiniteGradError, StepResult
+from trainer.switches import switched_off
 
 
 #: "0": optimizers stage their bf16 params after the update instead of writing them in it (`ShardBase.publish_target`)
@@ -97,7 +97,7 @@ class ShardBase:
         storage offers (`ParamStorage.publish_view`: a plain high-precision buffer, whose staging is that cast
         copy and nothing else); None for an aliased master, or where the storage must stage (quantizing,
         grad-aliased)."""
-        if self.aliased or os.environ.get(PUBLISH_ENV, "1") == "0":
+        if self.aliased or switched_off(PUBLISH_ENV):
             return None
         return self.bucket.buffer.storage.publish_view(self.bucket, self.lo, self.hi)
 

@@ -17,12 +17,12 @@ fast paths off (comparisons, bisecting).
 from __future__ import annotations
 
 import math
-import os
 from typing import Optional
 
 import torch
 
 from trainer.kernels import has_triton
+from trainer.switches import switched_off
 
 from .blocks import transposed
 from .formats import fp8_format
@@ -47,7 +47,7 @@ def _triton_ok(x: torch.Tensor) -> bool:
         x.is_cuda
         and x.dtype in TRITON_DTYPES
         and x.numel() > 0
-        and os.environ.get("MOECTL_TRITON_QUANTIZE", "1") != "0"
+        and not switched_off("MOECTL_TRITON_QUANTIZE")
         and has_triton()
     )
 

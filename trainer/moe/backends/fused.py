@@ -41,7 +41,6 @@ sum(tokens_per_expert) are not computed by the GEMMs: the caller passes sum(toke
 from __future__ import annotations
 
 import contextlib
-import os
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -60,6 +59,7 @@ from trainer.precision.quantize import triton_fast_path
 from trainer.precision.recipes import TensorwiseRecipe
 from trainer.regions import GRAD_ACCUMULATE, region
 from trainer.streams import side_stream
+from trainer.switches import switched_off
 
 WgradTargets = tuple[list[torch.Tensor], list[torch.Tensor]]  # fc1's and fc2's per-expert fp32 grad targets
 Grads = tuple[
@@ -167,7 +167,7 @@ class FusedBackend:
     def __init__(self, device: torch.device | str | None = None, overlap_wgrad: bool | None = None) -> None:
         self.device = torch.device(device) if device is not None else None
         if overlap_wgrad is None:
-            overlap_wgrad = os.environ.get("MOECTL_FUSED_OVERLAP_WGRAD", "1") != "0"
+            overlap_wgrad = not switched_off("MOECTL_FUSED_OVERLAP_WGRAD")
         self.overlap_wgrad = overlap_wgrad
 
     @staticmethod
