@@ -221,15 +221,20 @@ def _gram_kernel_tma(y_desc, c_desc, out_desc, s_ptr, pairs_ptr, M: tl.constexpr
     if TRANS_Y:
         for kk in tl.range(0, K // BLOCK_K, num_stages=STAGES):
             r = b * K + kk * BLOCK_K
-            col = y_desc.load([r, j0])
-            acc0 = tl.dot(y_desc.load([r, i0]).T, col, acc0)
-            if ROWS == 2:
+            if ROWS == 1:  # the row tile's operand issued first, as the kernel was tuned
+                acc0 = tl.dot(y_desc.load([r, i0]).T, y_desc.load([r, j0]), acc0)
+            else:
+                col = y_desc.load([r, j0])
+                acc0 = tl.dot(y_desc.load([r, i0]).T, col, acc0)
                 acc1 = tl.dot(y_desc.load([r, i1]).T, col, acc1)
     else:
         for kk in tl.range(0, K // BLOCK_K, num_stages=STAGES):
-            col = y_desc.load([b * M + j0, kk * BLOCK_K]).T
-            acc0 = tl.dot(y_desc.load([b * M + i0, kk * BLOCK_K]), col, acc0)
-            if ROWS == 2:
+            if ROWS == 1:
+                acc0 = tl.dot(y_desc.load([b * M + i0, kk * BLOCK_K]), y_desc.load([b * M + j0, kk * BLOCK_K]).T,
+                              acc0)
+            else:
+                col = y_desc.load([b * M + j0, kk * BLOCK_K]).T
+                acc0 = tl.dot(y_desc.load([b * M + i0, kk * BLOCK_K]), col, acc0)
                 acc1 = tl.dot(y_desc.load([b * M + i1, kk * BLOCK_K]), col, acc1)
     _gram_epilogue_tma(acc0, b, i0, j0, c_desc, out_desc, s_ptr, M, alpha, beta, diag, HAS_C, HAS_S, HAS_D,
                        SCALE_POW, BLOCK)  # fmt: skip
