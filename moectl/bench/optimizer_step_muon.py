@@ -56,7 +56,10 @@ def build_muon(shape: Any, device: torch.device, lr: float,
     def update() -> None:  # the Muon member's update alone: momentum, batched Newton-Schulz, apply
         muon.compute_dtype = torch.bfloat16
         with torch.no_grad():
-            muon._update(lr, 1.0)
+            if muon.device_verdict:  # CUDA: the step's update reads the verdict on the device
+                muon._update_on_device(lr, muon.grad_verdict())
+            else:
+                muon._update(lr, 1.0)
 
     return muon, {**{key: step_in(dt) for key, dt in MUON_STEPS.items()}, MUON_PART: update}
 

@@ -9,7 +9,8 @@ Megatron's `ChainedOptimizer([LayerWise(Muon), DistOpt(Adam)])` (#4771). Per `st
    `GradVerdict` on the device: a member whose update takes it as tensors queues its update before any
    host read);
 3. every member steps with that (norm, found_inf): all skip together (`on_nonfinite: skip`), or the
-   first raises `NonFiniteGradError` on every rank before any update (`stop`); otherwise each updates
+   first raises `NonFiniteGradError` on every rank (`stop`), before any update or after one queued with the
+   verdict on the device that the flag leaves writing nothing; otherwise each updates
    its masters with the same clip factor, stages and gathers only its own bucket groups.
 
 The logical state interface (`gather_logical_state`, `load_logical_state`, `step_count`) is the members'

@@ -48,8 +48,8 @@ from moectl.core.config.schema import OptimizerConfig
 from moectl.core.facts import GluRows
 from trainer.distributed.bucket import Bucket
 from trainer.distributed.ddp import DistributedModel
-from trainer.optim.muon import glu_split_shape, resolve_compute_dtype
 from trainer.optim.grad_norm import GradVerdict
+from trainer.optim.muon import glu_split_shape, resolve_compute_dtype
 from trainer.optim.muon_batch import MuonMatrix, muon_step_
 from trainer.optim.muon_routing import MUON_TAG, split_glu_rows
 from trainer.optim.sharded_base import Segment, ShardBase, ShardedOptimizerBase
@@ -198,6 +198,9 @@ class LayerWiseMuon(ShardedOptimizerBase):
 
     def _step_matrices(self, lr: float, grad_scale: float | torch.Tensor,
                        found_inf: Optional[torch.Tensor] = None) -> None:
+        """`muon_batch.muon_step_` over every owned matrix, the clip and skip as floats or device tensors.
+        Marks each shard published where the update writes its params (also on a step the flag skips: staging
+        does not run then, and the params still equal the masters' cast)."""
         matrices = self._matrices()
         for s in self.shards:  # every matrix of a shard publishes or none does; its padding never changes
             s.published = s.publish_target() is not None

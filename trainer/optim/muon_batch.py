@@ -137,8 +137,9 @@ def muon_step_(matrices: Sequence[MuonMatrix], *, lr: float, momentum: float, ne
                found_inf: Optional[torch.Tensor] = None, max_batch_elements: int = MAX_BATCH_ELEMENTS) -> None:
     """One Muon step in place on every matrix's master and momentum.
 
-    `grad_scale`: the clip coefficient the grads are multiplied by first (`grad_norm.clipped`: in place
-    on the torch path; the fused kernels scale on the fly and leave the grads as they were).
+    `grad_scale`: the clip coefficient the grads are multiplied by first (`grad_norm.clipped`: in place on
+    the torch path with a host verdict; the fused kernels, and the torch path with a device verdict, leave
+    the grads as they were).
 
     The verdict may stay on the device (`grad_norm.GradVerdict`, so the host queues the step before it knows
     the norm): `grad_scale` an fp32 scalar tensor, `found_inf` an fp32 scalar that, when 1, leaves every
@@ -259,10 +260,10 @@ class _Step:
             # the verdict on the device: the same operations out of place, kept where the flag is 0
             new = mat.master.mul(decay) if self.weight_decay != 0 else mat.master.clone()
             new.add_(ortho, alpha=alpha)
-            skip = self.found_inf != 0
+            skip = self.found_inf != 0  # where() writes into the kept tensor: no third full-size temporary
             if mat.publish is not None:
-                mat.publish.copy_(torch.where(skip, mat.publish, new.to(mat.publish.dtype)))
-            mat.master.copy_(torch.where(skip, mat.master, new))
+                torch.where(skip, mat.publish, new.to(mat.publish.dtype), out=mat.publish)
+            torch.where(skip, mat.master, new, out=mat.master)
 
 
 def _blend(mat: MuonMatrix, slot: torch.Tensor, grad_scale: float | torch.Tensor, momentum: float, nesterov: bool,
@@ -276,7 +277,7 @@ def _blend(mat: MuonMatrix, slot: torch.Tensor, grad_scale: float | torch.Tensor
         grad = clipped(mat.grad, grad_scale)
         buf = mat.momentum.lerp_(grad, 1 - momentum)
     else:
-        grad = mat.grad.float() * grad_scale
+        grad = torch.mul(mat.grad.float(), grad_scale)  # a new fp32 tensor: the grad is not scaled in place
         buf = torch.lerp(mat.momentum, grad, 1 - momentum)
     if mat.gathers:  # the blend of the whole weight, its gate and up blocks gathered into the slot
         update = torch.lerp(grad, buf, momentum) if nesterov else buf
@@ -287,4 +288,7 @@ def _blend(mat: MuonMatrix, slot: torch.Tensor, grad_scale: float | torch.Tensor
     else:
         slot.view(mat.master.shape).copy_(buf)
     if buf is not mat.momentum:
-        mat.momentum.copy_(buf if skip is None else torch.where(skip != 0, mat.momentum, buf))
+        if skip is None:
+            mat.momentum.copy_(buf)
+        else:
+            torch.where(skip != 0, mat.momentum, buf, out=mat.momentum)

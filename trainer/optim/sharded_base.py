@@ -21,8 +21,9 @@ this base:
   state, step count, params and grads bit-unchanged; then clips, updates (the subclass), stages every
   owned group and gathers now, or lazily by the next forward's pre-hooks with `overlap_param_gather`.
   A subclass whose update takes the verdict as device tensors (`device_verdict`: fused AdamW's
-  `grad_scale`/`found_inf`) has its update queued before the host reads the verdict, so there is no
-  host sync between the norm and the update; the others read it first and clip by a host factor;
+  `grad_scale`/`found_inf`, Muon's clip factor and flag on CUDA) has its update queued before the host
+  reads the verdict, so there is no host sync between the norm and the update; the others read it first
+  and clip by a host factor;
 - `load_logical_state` takes this rank's ranges of full per-name state and writes the masters into the
   params (stage + synchronous gather).
 """
@@ -221,9 +222,10 @@ class ShardedOptimizerBase:
         raise NotImplementedError
 
     def _update_on_device(self, lr: float, verdict: GradVerdict) -> None:
-        """Queue the update with the verdict still on the device: grads clipped by `verdict.grad_scale`,
-        masters, moments and grads left bit-unchanged where `verdict.found_inf` is 1 (`step_count` is
-        already this step's; the caller takes it back on a skip). Only when `device_verdict`."""
+        """Queue the update with the verdict still on the device: grads clipped by it (`verdict.grad_scale`
+        or `verdict.clip_factor`), masters, moments and grads left bit-unchanged where `verdict.found_inf`
+        is 1 (`step_count` is already this step's; the caller takes it back on a skip). Only when
+        `device_verdict`."""
         raise NotImplementedError
 
     def _stage_and_gather(self, *, force_sync: bool) -> None:

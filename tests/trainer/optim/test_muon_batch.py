@@ -278,8 +278,9 @@ def _state(mats: list[MuonMatrix]) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("nesterov", [True, False])
-def test_the_verdict_on_the_device_gives_the_host_bits_and_a_set_flag_writes_nothing(device: str,
-                                                                                     nesterov: bool) -> None:
+@pytest.mark.parametrize("clip", [True, False], ids=["clipped", "clip-off"])
+def test_the_verdict_on_the_device_gives_the_host_bits_and_a_set_flag_writes_nothing(device: str, nesterov: bool,
+                                                                                     clip: bool) -> None:
     """The clip coefficient as an fp32 device tensor and `found_inf` as a device flag (the update queued before
     the host reads the norm, layerwise.LayerWiseMuon.device_verdict): with the flag 0 the bits of the host
     coefficient's step, on the torch path and (CUDA, bf16) on the fused kernels; with the flag 1 every master,
@@ -289,19 +290,21 @@ def test_the_verdict_on_the_device_gives_the_host_bits_and_a_set_flag_writes_not
         pytest.skip("needs CUDA (run on the device tool)")
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     hp = dict(lr=0.02, momentum=0.9, nesterov=nesterov, ns_steps=5, weight_decay=0.1, compute_dtype=dtype)
-    coef = 0.3718  # a clipped step: the grads scaled by a factor that rounds in fp32
+    # clipped: the grads scaled by a factor that rounds in fp32, passed as a device tensor; clipping off: the
+    # host float 1.0 with only the flag on the device (`LayerWiseMuon` with `clip_grad: 0`)
+    coef = 0.3718 if clip else 1.0
     host, dev = _verdict_mats(device, 8), _verdict_mats(device, 8)
     grads = [m.grad.clone() for m in dev]
     muon_step_(host, grad_scale=coef, **hp)  # type: ignore[arg-type]
     flag = torch.zeros((), device=device)
-    muon_step_(dev, grad_scale=torch.tensor(coef, dtype=torch.float64, device=device).float(), found_inf=flag,
-               **hp)  # type: ignore[arg-type]
+    dev_coef = torch.tensor(coef, dtype=torch.float64, device=device).float() if clip else 1.0
+    muon_step_(dev, grad_scale=dev_coef, found_inf=flag, **hp)  # type: ignore[arg-type]
     for h, d, g in zip(host, dev, grads):
         assert torch.equal(h.master, d.master) and torch.equal(h.momentum, d.momentum), h.master.shape
         assert h.publish is None or torch.equal(h.publish, d.publish)  # type: ignore[arg-type]
         assert torch.equal(d.grad, g)  # the device path never scales the grads in place
     before = _state(dev)
-    muon_step_(dev, grad_scale=torch.tensor(float("nan"), device=device), found_inf=flag + 1,
+    muon_step_(dev, grad_scale=torch.tensor(float("nan"), device=device) if clip else 1.0, found_inf=flag + 1,
                **hp)  # type: ignore[arg-type]
     for a, b in zip(_state(dev), before):
         assert torch.equal(a, b)
