@@ -158,4 +158,3 @@ def test_blend_and_apply_read_the_verdict_on_the_device() -> None:
     assert all(torch.equal(a, b) for a, b in zip(ref, apply(zero)))
     skipped = apply(one)
     assert not torch.equal(ref[0], p) and torch.equal(skipped[0], p) and torch.equal(skipped[1], p.bfloat16())
-

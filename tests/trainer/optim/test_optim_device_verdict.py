@@ -39,7 +39,7 @@ from trainer.distributed.param_storage import HighPrecisionStorage  # noqa: E402
 from trainer.optim import distributed_optimizer as dopt  # noqa: E402
 from trainer.optim.distributed_optimizer import DistributedOptimizer, decays  # noqa: E402
 from trainer.optim.chained import ChainedOptimizer  # noqa: E402
-from trainer.optim.grad_norm import GradVerdict, global_grad_verdict, local_sq_sum  # noqa: E402
+from trainer.optim.grad_norm import GradVerdict, clip_coefficient, global_grad_verdict, local_sq_sum  # noqa: E402
 from trainer.optim.layerwise import LayerWiseMuon  # noqa: E402
 from trainer.optim.muon_routing import ADAM_TAG, MUON_TAG, muon_model_options  # noqa: E402
 from trainer.optim.step_result import NonFiniteGradError  # noqa: E402
@@ -220,6 +220,21 @@ def test_grad_scale_is_the_reciprocal_clip_factor_and_nonfinite_is_found() -> No
         w = global_grad_verdict(torch.tensor(bad, dtype=torch.float64), ONE.dp)
         norm, found = w.read()
         assert found and float(w.found_inf) == 1.0 and (norm != norm or norm == float("inf"))
+
+
+def test_clip_factor_is_the_host_clip_coefficient_on_the_device() -> None:
+    """`GradVerdict.clip_factor` (Muon's device clip) gives, over norms of every size, the fp32 value a kernel
+    receives for the host's `clip_coefficient` (so the device and host Muon steps share their bits); None
+    when clipping is off; exactly 1 under the threshold."""
+    gen = torch.Generator().manual_seed(11)
+    norms = (torch.rand(20000, generator=gen, dtype=torch.float64) * 12 - 6).exp()
+    for max_norm in (1.0, 3.0, 0.7):
+        got = GradVerdict(norms, torch.zeros(())).clip_factor(max_norm)  # elementwise over a batch of norms
+        want = torch.tensor([clip_coefficient(float(n), max_norm) for n in norms], dtype=torch.float64).float()
+        assert got is not None and got.dtype == torch.float32 and torch.equal(got, want)
+        assert bool((got == 1.0).any()) and bool((got < 1.0).any())
+    v = GradVerdict(torch.tensor(0.5, dtype=torch.float64), torch.zeros(()))
+    assert v.clip_factor(0.0) is None and float(v.clip_factor(10.0)) == 1.0  # type: ignore[arg-type]
 
 
 def test_fused_update_is_queued_before_the_host_reads_the_verdict(monkeypatch) -> None:
@@ -498,12 +513,16 @@ FAST = [
     "model.seq_length=32", "moe.num_experts=4", "moe.ffn_hidden_size=16", "train.micro_batch_size=2",
     "train.global_batch_size=4", "data.source=synthetic", "train.eval_interval=null", "optimizer.lr_warmup_iters=1",
     "optimizer.lr_decay_iters=8", "logging.jsonl=false",
-    "train.device=cpu",  # the CPU AdamW paths, compared with CPU tensors, on a GPU host too
 ]
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
-def test_checkpoint_round_trip_of_aliased_fp32_masters_is_exact(tmp_path, monkeypatch, fused: bool) -> None:
+def test_checkpoint_round_trip_of_aliased_fp32_masters_is_exact(tmp_path, monkeypatch, fused: bool,
+                                                               device: str) -> None:
+    """On the CPU (torch's AdamW kernels) and on CUDA (fused: the Triton AdamW writing the aliased params)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA (run on the device tool)")
     from ckpt import open_checkpoint
     from trainer.engine import distributed as dengine
     from trainer.loop import Trainer
@@ -512,7 +531,8 @@ def test_checkpoint_round_trip_of_aliased_fp32_masters_is_exact(tmp_path, monkey
                         lambda *a, **k: DistributedOptimizer(*a, **k, fused=fused))
 
     def trainer(*extra: str) -> Trainer:
-        return Trainer(load_config(None, [*FAST, f"run_dir={tmp_path}", *extra]), SilentObserver())
+        return Trainer(load_config(None, [*FAST, f"train.device={device}", f"run_dir={tmp_path}", *extra]),
+                       SilentObserver())
 
     first = trainer("train.train_iters=3", "checkpoint.save_interval=3", "optimizer.clip_grad=0.01")
     first.run()
@@ -521,10 +541,10 @@ def test_checkpoint_round_trip_of_aliased_fp32_masters_is_exact(tmp_path, monkey
     live = opt.gather_logical_state()
     ck = open_checkpoint(tmp_path / "checkpoints")
     for n, p in first.model.named_parameters():
-        saved = ck.read(n + ".main_param")
-        assert saved.dtype == torch.float32
-        assert torch.equal(saved, live["params"][n]["master"]) and torch.equal(saved, p.detach()), n
-        assert torch.equal(ck.read(n), p.detach()), n  # model weight == master: the same memory was saved
+        saved, param = ck.read(n + ".main_param"), p.detach().cpu()
+        assert saved.dtype == torch.float32 and p.device.type == device
+        assert torch.equal(saved, live["params"][n]["master"].cpu()) and torch.equal(saved, param), n
+        assert torch.equal(ck.read(n), param), n  # model weight == master: the same memory was saved
 
     second = trainer("train.train_iters=3", f"checkpoint.load={tmp_path / 'checkpoints'}")
     opt2 = second.engine.optimizer
@@ -533,5 +553,5 @@ def test_checkpoint_round_trip_of_aliased_fp32_masters_is_exact(tmp_path, monkey
     assert got["step"] == live["step"] == 3
     for n, p in second.model.named_parameters():
         for k in ("master", "exp_avg", "exp_avg_sq"):
-            assert torch.equal(got["params"][n][k], live["params"][n][k]), (n, k)
-        assert torch.equal(p.detach(), live["params"][n]["master"]), n
+            assert torch.equal(got["params"][n][k].cpu(), live["params"][n][k].cpu()), (n, k)
+        assert torch.equal(p.detach().cpu(), live["params"][n]["master"].cpu()), n
