@@ -28,11 +28,6 @@ def default_bucket_size(dp_size: int) -> int:
     return max(DEFAULT_BUCKET_SIZE, 1_000_000 * dp_size)
 
 
-def pad_to(n: int, multiple: int) -> int:
-    """`n` rounded up to a multiple of `multiple` (`arith.round_up`)."""
-    return round_up(n, multiple)
-
-
 def bucket_divisor(shard_group_size: int) -> int:
     return math.lcm(shard_group_size, BUCKET_ALIGN)
 
@@ -79,7 +74,7 @@ def plan_buffer(numels: Sequence[int], bucket_size: int, shard_group_size: int) 
 
     def close() -> None:
         nonlocal bucket_start, offset, members
-        end = pad_to(offset, divisor)
+        end = round_up(offset, divisor)
         buckets.append(BucketPlan(len(buckets), bucket_start, end, tuple(members)))
         bucket_start = offset = end
         members = []
@@ -87,7 +82,7 @@ def plan_buffer(numels: Sequence[int], bucket_size: int, shard_group_size: int) 
     for i, n in enumerate(numels):
         if n < 1:
             raise ValueError(f"param {i} has no elements")
-        start = pad_to(offset, PARAM_ALIGN)
+        start = round_up(offset, PARAM_ALIGN)
         ranges.append((start, start + n))
         members.append(i)
         offset = start + n

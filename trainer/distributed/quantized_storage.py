@@ -52,7 +52,6 @@ import torch
 from torch import nn
 
 from moectl.core.arith import round_up
-
 from trainer.parallel import comm
 from trainer.distributed.param_storage import AliasedStagingStorage, ParamStorage, Shard
 from trainer.parallel.groups import Group

@@ -58,8 +58,6 @@ class DispatchPlan:
     num_dropped: torch.Tensor  # routings dropped by the capacity (int64 scalar)
 
 
-
-
 class LocalDispatcher:
     """Permute, pad or drop, and combine, for experts that all live on this device."""
 

@@ -201,9 +201,7 @@ class AllToAllDispatcher:
         ep, L, n = self.group.size, self.num_local_experts, self.chunks
         T, K = router_out.indices_TK.shape
         C_pad = self.source.rows_per_expert(T, K)
-        if C_pad is None:
-            raise ConfigError("moe.ep_overlap_chunks", n, "needs moe.pad_expert_input_to_capacity=true (static splits)",
-                              "set moe.pad_expert_input_to_capacity=true and a moe.capacity_factor, or use 1")  # fmt: skip
+        assert C_pad is not None, "LocalDispatcher(chunks > 1) is built only with pad_to_capacity"
         self._check_same_T(T, x_TD.device)
         x_SD, _, probs_S, source = self.source.dispatch(x_TD, router_out)  # chunk-major, checks n | C_pad
         c = C_pad // n

@@ -45,7 +45,6 @@ from typing import Any, Iterator, Literal
 import torch
 
 from moectl.core.arith import ceil_div
-
 from moectl.core.config.schema import OptimizerConfig
 from trainer.distributed.bucket import Bucket, Piece
 from trainer.distributed.bucket_group import BucketGroup

@@ -44,7 +44,8 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from trainer.distributed.layout import BUCKET_ALIGN, PARAM_ALIGN, BucketPlan, BufferPlan, pad_to
+from moectl.core.arith import round_up
+from trainer.distributed.layout import BUCKET_ALIGN, PARAM_ALIGN, BucketPlan, BufferPlan
 from trainer.optim.muon import ns_cost
 
 #: a param's Newton-Schulz cost (`muon_routing.muon_cost`: of what Muon orthogonalises, e.g. gate/up halves)
@@ -104,7 +105,7 @@ def plan_layerwise_buffer(params: Sequence[torch.nn.Parameter], names: Mapping[t
             run, held = [], 0
             continue
         run.append(i)
-        held += pad_to(p.numel(), PARAM_ALIGN)
+        held += round_up(p.numel(), PARAM_ALIGN)
         if held >= bucket_size:
             runs.append(run)
             run, held = [], 0
@@ -137,10 +138,10 @@ def _place_whole(params: Sequence[torch.nn.Parameter], names: Mapping[torch.nn.P
     placed: dict[int, tuple[int, int]] = {}  # param index -> (shard, offset in shard)
     fill = [0] * shard_group_size
     for i, r in zip(members, owners):  # members keep the order given inside each shard
-        off = pad_to(fill[r], PARAM_ALIGN)
+        off = round_up(fill[r], PARAM_ALIGN)
         placed[i] = (r, off)
         fill[r] = off + params[i].numel()
-    shard_size = pad_to(max(fill), BUCKET_ALIGN)
+    shard_size = round_up(max(fill), BUCKET_ALIGN)
     for i, (r, off) in placed.items():
         a = start + r * shard_size + off
         ranges[i] = (a, a + params[i].numel())

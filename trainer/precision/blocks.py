@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 
 from moectl.core.arith import ceil_div
-
 from trainer.kernels.fp8_transpose_triton import transpose_torch
 import torch.nn.functional as F
 
