@@ -15,8 +15,8 @@ later additions: MOE048 (precision: which recipes and optimizers low-precision p
 MOE049 (precision: fp8_fast_accum_backward needs an fp8 recipe with native GEMMs), MOE050 (retired: it
 warned that `train.cuda_graph` was not captured; it is now), MOE051 and MOE052
 (data: `data.dtype` / `data.eval_path` only where the source reads them; an eval_path that is the
-training file), MOE053 (optimizer: `muon_compute_dtype` is read only by Muon), MOE054 (hardware: bf16
-Newton-Schulz needs sm80+), MOE055 (compile: `train.compile=regional` on the CPU needs the C++
+training file), MOE053 (optimizer: `muon_compute_dtype` and `muon_ns_method` are read only by Muon), MOE054
+(hardware: bf16 Newton-Schulz needs sm80+), MOE055 (compile: `train.compile=regional` on the CPU needs the C++
 compiler inductor builds with), MOE056 (hardware: the per-rank memory estimate fits the GPU memory given
 with `--gpu-memory`), MOE057 (parallel: `parallel.distributed_timeout_minutes` is positive), MOE058-060
 (CUDA graphs: one expert-parallel rank or the all-to-all under drop-and-pad, a backend that keeps token
@@ -1951,18 +1951,21 @@ def eval_path_is_not_training_data(c: Context) -> Iterator[_Hit]:
     "MOE053",
     "optimizer",
     "warning",
-    ["optimizer.muon_compute_dtype", "optimizer.optimizer"],
-    "optimizer.muon_compute_dtype is read only by Muon",
+    ["optimizer.muon_compute_dtype", "optimizer.muon_ns_method", "optimizer.optimizer"],
+    "optimizer.muon_compute_dtype and muon_ns_method are read only by Muon",
 )
 def muon_compute_dtype_only_for_muon(c: Context) -> Iterator[_Hit]:
-    """Only Muon runs a Newton-Schulz iteration; AdamW and SGD never read its dtype, so a dtype chosen for
-    them is silently ignored, which usually means the optimizer is not the one intended."""
+    """Only Muon runs a Newton-Schulz iteration; AdamW and SGD never read its dtype or its method, so a value
+    chosen for them is silently ignored, which usually means the optimizer is not the one intended."""
     o = c.cfg.optimizer
-    if o.muon_compute_dtype != "auto" and o.optimizer != "muon":
-        yield _Hit(
-            f"optimizer.muon_compute_dtype={o.muon_compute_dtype} is ignored by optimizer.optimizer={o.optimizer}",
-            "set optimizer.optimizer=muon, or optimizer.muon_compute_dtype=auto",
-        )
+    if o.optimizer == "muon":
+        return
+    for key, value in (("muon_compute_dtype", o.muon_compute_dtype), ("muon_ns_method", o.muon_ns_method)):
+        if value != "auto":
+            yield _Hit(
+                f"optimizer.{key}={value} is ignored by optimizer.optimizer={o.optimizer}",
+                f"set optimizer.optimizer=muon, or optimizer.{key}=auto",
+            )
 
 
 @rule(

@@ -45,7 +45,17 @@ pointer kernels 68.2-70.3 ms, TMA 65.2-65.9 ms. Of the gate/up group's products,
 TFLOP/s of the FLOPs done (931 counted as the full product, cuBLAS's full product 788), `b A + c A A` at 443
 (787), `a X + B X` at 601 (cuBLAS's bare `B X` 711, its baddbmm with the copy 418). A persistent variant
 (one program per SM walking the tiles, the next tile's loads issued under the epilogue) measured no faster
-(65.5 ms) and was dropped. Imported lazily on CUDA only; needs Triton.
+(65.5 ms) and was dropped.
+
+The Gram Newton-Schulz (`iterate_gram`, `optimizer.muon_ns_method`; the method in `muon._iterate_gram`) runs
+the same polynomial on the `[m, m]` side: per step four symmetric products of commuting matrices (`symm_`,
+the Gram kernel with a second operand for the column tiles and a second added input) instead of the two
+`m x n` products of X, plus one `Q X` per 3-step phase. At the expert shapes (`n = 2m`) 14 symmetric products, 2
+Grams of X and 2 cuBLAS `Q X` replace 5 x (2 Grams + `B'X`): gate/up 35.25 -> 29.30 ms and fc2 18.74 -> 14.57
+ms on an H100 for the reference model's 768 slices; at the 1.5 and 1 aspects of its attention weights it is
+no faster (3.16 -> 3.30, 2.38 -> 2.72), so `auto` leaves those on the standard chain.
+
+Imported lazily on CUDA only; needs Triton.
 """
 
 from __future__ import annotations
@@ -117,9 +127,12 @@ def _upper_tile_pairs(tiles: int, device: torch.device) -> torch.Tensor:
 
 
 @triton.jit
-def _gram_kernel(y_ptr, c_ptr, out_ptr, s_ptr, pairs_ptr, K: tl.constexpr, sy_b, sy_m, sy_k, sc_b, sc_m, sc_n, so_b,
-                 so_m, so_n, alpha, beta, diag, HAS_C: tl.constexpr, HAS_S: tl.constexpr, HAS_D: tl.constexpr,
-                 SCALE_POW: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+def _gram_kernel(y_ptr, z_ptr, c_ptr, c2_ptr, out_ptr, s_ptr, pairs_ptr, K: tl.constexpr, sy_b, sy_m, sy_k, sz_b,
+                 sz_m, sz_k, sc_b, sc_m, sc_n, sc2_b, sc2_m, sc2_n, so_b, so_m, so_n, alpha, beta, beta2, diag,
+                 HAS_C: tl.constexpr, HAS_C2: tl.constexpr, HAS_S: tl.constexpr, HAS_D: tl.constexpr,
+                 SCALE_POW: tl.constexpr, MIRROR_DIAG: tl.constexpr, BLOCK: tl.constexpr,
+                 BLOCK_K: tl.constexpr):  # fmt: skip
+    # rows of tile i from y, rows of tile j from z (z is y for a Gram)
     pid = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     ti = tl.load(pairs_ptr + 2 * pid)
@@ -127,23 +140,28 @@ def _gram_kernel(y_ptr, c_ptr, out_ptr, s_ptr, pairs_ptr, K: tl.constexpr, sy_b,
     rm = (ti * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
     rn = (tj * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
     rk = tl.arange(0, BLOCK_K).to(tl.int64)
-    y = y_ptr + b * sy_b
-    a_ptrs = y + rm[:, None] * sy_m + rk[None, :] * sy_k  # [BLOCK, BLOCK_K] rows of tile i
-    b_ptrs = y + rn[:, None] * sy_m + rk[None, :] * sy_k  # [BLOCK, BLOCK_K] rows of tile j
+    a_ptrs = y_ptr + b * sy_b + rm[:, None] * sy_m + rk[None, :] * sy_k  # [BLOCK, BLOCK_K] rows of tile i
+    b_ptrs = z_ptr + b * sz_b + rn[:, None] * sz_m + rk[None, :] * sz_k  # [BLOCK, BLOCK_K] rows of tile j
     acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
     for _ in range(0, tl.cdiv(K, BLOCK_K)):
         acc = tl.dot(tl.load(a_ptrs), tl.trans(tl.load(b_ptrs)), acc)
         a_ptrs += BLOCK_K * sy_k
-        b_ptrs += BLOCK_K * sy_k
+        b_ptrs += BLOCK_K * sz_k
     acc = acc * alpha
     if HAS_C:
         acc += beta * tl.load(c_ptr + b * sc_b + rm[:, None] * sc_m + rn[None, :] * sc_n).to(tl.float32)
+    if HAS_C2:
+        acc += beta2 * tl.load(c2_ptr + b * sc2_b + rm[:, None] * sc2_m + rn[None, :] * sc2_n).to(tl.float32)
     if HAS_D:  # a I + ...: B X then needs no added input (one rounding, as the epilogue add had)
         acc += tl.where(rm[:, None] == rn[None, :], diag, 0.0)
     if HAS_S:  # the slice's normalisation folded in: (s X)(s X)^T, or s B for B (s X)
         sb = tl.load(s_ptr + b)
         acc = acc * (sb * sb) if SCALE_POW == 2 else acc * sb
     val = acc.to(out_ptr.dtype.element_ty)
+    if MIRROR_DIAG:  # y != z: a diagonal tile's two triangles are two roundings; keep the upper one for both
+        if ti == tj:
+            d_idx = tl.arange(0, BLOCK)
+            val = tl.where(d_idx[:, None] <= d_idx[None, :], val, tl.trans(val))
     o = out_ptr + b * so_b
     tl.store(o + rm[:, None] * so_m + rn[None, :] * so_n, val)
     if ti != tj:  # the mirror tile, the same rounded values: the output is exactly symmetric
@@ -181,13 +199,15 @@ except ImportError:  # pragma: no cover - older Triton: the pointer kernels only
 
 
 @triton.jit
-def _gram_epilogue_tma(acc, b, i0, j0, c_desc, out_desc, s_ptr, M: tl.constexpr, alpha, beta, diag,
-                       HAS_C: tl.constexpr, HAS_S: tl.constexpr, HAS_D: tl.constexpr, SCALE_POW: tl.constexpr,
-                       BLOCK: tl.constexpr):  # fmt: skip
+def _gram_epilogue_tma(acc, b, i0, j0, c_desc, c2_desc, out_desc, s_ptr, M: tl.constexpr, alpha, beta, beta2, diag,
+                       HAS_C: tl.constexpr, HAS_C2: tl.constexpr, HAS_S: tl.constexpr, HAS_D: tl.constexpr,
+                       SCALE_POW: tl.constexpr, MIRROR_DIAG: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     # the output tile (i0, j0) of slice b, on or above the diagonal, and its mirror
     acc = acc * alpha
     if HAS_C:
         acc += beta * c_desc.load([b * M + i0, j0]).to(tl.float32)
+    if HAS_C2:
+        acc += beta2 * c2_desc.load([b * M + i0, j0]).to(tl.float32)
     if HAS_D:
         if i0 == j0:
             d_idx = tl.arange(0, BLOCK)
@@ -196,18 +216,24 @@ def _gram_epilogue_tma(acc, b, i0, j0, c_desc, out_desc, s_ptr, M: tl.constexpr,
         sb = tl.load(s_ptr + b)
         acc = acc * (sb * sb) if SCALE_POW == 2 else acc * sb
     val = acc.to(out_desc.dtype)
+    if MIRROR_DIAG:  # y != z: a diagonal tile's two triangles are two roundings; keep the upper one for both
+        if i0 == j0:
+            d_idx = tl.arange(0, BLOCK)
+            val = tl.where(d_idx[:, None] <= d_idx[None, :], val, val.T)
     out_desc.store([b * M + i0, j0], val)
     if i0 != j0:  # the mirror tile, the same rounded values
         out_desc.store([b * M + j0, i0], val.T)
 
 
 @triton.jit
-def _gram_kernel_tma(y_desc, c_desc, out_desc, s_ptr, pairs_ptr, M: tl.constexpr, K: tl.constexpr, alpha, beta,
-                     diag, HAS_C: tl.constexpr, HAS_S: tl.constexpr, HAS_D: tl.constexpr, SCALE_POW: tl.constexpr,
-                     TRANS_Y: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr,
+def _gram_kernel_tma(y_desc, z_desc, c_desc, c2_desc, out_desc, s_ptr, pairs_ptr, M: tl.constexpr, K: tl.constexpr,
+                     alpha, beta, beta2, diag, HAS_C: tl.constexpr, HAS_C2: tl.constexpr, HAS_S: tl.constexpr,
+                     HAS_D: tl.constexpr, SCALE_POW: tl.constexpr, MIRROR_DIAG: tl.constexpr, TRANS_Y: tl.constexpr,
+                     ROWS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr,
                      STAGES: tl.constexpr):  # fmt: skip
     # y's storage as rows: `[B*M, K]` (TRANS_Y false) or, for the transposed view of a tall slice, `[B*K, M]`;
-    # c and out `[B*M, M]`. The sums run in the pointer kernel's order (K ascending). ROWS row tiles (i0, and
+    # z, the column tiles' operand, laid out as y (z is y for a Gram); c, c2 and out `[B*M, M]`. The sums run
+    # in the pointer kernel's order (K ascending). ROWS row tiles (i0, and
     # with 2 also i0 + BLOCK) against one column tile j0 >= i0: the column tile's operand is loaded once for
     # both. With ROWS 2 and j0 == i0 the lower tile is below the diagonal: computed (the loop stays
     # branch-free) but not stored; its mirror is the upper tile of program (i0, j0 + BLOCK).
@@ -222,26 +248,26 @@ def _gram_kernel_tma(y_desc, c_desc, out_desc, s_ptr, pairs_ptr, M: tl.constexpr
         for kk in tl.range(0, K // BLOCK_K, num_stages=STAGES):
             r = b * K + kk * BLOCK_K
             if ROWS == 1:  # the row tile's operand issued first, as the kernel was tuned
-                acc0 = tl.dot(y_desc.load([r, i0]).T, y_desc.load([r, j0]), acc0)
+                acc0 = tl.dot(y_desc.load([r, i0]).T, z_desc.load([r, j0]), acc0)
             else:
-                col = y_desc.load([r, j0])
+                col = z_desc.load([r, j0])
                 acc0 = tl.dot(y_desc.load([r, i0]).T, col, acc0)
                 acc1 = tl.dot(y_desc.load([r, i1]).T, col, acc1)
     else:
         for kk in tl.range(0, K // BLOCK_K, num_stages=STAGES):
             if ROWS == 1:
-                acc0 = tl.dot(y_desc.load([b * M + i0, kk * BLOCK_K]), y_desc.load([b * M + j0, kk * BLOCK_K]).T,
+                acc0 = tl.dot(y_desc.load([b * M + i0, kk * BLOCK_K]), z_desc.load([b * M + j0, kk * BLOCK_K]).T,
                               acc0)
             else:
-                col = y_desc.load([b * M + j0, kk * BLOCK_K]).T
+                col = z_desc.load([b * M + j0, kk * BLOCK_K]).T
                 acc0 = tl.dot(y_desc.load([b * M + i0, kk * BLOCK_K]), col, acc0)
                 acc1 = tl.dot(y_desc.load([b * M + i1, kk * BLOCK_K]), col, acc1)
-    _gram_epilogue_tma(acc0, b, i0, j0, c_desc, out_desc, s_ptr, M, alpha, beta, diag, HAS_C, HAS_S, HAS_D,
-                       SCALE_POW, BLOCK)  # fmt: skip
+    _gram_epilogue_tma(acc0, b, i0, j0, c_desc, c2_desc, out_desc, s_ptr, M, alpha, beta, beta2, diag, HAS_C,
+                       HAS_C2, HAS_S, HAS_D, SCALE_POW, MIRROR_DIAG, BLOCK)  # fmt: skip
     if ROWS == 2:
         if i1 <= j0:
-            _gram_epilogue_tma(acc1, b, i1, j0, c_desc, out_desc, s_ptr, M, alpha, beta, diag, HAS_C, HAS_S,
-                               HAS_D, SCALE_POW, BLOCK)  # fmt: skip
+            _gram_epilogue_tma(acc1, b, i1, j0, c_desc, c2_desc, out_desc, s_ptr, M, alpha, beta, beta2, diag,
+                               HAS_C, HAS_C2, HAS_S, HAS_D, SCALE_POW, MIRROR_DIAG, BLOCK)  # fmt: skip
 
 
 @triton.jit
@@ -302,34 +328,54 @@ def gram_(y: torch.Tensor, out: torch.Tensor, alpha: float = 1.0, beta: float = 
     `scale`: an fp32 `[B]` factor `s` per slice (the normalisation of a slice not yet normalised); else 1.
     `scale_power` p: 2 for a Gram of the unnormalised X, 1 for B when B's product is with it.
     """
+    return symm_(y, y, out, alpha=alpha, beta=beta, c=c, scale=scale, diag=diag, scale_power=scale_power)
+
+
+def symm_(y: torch.Tensor, z: torch.Tensor, out: torch.Tensor, alpha: float = 1.0, beta: float = 0.0,
+          c: torch.Tensor | None = None, beta2: float = 0.0, c2: torch.Tensor | None = None,
+          scale: torch.Tensor | None = None, diag: float = 0.0, scale_power: int = 2) -> torch.Tensor:  # fmt: skip
+    """`out = s^p * (alpha * y @ z.mT + beta * c + beta2 * c2 + diag * I)` into `[B, m, m]` `out`, for `[B, m, k]`
+    `y` and `z` laid out alike, where the product is known to be symmetric: `z` is `y` (`gram_`), or both are
+    square, symmetric and commute (polynomials in one matrix, as in the Gram Newton-Schulz of `iterate_gram`;
+    then `y @ z.mT = y @ z`). Only the tiles on and above the diagonal are computed, each stored with its mirror
+    (a diagonal tile's upper triangle with its mirror where z is not y, whose lower one rounds another sum), so
+    `out` is exactly symmetric; `c` and `c2` must be symmetric. In fp32, rounded once; `out` may have another
+    dtype than the operands and must not alias them.
+    """
     if scale_power not in (1, 2):
         raise ValueError(f"scale_power must be 1 or 2, got {scale_power}")
     batch, m, k = y.shape
+    assert z.shape == y.shape, (tuple(y.shape), tuple(z.shape))
     cc = c if c is not None else out  # not read without HAS_C
+    cc2 = c2 if c2 is not None else out  # not read without HAS_C2
     ss = scale if scale is not None else _no_scale(y.device)  # not read without HAS_S
     pairs = _upper_tiles(m // BLOCK_MN, y.device)
-    flags = dict(HAS_C=c is not None, HAS_S=scale is not None, HAS_D=diag != 0.0, SCALE_POW=scale_power,
-                 BLOCK=BLOCK_MN)
-    if out.is_contiguous() and cc.is_contiguous() and _tma_ok(y, cc, out):
+    flags = dict(HAS_C=c is not None, HAS_C2=c2 is not None, HAS_S=scale is not None, HAS_D=diag != 0.0,
+                 SCALE_POW=scale_power, MIRROR_DIAG=z is not y, BLOCK=BLOCK_MN)  # fmt: skip
+    if (out.is_contiguous() and cc.is_contiguous() and cc2.is_contiguous() and _tma_ok(y, z, cc, cc2, out)
+            and _rows(y)[1] == _rows(z)[1]):  # fmt: skip
         rows = 2 if _two_row_tiles(m) else 1
         config = ("GRAM2_TMA", GRAM2_TMA_CONFIG) if rows == 2 else ("GRAM_TMA", GRAM_TMA_CONFIG)
         warps, stages, block_k = _config(*config)
         if rows == 2:
             pairs = _upper_tile_pairs(m // BLOCK_MN, y.device)
         assert out.shape == (batch, m, m) and m % BLOCK_MN == 0 and k % block_k == 0, (tuple(y.shape), tuple(out.shape))
-        y_rows, trans = _rows(y)
-        descs = (TensorDescriptor.from_tensor(y_rows, [block_k, BLOCK_MN] if trans else [BLOCK_MN, block_k]),
+        (y_rows, trans), (z_rows, _) = _rows(y), _rows(z)
+        box = [block_k, BLOCK_MN] if trans else [BLOCK_MN, block_k]
+        y_desc = TensorDescriptor.from_tensor(y_rows, box)
+        descs = (y_desc, y_desc if z is y else TensorDescriptor.from_tensor(z_rows, box),
                  TensorDescriptor.from_tensor(cc.reshape(-1, m), [BLOCK_MN, BLOCK_MN]),
+                 TensorDescriptor.from_tensor(cc2.reshape(-1, m), [BLOCK_MN, BLOCK_MN]),
                  TensorDescriptor.from_tensor(out.reshape(-1, m), [BLOCK_MN, BLOCK_MN]))  # fmt: skip
         tuning = dict(TRANS_Y=trans, ROWS=rows, BLOCK_K=block_k, STAGES=stages, num_warps=warps, num_stages=stages)
-        _gram_kernel_tma[(pairs.shape[0], batch)](*descs, ss, pairs, m, k, alpha, beta, diag, **flags, **tuning)
+        _gram_kernel_tma[(pairs.shape[0], batch)](*descs, ss, pairs, m, k, alpha, beta, beta2, diag, **flags,
+                                                  **tuning)  # fmt: skip
         return out
     warps, stages, block_k = _config("GRAM", GRAM_CONFIG)
     assert out.shape == (batch, m, m) and m % BLOCK_MN == 0 and k % block_k == 0, (tuple(y.shape), tuple(out.shape))
     _gram_kernel[(pairs.shape[0], batch)](
-        y, cc, out, ss, pairs, k, *y.stride(), *cc.stride(), *out.stride(), alpha, beta, diag, **flags,
-        BLOCK_K=block_k,
-        num_warps=warps, num_stages=stages,
+        y, z, cc, cc2, out, ss, pairs, k, *y.stride(), *z.stride(), *cc.stride(), *cc2.stride(), *out.stride(),
+        alpha, beta, beta2, diag, **flags, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
 
@@ -410,3 +456,61 @@ def iterate(x: torch.Tensor, steps: int, coefficients: tuple[float, float, float
 def bx_path() -> str:
     """The default product `B X` of each step: `MOECTL_NS_BX`, else cuBLAS (faster on an H100: docs/benchmarks.md)."""
     return os.environ.get(BX_ENV, "cublas")
+
+
+def iterate_gram(x: torch.Tensor, steps: int, coefficients: tuple[float, float, float], tall: bool,
+                 scale: torch.Tensor | None, gram_dtype: torch.dtype, restart: int) -> torch.Tensor:  # fmt: skip
+    """`steps` quintic steps on `[B, rows, cols]` `x` (consumed) as a Gram Newton-Schulz: the same polynomial,
+    iterated on the `[m, m]` Gram side (`muon._iterate_gram` is the torch form and says why it is the same).
+
+    Per phase of up to `restart` steps: `R = X X^T` in `gram_dtype` (fp16 for a low-precision X), then per step
+    `Z = b R + c R^2`, the phase's product `Q <- Q (a I + Z)` and, unless the phase ends, `R <- (a I + Z)^2 R`
+    (two products). The `a` terms are added in the epilogues, in fp32, so no rounding sees the 3.4 on the
+    diagonal; the second step's `Q = (a I + Z_0)(a I + Z_1)` is expanded, so `a I + Z_0` is never stored. Every
+    product is of polynomials in one R, so symmetric: `symm_` computes its upper tiles only. The phase ends
+    with one cuBLAS product `X <- Q X` in X's dtype (Q's last kernel writes it so, with the first phase's
+    normalisation `scale` folded in), and the next phase restarts from a true Gram. A one-step phase is
+    `Q = a I + b R + c R^2`, one kernel. Returns a tensor of `x`'s shape and strides (`x` itself or its one
+    ping-pong buffer).
+    """
+    a, b, c = coefficients
+    wide = (lambda t: t.mT) if tall else (lambda t: t)
+    batch, m, _ = wide(x).shape
+    if scale is not None and x.dtype == torch.float16:  # s Q may overflow fp16 (s = 1e7 for a zero slice)
+        x.mul_(scale[:, None, None])  # computed in fp32, rounded once
+        scale = None
+    def square(dtype: torch.dtype = gram_dtype) -> torch.Tensor:
+        return torch.empty(batch, m, m, dtype=dtype, device=x.device)
+
+    R, RZ, Zs, Qs, Q_x = square(), square(), (square(), square()), (square(), square()), square(x.dtype)
+    cur, nxt = x, torch.empty_like(x)
+    done = 0
+    while done < steps:
+        n = min(restart, steps - done)
+        gram_(wide(cur), R, scale=scale)  # the normalised Gram: s^2 X X^T
+        last_scale = dict(scale=scale, scale_power=1) if scale is not None else {}
+        Q = None
+        for i in range(n):
+            final = i == n - 1
+            if n == 1:  # a one-step phase: Q = a I + b R + c R^2, in one kernel
+                gram_(R, Q_x, alpha=c, beta=b, c=R, diag=a, **last_scale)
+                break
+            Z, Z_prev = Zs[i % 2], Zs[(i + 1) % 2]
+            gram_(R, Z, alpha=c, beta=b, c=R)
+            out = Q_x if final else Qs[i % 2]
+            sc = last_scale if final else {}
+            if i == 1:  # (a I + Z_1)(a I + Z_0), expanded: Q_0 = a I + Z_0 is never stored
+                symm_(Z_prev, Z, out, beta=a, c=Z, beta2=a, c2=Z_prev, diag=a * a, **sc)
+                Q = out
+            elif i > 1:
+                symm_(Q, Z, out, beta=a, c=Q, **sc)
+                Q = out
+            if not final:
+                symm_(R, Z, RZ, beta=a, c=R)  # R (a I + Z)
+                symm_(Z, RZ, R, beta=a, c=RZ)  # (a I + Z) R (a I + Z)
+        # Q_x is symmetric: a tall slice's X^T <- Q X^T is X <- X Q
+        torch.bmm(cur, Q_x, out=nxt) if tall else torch.bmm(Q_x, cur, out=nxt)
+        cur, nxt = nxt, cur
+        scale = None
+        done += n
+    return cur

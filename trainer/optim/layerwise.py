@@ -206,7 +206,8 @@ class LayerWiseMuon(ShardedOptimizerBase):
             s.published = s.publish_target() is not None
         muon_step_(matrices, lr=lr, momentum=self.cfg.muon_momentum, nesterov=self.cfg.muon_nesterov,
                    ns_steps=self.cfg.muon_ns_steps, weight_decay=self.cfg.weight_decay,
-                   compute_dtype=self.compute_dtype, grad_scale=grad_scale, found_inf=found_inf)
+                   compute_dtype=self.compute_dtype, grad_scale=grad_scale, found_inf=found_inf,
+                   ns_method=self.cfg.muon_ns_method)
 
     def _update(self, lr: float, coef: float) -> None:
         """One batched Muon step (`muon_batch.muon_step_`) over every owned matrix's fp32 master + momentum."""

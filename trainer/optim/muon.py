@@ -35,6 +35,12 @@ the symmetric products computed once, the scaled inputs read in the epilogue, so
 fp16's first step, whose scale could overflow B); the cuBLAS chain below is the fallback and
 `MOECTL_TRITON_NS=0` selects it.
 
+Gram Newton-Schulz (`optimizer.muon_ns_method`, `uses_gram`): the same polynomial iterated on the `[m, m]` side,
+`_iterate_gram` (after Amsel, Zhang, Chen and Dao, "Gram Newton-Schulz", 2026), restarted from a true Gram every
+`GRAM_RESTART` steps, its Gram-side matrices in fp16 for a low-precision X. `auto` takes it on the Triton GEMMs
+for slices at least twice as wide as tall (the reference model's experts: their Newton-Schulz 54.0 -> 43.9 ms on
+an H100, docs/benchmarks.md); the fp32 iteration, the CPU's default, stays the reference chain.
+
 `float16` (an option, not the default): on cuBLAS, the same chain with `a` folded into B's diagonal, `X = (a I + B) X`,
 one `bmm` without the input copy `baddbmm` makes of X (cuBLAS accumulates into its output, so torch first
 copies the added tensor there: 16 ms of a reference-model step on an H100). In bf16 that fold doubles the
@@ -74,6 +80,9 @@ NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_EPS = 1e-7
 MOONLIGHT_RMS = 0.2
 TRITON_NS_ENV = "MOECTL_TRITON_NS"
+NS_METHODS = ("auto", "standard", "gram")  # `optimizer.muon_ns_method`
+GRAM_RESTART = 3  # Gram Newton-Schulz steps between restarts from a true X X^T
+GRAM_MIN_ASPECT = 2  # `auto` takes the Gram form for slices at least this wide (below it saves no time)
 
 
 COMPUTE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -94,31 +103,39 @@ def resolve_compute_dtype(name: str, device: torch.device) -> torch.dtype:
     return COMPUTE_DTYPES[name]
 
 
-def newton_schulz(G: torch.Tensor, steps: int, compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def newton_schulz(G: torch.Tensor, steps: int, compute_dtype: torch.dtype = torch.float32,
+                  method: str = "standard") -> torch.Tensor:  # fmt: skip
     """Approximately orthogonalise each trailing `[m, n]` matrix of `G` (returned in `compute_dtype`).
 
     The result has `G`'s shape; every slice's singular vectors are `G`'s, its singular values are
     pushed towards 1 (into roughly [0.7, 1.2] after 5 steps for a well-conditioned slice). `G` is not modified.
+    `method`: as `orthogonalize_` takes it.
     """
     if G.dim() < 2:
         raise ValueError(f"Newton-Schulz needs a matrix (or a batch of them), got shape {tuple(G.shape)}")
-    return orthogonalize_(G.to(compute_dtype, copy=True), steps)
+    return orthogonalize_(G.to(compute_dtype, copy=True), steps, method=method)
 
 
-def orthogonalize_(X: torch.Tensor, steps: int, sumsq: Optional[torch.Tensor] = None) -> torch.Tensor:
+def orthogonalize_(X: torch.Tensor, steps: int, sumsq: Optional[torch.Tensor] = None,
+                   method: str = "standard") -> torch.Tensor:  # fmt: skip
     """`newton_schulz` of `X` in its own dtype, consuming `X` (it is normalised in place; the caller owns it).
 
     fp32: the reference iteration; any other dtype: the fused baddbmm chain (see the module docstring), on the
     matrices' own orientation. `sumsq`: each slice's sum of squares, already computed (fp32, one per slice of a
     contiguous `X`, from `kernels/muon_triton.blend_` and `slice_sums`); the normalisation then runs as one fused
     kernel, or, on the Triton GEMMs, inside the first step's products (`ns_gemm_triton.iterate`).
+    `method` (`optimizer.muon_ns_method`, resolved by `uses_gram`): "gram" iterates on the Gram side
+    (`_iterate_gram`), "standard" on X.
     """
     if steps < 1:
         raise ValueError(f"Newton-Schulz needs at least one step, got {steps}")
     tall = X.size(-2) > X.size(-1)
     folds = X.dtype != torch.float32 and X.is_contiguous() and _use_triton(X.reshape(-1, *X.shape[-2:]))
+    gram = uses_gram(X, method)
     if sumsq is not None and folds:  # the Triton GEMMs take 1 / (|X| + eps) in the first step: no pass over X
         scale = sumsq.sqrt().add_(NS_EPS).reciprocal_()
+        if gram:
+            return _iterate_gram_triton(X, steps, tall, scale)
         return _iterate_fused(X, steps, tall, scale)
     if sumsq is not None:
         from trainer.kernels import muon_triton
@@ -126,6 +143,10 @@ def orthogonalize_(X: torch.Tensor, steps: int, sumsq: Optional[torch.Tensor] = 
         muon_triton.normalize_(X, sumsq, NS_EPS)
     else:  # Per-slice Frobenius norm >= spectral norm, so every singular value starts in [0, 1].
         X.div_(torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True).add_(NS_EPS))
+    if gram:
+        if folds:
+            return _iterate_gram_triton(X, steps, tall)
+        return _iterate_gram(X, steps, tall)
     if X.dtype != torch.float32:
         return _iterate_fused(X, steps, tall)
     if tall:  # iterate on the wide side: the Gram matrix X X^T is min(m, n) square
@@ -169,6 +190,101 @@ def _iterate_fused(X: torch.Tensor, steps: int, tall: bool, scale: Optional[torc
         else:
             X = torch.baddbmm(X, X, B, beta=a) if tall else torch.baddbmm(X, B, X, beta=a)
     return X.reshape(shape)
+
+
+def uses_gram(X: torch.Tensor, method: str) -> bool:
+    """Whether `optimizer.muon_ns_method` runs `[..., m, n]` `X` as a Gram Newton-Schulz.
+
+    `auto`: where it is faster, a low-precision X on the Triton GEMMs (where the symmetric products cost about
+    half their FLOPs) whose long side is at least `GRAM_MIN_ASPECT` times its short side: per step the Gram form
+    trades the two `m x n` products of X for four symmetric `m x m` ones, which saves time from that aspect on
+    (docs/benchmarks.md). The fp32 iteration stays the reference one.
+    """
+    if method not in NS_METHODS:
+        raise ValueError(f"muon_ns_method must be one of {', '.join(NS_METHODS)}; got {method!r}")
+    if method != "auto":
+        return method == "gram"
+    m, n = sorted(X.shape[-2:])
+    return (X.dtype != torch.float32 and n >= GRAM_MIN_ASPECT * m
+            and _use_triton(X.reshape(-1, *X.shape[-2:])))  # fmt: skip
+
+
+def gram_dtype(x_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the Gram Newton-Schulz's `[m, m]` matrices for an X of `x_dtype`: fp16 for a low-precision X
+    (the normalised Gram-side matrices stay well inside fp16's range, and its 3 more significant bits than bf16
+    keep the phases between restarts accurate), else X's own."""
+    return torch.float16 if x_dtype in (torch.bfloat16, torch.float16) else x_dtype
+
+
+def _iterate_gram_triton(X: torch.Tensor, steps: int, tall: bool, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """`_iterate_gram` on the Triton symmetric GEMMs (`ns_gemm_triton.iterate_gram`)."""
+    from trainer.kernels import ns_gemm_triton
+
+    shape = X.shape
+    out = ns_gemm_triton.iterate_gram(X.reshape(-1, *shape[-2:]), steps, NS_COEFFICIENTS, tall, scale,
+                                      gram_dtype(X.dtype), GRAM_RESTART)  # fmt: skip
+    return out.reshape(shape)
+
+
+def _iterate_gram(X: torch.Tensor, steps: int, tall: bool, restart: int = GRAM_RESTART) -> torch.Tensor:
+    """The quintic steps on a normalised X as a Gram Newton-Schulz (Amsel, Zhang, Chen and Dao, "Gram
+    Newton-Schulz", 2026), in torch: each product computed in fp32 from its stored operands and rounded once to
+    its stored dtype, at the points where `ns_gemm_triton.iterate_gram` rounds.
+
+    Why it is the same iteration: a step maps X to `q(A) X` with `A = X X^T` and `q(A) = a I + b A + c A^2`, so
+    the next Gram is `q(A) A q(A) = q(A)^2 A`, again a polynomial in A, and k steps give `X_k = Q X` with Q the
+    product of the k factors `q(A_i)`, all polynomials in one A that commute. So the `[m, m]` Gram side carries
+    the whole iteration (`A <- q(A)^2 A`, `Q <- Q q(A)`), and X is multiplied once at the end: per step two
+    `m x n` products become four `m x m` ones, all symmetric. In low precision rounding breaks the commuting and
+    can turn a tiny eigenvalue of A negative, where `a^2 = 11.9` per step amplifies it; every `restart` steps the
+    iteration therefore applies Q to X and starts again from a true Gram (3 measured best for 5 steps: 0.009 to
+    0.015 relative error against fp32 with the Gram side in fp16, under the bf16 chain's tolerance; without
+    restarts 0.12-0.18 per entry on 6-decade matrices). `a I + Z` with `Z = b A + c A^2` is never rounded as a
+    whole: the products add the `a` terms in fp32, as the standard chain adds `a X`. The GEMMs here run in fp32
+    (an emulation of the Triton path's roundings): where `auto` would not pick the Gram form, an explicit `gram`
+    is correct but slower than the chain.
+    """
+    a, b, c = NS_COEFFICIENTS
+    shape, xdt = X.shape, X.dtype
+    gdt = gram_dtype(xdt)
+    X = X.reshape(-1, *shape[-2:])
+    if tall:
+        X = X.mT
+    eye = torch.eye(X.shape[-2], dtype=torch.float32, device=X.device)
+
+    def mm(p: torch.Tensor, q: torch.Tensor, dtype: torch.dtype, *added: tuple[float, torch.Tensor],
+           alpha: float = 1.0, diag: float = 0.0) -> torch.Tensor:  # fmt: skip
+        acc = torch.bmm(p.float(), q.float())
+        if alpha != 1.0:
+            acc *= alpha
+        for coef, t in added:
+            acc += coef * t.float()
+        return (acc + diag * eye if diag else acc).to(dtype)
+
+    done = 0
+    while done < steps:
+        n = min(restart, steps - done)
+        R = mm(X, X.mT, gdt)
+        Q: Optional[torch.Tensor] = None
+        Z_prev: Optional[torch.Tensor] = None
+        for i in range(n):
+            final = i == n - 1
+            qdt = xdt if final else gdt  # the phase's last Q is stored in X's dtype for the product with X
+            if n == 1:  # a one-step phase: Q = a I + Z, rounded once
+                Q = mm(R, R, qdt, (b, R), alpha=c, diag=a)
+                break
+            Z = mm(R, R, gdt, (b, R), alpha=c)
+            if i == 1:
+                Q = mm(Z_prev, Z, qdt, (a, Z), (a, Z_prev), diag=a * a)
+            elif i > 1:
+                Q = mm(Q, Z, qdt, (a, Q))
+            if not final:
+                RZ = mm(R, Z, gdt, (a, R))
+                R = mm(Z, RZ, gdt, (a, RZ))
+            Z_prev = Z
+        X = mm(Q, X, xdt)
+        done += n
+    return (X.mT if tall else X).reshape(shape)
 
 
 def _use_triton(X: torch.Tensor) -> bool:

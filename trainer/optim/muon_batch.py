@@ -134,7 +134,8 @@ def fused_elementwise(run: Sequence[MuonMatrix], compute_dtype: torch.dtype) -> 
 @torch.no_grad()
 def muon_step_(matrices: Sequence[MuonMatrix], *, lr: float, momentum: float, nesterov: bool, ns_steps: int,
                weight_decay: float, compute_dtype: torch.dtype, grad_scale: float | torch.Tensor = 1.0,
-               found_inf: Optional[torch.Tensor] = None, max_batch_elements: int = MAX_BATCH_ELEMENTS) -> None:
+               found_inf: Optional[torch.Tensor] = None, max_batch_elements: int = MAX_BATCH_ELEMENTS,
+               ns_method: str = "standard") -> None:
     """One Muon step in place on every matrix's master and momentum.
 
     `grad_scale`: the clip coefficient the grads are multiplied by first (`grad_norm.clipped`: in place on
@@ -149,7 +150,8 @@ def muon_step_(matrices: Sequence[MuonMatrix], *, lr: float, momentum: float, ne
     On CUDA the batches form a pipeline over two streams: while batch i's Newton-Schulz GEMMs run on the
     current stream, a side stream applies batch i-1's update and blends batch i+1 (memory-bound work under
     compute-bound GEMMs). Every kernel sees the same inputs as in sequence, so the bits are the same;
-    `MOECTL_MUON_OVERLAP=0` runs the batches in sequence.
+    `MOECTL_MUON_OVERLAP=0` runs the batches in sequence. `ns_method`: `optimizer.muon_ns_method`, resolved per
+    batch (`muon.uses_gram`).
     """
     step = _Step(lr, momentum, nesterov, weight_decay, compute_dtype, grad_scale, found_inf)
     runs = list(batches(matrices, max_batch_elements))
@@ -158,7 +160,7 @@ def muon_step_(matrices: Sequence[MuonMatrix], *, lr: float, momentum: float, ne
     if not _overlaps(runs):
         for run in runs:
             X, sumsq, fused = step.prepare(run)
-            step.apply(run, orthogonalize_(X, ns_steps, sumsq), fused)
+            step.apply(run, orthogonalize_(X, ns_steps, sumsq, ns_method), fused)
         return
     main = torch.cuda.current_stream()
     side = side_stream(main.device, "muon")
@@ -177,7 +179,7 @@ def muon_step_(matrices: Sequence[MuonMatrix], *, lr: float, momentum: float, ne
     for i, run in enumerate(runs):
         X, sumsq, fused, ready = nxt
         main.wait_event(ready)
-        O = orthogonalize_(X, ns_steps, sumsq)
+        O = orthogonalize_(X, ns_steps, sumsq, ns_method)
         done = main.record_event()
         O.record_stream(side)
         if i + 1 < len(runs):

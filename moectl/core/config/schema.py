@@ -197,6 +197,15 @@ class OptimizerConfig:
         "(dp=N equals dp=1 to fp32 rounding); bfloat16 runs the iteration's GEMMs on tensor cores; float16 "
         "too, about 4x closer to float32 and without one copy per step (see trainer/optim/muon.py).",
     )
+    muon_ns_method: Literal["auto", "standard", "gram"] = doc(
+        "auto",
+        "How Muon's Newton-Schulz runs: standard iterates on X (Keller Jordan's form); gram iterates on the "
+        "[m, m] Gram side X X^T, restarting from a true Gram every 3 steps, with fp16 Gram-side matrices for a "
+        "low-precision iteration (Dao et al.'s Gram Newton-Schulz: the same polynomial, four symmetric m x m "
+        "products per step instead of two m x n ones). auto = gram where it is faster (a bf16/fp16 iteration on "
+        "the Triton GEMMs, slices at least 2x wider than tall: the experts of the reference model), standard "
+        "elsewhere (the fp32 reference among them).",
+    )
     muon_split_glu: bool = doc(
         True,
         "Orthogonalise the gate and up halves of every gated fc1 weight (swiglu/quick_geglu experts, in both "

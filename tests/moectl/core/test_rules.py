@@ -582,6 +582,13 @@ CASES = [
         severity="warning",
     ),
     Case(
+        "MOE053",
+        ["optimizer.muon_ns_method=gram"],
+        ["optimizer.muon_ns_method=gram", "optimizer.optimizer=muon"],
+        severity="warning",
+        name="ns-method",
+    ),
+    Case(
         "MOE054",
         ["optimizer.optimizer=muon", "optimizer.muon_compute_dtype=bfloat16"],
         ["optimizer.optimizer=muon", "optimizer.muon_compute_dtype=bfloat16"],

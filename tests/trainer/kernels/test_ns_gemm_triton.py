@@ -179,3 +179,62 @@ def test_a_zero_slice_stays_zero_with_the_scale_folded_in(dtype: torch.dtype, bx
     out = K.iterate(X.clone(), 5, muon.NS_COEFFICIENTS, False, (norm + muon.NS_EPS).reciprocal())
     assert torch.isfinite(out).all() and not out[0].any()
     assert out[1].float().norm() > 1  # the other slice was orthogonalised
+
+
+@gpu
+@pytest.mark.parametrize("m", [256, 384])
+def test_symm_is_the_product_of_commuting_symmetric_matrices(m: int, kernels: str) -> None:
+    """`symm_` of two polynomials in one symmetric matrix (they commute, so the product is symmetric), with both
+    added inputs, the diagonal and the scale, fp16 in and bf16 out, as the Gram Newton-Schulz runs it: within
+    one rounding of the fp32 product, and exactly symmetric."""
+    from trainer.kernels import ns_gemm_triton as K
+
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    x = torch.randn(2, m, 2 * m, device="cuda", generator=gen)
+    A = x @ x.mT / (2 * m * m)  # a normalised Gram: eigenvalues in [0, ~1]
+    P, S = (3.4 * A - 4.7 * A @ A).half(), (2.0 * A + A @ A @ A).half()
+    out = torch.empty(2, m, m, device="cuda", dtype=torch.bfloat16)
+    s = torch.tensor([0.5, 3.0], device="cuda")
+    K.symm_(P, S, out, beta=3.4445, c=S, beta2=-1.5, c2=P, diag=11.8, scale=s, scale_power=1)
+    Pf, Sf = P.float(), S.float()
+    eye = torch.eye(m, device="cuda")
+    _close(out, s[:, None, None] * (Pf @ Sf + 3.4445 * Sf - 1.5 * Pf + 11.8 * eye))
+    assert torch.equal(out, out.mT)
+
+
+@gpu
+@pytest.mark.parametrize("shape", [(4, 1024, 2048), (4, 2048, 1024), (3, 256, 1024)])
+def test_the_gram_iteration_on_triton_is_the_torch_form(shape: tuple[int, int, int], kernels: str) -> None:
+    """`ns_gemm_triton.iterate_gram` rounds where `muon._iterate_gram` does, in another summation order: both
+    track fp32 within the bf16 tolerance, they agree within 0.02 (rounding noise: two CPU runs whose inputs
+    differ by a 2^-10 rescale differ by 0.008), and the Triton one is bit-reproducible. Through `newton_schulz`
+    with the normalisation folded in, as `muon_step_` runs it."""
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    G = torch.randn(shape, device="cuda", generator=gen)
+    X = G.to(torch.bfloat16)
+    assert muon._use_triton(X) and muon.uses_gram(X, "auto") == (max(shape[1:]) >= 2 * min(shape[1:]))
+    o32 = muon.newton_schulz(G, 5)
+    tri = muon.newton_schulz(X, 5, torch.bfloat16, "gram")
+    again = muon.newton_schulz(X, 5, torch.bfloat16, "gram")
+    ref = muon._iterate_gram(X / (X.float().norm(dim=(-2, -1), keepdim=True) + muon.NS_EPS).to(torch.bfloat16), 5,
+                             shape[1] > shape[2])  # fmt: skip
+    assert tri.shape == G.shape and tri.is_contiguous() and torch.equal(tri, again)
+    rel = lambda a, b: float(((a.float() - b.float()).norm(dim=(-2, -1)) / b.float().norm(dim=(-2, -1))).max())
+    assert rel(tri, o32) <= RANDOM_TOL and rel(ref, o32) <= RANDOM_TOL
+    assert rel(tri, ref) <= 0.02
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_zero_slice_stays_zero_in_the_gram_iteration(dtype: torch.dtype) -> None:
+    """A zero slice's scale is 1 / eps: the Gram side stays 0 and the first phase's s Q (4e8 for bf16) is
+    finite; fp16 normalises X first instead (s Q would overflow it)."""
+    from trainer.kernels import ns_gemm_triton as K
+
+    X = torch.zeros(2, 256, 512, device="cuda", dtype=dtype)
+    X[1] = torch.randn(256, 512, device="cuda", generator=torch.Generator(device="cuda").manual_seed(5)).to(dtype)
+    norm = X.float().norm(dim=(-2, -1))
+    out = K.iterate_gram(X.clone(), 5, muon.NS_COEFFICIENTS, False, (norm + muon.NS_EPS).reciprocal(),
+                         muon.gram_dtype(dtype), muon.GRAM_RESTART)  # fmt: skip
+    assert torch.isfinite(out).all() and not out[0].any()
+    assert out[1].float().norm() > 1
