@@ -40,6 +40,7 @@ from trainer.init_weights import skipped_init
 from trainer.metrics import MetricsWriter, expert_balance
 from trainer.observer import PrintObserver, RunObserver, SilentObserver
 from trainer.optim.lr_schedule import lr_at
+from trainer.optim.step_result import NonFiniteGradError
 from trainer.parallel.failures import collective_failure, raise_if_any_rank_failed
 from trainer.parallel.groups import collective_timeout_s, destroy_distributed
 from trainer.precision import describe
@@ -205,20 +206,29 @@ class Trainer:
                 self.step_weights.retract()
         if graph is not None and not reduce_in_graph:
             engine.start_grad_sync()
+        lr = lr_at(step, self.cfg.optimizer, self.cfg.train.train_iters)
+        # A non-finite grad norm or loss (on any rank) is agreed on by all ranks inside the engine: it skips the
+        # update everywhere, or (on_nonfinite: stop) raises NonFiniteGradError everywhere. The loss goes in as a
+        # device tensor, so the host queues the update before it reads the loss: reading it first waited for the
+        # backward to drain and left the GPU idle while the host then launched the optimizer's kernels.
+        grad_error: NonFiniteGradError | None = None
+        try:
+            with region(OPTIMIZER):
+                result = engine.step(lr, loss=lm_sum)
+        except NonFiniteGradError as e:  # raised for a non-finite loss too: named as such below
+            grad_error = e
+        if grad_error is None:
+            self._prefetch(step + 1)  # before the reads below wait for the update
+            if self.step_weights is not None:  # likewise: the next step's weights, queued behind the update
+                self._publish_step_weights()
         lm = self._mean_over_dp(lm_sum / self.n_micro)  # the same on every rank: they agree on stopping
         if not math.isfinite(lm) and self.cfg.train.on_nonfinite == "stop":
             raise NonFiniteError(
                 f"non-finite loss at step {step + 1} (loss={lm}); no update was applied",
                 "lower optimizer.lr or raise optimizer.lr_warmup_iters, or set train.on_nonfinite=skip",
             )
-        lr = lr_at(step, self.cfg.optimizer, self.cfg.train.train_iters)
-        # A non-finite grad norm is agreed on by all ranks inside the engine: it skips the update
-        # everywhere, or (on_nonfinite: stop) raises NonFiniteGradError everywhere.
-        with region(OPTIMIZER):
-            result = engine.step(lr)
-        self._prefetch(step + 1)  # before the record's reads wait for the update
-        if self.step_weights is not None:  # likewise: the next step's weights, queued behind the update
-            self._publish_step_weights()
+        if grad_error is not None:
+            raise grad_error
         return {
             "step": step + 1,
             "loss": lm,

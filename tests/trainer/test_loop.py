@@ -60,8 +60,9 @@ def test_expert_layouts_train_to_the_same_losses(tmp_path, backend):
     assert runs[0] == runs[1]
 
 
-def _poison(trainer: Trainer, at_step: int) -> list[int]:
-    """Make the loss NaN on the micro-batches of optimizer step `at_step` (1-based)."""
+def _poison(trainer: Trainer, at_step: int, grads: bool = True) -> list[int]:
+    """Make the loss NaN on the micro-batches of optimizer step `at_step` (1-based); `grads=False`: only the
+    reported loss, the one backpropagated stays finite (so are the grads)."""
     calls = []
     real = trainer.model.loss
 
@@ -69,7 +70,8 @@ def _poison(trainer: Trainer, at_step: int) -> list[int]:
         parts = real(tokens, targets)
         calls.append(1)
         if len(calls) > (at_step - 1) * trainer.n_micro and len(calls) <= at_step * trainer.n_micro:
-            parts.total = parts.total * float("nan")
+            if grads:
+                parts.total = parts.total * float("nan")
             parts.lm_loss = parts.lm_loss * float("nan")
         return parts
 
@@ -95,6 +97,28 @@ def test_nonfinite_step_is_skipped_without_touching_params(tmp_path):
     assert record["skipped"] and math.isnan(record["loss"])
     for n, p in t.model.named_parameters():
         assert torch.equal(p, before[n]), n
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "muon"])
+@pytest.mark.parametrize("on_nonfinite", ["skip", "stop"])
+def test_a_nonfinite_loss_skips_the_update_even_with_finite_grads(tmp_path, on_nonfinite, optimizer):
+    """The loss reaches the optimizer as a device tensor (the host queues the update before it reads the loss):
+    a non-finite one must still leave every param as it was, also where the grads are finite, and a stopping
+    run names the loss."""
+    t = make(tmp_path, "train.train_iters=3", f"train.on_nonfinite={on_nonfinite}", "train.eval_interval=null",
+             f"optimizer.optimizer={optimizer}")
+    _poison(t, at_step=2, grads=False)
+    t.train_step(0)
+    before = {n: p.detach().clone() for n, p in t.model.named_parameters()}
+    if on_nonfinite == "stop":
+        with pytest.raises(NonFiniteError, match=r"non-finite loss at step 2"):
+            t.train_step(1)
+    else:
+        record = t.train_step(1)
+        assert record["skipped"] and math.isnan(record["loss"]) and math.isfinite(record["grad_norm"])
+    for n, p in t.model.named_parameters():
+        assert torch.equal(p, before[n]), n
+    assert t.engine.step_count == 1
 
 
 def test_cuda_graphs_off_the_gpu_are_refused_not_ignored(tmp_path):

@@ -91,9 +91,9 @@ class DistributedEngine:
     def params_gathered_by_replay(self) -> None:
         self.dmodel.mark_params_gathered()
 
-    def step(self, lr: float) -> StepResult:
+    def step(self, lr: float, loss: torch.Tensor | None = None) -> StepResult:
         self.dmodel.finish_grad_sync()
-        return self.optimizer.step(lr)
+        return self.optimizer.step(lr, loss=loss)
 
     def sync_params_for_eval(self) -> None:
         self.dmodel.force_param_sync()

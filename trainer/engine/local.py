@@ -71,12 +71,12 @@ class LocalEngine:
     def params_gathered_by_replay(self) -> None:
         """One device: nothing to gather."""
 
-    def step(self, lr: float) -> StepResult:
-        """Clip and step; a non-finite grad norm leaves params and optimizer state untouched."""
+    def step(self, lr: float, loss: torch.Tensor | None = None) -> StepResult:
+        """Clip and step; a non-finite grad norm or `loss` leaves params and optimizer state untouched."""
         params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
         max_norm = self.cfg.clip_grad if self.cfg.clip_grad > 0 else math.inf
         norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-        if not math.isfinite(norm):
+        if not math.isfinite(norm) or (loss is not None and not math.isfinite(float(loss))):
             return StepResult(norm, skipped=True)
         for group in self.optimizer.param_groups:
             group["lr"] = lr

@@ -101,10 +101,11 @@ class ChainedOptimizer:
             g.sync.check(Action.STAGE)
 
     @torch.no_grad()
-    def step(self, lr: float) -> StepResult:
-        """One joint norm and verdict, then every member steps (see the module docstring)."""
+    def step(self, lr: float, *, loss: torch.Tensor | None = None) -> StepResult:
+        """One joint norm and verdict (a non-finite `loss` skips too), then every member steps (see the module
+        docstring)."""
         self._check_ready()
-        joint = global_grad_verdict(self.local_grad_sq(), self.dmodel.pstate.dp)
+        joint = global_grad_verdict(self.local_grad_sq(), self.dmodel.pstate.dp, loss)
         results = [m.step(lr, joint_norm=joint) for m in self.members]
         return StepResult(joint.read()[0], skipped=any(r.skipped for r in results))
 

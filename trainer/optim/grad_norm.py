@@ -129,9 +129,16 @@ class GradVerdict:
         return self._value
 
 
-def global_grad_verdict(local_sq: torch.Tensor, group: Group) -> GradVerdict:
-    """All-reduce (sum of squares, found-inf flag) over `group`; the same verdict on every rank, no host sync."""
-    flag = (~torch.isfinite(local_sq)).to(torch.float64)
+def global_grad_verdict(local_sq: torch.Tensor, group: Group, loss: torch.Tensor | None = None) -> GradVerdict:
+    """All-reduce (sum of squares, found-inf flag) over `group`; the same verdict on every rank, no host sync.
+
+    `loss`: this rank's loss of the step (a device scalar) or None; a non-finite one sets the flag as a
+    non-finite grad does (the norm reported stays the grads'), so the host can queue the update before it reads
+    the loss and still never apply a step whose loss was not finite."""
+    bad = ~torch.isfinite(local_sq)
+    if loss is not None:
+        bad = bad | ~torch.isfinite(loss)
+    flag = bad.to(torch.float64)
     packed = torch.stack([local_sq, flag])
     comm.all_reduce(packed, group)
     total_sq, found = packed[0], packed[1]

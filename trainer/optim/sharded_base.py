@@ -199,9 +199,10 @@ class ShardedOptimizerBase:
         """This rank's counted sum of squares (float64 scalar): a chained optimizer adds these up."""
         return local_sq_sum([s.norm_grad() for s in self.shards], self.device)
 
-    def grad_verdict(self) -> GradVerdict:
-        """The global norm and found-inf flag over this optimizer's grads, agreed by all ranks (on the device)."""
-        return global_grad_verdict(self.local_grad_sq(), self.dmodel.pstate.dp)
+    def grad_verdict(self, loss: torch.Tensor | None = None) -> GradVerdict:
+        """The global norm and found-inf flag over this optimizer's grads (and `loss`, see
+        `global_grad_verdict`), agreed by all ranks (on the device)."""
+        return global_grad_verdict(self.local_grad_sq(), self.dmodel.pstate.dp, loss)
 
     @property
     def device_verdict(self) -> bool:
@@ -236,14 +237,16 @@ class ShardedOptimizerBase:
             self.dmodel.start_param_sync(force_sync=True, tag=self.tag)
 
     @torch.no_grad()
-    def step(self, lr: float, *, joint_norm: GradVerdict | None = None) -> StepResult:
+    def step(self, lr: float, *, joint_norm: GradVerdict | None = None,
+             loss: torch.Tensor | None = None) -> StepResult:  # fmt: skip
         """Clip by the global norm, update masters, write back (separate masters only), gather (now or in the
         next forward).
 
         `joint_norm`: the verdict a `ChainedOptimizer` agreed over all its optimizers; None: our own.
+        `loss`: the step's loss on the device; a non-finite one skips the step as a non-finite grad does.
         """
         self.check_ready()
-        verdict = joint_norm if joint_norm is not None else self.grad_verdict()
+        verdict = joint_norm if joint_norm is not None else self.grad_verdict(loss)
         if self.device_verdict:
             verdict.start_read()  # queued before the update: the host waits for the norm, not for the update
             self.step_count += 1

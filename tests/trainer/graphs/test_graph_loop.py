@@ -114,11 +114,11 @@ def _run(sets: list[str], run_dir: Path, graphs: bool, monkeypatch: Any = None,
         optimizer = trainer.engine.optimizer  # type: ignore[attr-defined]
         step, calls = optimizer.step, iter(range(10**6))
 
-        def poisoned_step(lr: float) -> Any:  # the engine calls it after finish_grad_sync
+        def poisoned_step(lr: float, **kwargs: Any) -> Any:  # the engine calls it after finish_grad_sync
             if next(calls) == inf_at_step and trainer.rt.rank == trainer.rt.world_size - 1:
                 for buf in trainer.engine.dmodel.buffers:  # type: ignore[attr-defined]
                     buf.grad_data.fill_(float("inf"))
-            out = step(lr)
+            out = step(lr, **kwargs)
             skipped.append(out.skipped)
             return out
 
