@@ -479,10 +479,18 @@ def iterate_gram(x: torch.Tensor, steps: int, coefficients: tuple[float, float, 
     if scale is not None and x.dtype == torch.float16:  # s Q may overflow fp16 (s = 1e7 for a zero slice)
         x.mul_(scale[:, None, None])  # computed in fp32, rounded once
         scale = None
+
     def square(dtype: torch.dtype = gram_dtype) -> torch.Tensor:
         return torch.empty(batch, m, m, dtype=dtype, device=x.device)
 
-    R, RZ, Zs, Qs, Q_x = square(), square(), (square(), square()), (square(), square()), square(x.dtype)
+    R, RZ, Zs, Q_x = square(), square(), (square(), square()), square(x.dtype)
+    Qs: list[torch.Tensor | None] = [None, None]  # a phase's running Q: one buffer for 3 steps, two from 4
+
+    def q_buffer(k: int) -> torch.Tensor:
+        if Qs[k] is None:
+            Qs[k] = square()
+        return Qs[k]  # type: ignore[return-value]
+
     cur, nxt = x, torch.empty_like(x)
     done = 0
     while done < steps:
@@ -497,7 +505,7 @@ def iterate_gram(x: torch.Tensor, steps: int, coefficients: tuple[float, float, 
                 break
             Z, Z_prev = Zs[i % 2], Zs[(i + 1) % 2]
             gram_(R, Z, alpha=c, beta=b, c=R)
-            out = Q_x if final else Qs[i % 2]
+            out = Q_x if final else q_buffer(i % 2)
             sc = last_scale if final else {}
             if i == 1:  # (a I + Z_1)(a I + Z_0), expanded: Q_0 = a I + Z_0 is never stored
                 symm_(Z_prev, Z, out, beta=a, c=Z, beta2=a, c2=Z_prev, diag=a * a, **sc)

@@ -120,8 +120,8 @@ def orthogonalize_(X: torch.Tensor, steps: int, sumsq: Optional[torch.Tensor] = 
                    method: str = "standard") -> torch.Tensor:  # fmt: skip
     """`newton_schulz` of `X` in its own dtype, consuming `X` (it is normalised in place; the caller owns it).
 
-    fp32: the reference iteration; any other dtype: the fused baddbmm chain (see the module docstring), on the
-    matrices' own orientation. `sumsq`: each slice's sum of squares, already computed (fp32, one per slice of a
+    With the standard method, fp32: the reference iteration; any other dtype: the fused baddbmm chain (see the
+    module docstring), on the matrices' own orientation. `sumsq`: each slice's sum of squares, already computed (fp32, one per slice of a
     contiguous `X`, from `kernels/muon_triton.blend_` and `slice_sums`); the normalisation then runs as one fused
     kernel, or, on the Triton GEMMs, inside the first step's products (`ns_gemm_triton.iterate`).
     `method` (`optimizer.muon_ns_method`, resolved by `uses_gram`): "gram" iterates on the Gram side
@@ -195,18 +195,18 @@ def _iterate_fused(X: torch.Tensor, steps: int, tall: bool, scale: Optional[torc
 def uses_gram(X: torch.Tensor, method: str) -> bool:
     """Whether `optimizer.muon_ns_method` runs `[..., m, n]` `X` as a Gram Newton-Schulz.
 
-    `auto`: where it is faster, a low-precision X on the Triton GEMMs (where the symmetric products cost about
-    half their FLOPs) whose long side is at least `GRAM_MIN_ASPECT` times its short side: per step the Gram form
-    trades the two `m x n` products of X for four symmetric `m x m` ones, which saves time from that aspect on
-    (docs/benchmarks.md). The fp32 iteration stays the reference one.
+    `auto`: where it is faster, a low-precision contiguous X on the Triton GEMMs (where the symmetric products
+    cost about half their FLOPs) whose long side is at least `GRAM_MIN_ASPECT` times its short side: per step the
+    Gram form trades the two `m x n` products of X for four symmetric `m x m` ones, which saves time from that
+    aspect on (docs/benchmarks.md). The fp32 iteration stays the reference one.
     """
     if method not in NS_METHODS:
         raise ValueError(f"muon_ns_method must be one of {', '.join(NS_METHODS)}; got {method!r}")
     if method != "auto":
         return method == "gram"
     m, n = sorted(X.shape[-2:])
-    return (X.dtype != torch.float32 and n >= GRAM_MIN_ASPECT * m
-            and _use_triton(X.reshape(-1, *X.shape[-2:])))  # fmt: skip
+    # the conditions `orthogonalize_` takes the Triton GEMMs under (`_use_triton` reads device and shape only)
+    return X.dtype != torch.float32 and X.is_contiguous() and n >= GRAM_MIN_ASPECT * m and _use_triton(X)
 
 
 def gram_dtype(x_dtype: torch.dtype) -> torch.dtype:
@@ -247,24 +247,23 @@ def _iterate_gram(X: torch.Tensor, steps: int, tall: bool, restart: int = GRAM_R
     a, b, c = NS_COEFFICIENTS
     shape, xdt = X.shape, X.dtype
     gdt = gram_dtype(xdt)
+    acc_dt = torch.float64 if xdt == torch.float64 else torch.float32
     X = X.reshape(-1, *shape[-2:])
-    if tall:
-        X = X.mT
-    eye = torch.eye(X.shape[-2], dtype=torch.float32, device=X.device)
+    eye = torch.eye(min(shape[-2:]), dtype=acc_dt, device=X.device)
 
     def mm(p: torch.Tensor, q: torch.Tensor, dtype: torch.dtype, *added: tuple[float, torch.Tensor],
            alpha: float = 1.0, diag: float = 0.0) -> torch.Tensor:  # fmt: skip
-        acc = torch.bmm(p.float(), q.float())
+        acc = torch.bmm(p.to(acc_dt), q.to(acc_dt))
         if alpha != 1.0:
             acc *= alpha
         for coef, t in added:
-            acc += coef * t.float()
+            acc += coef * t.to(acc_dt)
         return (acc + diag * eye if diag else acc).to(dtype)
 
     done = 0
     while done < steps:
         n = min(restart, steps - done)
-        R = mm(X, X.mT, gdt)
+        R = mm(X.mT, X, gdt) if tall else mm(X, X.mT, gdt)  # a tall slice iterates from the right: X^T X
         Q: Optional[torch.Tensor] = None
         Z_prev: Optional[torch.Tensor] = None
         for i in range(n):
@@ -282,9 +281,9 @@ def _iterate_gram(X: torch.Tensor, steps: int, tall: bool, restart: int = GRAM_R
                 RZ = mm(R, Z, gdt, (a, R))
                 R = mm(Z, RZ, gdt, (a, RZ))
             Z_prev = Z
-        X = mm(Q, X, xdt)
+        X = mm(X, Q, xdt) if tall else mm(Q, X, xdt)  # Q is symmetric: X^T <- Q X^T is X <- X Q
         done += n
-    return (X.mT if tall else X).reshape(shape)
+    return X.reshape(shape)
 
 
 def _use_triton(X: torch.Tensor) -> bool:

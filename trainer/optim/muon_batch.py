@@ -32,8 +32,9 @@ whole weight is gathered into the slot (one copy) and the result scattered back 
 bits the existing single-matrix iteration gives it alone (CPU, tested).
 
 A batch holds at most `MAX_BATCH_ELEMENTS` elements (a larger single matrix goes alone): the iteration
-keeps about four batch-sized tensors alive (X, the Gram matrices A and B, the next X), and batching gains
-nothing once one GEMM fills the device.
+keeps about four batch-sized tensors alive (X, the Gram matrices A and B, the next X; the Gram form of a
+`[m, 2m]` batch about five: six `[m, m]` matrices), and batching gains nothing once one GEMM fills the device
+(2^30-element batches measured no faster on an H100, docs/benchmarks.md).
 """
 
 from __future__ import annotations

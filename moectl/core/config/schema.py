@@ -201,10 +201,10 @@ class OptimizerConfig:
         "auto",
         "How Muon's Newton-Schulz runs: standard iterates on X (Keller Jordan's form); gram iterates on the "
         "[m, m] Gram side X X^T, restarting from a true Gram every 3 steps, with fp16 Gram-side matrices for a "
-        "low-precision iteration (Dao et al.'s Gram Newton-Schulz: the same polynomial, four symmetric m x m "
+        "low-precision iteration (Amsel et al.'s Gram Newton-Schulz: the same polynomial, four symmetric m x m "
         "products per step instead of two m x n ones). auto = gram where it is faster (a bf16/fp16 iteration on "
-        "the Triton GEMMs, slices at least 2x wider than tall: the experts of the reference model), standard "
-        "elsewhere (the fp32 reference among them).",
+        "the Triton GEMMs, slices whose long side is at least 2x the short one: the experts of the reference "
+        "model), standard elsewhere (the fp32 reference among them).",
     )
     muon_split_glu: bool = doc(
         True,

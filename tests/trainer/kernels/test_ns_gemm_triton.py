@@ -184,22 +184,29 @@ def test_a_zero_slice_stays_zero_with_the_scale_folded_in(dtype: torch.dtype, bx
 @gpu
 @pytest.mark.parametrize("m", [256, 384])
 def test_symm_is_the_product_of_commuting_symmetric_matrices(m: int, kernels: str) -> None:
-    """`symm_` of two polynomials in one symmetric matrix (they commute, so the product is symmetric), with both
-    added inputs, the diagonal and the scale, fp16 in and bf16 out, as the Gram Newton-Schulz runs it: within
-    one rounding of the fp32 product, and exactly symmetric."""
+    """`symm_` of two polynomials in one symmetric matrix (they commute, so the product is symmetric), fp16 in and
+    bf16 out, as the Gram Newton-Schulz runs it: the product alone, then each added input, the diagonal and the
+    scale, each within one rounding of the fp32 result and exactly symmetric. Every term is O(1) (A's top
+    eigenvalue is 1), so a missing or swapped term errs by O(1), far above the rounding bound."""
     from trainer.kernels import ns_gemm_triton as K
 
     gen = torch.Generator(device="cuda").manual_seed(6)
     x = torch.randn(2, m, 2 * m, device="cuda", generator=gen)
-    A = x @ x.mT / (2 * m * m)  # a normalised Gram: eigenvalues in [0, ~1]
+    A = x @ x.mT
+    A = A / torch.linalg.matrix_norm(A, ord=2)[:, None, None]  # eigenvalues in [0, 1]
     P, S = (3.4 * A - 4.7 * A @ A).half(), (2.0 * A + A @ A @ A).half()
-    out = torch.empty(2, m, m, device="cuda", dtype=torch.bfloat16)
-    s = torch.tensor([0.5, 3.0], device="cuda")
-    K.symm_(P, S, out, beta=3.4445, c=S, beta2=-1.5, c2=P, diag=11.8, scale=s, scale_power=1)
     Pf, Sf = P.float(), S.float()
     eye = torch.eye(m, device="cuda")
-    _close(out, s[:, None, None] * (Pf @ Sf + 3.4445 * Sf - 1.5 * Pf + 11.8 * eye))
-    assert torch.equal(out, out.mT)
+    s = torch.tensor([0.5, 3.0], device="cuda")
+    cases = [(dict(), Pf @ Sf), (dict(beta=3.4445, c=S), Pf @ Sf + 3.4445 * Sf),
+             (dict(beta2=-1.5, c2=P), Pf @ Sf - 1.5 * Pf), (dict(diag=0.7), Pf @ Sf + 0.7 * eye),
+             (dict(beta=3.4445, c=S, beta2=-1.5, c2=P, diag=0.7, scale=s, scale_power=1),
+              s[:, None, None] * (Pf @ Sf + 3.4445 * Sf - 1.5 * Pf + 0.7 * eye))]  # fmt: skip
+    for kwargs, want in cases:
+        out = torch.empty(2, m, m, device="cuda", dtype=torch.bfloat16)
+        K.symm_(P, S, out, **kwargs)
+        _close(out, want)
+        assert torch.equal(out, out.mT), kwargs
 
 
 @gpu
@@ -208,7 +215,7 @@ def test_the_gram_iteration_on_triton_is_the_torch_form(shape: tuple[int, int, i
     """`ns_gemm_triton.iterate_gram` rounds where `muon._iterate_gram` does, in another summation order: both
     track fp32 within the bf16 tolerance, they agree within 0.02 (rounding noise: two CPU runs whose inputs
     differ by a 2^-10 rescale differ by 0.008), and the Triton one is bit-reproducible. Through `newton_schulz`
-    with the normalisation folded in, as `muon_step_` runs it."""
+    (X normalised first; `test_the_normalisation_folds_into_the_gram_iteration` takes muon_step_'s folded path)."""
     gen = torch.Generator(device="cuda").manual_seed(7)
     G = torch.randn(shape, device="cuda", generator=gen)
     X = G.to(torch.bfloat16)
@@ -222,6 +229,32 @@ def test_the_gram_iteration_on_triton_is_the_torch_form(shape: tuple[int, int, i
     rel = lambda a, b: float(((a.float() - b.float()).norm(dim=(-2, -1)) / b.float().norm(dim=(-2, -1))).max())
     assert rel(tri, o32) <= RANDOM_TOL and rel(ref, o32) <= RANDOM_TOL
     assert rel(tri, ref) <= 0.02
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tall", [False, True])
+def test_the_normalisation_folds_into_the_gram_iteration(tall: bool, dtype: torch.dtype, kernels: str) -> None:
+    """The path `muon_step_` runs: the blend's sums of squares give each slice's `s = 1 / (|X| + eps)`, which the
+    Gram iteration takes as `s^2` in its first Gram and `s` in the first phase's last Q (fp16: X scaled first).
+    For slices of very different norms, within the bf16 tolerance of fp32 and of normalising X first; the
+    result keeps X's strides."""
+    from trainer.kernels import ns_gemm_triton as K
+
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    shape = (3, 512, 256) if tall else (3, 256, 512)
+    G = torch.randn(shape, device="cuda", generator=gen) * torch.tensor([1e-3, 1.0, 50.0], device="cuda")[:, None, None]
+    X = G.to(dtype)
+    norm = X.float().norm(dim=(-2, -1))
+    args = (5, muon.NS_COEFFICIENTS, tall)
+    first = K.iterate_gram((X / (norm + muon.NS_EPS)[:, None, None]).to(dtype), *args, None, muon.gram_dtype(dtype),
+                           muon.GRAM_RESTART)  # fmt: skip
+    folded = K.iterate_gram(X.clone(), *args, (norm + muon.NS_EPS).reciprocal(), muon.gram_dtype(dtype),
+                            muon.GRAM_RESTART)  # fmt: skip
+    o32 = muon.newton_schulz(G, 5)
+    rel = lambda a, b: float(((a.float() - b.float()).norm(dim=(-2, -1)) / b.float().norm(dim=(-2, -1))).max())
+    assert rel(folded, o32) <= RANDOM_TOL and rel(folded, first) <= RANDOM_TOL
+    assert folded.stride() == X.stride()
 
 
 @gpu

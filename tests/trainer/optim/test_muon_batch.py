@@ -18,7 +18,8 @@ bf16 form, 5 roundings per step, measured 0.027 on random matrices: over the tol
 
 The Gram Newton-Schulz (`optimizer.muon_ns_method: gram`, `muon._iterate_gram`) is held to the same bounds
 (its Gram side in fp16, a bf16 X: measured <= 0.010 random, <= 0.015 resolved, <= 0.033 per entry, CPU) and,
-in fp32, to the standard iteration within fp32 rounding (the same polynomial; measured 3e-6).
+in fp32, to the standard iteration within fp32 rounding (the same polynomial; measured 3e-6 at 5 steps, 2.4e-5 at
+7 on 6-decade matrices).
 """
 
 from __future__ import annotations
@@ -120,7 +121,18 @@ def test_gram_restarts_keep_the_low_precision_iteration_on_track() -> None:
     X = (G / (G.norm() + 1e-7)).to(torch.bfloat16)
     errs = {r: float((U.T @ (_iterate_gram(X.clone(), 5, False, restart=r).float() - o32) @ V).abs().max())
             for r in (3, 5)}  # fmt: skip
-    assert errs[3] <= NOISE_ENTRY_TOL < errs[5], errs
+    assert errs[3] <= NOISE_ENTRY_TOL and errs[5] > 3 * errs[3], errs  # measured 5.6-11x over 10 seeds
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_gram_iteration_keeps_a_tall_slice_contiguous(dtype: torch.dtype) -> None:
+    """A tall slice iterates from the right (`X^T X`, `X Q`): the result is contiguous in the slice's own
+    orientation, as the fused apply kernel that reads it requires, and equals iterating the transpose."""
+    G = torch.randn(3, 96, 40, generator=torch.Generator().manual_seed(13))
+    tall = newton_schulz(G, 5, dtype, "gram")
+    wide = newton_schulz(G.mT.contiguous(), 5, dtype, "gram")
+    assert tall.is_contiguous() and tall.shape == G.shape
+    torch.testing.assert_close(tall.float(), wide.float().mT, rtol=0.02, atol=0.01)
 
 
 FP16_TOL = 0.008  # fp16's folded chain: 2^-11 roundings, ~4x under bf16's (measured <= 0.0045, CPU)
