@@ -126,9 +126,11 @@ def test_cuda_graphs_off_the_gpu_are_refused_not_ignored(tmp_path):
     itself rather than running eagerly while the config says graphs."""
     from moectl.core.errors import ConfigError
 
-    assert not any("cuda_graph:" in line for line in make(tmp_path)._banner())
+    # pinned to the CPU: on a GPU host the default device would be CUDA, where graphs are allowed
+    assert not any("cuda_graph:" in line for line in make(tmp_path, "train.device=cpu")._banner())
     with pytest.raises(ConfigError, match="train.cuda_graph"):
-        make(tmp_path, "train.cuda_graph=true", "moe.capacity_factor=1.25", "moe.pad_expert_input_to_capacity=true")
+        make(tmp_path, "train.device=cpu", "train.cuda_graph=true", "moe.capacity_factor=1.25",
+             "moe.pad_expert_input_to_capacity=true")
 
 
 def test_router_padding_without_a_recipe_is_refused_not_ignored(tmp_path):
