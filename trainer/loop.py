@@ -1,11 +1,11 @@
 """The training loop: micro-batches to the global batch, step, evaluate, record, stop cleanly.
 
 One step: zero grads -> for each micro-batch: forward, loss / n_micro, backward (the last one lets
-the engine launch grad reduction) -> engine.step(lr) -> metrics. With `train.cuda_graph` every step after
+the engine launch grad reduction) -> engine.step(lr, loss) -> metrics. With `train.cuda_graph` every step after
 the first replays each micro-batch from a captured graph; under data parallelism the first one's holds the
 param gathers and the last one's the grad reductions (trainer/graphs/capture.py says what stays out).
 A non-finite loss or grad norm stops the run with a clear message (`train.on_nonfinite: stop`) or skips
-the update (`skip`).
+the update (`skip`); the loss reaches the engine as a device tensor and is read after the update is queued.
 SIGINT/SIGTERM end the run after the step in flight, agreed over all ranks (trainer/stop.py), with a
 checkpoint when `checkpoint.save_interval` is set and a warning when it is not. A collective that loses
 its peer or times out becomes a one-line error naming the rank and the step (trainer/parallel/failures.py).

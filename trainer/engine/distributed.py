@@ -9,7 +9,7 @@ calling the model itself (`model.loss(...)`): the wrapper's hooks live on the mo
     with engine.micro_batch(is_last=...): ...   -> no_sync() on all micro-batches but the last
     engine.start_grad_sync()                    -> launch what no backward launched (CUDA-graph steps
                                                    whose graphs do not hold the reductions)
-    engine.step(lr)                             -> finish_grad_sync, then optimizer.step
+    engine.step(lr, loss)                       -> finish_grad_sync, then optimizer.step (loss in the verdict)
     engine.sync_params_for_eval()               -> force_param_sync (eval, checkpoint, exit)
 """
 

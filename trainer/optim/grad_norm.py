@@ -137,7 +137,7 @@ def global_grad_verdict(local_sq: torch.Tensor, group: Group, loss: torch.Tensor
     the loss and still never apply a step whose loss was not finite."""
     bad = ~torch.isfinite(local_sq)
     if loss is not None:
-        bad = bad | ~torch.isfinite(loss)
+        bad = bad | ~torch.isfinite(loss).all()
     flag = bad.to(torch.float64)
     packed = torch.stack([local_sq, flag])
     comm.all_reduce(packed, group)
