@@ -38,7 +38,7 @@ fp16's first step, whose scale could overflow B); the cuBLAS chain below is the 
 Gram Newton-Schulz (`optimizer.muon_ns_method`, `uses_gram`): the same polynomial iterated on the `[m, m]` side,
 `_iterate_gram` (after Amsel, Zhang, Chen and Dao, "Gram Newton-Schulz", 2026), restarted from a true Gram every
 `GRAM_RESTART` steps, its Gram-side matrices in fp16 for a low-precision X. `auto` takes it on the Triton GEMMs
-for slices at least twice as wide as tall (the reference model's experts: their Newton-Schulz 54.0 -> 43.9 ms on
+for slices whose long side is at least twice the short one (the reference model's experts: their Newton-Schulz 54.0 -> 43.9 ms on
 an H100, docs/benchmarks.md); the fp32 iteration, the CPU's default, stays the reference chain.
 
 `float16` (an option, not the default): on cuBLAS, the same chain with `a` folded into B's diagonal, `X = (a I + B) X`,
@@ -82,7 +82,7 @@ MOONLIGHT_RMS = 0.2
 TRITON_NS_ENV = "MOECTL_TRITON_NS"
 NS_METHODS = ("auto", "standard", "gram")  # `optimizer.muon_ns_method`
 GRAM_RESTART = 3  # Gram Newton-Schulz steps between restarts from a true X X^T
-GRAM_MIN_ASPECT = 2  # `auto` takes the Gram form for slices at least this wide (below it saves no time)
+GRAM_MIN_ASPECT = 2  # `auto`'s Gram form: long side >= this x the short one (below it saves no time)
 
 
 COMPUTE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -121,9 +121,10 @@ def orthogonalize_(X: torch.Tensor, steps: int, sumsq: Optional[torch.Tensor] = 
     """`newton_schulz` of `X` in its own dtype, consuming `X` (it is normalised in place; the caller owns it).
 
     With the standard method, fp32: the reference iteration; any other dtype: the fused baddbmm chain (see the
-    module docstring), on the matrices' own orientation. `sumsq`: each slice's sum of squares, already computed (fp32, one per slice of a
-    contiguous `X`, from `kernels/muon_triton.blend_` and `slice_sums`); the normalisation then runs as one fused
-    kernel, or, on the Triton GEMMs, inside the first step's products (`ns_gemm_triton.iterate`).
+    module docstring), on the matrices' own orientation. `sumsq`: each slice's sum of squares, already computed
+    (fp32, one per slice of a contiguous `X`, from `kernels/muon_triton.blend_` and `slice_sums`); the
+    normalisation then runs as one fused kernel, or, on the Triton GEMMs, inside the first step's products
+    (`ns_gemm_triton.iterate`, `iterate_gram`).
     `method` (`optimizer.muon_ns_method`, resolved by `uses_gram`): "gram" iterates on the Gram side
     (`_iterate_gram`), "standard" on X.
     """
@@ -216,7 +217,8 @@ def gram_dtype(x_dtype: torch.dtype) -> torch.dtype:
     return torch.float16 if x_dtype in (torch.bfloat16, torch.float16) else x_dtype
 
 
-def _iterate_gram_triton(X: torch.Tensor, steps: int, tall: bool, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+def _iterate_gram_triton(X: torch.Tensor, steps: int, tall: bool,
+                         scale: Optional[torch.Tensor] = None) -> torch.Tensor:  # fmt: skip
     """`_iterate_gram` on the Triton symmetric GEMMs (`ns_gemm_triton.iterate_gram`)."""
     from trainer.kernels import ns_gemm_triton
 
