@@ -47,7 +47,7 @@ TFLOP/s of the FLOPs done (931 counted as the full product, cuBLAS's full produc
 (one program per SM walking the tiles, the next tile's loads issued under the epilogue) measured no faster
 (65.5 ms) and was dropped.
 
-The Gram Newton-Schulz (`iterate_gram`, `optimizer.muon_ns_method`; the method in `muon._iterate_gram`) runs
+The Gram Newton-Schulz (`optimizer.muon_ns_method`; `optim/muon_gram.iterate_gram` with `symm_`) runs
 the same polynomial on the `[m, m]` side: per step four symmetric products of commuting matrices (`symm_`,
 the Gram kernel with a second operand for the column tiles and a second added input) instead of the two
 `m x n` products of X, plus one `Q X` per 3-step phase. At the expert shapes (`n = 2m`) 14 symmetric products, 2
@@ -336,7 +336,7 @@ def symm_(y: torch.Tensor, z: torch.Tensor, out: torch.Tensor, alpha: float = 1.
           scale: torch.Tensor | None = None, diag: float = 0.0, scale_power: int = 2) -> torch.Tensor:  # fmt: skip
     """`out = s^p * (alpha * y @ z.mT + beta * c + beta2 * c2 + diag * I)` into `[B, m, m]` `out`, for `[B, m, k]`
     `y` and `z` laid out alike, where the product is known to be symmetric: `z` is `y` (`gram_`), or both are
-    square, symmetric and commute (polynomials in one matrix, as in the Gram Newton-Schulz of `iterate_gram`;
+    square, symmetric and commute (polynomials in one matrix, as in the Gram Newton-Schulz of `optim/muon_gram.py`;
     then `y @ z.mT = y @ z`). Only the tiles on and above the diagonal are computed, each stored with its mirror
     (a diagonal tile's upper triangle with its mirror where z is not y, whose lower one rounds another sum), so
     `out` is exactly symmetric; `c` and `c2` must be symmetric. In fp32, rounded once; `out` may have another
@@ -456,69 +456,3 @@ def iterate(x: torch.Tensor, steps: int, coefficients: tuple[float, float, float
 def bx_path() -> str:
     """The default product `B X` of each step: `MOECTL_NS_BX`, else cuBLAS (faster on an H100: docs/benchmarks.md)."""
     return os.environ.get(BX_ENV, "cublas")
-
-
-def iterate_gram(x: torch.Tensor, steps: int, coefficients: tuple[float, float, float], tall: bool,
-                 scale: torch.Tensor | None, gram_dtype: torch.dtype, restart: int) -> torch.Tensor:  # fmt: skip
-    """`steps` quintic steps on `[B, rows, cols]` `x` (consumed) as a Gram Newton-Schulz: the same polynomial,
-    iterated on the `[m, m]` Gram side (`muon._iterate_gram` is the torch form and says why it is the same).
-
-    Per phase of up to `restart` steps: `R = X X^T` in `gram_dtype` (fp16 for a low-precision X), then per step
-    `Z = b R + c R^2`, the phase's product `Q <- Q (a I + Z)` and, unless the phase ends, `R <- (a I + Z)^2 R`
-    (two products). The `a` terms are added in the epilogues, in fp32, so no rounding sees the 3.4 on the
-    diagonal; the second step's `Q = (a I + Z_0)(a I + Z_1)` is expanded, so `a I + Z_0` is never stored. Every
-    product is of polynomials in one R, so symmetric: `symm_` computes its upper tiles only. The phase ends
-    with one cuBLAS product `X <- Q X` in X's dtype (Q's last kernel writes it so, with the first phase's
-    normalisation `scale` folded in), and the next phase restarts from a true Gram. A one-step phase is
-    `Q = a I + b R + c R^2`, one kernel. Returns a tensor of `x`'s shape and strides (`x` itself or its one
-    ping-pong buffer).
-    """
-    a, b, c = coefficients
-    wide = (lambda t: t.mT) if tall else (lambda t: t)
-    batch, m, _ = wide(x).shape
-    if scale is not None and x.dtype == torch.float16:  # s Q may overflow fp16 (s = 1e7 for a zero slice)
-        x.mul_(scale[:, None, None])  # computed in fp32, rounded once
-        scale = None
-
-    def square(dtype: torch.dtype = gram_dtype) -> torch.Tensor:
-        return torch.empty(batch, m, m, dtype=dtype, device=x.device)
-
-    R, RZ, Zs, Q_x = square(), square(), (square(), square()), square(x.dtype)
-    Qs: list[torch.Tensor | None] = [None, None]  # a phase's running Q: one buffer for 3 steps, two from 4
-
-    def q_buffer(k: int) -> torch.Tensor:
-        if Qs[k] is None:
-            Qs[k] = square()
-        return Qs[k]  # type: ignore[return-value]
-
-    cur, nxt = x, torch.empty_like(x)
-    done = 0
-    while done < steps:
-        n = min(restart, steps - done)
-        gram_(wide(cur), R, scale=scale)  # the normalised Gram: s^2 X X^T
-        last_scale = dict(scale=scale, scale_power=1) if scale is not None else {}
-        Q = None
-        for i in range(n):
-            final = i == n - 1
-            if n == 1:  # a one-step phase: Q = a I + b R + c R^2, in one kernel
-                gram_(R, Q_x, alpha=c, beta=b, c=R, diag=a, **last_scale)
-                break
-            Z, Z_prev = Zs[i % 2], Zs[(i + 1) % 2]
-            gram_(R, Z, alpha=c, beta=b, c=R)
-            out = Q_x if final else q_buffer(i % 2)
-            sc = last_scale if final else {}
-            if i == 1:  # (a I + Z_1)(a I + Z_0), expanded: Q_0 = a I + Z_0 is never stored
-                symm_(Z_prev, Z, out, beta=a, c=Z, beta2=a, c2=Z_prev, diag=a * a, **sc)
-                Q = out
-            elif i > 1:
-                symm_(Q, Z, out, beta=a, c=Q, **sc)
-                Q = out
-            if not final:
-                symm_(R, Z, RZ, beta=a, c=R)  # R (a I + Z)
-                symm_(Z, RZ, R, beta=a, c=RZ)  # (a I + Z) R (a I + Z)
-        # Q_x is symmetric: a tall slice's X^T <- Q X^T is X <- X Q
-        torch.bmm(cur, Q_x, out=nxt) if tall else torch.bmm(Q_x, cur, out=nxt)
-        cur, nxt = nxt, cur
-        scale = None
-        done += n
-    return cur

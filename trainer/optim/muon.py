@@ -74,6 +74,7 @@ from typing import Optional
 
 import torch
 
+from trainer.optim.muon_gram import iterate_gram, symm_torch
 from trainer.switches import switched_off
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -219,19 +220,20 @@ def gram_dtype(x_dtype: torch.dtype) -> torch.dtype:
 
 def _iterate_gram_triton(X: torch.Tensor, steps: int, tall: bool,
                          scale: Optional[torch.Tensor] = None) -> torch.Tensor:  # fmt: skip
-    """`_iterate_gram` on the Triton symmetric GEMMs (`ns_gemm_triton.iterate_gram`)."""
+    """`_iterate_gram` with the symmetric products on Triton (`ns_gemm_triton.symm_`); `scale` as
+    `muon_gram.iterate_gram` takes it (X not yet normalised)."""
     from trainer.kernels import ns_gemm_triton
 
     shape = X.shape
-    out = ns_gemm_triton.iterate_gram(X.reshape(-1, *shape[-2:]), steps, NS_COEFFICIENTS, tall, scale,
-                                      gram_dtype(X.dtype), GRAM_RESTART)  # fmt: skip
+    out = iterate_gram(X.reshape(-1, *shape[-2:]), steps, NS_COEFFICIENTS, tall, scale, gram_dtype(X.dtype),
+                       GRAM_RESTART, ns_gemm_triton.symm_)  # fmt: skip
     return out.reshape(shape)
 
 
 def _iterate_gram(X: torch.Tensor, steps: int, tall: bool, restart: int = GRAM_RESTART) -> torch.Tensor:
     """The quintic steps on a normalised X as a Gram Newton-Schulz (Amsel, Zhang, Chen and Dao, "Gram
-    Newton-Schulz", 2026), in torch: each product computed in fp32 from its stored operands and rounded once to
-    its stored dtype, at the points where `ns_gemm_triton.iterate_gram` rounds.
+    Newton-Schulz", 2026): `muon_gram.iterate_gram` with its symmetric products in torch (`symm_torch`: each
+    computed in fp32 and rounded once to its stored dtype, where the Triton kernels round).
 
     Why it is the same iteration: a step maps X to `q(A) X` with `A = X X^T` and `q(A) = a I + b A + c A^2`, so
     the next Gram is `q(A) A q(A) = q(A)^2 A`, again a polynomial in A, and k steps give `X_k = Q X` with Q the
@@ -242,50 +244,14 @@ def _iterate_gram(X: torch.Tensor, steps: int, tall: bool, restart: int = GRAM_R
     iteration therefore applies Q to X and starts again from a true Gram (3 measured best for 5 steps: 0.009 to
     0.015 relative error against fp32 with the Gram side in fp16, under the bf16 chain's tolerance; without
     restarts 0.12-0.18 per entry on 6-decade matrices). `a I + Z` with `Z = b A + c A^2` is never rounded as a
-    whole: the products add the `a` terms in fp32, as the standard chain adds `a X`. The GEMMs here run in fp32
-    (an emulation of the Triton path's roundings): where `auto` would not pick the Gram form, an explicit `gram`
-    is correct but slower than the chain.
+    whole: the products add the `a` terms in fp32, as the standard chain adds `a X`. The symmetric products run
+    in fp32 here: where `auto` would not pick the Gram form, an explicit `gram` is correct but slower than the
+    chain.
     """
-    a, b, c = NS_COEFFICIENTS
-    shape, xdt = X.shape, X.dtype
-    gdt = gram_dtype(xdt)
-    acc_dt = torch.float64 if xdt == torch.float64 else torch.float32
-    X = X.reshape(-1, *shape[-2:])
-    eye = torch.eye(min(shape[-2:]), dtype=acc_dt, device=X.device)
-
-    def mm(p: torch.Tensor, q: torch.Tensor, dtype: torch.dtype, *added: tuple[float, torch.Tensor],
-           alpha: float = 1.0, diag: float = 0.0) -> torch.Tensor:  # fmt: skip
-        acc = torch.bmm(p.to(acc_dt), q.to(acc_dt))
-        if alpha != 1.0:
-            acc *= alpha
-        for coef, t in added:
-            acc += coef * t.to(acc_dt)
-        return (acc + diag * eye if diag else acc).to(dtype)
-
-    done = 0
-    while done < steps:
-        n = min(restart, steps - done)
-        R = mm(X.mT, X, gdt) if tall else mm(X, X.mT, gdt)  # a tall slice iterates from the right: X^T X
-        Q: Optional[torch.Tensor] = None
-        Z_prev: Optional[torch.Tensor] = None
-        for i in range(n):
-            final = i == n - 1
-            qdt = xdt if final else gdt  # the phase's last Q is stored in X's dtype for the product with X
-            if n == 1:  # a one-step phase: Q = a I + Z, rounded once
-                Q = mm(R, R, qdt, (b, R), alpha=c, diag=a)
-                break
-            Z = mm(R, R, gdt, (b, R), alpha=c)
-            if i == 1:
-                Q = mm(Z_prev, Z, qdt, (a, Z), (a, Z_prev), diag=a * a)
-            elif i > 1:
-                Q = mm(Q, Z, qdt, (a, Q))
-            if not final:
-                RZ = mm(R, Z, gdt, (a, R))
-                R = mm(Z, RZ, gdt, (a, RZ))
-            Z_prev = Z
-        X = mm(X, Q, xdt) if tall else mm(Q, X, xdt)  # Q is symmetric: X^T <- Q X^T is X <- X Q
-        done += n
-    return X.reshape(shape)
+    shape = X.shape
+    X = X.reshape(-1, *shape[-2:]).contiguous()
+    out = iterate_gram(X, steps, NS_COEFFICIENTS, tall, None, gram_dtype(X.dtype), restart, symm_torch)
+    return out.reshape(shape)
 
 
 def _use_triton(X: torch.Tensor) -> bool:

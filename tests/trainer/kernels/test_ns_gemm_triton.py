@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from trainer.optim import muon
+from trainer.optim.muon_gram import iterate_gram
 
 gpu = pytest.mark.gpu
 RANDOM_TOL = 0.025
@@ -212,10 +213,11 @@ def test_symm_is_the_product_of_commuting_symmetric_matrices(m: int, kernels: st
 @gpu
 @pytest.mark.parametrize("shape", [(4, 1024, 2048), (4, 2048, 1024), (3, 256, 1024)])
 def test_the_gram_iteration_on_triton_is_the_torch_form(shape: tuple[int, int, int], kernels: str) -> None:
-    """`ns_gemm_triton.iterate_gram` rounds where `muon._iterate_gram` does, in another summation order: both
-    track fp32 within the bf16 tolerance, they agree within 0.02 (rounding noise: two CPU runs whose inputs
-    differ by a 2^-10 rescale differ by 0.008), and the Triton one is bit-reproducible. Through `newton_schulz`
-    (X normalised first; `test_the_normalisation_folds_into_the_gram_iteration` takes muon_step_'s folded path)."""
+    """The Gram iteration on the Triton `symm_` rounds where the torch one (`muon._iterate_gram`) does, in another
+    summation order: both track fp32 within the bf16 tolerance, they agree within 0.02 (rounding noise: two CPU
+    runs whose inputs differ by a 2^-10 rescale differ by 0.008), and the Triton one is bit-reproducible.
+    Through `newton_schulz` (X normalised first; `test_the_normalisation_folds_into_the_gram_iteration` takes
+    muon_step_'s folded path)."""
     gen = torch.Generator(device="cuda").manual_seed(7)
     G = torch.randn(shape, device="cuda", generator=gen)
     X = G.to(torch.bfloat16)
@@ -247,10 +249,10 @@ def test_the_normalisation_folds_into_the_gram_iteration(tall: bool, dtype: torc
     X = G.to(dtype)
     norm = X.float().norm(dim=(-2, -1))
     args = (5, muon.NS_COEFFICIENTS, tall)
-    first = K.iterate_gram((X / (norm + muon.NS_EPS)[:, None, None]).to(dtype), *args, None, muon.gram_dtype(dtype),
-                           muon.GRAM_RESTART)  # fmt: skip
-    folded = K.iterate_gram(X.clone(), *args, (norm + muon.NS_EPS).reciprocal(), muon.gram_dtype(dtype),
-                            muon.GRAM_RESTART)  # fmt: skip
+    first = iterate_gram((X / (norm + muon.NS_EPS)[:, None, None]).to(dtype), *args, None, muon.gram_dtype(dtype),
+                         muon.GRAM_RESTART, K.symm_)  # fmt: skip
+    folded = iterate_gram(X.clone(), *args, (norm + muon.NS_EPS).reciprocal(), muon.gram_dtype(dtype),
+                          muon.GRAM_RESTART, K.symm_)  # fmt: skip
     o32 = muon.newton_schulz(G, 5)
     rel = lambda a, b: float(((a.float() - b.float()).norm(dim=(-2, -1)) / b.float().norm(dim=(-2, -1))).max())
     assert rel(folded, o32) <= RANDOM_TOL and rel(folded, first) <= RANDOM_TOL
@@ -267,7 +269,7 @@ def test_a_zero_slice_stays_zero_in_the_gram_iteration(dtype: torch.dtype) -> No
     X = torch.zeros(2, 256, 512, device="cuda", dtype=dtype)
     X[1] = torch.randn(256, 512, device="cuda", generator=torch.Generator(device="cuda").manual_seed(5)).to(dtype)
     norm = X.float().norm(dim=(-2, -1))
-    out = K.iterate_gram(X.clone(), 5, muon.NS_COEFFICIENTS, False, (norm + muon.NS_EPS).reciprocal(),
-                         muon.gram_dtype(dtype), muon.GRAM_RESTART)  # fmt: skip
+    out = iterate_gram(X.clone(), 5, muon.NS_COEFFICIENTS, False, (norm + muon.NS_EPS).reciprocal(),
+                       muon.gram_dtype(dtype), muon.GRAM_RESTART, K.symm_)  # fmt: skip
     assert torch.isfinite(out).all() and not out[0].any()
     assert out[1].float().norm() > 1
