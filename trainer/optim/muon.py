@@ -37,9 +37,10 @@ fp16's first step, whose scale could overflow B); the cuBLAS chain below is the 
 
 Gram Newton-Schulz (`optimizer.muon_ns_method`, `uses_gram`): the same polynomial iterated on the `[m, m]` side,
 `_iterate_gram` (after Amsel, Zhang, Chen and Dao, "Gram Newton-Schulz", 2026), restarted from a true Gram every
-`GRAM_RESTART` steps, its Gram-side matrices in fp16 for a low-precision X. `auto` takes it on the Triton GEMMs
-for slices whose long side is at least twice the short one (the reference model's experts: their Newton-Schulz 54.0 -> 43.9 ms on
-an H100, docs/benchmarks.md); the fp32 iteration, the CPU's default, stays the reference chain.
+`GRAM_RESTART` steps, its Gram-side matrices in fp16 for a low-precision X (the driver: `muon_gram.py`). `auto`
+takes it on the Triton GEMMs for slices whose long side is at least twice the short one (the reference model's
+experts: their Newton-Schulz 54.0 -> 43.9 ms on an H100, docs/benchmarks.md); the fp32 iteration, the CPU's
+default, stays the reference chain.
 
 `float16` (an option, not the default): on cuBLAS, the same chain with `a` folded into B's diagonal, `X = (a I + B) X`,
 one `bmm` without the input copy `baddbmm` makes of X (cuBLAS accumulates into its output, so torch first
@@ -243,7 +244,7 @@ def _iterate_gram(X: torch.Tensor, steps: int, tall: bool, restart: int = GRAM_R
     can turn a tiny eigenvalue of A negative, where `a^2 = 11.9` per step amplifies it; every `restart` steps the
     iteration therefore applies Q to X and starts again from a true Gram (3 measured best for 5 steps: 0.009 to
     0.015 relative error against fp32 with the Gram side in fp16, under the bf16 chain's tolerance; without
-    restarts 0.12-0.18 per entry on 6-decade matrices). `a I + Z` with `Z = b A + c A^2` is never rounded as a
+    restarts 0.11-0.21 per entry on 6-decade matrices). `a I + Z` with `Z = b A + c A^2` is never rounded as a
     whole: the products add the `a` terms in fp32, as the standard chain adds `a X`. The symmetric products run
     in fp32 here: where `auto` would not pick the Gram form, an explicit `gram` is correct but slower than the
     chain.

@@ -22,7 +22,9 @@ import torch
 
 class Symm(Protocol):
     """`out = s^p (alpha y @ z.mT + beta c + beta2 c2 + diag I)`, exactly symmetric (the upper triangle mirrored),
-    computed in fp32 and rounded once to `out`'s dtype; `s` the fp32 `[B]` `scale` or 1 (`ns_gemm_triton.symm_`)."""
+    accumulated in fp32 (or wider) and rounded once to `out`'s dtype; `s` the fp32 `[B]` `scale` or 1
+    (`ns_gemm_triton.symm_`). Passing one tensor as both `y` and `z` is the Gram `y y^T`, whose kernel is the one
+    measured (`symm_` mirrors diagonal tiles only where `z is not y`)."""
 
     def __call__(self, y: torch.Tensor, z: torch.Tensor, out: torch.Tensor, alpha: float = 1.0, beta: float = 0.0,
                  c: Optional[torch.Tensor] = None, beta2: float = 0.0, c2: Optional[torch.Tensor] = None,
@@ -32,9 +34,18 @@ class Symm(Protocol):
 
 def symm_torch(y: torch.Tensor, z: torch.Tensor, out: torch.Tensor, alpha: float = 1.0, beta: float = 0.0,
                c: Optional[torch.Tensor] = None, beta2: float = 0.0, c2: Optional[torch.Tensor] = None,
-               scale: Optional[torch.Tensor] = None, diag: float = 0.0, scale_power: int = 2) -> torch.Tensor:  # fmt: skip
+               scale: Optional[torch.Tensor] = None, diag: float = 0.0,
+               scale_power: int = 2) -> torch.Tensor:  # fmt: skip
     """`Symm` in torch: the Triton kernel's formula, accumulated in fp32 (fp64 for fp64 operands) in torch's
-    summation order, the upper triangle mirrored, one rounding into `out`."""
+    summation order, the upper triangle mirrored, one rounding into `out`. Refuses what `symm_` refuses or must
+    not be given: another `scale_power`, mismatched shapes, an `out` that is one of the inputs."""
+    if scale_power not in (1, 2):
+        raise ValueError(f"scale_power must be 1 or 2, got {scale_power}")
+    batch, m, _ = y.shape
+    if z.shape != y.shape or out.shape != (batch, m, m):
+        raise ValueError(f"symm of {tuple(y.shape)} and {tuple(z.shape)} into {tuple(out.shape)}")
+    if any(t is not None and t.data_ptr() == out.data_ptr() for t in (y, z, c, c2)):
+        raise ValueError("symm: out is one of its inputs (the kernel reads tiles other programs write)")
     acc_dt = torch.float64 if y.dtype == torch.float64 else torch.float32
     acc = torch.bmm(y.to(acc_dt), z.to(acc_dt).mT)
     if alpha != 1.0:
@@ -53,7 +64,8 @@ def symm_torch(y: torch.Tensor, z: torch.Tensor, out: torch.Tensor, alpha: float
 
 
 def iterate_gram(x: torch.Tensor, steps: int, coefficients: tuple[float, float, float], tall: bool,
-                 scale: Optional[torch.Tensor], gram_dtype: torch.dtype, restart: int, symm: Symm) -> torch.Tensor:  # fmt: skip
+                 scale: Optional[torch.Tensor], gram_dtype: torch.dtype, restart: int,
+                 symm: Symm) -> torch.Tensor:  # fmt: skip
     """`steps` quintic steps on `[B, rows, cols]` `x` (consumed) as a Gram Newton-Schulz (the module docstring),
     with `symm` for the symmetric products. A tall slice (rows > cols) iterates from the right (`X^T X`, `X Q`).
     `scale`: fp32 `[B]`, each slice's `1 / (|X| + eps)` when `x` is not yet normalised (`s^2` in the first Gram,

@@ -112,8 +112,8 @@ def test_the_gram_iteration_in_fp32_is_the_standard_one(decades: int) -> None:
 def test_gram_restarts_keep_the_low_precision_iteration_on_track() -> None:
     """Why the Gram form restarts from a true X X^T every `GRAM_RESTART` steps: one phase of all 5 steps in
     bf16 lets rounding grow into the directions below bf16's resolution (spurious negative eigenvalues,
-    amplified by a^2 per step) on a 6-decade matrix (measured 0.12-0.21 per entry over 10 seeds); with the
-    restarts it tracks fp32 within the bounds above (0.015-0.019)."""
+    amplified by a^2 per step) on a 6-decade matrix (measured 0.11-0.21 per entry over seeds 0-19); with the
+    restarts it tracks fp32 within the bounds above (0.015-0.027)."""
     from trainer.optim.muon import _iterate_gram
 
     G, U, V, _ = conditioned(128, 256, 6, torch.Generator().manual_seed(14))
@@ -121,7 +121,7 @@ def test_gram_restarts_keep_the_low_precision_iteration_on_track() -> None:
     X = (G / (G.norm() + 1e-7)).to(torch.bfloat16)
     errs = {r: float((U.T @ (_iterate_gram(X.clone(), 5, False, restart=r).float() - o32) @ V).abs().max())
             for r in (3, 5)}  # fmt: skip
-    assert errs[3] <= NOISE_ENTRY_TOL and errs[5] > 3 * errs[3], errs  # measured 6.4-12.6x over 10 seeds
+    assert errs[3] <= NOISE_ENTRY_TOL and errs[5] > 3 * errs[3], errs  # measured 4.9-13x over seeds 0-19
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
