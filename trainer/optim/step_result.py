@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from moectl.core.errors import MoectlError
@@ -19,11 +20,14 @@ class StepResult:
 
 
 class NonFiniteGradError(MoectlError):
-    """A non-finite grad (on any rank) under `train.on_nonfinite: stop`; raised on every rank, before any update."""
+    """A non-finite grad or step loss (on any rank) under `train.on_nonfinite: stop`; raised on every rank, before
+    any update. The verdict folds both into one flag (`grad_norm.global_grad_verdict`): a finite norm with the
+    flag set means the loss was the non-finite one, and the message says so."""
 
     def __init__(self, grad_norm: float, step: int) -> None:
+        what = "gradient" if not math.isfinite(grad_norm) else "loss (the gradients were finite)"
         super().__init__(
-            f"non-finite gradient (global grad norm {grad_norm}) at optimizer step {step}; no update was applied",
+            f"non-finite {what}, global grad norm {grad_norm}, at optimizer step {step}; no update was applied",
             "lower optimizer.lr or raise optimizer.lr_warmup_iters, or set train.on_nonfinite=skip",
         )
         self.grad_norm = grad_norm
