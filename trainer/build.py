@@ -86,7 +86,7 @@ def build_engine(cfg: Config, model: GPTMoE, rt: Runtime) -> Engine:
 
             raise ConfigError("optimizer.optimizer", "sgd", "SGD runs on one process with fp32 params only",
                               "use optimizer.optimizer=adam, or one process with mixed_precision.bf16=false")
-        return LocalEngine(model, cfg.optimizer)
+        return LocalEngine(model, cfg.optimizer, on_nonfinite=cfg.train.on_nonfinite)
     from trainer.distributed.param_gather import param_gather_storage
 
     # fp8/fp4 param gather: the recipe's weights stored quantized in the buffers (None: high precision)

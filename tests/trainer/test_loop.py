@@ -7,6 +7,7 @@ from trainer.observer import SilentObserver
 
 from moectl.core.config.load import load_config
 from trainer.loop import NonFiniteError, Trainer
+from trainer.optim.step_result import NonFiniteGradError
 
 FAST = [
     "model.num_layers=2", "model.hidden_size=32", "model.num_attention_heads=2", "model.num_query_groups=1",
@@ -60,22 +61,24 @@ def test_expert_layouts_train_to_the_same_losses(tmp_path, backend):
     assert runs[0] == runs[1]
 
 
-def _poison(trainer: Trainer, at_step: int, grads: bool = True) -> list[int]:
+def _poison(trainer: Trainer, at_step: int, grads: bool = True, loss: bool = True) -> list[int]:
     """Make the loss NaN on the micro-batches of optimizer step `at_step` (1-based); `grads=False`: only the
-    reported loss, the one backpropagated stays finite (so are the grads)."""
+    reported loss, the one backpropagated stays finite (so are the grads); `loss=False`: only the one
+    backpropagated (the grads), the reported loss stays finite."""
     calls = []
     real = trainer.model.loss
 
-    def loss(tokens, targets):
+    def poisoned(tokens, targets):
         parts = real(tokens, targets)
         calls.append(1)
         if len(calls) > (at_step - 1) * trainer.n_micro and len(calls) <= at_step * trainer.n_micro:
             if grads:
                 parts.total = parts.total * float("nan")
-            parts.lm_loss = parts.lm_loss * float("nan")
+            if loss:
+                parts.lm_loss = parts.lm_loss * float("nan")
         return parts
 
-    trainer.model.loss = loss  # type: ignore[method-assign]
+    trainer.model.loss = poisoned  # type: ignore[method-assign]
     return calls
 
 
@@ -99,7 +102,7 @@ def test_nonfinite_step_is_skipped_without_touching_params(tmp_path):
         assert torch.equal(p, before[n]), n
 
 
-@pytest.mark.parametrize("optimizer", ["adam", "muon"])
+@pytest.mark.parametrize("optimizer", ["adam", "muon", "sgd"])
 @pytest.mark.parametrize("on_nonfinite", ["skip", "stop"])
 def test_a_nonfinite_loss_skips_the_update_even_with_finite_grads(tmp_path, on_nonfinite, optimizer):
     """The loss reaches the optimizer as a device tensor (the host queues the update before it reads the loss):
@@ -119,6 +122,21 @@ def test_a_nonfinite_loss_skips_the_update_even_with_finite_grads(tmp_path, on_n
     for n, p in t.model.named_parameters():
         assert torch.equal(p, before[n]), n
     assert t.engine.step_count == 1
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+def test_nonfinite_grads_with_a_finite_loss_stop_the_run(tmp_path, optimizer):
+    """`on_nonfinite: stop` stops on a non-finite grad norm too, on either engine (SGD runs on the one-device
+    `LocalEngine`, which used to skip such a step and go on), before any update."""
+    t = make(tmp_path, "train.train_iters=3", "train.on_nonfinite=stop", "train.eval_interval=null",
+             f"optimizer.optimizer={optimizer}", "train.device=cpu")
+    _poison(t, at_step=2, loss=False)
+    t.train_step(0)
+    before = {n: p.detach().clone() for n, p in t.model.named_parameters()}
+    with pytest.raises(NonFiniteGradError, match="non-finite gradient"):
+        t.train_step(1)
+    for n, p in t.model.named_parameters():
+        assert torch.equal(p, before[n]), n
 
 
 def test_cuda_graphs_off_the_gpu_are_refused_not_ignored(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from typing import Literal
 
 import torch
 from torch import nn
@@ -11,7 +12,7 @@ from torch import nn
 from moectl.core.config.schema import OptimizerConfig
 from moectl.core.errors import MoectlError
 from trainer.optim.distributed_optimizer import decays
-from trainer.optim.step_result import StepResult
+from trainer.optim.step_result import NonFiniteGradError, StepResult
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -26,8 +27,9 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 class LocalEngine:
     """One device, fp32 params: torch's AdamW/SGD, global-norm clipping, non-finite guard."""
 
-    def __init__(self, model: nn.Module, cfg: OptimizerConfig) -> None:
-        self.model, self.cfg = model, cfg
+    def __init__(self, model: nn.Module, cfg: OptimizerConfig,
+                 on_nonfinite: Literal["stop", "skip"] = "stop") -> None:  # fmt: skip
+        self.model, self.cfg, self.on_nonfinite = model, cfg, on_nonfinite
         self._steps = 0
         groups = param_groups(model, cfg.weight_decay)
         if cfg.optimizer == "sgd":
@@ -72,11 +74,14 @@ class LocalEngine:
         """One device: nothing to gather."""
 
     def step(self, lr: float, loss: torch.Tensor | None = None) -> StepResult:
-        """Clip and step; a non-finite grad norm or `loss` leaves params and optimizer state untouched."""
+        """Clip and step; a non-finite grad norm or `loss` leaves params and optimizer state untouched, and under
+        `on_nonfinite: stop` raises `NonFiniteGradError` (as the distributed optimizers do)."""
         params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
         max_norm = self.cfg.clip_grad if self.cfg.clip_grad > 0 else math.inf
         norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-        if not math.isfinite(norm) or (loss is not None and not math.isfinite(float(loss))):
+        if not math.isfinite(norm) or (loss is not None and not bool(torch.isfinite(loss).all())):
+            if self.on_nonfinite == "stop":
+                raise NonFiniteGradError(norm, self._steps + 1)
             return StepResult(norm, skipped=True)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
