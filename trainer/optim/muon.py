@@ -126,19 +126,19 @@ def orthogonalize_(X: torch.Tensor, steps: int, sumsq: Optional[torch.Tensor] = 
     module docstring), on the matrices' own orientation. `sumsq`: each slice's sum of squares, already computed
     (fp32, one per slice of a contiguous `X`, from `kernels/muon_triton.blend_` and `slice_sums`); the
     normalisation then runs as one fused kernel, or, on the Triton GEMMs, inside the first step's products
-    (`ns_gemm_triton.iterate`, `iterate_gram`).
+    (`ns_gemm_triton.iterate`, `muon_gram.iterate_gram`).
     `method` (`optimizer.muon_ns_method`, resolved by `uses_gram`): "gram" iterates on the Gram side
     (`_iterate_gram`), "standard" on X.
     """
     if steps < 1:
         raise ValueError(f"Newton-Schulz needs at least one step, got {steps}")
     tall = X.size(-2) > X.size(-1)
-    folds = X.dtype != torch.float32 and X.is_contiguous() and _use_triton(X.reshape(-1, *X.shape[-2:]))
+    folds = _low_precision_triton(X)
     gram = uses_gram(X, method)
     if sumsq is not None and folds:  # the Triton GEMMs take 1 / (|X| + eps) in the first step: no pass over X
         scale = sumsq.sqrt().add_(NS_EPS).reciprocal_()
         if gram:
-            return _iterate_gram_triton(X, steps, tall, scale)
+            return _iterate_gram(X, steps, tall, scale=scale, triton=True)
         return _iterate_fused(X, steps, tall, scale)
     if sumsq is not None:
         from trainer.kernels import muon_triton
@@ -147,9 +147,7 @@ def orthogonalize_(X: torch.Tensor, steps: int, sumsq: Optional[torch.Tensor] = 
     else:  # Per-slice Frobenius norm >= spectral norm, so every singular value starts in [0, 1].
         X.div_(torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True).add_(NS_EPS))
     if gram:
-        if folds:
-            return _iterate_gram_triton(X, steps, tall)
-        return _iterate_gram(X, steps, tall)
+        return _iterate_gram(X, steps, tall, triton=folds)
     if X.dtype != torch.float32:
         return _iterate_fused(X, steps, tall)
     if tall:  # iterate on the wide side: the Gram matrix X X^T is min(m, n) square
@@ -208,8 +206,7 @@ def uses_gram(X: torch.Tensor, method: str) -> bool:
     if method != "auto":
         return method == "gram"
     m, n = sorted(X.shape[-2:])
-    # the conditions `orthogonalize_` takes the Triton GEMMs under (`_use_triton` reads device and shape only)
-    return X.dtype != torch.float32 and X.is_contiguous() and n >= GRAM_MIN_ASPECT * m and _use_triton(X)
+    return n >= GRAM_MIN_ASPECT * m and _low_precision_triton(X)
 
 
 def gram_dtype(x_dtype: torch.dtype) -> torch.dtype:
@@ -219,22 +216,12 @@ def gram_dtype(x_dtype: torch.dtype) -> torch.dtype:
     return torch.float16 if x_dtype in (torch.bfloat16, torch.float16) else x_dtype
 
 
-def _iterate_gram_triton(X: torch.Tensor, steps: int, tall: bool,
-                         scale: Optional[torch.Tensor] = None) -> torch.Tensor:  # fmt: skip
-    """`_iterate_gram` with the symmetric products on Triton (`ns_gemm_triton.symm_`); `scale` as
-    `muon_gram.iterate_gram` takes it (X not yet normalised)."""
-    from trainer.kernels import ns_gemm_triton
-
-    shape = X.shape
-    out = iterate_gram(X.reshape(-1, *shape[-2:]), steps, NS_COEFFICIENTS, tall, scale, gram_dtype(X.dtype),
-                       GRAM_RESTART, ns_gemm_triton.symm_)  # fmt: skip
-    return out.reshape(shape)
-
-
-def _iterate_gram(X: torch.Tensor, steps: int, tall: bool, restart: int = GRAM_RESTART) -> torch.Tensor:
-    """The quintic steps on a normalised X as a Gram Newton-Schulz (Amsel, Zhang, Chen and Dao, "Gram
-    Newton-Schulz", 2026): `muon_gram.iterate_gram` with its symmetric products in torch (`symm_torch`: each
-    computed in fp32 and rounded once to its stored dtype, where the Triton kernels round).
+def _iterate_gram(X: torch.Tensor, steps: int, tall: bool, restart: int = GRAM_RESTART,
+                  scale: Optional[torch.Tensor] = None, triton: bool = False) -> torch.Tensor:  # fmt: skip
+    """The quintic steps on X as a Gram Newton-Schulz (Amsel, Zhang, Chen and Dao, "Gram Newton-Schulz", 2026):
+    `muon_gram.iterate_gram`, its symmetric products on Triton (`triton`: `ns_gemm_triton.symm_`) or in torch
+    (`symm_torch`: each computed in fp32 and rounded once to its stored dtype, where the Triton kernels round).
+    X is normalised, or `scale` holds each slice's `1 / (|X| + eps)` (as `iterate_gram` takes it).
 
     Why it is the same iteration: a step maps X to `q(A) X` with `A = X X^T` and `q(A) = a I + b A + c A^2`, so
     the next Gram is `q(A) A q(A) = q(A)^2 A`, again a polynomial in A, and k steps give `X_k = Q X` with Q the
@@ -249,10 +236,20 @@ def _iterate_gram(X: torch.Tensor, steps: int, tall: bool, restart: int = GRAM_R
     in fp32 here: where `auto` would not pick the Gram form, an explicit `gram` is correct but slower than the
     chain.
     """
+    if triton:
+        from trainer.kernels.ns_gemm_triton import symm_ as symm
+    else:
+        symm = symm_torch
     shape = X.shape
     X = X.reshape(-1, *shape[-2:]).contiguous()
-    out = iterate_gram(X, steps, NS_COEFFICIENTS, tall, None, gram_dtype(X.dtype), restart, symm_torch)
+    out = iterate_gram(X, steps, NS_COEFFICIENTS, tall, scale, gram_dtype(X.dtype), restart, symm)
     return out.reshape(shape)
+
+
+def _low_precision_triton(X: torch.Tensor) -> bool:
+    """Whether `orthogonalize_` runs X on the Triton GEMMs with the normalisation folded in: a low-precision,
+    contiguous X whose slices `_use_triton` takes."""
+    return X.dtype != torch.float32 and X.is_contiguous() and _use_triton(X)
 
 
 def _use_triton(X: torch.Tensor) -> bool:
