@@ -173,20 +173,6 @@ class LayerWiseMuon(ShardedOptimizerBase):
         return [(m.name, *m.slices) for s in self.shards for m in s.matrices]
 
     # ---------------------------------------------------------------- the step
-    def _matrices(self) -> list[MuonMatrix]:
-        """Every owned matrix's master, grad and momentum (views of the shards), and where its update is published
-        (the shard's range of the param buffer where staging is a plain cast, else None)."""
-        matrices = []
-        for s in self.shards:
-            target = s.publish_target()
-            for m in s.matrices:
-                shape = m.shape
-                grad = s.bucket.grad_data[s.lo + m.lo:s.lo + m.hi].view(shape)
-                publish = None if target is None else target[m.lo:m.hi].view(shape)
-                matrices.append(MuonMatrix(s.master[m.lo:m.hi].view(shape), grad,
-                                           s.momentum_buffer[m.lo:m.hi].view(shape), m.glu, publish))
-        return matrices
-
     @property
     def device_verdict(self) -> bool:
         """Whether the update takes the clip coefficient and the skip flag as device tensors, so the host queues
@@ -198,12 +184,20 @@ class LayerWiseMuon(ShardedOptimizerBase):
 
     def _step_matrices(self, lr: float, grad_scale: float | torch.Tensor,
                        found_inf: Optional[torch.Tensor] = None) -> None:
-        """`muon_batch.muon_step_` over every owned matrix, the clip and skip as floats or device tensors.
-        Marks each shard published where the update writes its params (also on a step the flag skips: staging
-        does not run then, and the params still equal the masters' cast)."""
-        matrices = self._matrices()
-        for s in self.shards:  # every matrix of a shard publishes or none does; its padding never changes
-            s.published = s.publish_target() is not None
+        """`muon_batch.muon_step_` over every owned matrix's master, grad and momentum (views of the shards), the
+        clip and skip as floats or device tensors. Each update is published where staging is a plain cast (the
+        shard's range of the param buffer), and the shard marked so (also on a step the flag skips: staging does
+        not run then, and the params still equal the masters' cast)."""
+        matrices = []
+        for s in self.shards:
+            target = s.publish_target()
+            for m in s.matrices:
+                shape = m.shape
+                grad = s.bucket.grad_data[s.lo + m.lo:s.lo + m.hi].view(shape)
+                publish = None if target is None else target[m.lo:m.hi].view(shape)
+                matrices.append(MuonMatrix(s.master[m.lo:m.hi].view(shape), grad,
+                                           s.momentum_buffer[m.lo:m.hi].view(shape), m.glu, publish))
+            s.published = target is not None  # every matrix of the shard; its padding never changes
         muon_step_(matrices, lr=lr, momentum=self.cfg.muon_momentum, nesterov=self.cfg.muon_nesterov,
                    ns_steps=self.cfg.muon_ns_steps, weight_decay=self.cfg.weight_decay,
                    compute_dtype=self.compute_dtype, grad_scale=grad_scale, found_inf=found_inf,
