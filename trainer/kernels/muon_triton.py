@@ -108,14 +108,19 @@ def blend_(grad: torch.Tensor, momentum: torch.Tensor, out: torch.Tensor, partia
     if partials.dtype != torch.float32 or first_block + n // BLOCK > partials.numel():
         raise ValueError(f"Muon's fused blend: {partials.numel()} partial sums, blocks {first_block}+{n // BLOCK}")
     on_device = isinstance(coef, torch.Tensor)
-    for name, t in (("coef", coef if on_device else None), ("skip", skip)):
-        if t is not None and (t.numel() != 1 or t.dtype != torch.float32 or t.device != out.device):
-            raise ValueError(f"Muon's fused blend: {name} must be one fp32 element on {out.device}")
+    _check_scalar("blend", "coef", coef if on_device else None, out.device)
+    _check_scalar("blend", "skip", skip, out.device)
     coef_ptr = coef if on_device else partials  # not read unless COEF_ON_DEVICE
     _blend_kernel[(n // BLOCK,)](grad, momentum, out, partials, first_block, 1.0 if on_device else coef, coef_ptr,
                                  partials if skip is None else skip, beta, NESTEROV=nesterov,
                                  COEF_ON_DEVICE=on_device, SKIP=skip is not None, BLOCK=BLOCK,
                                  num_warps=8)  # fmt: skip
+
+
+def _check_scalar(kernel: str, name: str, t: torch.Tensor | None, device: torch.device) -> None:
+    """A device-verdict input (`coef`, `skip`), if given, is one fp32 element on the kernel's device."""
+    if t is not None and (t.numel() != 1 or t.dtype != torch.float32 or t.device != device):
+        raise ValueError(f"Muon's fused {kernel}: {name} must be one fp32 element on {device}")
 
 
 def slice_sums(partials: torch.Tensor, slice_elems: int) -> torch.Tensor:
@@ -141,8 +146,7 @@ def apply_(master: torch.Tensor, ortho: torch.Tensor, *, decay: float, alpha: fl
         raise ValueError(f"Muon's fused apply: master {tuple(master.shape)}, update {tuple(ortho.shape)}")
     if publish is not None and (not publish.is_contiguous() or publish.numel() != n):
         raise ValueError(f"Muon's fused apply: master {tuple(master.shape)}, published {tuple(publish.shape)}")
-    if skip is not None and (skip.numel() != 1 or skip.dtype != torch.float32 or skip.device != master.device):
-        raise ValueError(f"Muon's fused apply: skip must be one fp32 element on {master.device}")
+    _check_scalar("apply", "skip", skip, master.device)
     _apply_kernel[(n // BLOCK,)](master, ortho, master if publish is None else publish,
                                  master if skip is None else skip, decay, alpha, PUBLISH=publish is not None,
                                  SKIP=skip is not None, BLOCK=BLOCK, num_warps=8)  # fmt: skip

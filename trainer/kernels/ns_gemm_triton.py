@@ -363,10 +363,13 @@ def symm_(y: torch.Tensor, z: torch.Tensor, out: torch.Tensor, alpha: float = 1.
         (y_rows, trans), (z_rows, _) = _rows(y), _rows(z)
         box = [block_k, BLOCK_MN] if trans else [BLOCK_MN, block_k]
         y_desc = TensorDescriptor.from_tensor(y_rows, box)
-        descs = (y_desc, y_desc if z is y else TensorDescriptor.from_tensor(z_rows, box),
-                 TensorDescriptor.from_tensor(cc.reshape(-1, m), [BLOCK_MN, BLOCK_MN]),
-                 TensorDescriptor.from_tensor(cc2.reshape(-1, m), [BLOCK_MN, BLOCK_MN]),
-                 TensorDescriptor.from_tensor(out.reshape(-1, m), [BLOCK_MN, BLOCK_MN]))  # fmt: skip
+        out_desc = TensorDescriptor.from_tensor(out.reshape(-1, m), [BLOCK_MN, BLOCK_MN])
+
+        def square(t: torch.Tensor) -> TensorDescriptor:  # an absent added input is `out` (never read): out's own
+            return out_desc if t is out else TensorDescriptor.from_tensor(t.reshape(-1, m), [BLOCK_MN, BLOCK_MN])
+
+        descs = (y_desc, y_desc if z is y else TensorDescriptor.from_tensor(z_rows, box), square(cc), square(cc2),
+                 out_desc)  # fmt: skip
         tuning = dict(TRANS_Y=trans, ROWS=rows, BLOCK_K=block_k, STAGES=stages, num_warps=warps, num_stages=stages)
         _gram_kernel_tma[(pairs.shape[0], batch)](*descs, ss, pairs, m, k, alpha, beta, beta2, diag, **flags,
                                                   **tuning)  # fmt: skip
