@@ -26,13 +26,14 @@ def _segment_sum_kernel(v_ptr, offsets_ptr, out_ptr, X, stride_t, stride_x, BLOC
     e = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_X + tl.arange(0, BLOCK_X)
     in_cols = cols < X
+    col_offs = cols.to(tl.int64) * stride_x  # a transposed input's column stride is T: past 2^31 at T * X
     start = tl.load(offsets_ptr + e)
     end = tl.load(offsets_ptr + e + 1)
     acc = tl.zeros((BLOCK_T, BLOCK_X), dtype=tl.float32)
     for t0 in range(start, end, BLOCK_T):
         rows = (t0 + tl.arange(0, BLOCK_T)).to(tl.int64)
         mask = (rows < end)[:, None] & in_cols[None, :]
-        acc += tl.load(v_ptr + rows[:, None] * stride_t + cols[None, :] * stride_x, mask=mask, other=0.0).to(tl.float32)
+        acc += tl.load(v_ptr + rows[:, None] * stride_t + col_offs[None, :], mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + e.to(tl.int64) * X + cols, tl.sum(acc, axis=0), mask=in_cols)
 
 
