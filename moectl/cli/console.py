@@ -9,15 +9,32 @@ on a wide enough screen. `COLUMNS`, when set, still wins (Rich reads it), for an
 from __future__ import annotations
 
 import os
+import sys
 
 from rich.console import Console
 
 OFF_TERMINAL_WIDTH = 4096
 
 
-def make_console(*, quiet: bool = False, stderr: bool = False) -> Console:
-    """A console for this process's stdout (or stderr); wide off a terminal unless COLUMNS says otherwise."""
-    console = Console(quiet=quiet, stderr=stderr)
+class RunConsole(Console):
+    """A console whose process outlives its stdout: when the reader of a pipe goes away (`moectl train ... |
+    head`), Rich's default ends the process with exit code 1 and no word, mid-run and without a save. Here the
+    output is sent to /dev/null from then on, one line on stderr says so, and the run goes on."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        print("warning: stdout was closed by its reader; the run goes on without printing progress "
+              "(metrics.jsonl still records it)", file=sys.stderr, flush=True)  # fmt: skip
+
+
+def make_console(*, quiet: bool = False, stderr: bool = False, outlive_stdout: bool = False) -> Console:
+    """A console for this process's stdout (or stderr); wide off a terminal unless COLUMNS says otherwise.
+    `outlive_stdout`: a closed stdout silences it instead of ending the process (`RunConsole`)."""
+    cls = RunConsole if outlive_stdout else Console
+    console = cls(quiet=quiet, stderr=stderr)
     if not console.is_terminal and "COLUMNS" not in os.environ:
-        console = Console(quiet=quiet, stderr=stderr, width=OFF_TERMINAL_WIDTH)
+        console = cls(quiet=quiet, stderr=stderr, width=OFF_TERMINAL_WIDTH)
     return console

@@ -108,7 +108,7 @@ def train_command(
     torchrun = under_torchrun()
     world = int(os.environ["WORLD_SIZE"]) if torchrun else nproc_per_node
     rank = int(os.environ.get("RANK", "0")) if torchrun else 0
-    console = make_console(quiet=rank != 0)
+    console = make_console(quiet=rank != 0, outlive_stdout=True)
     refuse_on_rule_errors(cfg, world, make_console(quiet=rank != 0 or O.outcome_dir() is not None))
     if nproc_per_node > 1 and not torchrun:
         result = launch_train(nproc_per_node, reexec_args(), _launcher_threads(cfg))

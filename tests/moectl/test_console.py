@@ -1,0 +1,34 @@
+"""The console's closed stdout (moectl/cli/console.py): a run whose pipe reader left goes on, and says so."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+SCRIPT = """
+import sys
+from moectl.cli.console import make_console
+c = make_console(outlive_stdout={outlive})
+for i in range(2000):  # 400 KB: past the pipe buffer
+    c.print("step", i, "x" * 200)
+print("still running at the end", file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("outlive", [True, False])
+def test_a_closed_stdout_silences_the_run_console_instead_of_ending_the_process(outlive: bool) -> None:
+    """`moectl train ... | head`: Rich's default console ends the process with exit code 1 and no word when
+    the reader goes away (the plain console below, which other commands keep); the run's console goes on."""
+    p = subprocess.Popen([sys.executable, "-c", SCRIPT.format(outlive=outlive)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE)  # fmt: skip
+    assert p.stdout is not None and p.stderr is not None
+    p.stdout.read(100)
+    p.stdout.close()  # the reader leaves, as `head` does
+    err = p.stderr.read().decode()
+    code = p.wait(timeout=60)
+    if outlive:
+        assert code == 0 and "stdout was closed by its reader" in err and "still running at the end" in err, err
+    else:
+        assert code == 1 and "still running at the end" not in err, err
