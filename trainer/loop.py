@@ -45,7 +45,7 @@ from trainer.parallel.failures import collective_failure, raise_if_any_rank_fail
 from trainer.parallel.groups import collective_timeout_s, destroy_distributed
 from trainer.precision import describe
 from trainer.regions import OPTIMIZER, region
-from trainer.run_dir import RunDirLock, prepare_run_dir
+from trainer.run_dir import CONFIG, CONFIG_HEADER, RunDirLock, prepare_run_dir
 from trainer.run_state import RunState
 from trainer.runtime import Runtime, setup_runtime
 from trainer.step_weights import StepWeights
@@ -401,13 +401,14 @@ class Trainer:
         if self.rt.is_main:
             cfg, start = self.cfg, self.start_step
             try:
-                lock, lines = prepare_run_dir(self.run_dir, resuming=start > 0, overwrite=overwrite)
+                lock, lines = prepare_run_dir(self.run_dir, resuming=start > 0, overwrite=overwrite,
+                                              start=start)  # fmt: skip
                 writer = MetricsWriter(self.run_dir, jsonl=cfg.logging.jsonl, tensorboard=cfg.logging.tensorboard,
                                        resume_at=start)  # fmt: skip
                 if writer.dropped:
                     lines.append(f"metrics.jsonl: dropped {writer.dropped} record(s) after step {start}, written "
                                  "after the checkpoint by the run that stopped")  # fmt: skip
-                _write_config(self.run_dir / "config.yaml", dump_config(cfg))
+                _write_config(self.run_dir / CONFIG, CONFIG_HEADER + dump_config(cfg))
             except MoectlError as e:
                 error = e
         try:
@@ -450,6 +451,9 @@ class Trainer:
                     observer.log(line)
                 if start:
                     observer.log(f"  resumed from {self.resumed_from} at step {start}")
+                if start >= tc.train_iters:
+                    observer.log(f"  warning: train.train_iters={tc.train_iters} is not past the checkpoint's step "
+                                 f"{start}: nothing to train (raise train.train_iters to go on)")  # fmt: skip
                 if self.weights_only:
                     observer.log(f"  loaded model weights only from {self.resumed_from}: fresh optimizer state")
                 self._reserve_save_buffers(observer, writer)

@@ -12,7 +12,13 @@ rank that writes (rank 0):
 - a fresh run (no `checkpoint.load`) refuses a run_dir whose `metrics.jsonl` holds records, unless told
   to overwrite them (`--overwrite`); a resume keeps them (`MetricsWriter` cuts them back to the resumed
   step);
+- a resume from step N refuses a run_dir whose `checkpoints/` already holds committed steps after N: it would
+  cut their records from `metrics.jsonl` and then fail when its own save reached one of their folders;
 - interrupted-save folders under `checkpoints/` are removed (`ckpt.cleanup`: only the ones a save wrote).
+
+And before any of it, in the CLI (`check_config_not_replaced`): the config file passed to `train` is never
+the `config.yaml` the run writes, unless it is one a run wrote (its first line, `CONFIG_HEADER`) or already
+holds the resolved text: a user's file there would lose its comments and take the `--set` overrides.
 """
 
 from __future__ import annotations
@@ -23,11 +29,16 @@ import os
 from pathlib import Path
 from typing import IO
 
+from ckpt import names
 from ckpt.cleanup import remove_interrupted_saves
+from ckpt.discovery import list_committed
 from moectl.core.errors import MoectlError, UsageError
 
 METRICS = "metrics.jsonl"
 LOCK = ".moectl.lock"
+CONFIG = "config.yaml"
+#: the first line of the config.yaml a run writes: such a file may be rewritten by the next run
+CONFIG_HEADER = "# the resolved config of the run in this folder, written by moectl train (each run rewrites it)\n"
 
 
 def create_run_dir(path: Path) -> None:
@@ -125,11 +136,52 @@ def check_metrics_file(run_dir: Path, *, resuming: bool, overwrite: bool) -> Non
     )
 
 
-def prepare_run_dir(run_dir: Path, *, resuming: bool, overwrite: bool) -> tuple[RunDirLock, list[str]]:
+def check_later_checkpoints(run_dir: Path, start: int) -> None:
+    """Refuse a resume from step `start` into a run_dir whose checkpoints go further (another branch of the run,
+    or the rest of it): its metrics records after `start` would be dropped, and its step folders collide with
+    this run's saves."""
+    root = run_dir / "checkpoints"
+    later = [p.name for p in list_committed(root) if (names.parse_step_dir(p.name) or 0) > start]
+    if not later:
+        return
+    span = later[0] if len(later) == 1 else f"{later[0]}..{later[-1]}"
+    raise UsageError(
+        f"run_dir {run_dir} holds {len(later)} checkpoint(s) after step {start} ({span}): resuming from step {start} "
+        "there would drop their metrics and collide with their folders",
+        f"resume from the latest with --set checkpoint.load={root}, resume into another --run-dir, or move "
+        f"{span} out of {root}",
+    )
+
+
+def check_config_not_replaced(config_path: str | os.PathLike[str], run_dir: Path, resolved: str) -> None:
+    """Refuse a run whose `run_dir/config.yaml` is the config file passed to it, unless a run wrote that file
+    (it starts with `CONFIG_HEADER`) or it holds the resolved config already: the run would replace the user's
+    own file (comments, and values the `--set` overrides change)."""
+    target = run_dir / CONFIG
+    try:
+        same = target.is_file() and os.path.samefile(config_path, target)
+    except OSError:
+        return
+    if not same:
+        return
+    text = target.read_text(encoding="utf-8", errors="replace")
+    if text.startswith(CONFIG_HEADER) or text == CONFIG_HEADER + resolved:
+        return
+    raise UsageError(
+        f"{config_path} is the {CONFIG} the run writes into run_dir {run_dir}: the resolved config would replace "
+        "your file",
+        "train into another --run-dir, or copy the config out of that folder and pass the copy",
+    )
+
+
+def prepare_run_dir(run_dir: Path, *, resuming: bool, overwrite: bool,
+                    start: int = 0) -> tuple[RunDirLock, list[str]]:  # fmt: skip
     """Everything above, in order; returns the held lock and lines worth logging (removed folders)."""
     create_run_dir(run_dir)
     lock = RunDirLock(run_dir)
     try:
+        if resuming:
+            check_later_checkpoints(run_dir, start)
         check_metrics_file(run_dir, resuming=resuming, overwrite=overwrite)
         cleanup = remove_interrupted_saves(run_dir / "checkpoints")
     except BaseException:

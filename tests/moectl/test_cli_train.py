@@ -1,4 +1,5 @@
 import json
+from pathlib import Path
 
 from typer.testing import CliRunner
 
@@ -77,3 +78,33 @@ def test_training_again_into_a_used_run_dir_is_refused_unless_overwrite(tmp_path
                               "--set", "optimizer.lr=2e-3", "--overwrite"])
     assert res.exit_code == 0, res.output
     assert (tmp_path / "metrics.jsonl").read_bytes() != before
+
+
+def test_the_config_file_given_is_never_replaced_by_the_resolved_one(tmp_path):
+    """A config that is run_dir/config.yaml: a user's file is refused untouched; one a run wrote is rewritten."""
+    run_dir = tmp_path / "r"
+    run_dir.mkdir()
+    mine = run_dir / "config.yaml"
+    mine.write_text(Path("configs/tiny.yaml").read_text() + "# my notes\n")
+    before = mine.read_bytes()
+    res = runner.invoke(app, ["train", str(mine), *SMALL, "--run-dir", str(run_dir)])
+    assert res.exit_code == 2 and "would replace your file" in _one_error_line(res), res.output
+    assert mine.read_bytes() == before and sorted(p.name for p in run_dir.iterdir()) == ["config.yaml"]
+    # a run's own config.yaml, passed back to resume it with an override: rewritten, as before
+    res = runner.invoke(app, ["train", "configs/tiny.yaml", *SMALL, "--run-dir", str(tmp_path / "own"),
+                              "--set", "checkpoint.save_interval=2"])  # fmt: skip
+    assert res.exit_code == 0, res.output
+    own = tmp_path / "own" / "config.yaml"
+    res = runner.invoke(app, ["train", str(own), *SMALL[2:], "--set", "train.train_iters=3",
+                              "--set", f"checkpoint.load={tmp_path / 'own' / 'checkpoints'}"])  # fmt: skip
+    assert res.exit_code == 0 and "done: 3 steps" in res.output, res.output
+    assert "train_iters: 3" in own.read_text()
+
+
+def test_a_resume_with_nothing_left_to_train_says_so(tmp_path):
+    res = runner.invoke(app, ["train", "configs/tiny.yaml", *SMALL, "--run-dir", str(tmp_path / "r"),
+                              "--set", "checkpoint.save_interval=2"])  # fmt: skip
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(app, ["train", "configs/tiny.yaml", *SMALL, "--run-dir", str(tmp_path / "r"),
+                              "--set", f"checkpoint.load={tmp_path / 'r' / 'checkpoints'}"])  # fmt: skip
+    assert res.exit_code == 0 and "nothing to train (raise train.train_iters" in res.output, res.output

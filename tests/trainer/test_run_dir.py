@@ -160,3 +160,23 @@ def test_a_signal_during_the_last_step_lets_the_run_finish(tmp_path: Path) -> No
     with StopSignals() as stop:
         result = t.run(stop=stop)
     assert result.steps == 2 and result.stopped_by is None
+
+
+def test_a_resume_from_an_older_step_is_refused_while_later_checkpoints_exist(tmp_path: Path) -> None:
+    """Resuming from step 2 where steps 4 and 6 are saved used to cut metrics back to step 2 (dropping the
+    records of steps 3-6), train, then fail when its save reached step_00000004. Now it is refused first."""
+    trainer(tmp_path, "train.train_iters=6", "checkpoint.save_interval=2").run()
+    root = tmp_path / "checkpoints"
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    with pytest.raises(UsageError) as e:
+        trainer(tmp_path, "train.train_iters=6", "checkpoint.save_interval=2",
+                f"checkpoint.load={root / 'step_00000002'}").run()  # fmt: skip
+    assert "2 checkpoint(s) after step 2 (step_00000004..step_00000006)" in e.value.message
+    assert f"checkpoint.load={root}" in e.value.fix and "another --run-dir" in e.value.fix
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file() and p.name != ".moectl.lock"} == {
+        k: v for k, v in before.items() if k != ".moectl.lock"}
+    assert [p.name for p in list_committed(root)] == ["step_00000002", "step_00000004", "step_00000006"]
+    # into another run_dir it resumes (the checkpoints stay where they are); from the latest, here too
+    branch = trainer(tmp_path / "branch", "train.train_iters=4", f"checkpoint.load={root / 'step_00000002'}")
+    assert branch.run().steps == 4
+    assert trainer(tmp_path, "train.train_iters=7", f"checkpoint.load={root}").run().steps == 7
