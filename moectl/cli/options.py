@@ -29,7 +29,8 @@ WorldSizeOpt = Annotated[
 NprocOpt = Annotated[
     int, typer.Option("--nproc-per-node", min=1, help="Processes (GPUs) on this machine; >1 launches through torchrun.")
 ]
-RunDirOpt = Annotated[Optional[Path], typer.Option("--run-dir", help="Override run_dir from the config.")]
+# a str, not a Path: Path("") is ".", and an empty --run-dir (an unset variable) must reach rule MOE068
+RunDirOpt = Annotated[Optional[str], typer.Option("--run-dir", help="Override run_dir from the config.")]
 
 
 def examples(*lines: str) -> str:

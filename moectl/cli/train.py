@@ -8,6 +8,7 @@ the launcher instead (moectl/cli/outcome.py), which prints one line for the whol
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -101,7 +102,7 @@ def train_command(
 
     overrides = list(set_ or [])
     if run_dir is not None:
-        overrides.append(f"run_dir={run_dir}")
+        overrides.append(f"run_dir={json.dumps(run_dir)}")  # a quoted YAML string: "" stays "", not null
     cfg = load_config(config, overrides)
     # Inside torchrun every rank checks the rules (so all refuse together); only rank 0 prints, and not even
     # rank 0 when this CLI's launcher printed them already.

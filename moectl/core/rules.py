@@ -26,7 +26,7 @@ runs: bf16/fp32 or fp8 tensorwise, no fp8/fp4 param gather), MOE063 (hardware: t
 native fp8 kernels), MOE064 (CUDA graphs: a dynamic expert-parallel exchange keeps the step eager),
 MOE065 (moe: the all-gather dispatcher drops no tokens), MOE066 (retired: CUDA graphs refused expert biases,
 whose grads' per-expert sum synced with the host; it no longer does), MOE067 (moe: the overlapped ep exchange,
-`ep_overlap_chunks`, needs the all-to-all under drop-and-pad).
+`ep_overlap_chunks`, needs the all-to-all under drop-and-pad), MOE068 (checkpoint: `run_dir` is not empty).
 
 Environment rules (Transformer Engine, device) probe lazily and cheaply: TE is looked up through
 `importlib.util.find_spec` and package metadata, never imported; torch is imported only when a GPU
@@ -1439,6 +1439,14 @@ def ep_overlap_chunks_needs_static_alltoall(c: Context) -> Iterator[_Hit]:
     if mp.fp8 and mp.fp8_recipe == "delayed":
         yield _Hit(f"moe.ep_overlap_chunks={n} with mixed_precision.fp8_recipe=delayed: the experts would record "
                    f"{n} amaxes per operand and micro-batch", "set moe.ep_overlap_chunks=1, or another fp8_recipe")  # fmt: skip
+
+
+@rule("MOE068", "checkpoint", "error", ["run_dir"], "run_dir names a folder")
+def run_dir_named(c: Context) -> Iterator[_Hit]:
+    """An empty `run_dir` (an unset variable in `--run-dir "$RUN"`, say) would put the run's metrics, config
+    and checkpoints into whatever folder the command runs in; to train there, say so with `run_dir: .`."""
+    if not c.cfg.run_dir.strip():
+        yield _Hit(f"run_dir={c.cfg.run_dir!r} is empty", "set run_dir (or --run-dir) to a folder, e.g. runs/NAME")
 
 
 @rule(

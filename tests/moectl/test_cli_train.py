@@ -80,6 +80,15 @@ def test_training_again_into_a_used_run_dir_is_refused_unless_overwrite(tmp_path
     assert (tmp_path / "metrics.jsonl").read_bytes() != before
 
 
+def test_an_empty_run_dir_is_refused_not_the_current_folder(tmp_path, monkeypatch):
+    """`--run-dir "$UNSET"`: Typer's Path made "" into ".", and the run wrote into the current folder."""
+    monkeypatch.chdir(tmp_path)
+    config = str(Path(__file__).parents[2] / "configs/tiny.yaml")
+    res = runner.invoke(app, ["train", config, *SMALL, "--run-dir", ""])
+    assert res.exit_code == 2 and "MOE068" in res.output, res.output
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_the_config_file_given_is_never_replaced_by_the_resolved_one(tmp_path):
     """A config that is run_dir/config.yaml: a user's file is refused untouched; one a run wrote is rewritten."""
     run_dir = tmp_path / "r"

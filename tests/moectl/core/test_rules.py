@@ -549,6 +549,8 @@ CASES = [
          ["parallel.expert_model_parallel_size=2", "moe.ep_overlap_chunks=2", *DROP_AND_PAD, "mixed_precision.bf16=true",
           "mixed_precision.fp8=e4m3", "mixed_precision.fp8_recipe=tensorwise"], world=2, pass_world=2,
          name="delayed-fp8"),
+    Case("MOE068", ["run_dir=''"], ["run_dir=."]),
+    Case("MOE068", ["run_dir=' '"], ["run_dir=runs/x"], name="blank"),
     Case("MOE059", ["train.cuda_graph=true", *DROP_AND_PAD, "moe.backend=loop"],
          ["train.cuda_graph=true", *DROP_AND_PAD, "moe.backend=grouped"]),
     Case("MOE059", ["train.cuda_graph=true", *DROP_AND_PAD, "moe.backend=te"],
