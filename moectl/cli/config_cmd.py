@@ -10,6 +10,7 @@ from dataclasses import asdict
 from typing import Annotated, Optional
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from moectl.cli.base import app, command, new_app
@@ -49,5 +50,6 @@ def keys_command(
     for name in ("key", "type", "default", "meaning"):
         table.add_column(name, overflow="fold")
     for k in keys:
-        table.add_row(k.key, k.type, _yaml_value(k.default), k.help)
+        # escaped: help texts hold brackets (`[gate; up]`, `[m, m]`) that Rich would read as markup and drop
+        table.add_row(*(escape(v) for v in (k.key, k.type, _yaml_value(k.default), k.help)))
     make_console().print(table)

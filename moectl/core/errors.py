@@ -22,10 +22,16 @@ class MoectlError(Exception):
 
     def one_line(self) -> str:
         """The error as the single line the CLI prints."""
-        line = self.message.rstrip(".")
+        line = _unstop(self.message)
         if self.fix:
-            line += f". fix: {self.fix.rstrip('.')}"
+            line += f"{' ' if line.endswith(('?', '!', '...')) else '. '}fix: {_unstop(self.fix)}"
         return line
+
+
+def _unstop(text: str) -> str:
+    """`text` without its closing full stop (the line adds its own); an ellipsis or other text stays whole."""
+    text = text.rstrip()
+    return text[:-1].rstrip() if text.endswith(".") and not text.endswith("...") else text
 
 
 class ConfigError(MoectlError):
