@@ -61,8 +61,10 @@ def _root(
 
 
 def report(e: MoectlError, prefix: str = "") -> None:
-    """Print a user error as one line on stderr (`prefix`: e.g. `rank 1: ` in a multi-rank run)."""
-    typer.secho(f"error: {prefix}{e.one_line()}", err=True, fg="red")
+    """Print a user error as one line on stderr (`prefix`: e.g. `rank 1: ` in a multi-rank run); a config with
+    several bad keys gets one line for each."""
+    for line in e.lines():
+        typer.secho(f"error: {prefix}{line}", err=True, fg="red")
 
 
 def command(target: typer.Typer = app, name: str | None = None, **kwargs: Any) -> Callable[[F], F]:

@@ -22,7 +22,7 @@ from moectl.cli.console import make_console
 from moectl.cli.options import JsonFlag, SetOpt, WorldSizeOpt, examples
 from moectl.core.config import Config
 from moectl.core.config.load import load_config
-from moectl.core.errors import UsageError
+from moectl.core.errors import MoectlError, UsageError
 from moectl.core.gpu_memory import parse_gpu_memory
 from moectl.core.rules import RETIRED, RULES, Context, Device, Environment, Violation, check, default_world_size, fmt, has_errors
 from moectl.core.summary import summarize, summary_lines
@@ -163,7 +163,13 @@ def validate_config(
         gpu = parse_gpu_memory(gpu_memory) if gpu_memory is not None else None
     except ValueError as e:
         raise UsageError(str(e), "pass e.g. --gpu-memory 80 or --gpu-memory H100") from None
-    cfg = load_config(config, list(set_ or []))
+    try:
+        cfg = load_config(config, list(set_ or []))
+    except MoectlError as e:
+        if json_:  # a script reading stdout gets one JSON object whatever went wrong (the lines go to stderr too)
+            typer.echo(json.dumps({"valid": False, "load_errors": e.lines(), "violations": [], "summary": None},
+                                  indent=2))  # fmt: skip
+        raise
     world = world_size if world_size is not None else default_world_size(cfg)
     # One Environment for the rules and the summary line, so the machine is probed at most once.
     env = Environment(device=Device("cpu", None, "--device-capability cpu")) if cap == "cpu" else Environment()

@@ -20,6 +20,10 @@ class MoectlError(Exception):
         self.message = message
         self.fix = fix
 
+    def lines(self) -> list[str]:
+        """The lines the CLI prints, one per culprit (`one_line`, but several for `ConfigErrors`)."""
+        return [self.one_line()]
+
     def one_line(self) -> str:
         """The error as the single line the CLI prints."""
         line = _unstop(self.message)
@@ -40,9 +44,29 @@ class ConfigError(MoectlError):
     exit_code = 2
 
     def __init__(self, key: str, value: Any, message: str, fix: str | None = None) -> None:
-        super().__init__(f"{key}={value!r}: {message}" if key else message, fix)
+        super().__init__(f"{key}={_short(value)}: {message}" if key else message, fix)
         self.key = key
         self.value = value
+
+
+class ConfigErrors(ConfigError):
+    """Several bad keys or values of one config, each its own `ConfigError` (printed one line each)."""
+
+    def __init__(self, errors: list[ConfigError]) -> None:
+        first = errors[0]
+        super().__init__(first.key, first.value, f"and {len(errors) - 1} more config error(s)")
+        self.message = f"{len(errors)} config errors: " + "; ".join(e.one_line() for e in errors)
+        self.fix = None
+        self.errors = errors
+
+    def lines(self) -> list[str]:
+        return [e.one_line() for e in self.errors]
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    """`repr(value)`, cut to `limit` characters: a mistyped section name must not print the whole section."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class UsageError(MoectlError):

@@ -146,7 +146,8 @@ def test_bad_yaml_exits_2(tmp_path: Path) -> None:
 def test_missing_file_exits_2(tmp_path: Path) -> None:
     r = invoke(str(tmp_path / "nope.yaml"), "--json")
     assert r.exit_code == 2
-    assert "not found" in r.stderr and r.stdout == ""
+    assert "not found" in r.stderr  # the line on stderr; stdout still one JSON object for a script
+    assert as_json(r)["valid"] is False and "not found" in as_json(r)["load_errors"][0]
 
 
 def test_missing_config_exits_2() -> None:
@@ -200,3 +201,16 @@ def test_gpu_memory_warns_when_the_estimate_does_not_fit() -> None:
     assert "MOE056" not in invoke(mixtral, "--world-size", "8", "--gpu-memory", "H200").output
     bad = invoke(mixtral, "--gpu-memory", "lots")
     assert bad.exit_code == 2 and bad.output.count("\n") == 1 and "--gpu-memory 'lots'" in bad.output
+
+
+def test_every_load_error_is_a_line_and_json_still_gets_an_object(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  hidden_size: sixtyfour\noptimizer:\n  lrr: 0.1\n")
+    res = invoke(str(bad))
+    assert res.exit_code == 2
+    errors = [line for line in res.output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 2 and "model.hidden_size" in errors[0] and "optimizer.lrr" in errors[1], res.output
+    res = invoke(str(bad), "--json")
+    assert res.exit_code == 2
+    out = as_json(res)
+    assert out["valid"] is False and len(out["load_errors"]) == 2 and out["violations"] == []

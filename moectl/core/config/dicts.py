@@ -15,7 +15,7 @@ from dataclasses import asdict, fields, is_dataclass
 from typing import Any, Iterable, Literal, Union
 
 from moectl.core.config.schema import Config
-from moectl.core.errors import ConfigError
+from moectl.core.errors import ConfigError, ConfigErrors
 
 
 def _suggest(name: str, options: Iterable[str]) -> str:
@@ -75,28 +75,41 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     raise ConfigError(key, value, f"expected {expected}", f"set {key} to {how}")
 
 
-def _build(cls: type, data: Any, prefix: str) -> Any:
+def _build(cls: type, data: Any, prefix: str, errors: list[ConfigError]) -> Any:
+    """`cls` from `data`, every bad key or value appended to `errors` (the result is then meaningless)."""
     if not isinstance(data, dict):
         where = prefix.rstrip(".") or "the config"
-        raise ConfigError(where, data, "expected a mapping of keys", f"write {where} as 'key: value' lines")
+        errors.append(ConfigError(where, data, "expected a mapping of keys", f"write {where} as 'key: value' lines"))
+        return cls()
     hints = typing.get_type_hints(cls)
     known = {f.name: f for f in fields(cls)}
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
         path = f"{prefix}{key}"
         if key not in known:
-            raise ConfigError(path, value, "unknown key", _suggest(str(key), known))
+            errors.append(ConfigError(path, value, "unknown key", _suggest(str(key), known)))
+            continue
         tp = hints[key]
         if is_dataclass(tp):
-            kwargs[key] = _build(tp, value if value is not None else {}, f"{path}.")
-        else:
+            kwargs[key] = _build(tp, value if value is not None else {}, f"{path}.", errors)
+            continue
+        try:
             kwargs[key] = _coerce(path, value, tp)
+        except ConfigError as e:
+            errors.append(e)
     return cls(**kwargs)
 
 
 def config_from_dict(data: dict[str, Any]) -> Config:
-    """Build and type-check a `Config` from a raw mapping."""
-    return _build(Config, data, "")
+    """Build and type-check a `Config` from a raw mapping; every bad key and value is reported at once (one
+    `ConfigError`, or `ConfigErrors` holding each), so a file with three typos takes one round trip."""
+    errors: list[ConfigError] = []
+    cfg = _build(Config, data, "", errors)
+    if len(errors) == 1:
+        raise errors[0]
+    if errors:
+        raise ConfigErrors(errors)
+    return cfg
 
 
 def config_to_dict(cfg: Config) -> dict[str, Any]:

@@ -214,3 +214,21 @@ def test_a_config_that_is_not_utf8_is_one_line(tmp_path: Path) -> None:
     )
     p.write_bytes(b"\xef\xbb\xbf" + "model:\n  num_layers: 3  # café\n".encode())  # a BOM is fine
     assert load_config(p).model.num_layers == 3
+
+
+def test_every_bad_key_and_value_of_a_file_is_reported_at_once(tmp_path: Path) -> None:
+    """Four mistakes, one round trip: each its own line, in file order; a mistyped section's value is cut short
+    (it used to print the whole section)."""
+    long = ", ".join(str(i) for i in range(40))
+    p = write(tmp_path, f"model:\n  hidden_size: sixtyfour\nmoe:\n  router_topk_: 2\noptimizer:\n  lrr: 0.1\n"
+                        f"moee:\n  b: [{long}]\n")  # fmt: skip
+    with pytest.raises(ConfigError) as err:
+        load_config(p)
+    lines = err.value.lines()
+    assert [line.split("=")[0] for line in lines] == ["model.hidden_size", "moe.router_topk_", "optimizer.lrr", "moee"]
+    assert "did you mean 'router_topk'" in lines[1] and "did you mean 'lr'" in lines[2]
+    assert "did you mean 'moe'" in lines[3] and len(lines[3]) < 160 and "39" not in lines[3]
+    assert err.value.exit_code == 2 and "4 config errors" in err.value.one_line()
+    with pytest.raises(ConfigError) as one:  # a single mistake stays a plain one-line ConfigError
+        load_config(None, ["optimizer.lrr=0.1"])
+    assert one.value.lines() == [one.value.one_line()]
