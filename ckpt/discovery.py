@@ -17,6 +17,8 @@ from ckpt import manifest, names
 from moectl.core.errors import CheckpointError
 
 _LOAD_FIX = "set checkpoint.load to a step_NNNNNNNN folder or a checkpoints folder, or to null to train from scratch"
+#: the fix for the checkpoint tools (`moectl ckpt ...`), which have no checkpoint.load to set
+TOOL_FIX = "give a step_NNNNNNNN folder or a checkpoints folder (e.g. runs/tiny/checkpoints)"
 
 
 def list_committed(root: str | os.PathLike[str]) -> list[Path]:
@@ -99,16 +101,17 @@ def is_step_dir(path: Path) -> bool:
     )
 
 
-def resolve_load_path(load: str | os.PathLike[str]) -> Path:
+def resolve_load_path(load: str | os.PathLike[str], fix: str = _LOAD_FIX) -> Path:
     """The committed step folder that `load` means: itself if it is a step folder, else its latest step.
 
-    Raises CheckpointError when `load` does not exist, is an uncommitted save, or holds no committed step.
+    Raises CheckpointError when `load` does not exist, is an uncommitted save, or holds no committed step;
+    `fix` is its fix where the path is wrong (the trainer's, about `checkpoint.load`, or `TOOL_FIX`).
     """
     p = Path(load).expanduser()
     if not p.exists():
-        raise CheckpointError(f"checkpoint path {p} does not exist", _LOAD_FIX)
+        raise CheckpointError(f"checkpoint path {p} does not exist", fix)
     if not p.is_dir():
-        raise CheckpointError(f"checkpoint path {p} is a file, not a checkpoint folder", _LOAD_FIX)
+        raise CheckpointError(f"checkpoint path {p} is a file, not a checkpoint folder", fix)
     if is_step_dir(p):
         if names.TMP_DIR_RE.match(p.name) or not (p / names.MANIFEST).is_file():
             raise CheckpointError(
@@ -119,5 +122,5 @@ def resolve_load_path(load: str | os.PathLike[str]) -> Path:
     found = find_latest(p)
     if found is None:
         hint = f"; it has a checkpoints folder: did you mean {p / 'checkpoints'}?" if (p / "checkpoints").is_dir() else ""
-        raise CheckpointError(f"no committed checkpoint in {p}{hint}", _LOAD_FIX)
+        raise CheckpointError(f"no committed checkpoint in {p}{hint}", fix)
     return found

@@ -30,7 +30,7 @@ from typing import Any, Callable
 from ckpt import manifest, names
 from ckpt import problems as P
 from ckpt.digest import uses_tree
-from ckpt.discovery import is_step_dir, resolve_load_path
+from ckpt.discovery import TOOL_FIX, is_step_dir, resolve_load_path
 from ckpt.problems import Problem
 from ckpt.seal import seal_problem
 from ckpt.shard_io import hash_file, io_threads, range_jobs
@@ -49,8 +49,8 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> list[Problem]:
     """
     p = Path(path).expanduser()
     if not p.is_dir():
-        raise CheckpointError(f"checkpoint path {p} is not a folder", "give a step_NNNNNNNN folder or a checkpoints folder")
-    step_dir = p if is_step_dir(p) else resolve_load_path(p)
+        raise CheckpointError(f"checkpoint path {p} {'is not a folder' if p.exists() else 'does not exist'}", TOOL_FIX)
+    step_dir = p if is_step_dir(p) else resolve_load_path(p, TOOL_FIX)
     found: list[Problem] = []
     if names.TMP_DIR_RE.match(step_dir.name):
         found.append(Problem(P.INCOMPLETE, None, None, f"{step_dir.name} is an unfinished save (never committed)"))

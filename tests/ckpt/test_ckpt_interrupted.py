@@ -126,3 +126,15 @@ def test_a_wrong_load_path_is_an_error_never_a_fresh_start(tmp_path: Path) -> No
         open_checkpoint(tmp_path / "file")
     save_simple(tmp_path / "run" / "checkpoints", 3)
     assert resolve_load_path(tmp_path / "run" / "checkpoints" / "step_00000003").name == "step_00000003"
+
+
+def test_the_checkpoint_tools_say_their_own_fix_not_the_trainers(tmp_path: Path) -> None:
+    """`moectl ckpt convert/inspect/validate` have no checkpoint.load to set: their wrong-path errors say what to
+    give them; a missing folder is "does not exist" everywhere (validate said "is not a folder")."""
+    for call in (open_checkpoint, verify_checkpoint):
+        with pytest.raises(CheckpointError, match="does not exist") as err:
+            call(tmp_path / "nope")
+        assert "checkpoint.load" not in err.value.one_line() and "step_NNNNNNNN folder" in err.value.one_line()
+    with pytest.raises(CheckpointError, match="no committed checkpoint") as err:
+        open_checkpoint(tmp_path)
+    assert "checkpoint.load" not in err.value.one_line()
