@@ -64,8 +64,9 @@ class ConfigErrors(ConfigError):
 
 
 def _short(value: Any, limit: int = 80) -> str:
-    """`repr(value)`, cut to `limit` characters: a mistyped section name must not print the whole section."""
-    text = repr(value)
+    """`value` as YAML spells its scalars (null, true; strings quoted), cut to `limit` characters: a mistyped
+    section name must not print the whole section."""
+    text = "null" if value is None else str(value).lower() if isinstance(value, bool) else repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 

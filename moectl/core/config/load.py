@@ -63,6 +63,9 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     if "=" not in item:
         raise UsageError(f"--set {item!r}: expected KEY=VALUE", "write it as --set section.key=value")
     key, raw = item.split("=", 1)
+    if not all(part.strip() for part in key.split(".")):
+        raise UsageError(f"--set {item!r}: no key before '=' (or an empty part in it)",
+                         "write it as --set section.key=value")  # fmt: skip
     try:
         value = yaml_scalar(raw) if raw.strip() else None
     except yaml.YAMLError as e:

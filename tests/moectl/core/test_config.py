@@ -102,7 +102,8 @@ def test_unknown_key_in_a_file_names_its_dotted_path(tmp_path: Path) -> None:
     [
         ("moe.num_experts=three", "moe.num_experts", "'three'", "int"),
         ("moe.num_experts=2.5", "moe.num_experts", "2.5", "int"),
-        ("model.num_layers=true", "model.num_layers", "True", "int"),  # a bool is not an int
+        ("model.num_layers=true", "model.num_layers", "true", "int"),  # a bool is not an int (YAML spelling)
+        ("moe.router_topk=", "moe.router_topk", "null", "int"),  # an empty value is null, said as YAML says it
         ("mixed_precision.bf16=1", "mixed_precision.bf16", "1", "bool"),
         ("mixed_precision.fp8_recipe=mxfp9", "mixed_precision.fp8_recipe", "'mxfp9'", "'mxfp8'"),
         ("moe.capacity_factor=high", "moe.capacity_factor", "'high'", "float | null"),
@@ -127,6 +128,14 @@ def test_set_without_equals_is_a_usage_error() -> None:
     with pytest.raises(UsageError, match="KEY=VALUE") as err:
         load_config(None, ["optimizer.lr"])
     assert err.value.exit_code == 2
+
+
+@pytest.mark.parametrize("item", ["=3", " =3", "moe..router_topk=2", ".lr=1"])
+def test_set_with_no_key_names_the_item(item: str) -> None:
+    """`--set =3` said only "unknown key", naming nothing."""
+    with pytest.raises(UsageError, match="no key before '='") as err:
+        load_config(None, [item])
+    assert repr(item) in err.value.one_line()
 
 
 def test_set_with_a_mapping_value_is_refused() -> None:
