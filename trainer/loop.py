@@ -407,7 +407,7 @@ class Trainer:
                                        resume_at=start)  # fmt: skip
                 if writer.dropped:
                     lines.append(f"metrics.jsonl: dropped {writer.dropped} record(s) after step {start}, written "
-                                 "after the checkpoint by the run that stopped")  # fmt: skip
+                                 "after that checkpoint by an earlier run")  # fmt: skip
                 _write_config(self.run_dir / CONFIG, CONFIG_HEADER + dump_config(cfg))
             except MoectlError as e:
                 error = e

@@ -132,8 +132,8 @@ def _vocab_fix(stream: TokenStream, top: int, vocab_size: int) -> str:
         narrower = narrower_fits(stream.tokens, vocab_size)
         if narrower is not None:
             return (
-                f"read as {narrower} these bytes fit the vocabulary: set data.dtype: {narrower} if the file holds "
-                f"{narrower} tokens; else {grow}"
+                f"these bytes fit the vocabulary when read as {narrower}: set data.dtype: {narrower} if the file "
+                f"holds {narrower} tokens; else {grow}"
             )
     if origin == "default":
         return f"uint16 was assumed (no data.dtype, no suffix): set data.dtype to the file's dtype, or {grow}"

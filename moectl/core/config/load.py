@@ -93,7 +93,8 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     """Read a YAML config file into a mapping; an empty file is an empty mapping."""
     p = Path(path)
     if not p.is_file():
-        raise UsageError(f"config file {str(p)!r} not found", "pass the path of a YAML config, e.g. configs/tiny.yaml")
+        what = "is a folder, not a YAML file" if p.is_dir() else "not found"
+        raise UsageError(f"config file {str(p)!r} {what}", "pass the path of a YAML config, e.g. configs/tiny.yaml")
     try:
         data = yaml.load(_read_utf8(p), Loader=_Loader)
     except DuplicateKeyError as e:

@@ -84,7 +84,7 @@ def test_out_of_vocab_with_a_guessed_dtype_points_at_the_dtype(tmp_path: Path) -
     path = write(tmp_path / "bytes.bin", "B", text)
     with pytest.raises(DataError, match=r"bytes\.bin: token id \d+ does not fit model.vocab_size=256") as e:
         build_data(DataConfig(source="tokens", path=path), seq_length=8, vocab_size=256, seed=0)
-    assert (e.value.fix or "").startswith("read as uint8 these bytes fit the vocabulary: set data.dtype: uint8")
+    assert (e.value.fix or "").startswith("these bytes fit the vocabulary when read as uint8: set data.dtype: uint8")
     train, _ = build_data(DataConfig(source="tokens", path=path, dtype="uint8"), seq_length=8, vocab_size=256, seed=0)
     assert train.tokens.dtype == torch.uint8
     # a genuinely larger vocabulary (header-decided dtype): raising model.vocab_size is the fix

@@ -79,7 +79,8 @@ def _check_agrees(path: str, wanted: torch.dtype | None, found: torch.dtype, whe
     if wanted is not None and wanted != found:
         raise DataError(
             f"{path}: data.dtype={dtype_name(wanted)} but {where} says {dtype_name(found)}",
-            f"set data.dtype: {dtype_name(found)} (or null), or rename the file if its {where} is wrong",
+            f"set data.dtype: {dtype_name(found)} (or null)"
+            + (f", or rename the file if {where} is wrong" if "suffix" in where else ""),
         )
 
 
