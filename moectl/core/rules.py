@@ -822,12 +822,15 @@ def overlap_param_gather_needs_distributed_optimizer(c: Context) -> Iterator[_Hi
 
 @rule("MOE018", "moe", "error", ["moe.router_topk", "moe.num_experts"], "1 <= router_topk <= num_experts")
 def router_topk_in_range(c: Context) -> Iterator[_Hit]:
-    """Each token goes to k distinct experts: k = 0 routes nowhere, k > E cannot be chosen."""
+    """Each token goes to k distinct experts: k = 0 routes nowhere, k > E cannot be chosen. A non-positive
+    `num_experts` is MOE041's to report (a range 1..-4 would only confuse)."""
     m = c.cfg.moe
-    if not 1 <= m.router_topk <= max(m.num_experts, 1):
+    if m.num_experts < 1:
+        return
+    if not 1 <= m.router_topk <= m.num_experts:
         yield _Hit(
             f"moe.router_topk={m.router_topk} must be between 1 and moe.num_experts={m.num_experts}",
-            f"set moe.router_topk to 1..{max(m.num_experts, 1)}",
+            f"set moe.router_topk to 1..{m.num_experts}",
         )
 
 

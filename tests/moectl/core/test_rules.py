@@ -868,6 +868,13 @@ def test_no_rule_crashes_on_zero_sizes() -> None:
     assert reported == set(rules._COUNTS)
 
 
+@pytest.mark.parametrize("experts", [0, -4])
+def test_a_non_positive_expert_count_is_reported_once_not_as_a_topk_range(experts: int) -> None:
+    """MOE018 said 'set moe.router_topk to 1..1' for -4 experts; the count is MOE041's to report."""
+    found = run([f"moe.num_experts={experts}"], world=1)
+    assert hits(found, "MOE041") and not hits(found, "MOE018")
+
+
 def test_world_size_zero_is_reported_not_a_crash() -> None:
     found = run([], world=0)
     assert [(v.rule, v.keys["world_size"]) for v in found] == [("MOE029", 0)]
