@@ -401,8 +401,8 @@ class Trainer:
         if self.rt.is_main:
             cfg, start = self.cfg, self.start_step
             try:
-                lock, lines = prepare_run_dir(self.run_dir, resuming=start > 0, overwrite=overwrite,
-                                              start=start)  # fmt: skip
+                lock, lines = prepare_run_dir(self.run_dir, resuming=start > 0, overwrite=overwrite, start=start,
+                                              saves=bool(cfg.checkpoint.save_interval))  # fmt: skip
                 writer = MetricsWriter(self.run_dir, jsonl=cfg.logging.jsonl, tensorboard=cfg.logging.tensorboard,
                                        resume_at=start)  # fmt: skip
                 if writer.dropped:

@@ -12,8 +12,9 @@ rank that writes (rank 0):
 - a fresh run (no `checkpoint.load`) refuses a run_dir whose `metrics.jsonl` holds records, unless told
   to overwrite them (`--overwrite`); a resume keeps them (`MetricsWriter` cuts them back to the resumed
   step);
-- a resume from step N refuses a run_dir whose `checkpoints/` already holds committed steps after N: it would
-  cut their records from `metrics.jsonl` and then fail when its own save reached one of their folders;
+- a resume from step N that saves refuses a run_dir whose `checkpoints/` already holds committed steps after
+  N: it would cut their records from `metrics.jsonl`, train, and then fail when its save reached one of their
+  folders (a resume that saves nothing replays from N, as any resume does: its records replace theirs);
 - interrupted-save folders under `checkpoints/` are removed (`ckpt.cleanup`: only the ones a save wrote).
 
 And before any of it, in the CLI (`check_config_not_replaced`): the config file passed to `train` is never
@@ -137,17 +138,17 @@ def check_metrics_file(run_dir: Path, *, resuming: bool, overwrite: bool) -> Non
 
 
 def check_later_checkpoints(run_dir: Path, start: int) -> None:
-    """Refuse a resume from step `start` into a run_dir whose checkpoints go further (another branch of the run,
-    or the rest of it): its metrics records after `start` would be dropped, and its step folders collide with
-    this run's saves."""
+    """Refuse a saving resume from step `start` into a run_dir whose checkpoints go further (another branch of
+    the run, or the rest of it): its metrics records after `start` would be dropped, and its step folders
+    collide with this run's saves."""
     root = run_dir / "checkpoints"
     later = [p.name for p in list_committed(root) if (names.parse_step_dir(p.name) or 0) > start]
     if not later:
         return
     span = later[0] if len(later) == 1 else f"{later[0]}..{later[-1]}"
     raise UsageError(
-        f"run_dir {run_dir} holds {len(later)} checkpoint(s) after step {start} ({span}): resuming from step {start} "
-        "there would drop their metrics and collide with their folders",
+        f"run_dir {run_dir} holds {len(later)} checkpoint(s) after step {start} ({span}): a resume from step {start} "
+        "that saves there would drop their metrics and collide with their folders",
         f"resume from the latest with --set checkpoint.load={root}, resume into another --run-dir, or move "
         f"{span} out of {root}",
     )
@@ -174,13 +175,14 @@ def check_config_not_replaced(config_path: str | os.PathLike[str], run_dir: Path
     )
 
 
-def prepare_run_dir(run_dir: Path, *, resuming: bool, overwrite: bool,
-                    start: int = 0) -> tuple[RunDirLock, list[str]]:  # fmt: skip
-    """Everything above, in order; returns the held lock and lines worth logging (removed folders)."""
+def prepare_run_dir(run_dir: Path, *, resuming: bool, overwrite: bool, start: int = 0,
+                    saves: bool = False) -> tuple[RunDirLock, list[str]]:  # fmt: skip
+    """Everything above, in order; returns the held lock and lines worth logging (removed folders). `start`: the
+    resumed step; `saves`: whether the run saves checkpoints (`checkpoint.save_interval`)."""
     create_run_dir(run_dir)
     lock = RunDirLock(run_dir)
     try:
-        if resuming:
+        if resuming and saves:
             check_later_checkpoints(run_dir, start)
         check_metrics_file(run_dir, resuming=resuming, overwrite=overwrite)
         cleanup = remove_interrupted_saves(run_dir / "checkpoints")

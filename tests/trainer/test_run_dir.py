@@ -162,16 +162,18 @@ def test_a_signal_during_the_last_step_lets_the_run_finish(tmp_path: Path) -> No
     assert result.steps == 2 and result.stopped_by is None
 
 
-def test_a_resume_from_an_older_step_is_refused_while_later_checkpoints_exist(tmp_path: Path) -> None:
-    """Resuming from step 2 where steps 4 and 6 are saved used to cut metrics back to step 2 (dropping the
-    records of steps 3-6), train, then fail when its save reached step_00000004. Now it is refused first."""
+def test_a_saving_resume_from_an_older_step_is_refused_while_later_checkpoints_exist(tmp_path: Path) -> None:
+    """Resuming from step 2 where steps 4 and 6 are saved, with saves on, used to cut metrics back to step 2
+    (dropping the records of steps 3-6), train, then fail when its save reached step_00000004. Now it is refused
+    first; without saves it replays from step 2 as any resume does."""
     trainer(tmp_path, "train.train_iters=6", "checkpoint.save_interval=2").run()
     root = tmp_path / "checkpoints"
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
     with pytest.raises(UsageError) as e:
         trainer(tmp_path, "train.train_iters=6", "checkpoint.save_interval=2",
                 f"checkpoint.load={root / 'step_00000002'}").run()  # fmt: skip
-    assert "2 checkpoint(s) after step 2 (step_00000004..step_00000006)" in e.value.message
+    assert "2 checkpoint(s) after step 2 (step_00000004..step_00000006): a resume from step 2 that saves" in (
+        e.value.message)
     assert f"checkpoint.load={root}" in e.value.fix and "another --run-dir" in e.value.fix
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file() and p.name != ".moectl.lock"} == {
         k: v for k, v in before.items() if k != ".moectl.lock"}
@@ -180,3 +182,5 @@ def test_a_resume_from_an_older_step_is_refused_while_later_checkpoints_exist(tm
     branch = trainer(tmp_path / "branch", "train.train_iters=4", f"checkpoint.load={root / 'step_00000002'}")
     assert branch.run().steps == 4
     assert trainer(tmp_path, "train.train_iters=7", f"checkpoint.load={root}").run().steps == 7
+    replay = trainer(tmp_path, "train.train_iters=3", f"checkpoint.load={root / 'step_00000002'}")  # saves nothing
+    assert replay.run().steps == 3 and [r["step"] for r in records(tmp_path) if "loss" in r] == [1, 2, 3]
