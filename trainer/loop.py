@@ -26,7 +26,7 @@ import torch
 from ckpt import list_committed, resolve_load_path
 from moectl.core.config import dump_config
 from moectl.core.config.schema import Config
-from moectl.core.errors import ConfigError, MoectlError
+from moectl.core.errors import ConfigError, MoectlError, UsageError
 from moectl.core.overlap import describe_overlap
 from moectl.core.params import count_params
 from trainer.build import build_data_for, build_engine, build_model
@@ -317,7 +317,7 @@ class Trainer:
             return
         root = Path(self.cfg.run_dir) / "checkpoints"
         if root.is_dir() and list_committed(root):
-            raise MoectlError(
+            raise UsageError(
                 f"{root} already holds checkpoints of an earlier run, and checkpoint.load is not set",
                 f"resume it with --set checkpoint.load={root}, or train into another --run-dir",
             )

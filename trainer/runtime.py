@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from moectl.core.config.schema import ParallelConfig, TrainConfig
-from moectl.core.errors import MoectlError
+from moectl.core.errors import UsageError
 from trainer.parallel.groups import ParallelState, init_distributed
 
 
@@ -37,7 +37,7 @@ def pick_device(choice: str, local_rank: int) -> torch.device:
     """`auto` -> this process's GPU when CUDA is available, else the CPU."""
     if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
-            raise MoectlError("train.device='cuda' but no CUDA device is visible", "set train.device=auto or cpu")
+            raise UsageError("train.device='cuda' but no CUDA device is visible", "set train.device=auto or cpu")
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")

@@ -117,3 +117,11 @@ def test_a_resume_with_nothing_left_to_train_says_so(tmp_path):
     res = runner.invoke(app, ["train", "configs/tiny.yaml", *SMALL, "--run-dir", str(tmp_path / "r"),
                               "--set", f"checkpoint.load={tmp_path / 'r' / 'checkpoints'}"])  # fmt: skip
     assert res.exit_code == 0 and "nothing to train (raise train.train_iters" in res.output, res.output
+
+
+def test_a_fresh_saving_run_into_another_runs_checkpoints_is_bad_usage(tmp_path):
+    """Refused before training like the other run_dir refusals, so with their exit code (2), not 1 (failed)."""
+    run = ["train", "configs/tiny.yaml", *SMALL, "--run-dir", str(tmp_path / "r"), "--set", "checkpoint.save_interval=2"]
+    assert runner.invoke(app, run).exit_code == 0
+    res = runner.invoke(app, [*run, "--overwrite"])
+    assert res.exit_code == 2 and "already holds checkpoints of an earlier run" in _one_error_line(res), res.output
