@@ -6,7 +6,7 @@ the first replays each micro-batch from a captured graph; under data parallelism
 param gathers and the last one's the grad reductions (trainer/graphs/capture.py says what stays out).
 A non-finite loss or grad norm stops the run with a clear message (`train.on_nonfinite: stop`) or skips
 the update (`skip`); the loss reaches the engine as a device tensor and is read after the update is queued.
-SIGINT/SIGTERM end the run after the step in flight, agreed over all ranks (trainer/stop.py), with a
+SIGINT/SIGTERM/SIGHUP end the run after the step in flight, agreed over all ranks (trainer/stop.py), with a
 checkpoint when `checkpoint.save_interval` is set and a warning when it is not. A collective that loses
 its peer or times out becomes a one-line error naming the rank and the step (trainer/parallel/failures.py).
 `train()` owns the process group it creates and always destroys it.

@@ -1,7 +1,9 @@
-"""Stopping on a signal: SIGTERM/SIGINT set a flag, and the loop ends at a step boundary all ranks agree on.
+"""Stopping on a signal: SIGTERM/SIGINT/SIGHUP set a flag, and the loop ends at a step boundary all ranks agree on.
 
 A scheduler (Slurm, Kubernetes, torchrun's agent) asks a job to stop with SIGTERM and kills it a grace
-period later; Ctrl-C sends SIGINT. Neither may interrupt a step or a save half-way, so the handler only
+period later; Ctrl-C sends SIGINT; a closed terminal or a dropped ssh session sends SIGHUP, whose default
+ended the run at once with nothing saved (torchrun's agent forwards it to the workers like SIGTERM). None
+may interrupt a step or a save half-way, so the handler only
 records the signal; the loop checks it after each step, saves, and returns. The flag is agreed over all
 ranks (`agreed`): a signal that reached one rank stops every rank after the same step, or the others would
 wait for it in the next step's collectives until the timeout.
@@ -19,12 +21,12 @@ from typing import Any
 
 import torch
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+STOP_SIGNALS = tuple(s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s is not None)
 REPEAT_GRACE_S = 2.0
 
 
 class StopSignals:
-    """Records SIGINT/SIGTERM while entered; `signal` is the name of the first one received, or None.
+    """Records SIGINT/SIGTERM/SIGHUP while entered; `signal` is the name of the first one received, or None.
 
     Entering again (nested, e.g. the CLI around the loop) keeps what was recorded: the loop honours a
     signal that came while the model was being built.

@@ -11,7 +11,7 @@ What this launcher adds around torchrun (issue 18):
 - each worker reports how it ended (moectl/cli/outcome.py), and the run ends with one line naming the
   rank, the step and the cause (moectl/cli/verdict.py) and the documented exit code, instead of the
   agent's 25-50 line traceback and error table (both still shown with `MOECTL_DEBUG=1`);
-- SIGTERM/SIGINT to the launcher reach the workers through the agent, which then gives them torchrun's
+- SIGTERM/SIGINT/SIGHUP to the launcher reach the workers through the agent, which then gives them torchrun's
   shutdown timeout (`TORCH_ELASTIC_SHUTDOWN_TIMEOUT`, default 30 s, as Slurm's KillWait) to finish the
   step and save before it kills them;
 - the workers' CPU threads are chosen by the trainer's rule (trainer/threads.py) and passed as

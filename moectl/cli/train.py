@@ -45,7 +45,7 @@ HELP = (
     "Resume a run: the same command with --set checkpoint.load=RUN_DIR/checkpoints (it continues from the "
     "latest checkpoint to train.train_iters). A fresh run refuses a run_dir holding another run's metrics "
     "unless --overwrite.\n\n"
-    "Exit codes: 0 finished, 1 failed, 2 bad usage or config, 3 stopped by SIGTERM/SIGINT after saving "
+    "Exit codes: 0 finished, 1 failed, 2 bad usage or config, 3 stopped by SIGTERM/SIGINT/SIGHUP after saving "
     "(resume it), 128+N stopped by signal N with nothing saved."
 )
 

@@ -222,23 +222,31 @@ def test_piped_to_a_file_one_plain_line_per_log_interval_none_wrapped(tmp_path: 
     assert all("…" not in line for line in lines)
 
 
-@pytest.mark.parametrize("save, code", [(True, 3), (False, 128 + signal.SIGTERM)])
-def test_one_process_stopped_by_sigterm_exits_with_the_documented_code(tmp_path: Path, save: bool, code: int) -> None:
+@pytest.mark.parametrize(
+    "sig, save, code",
+    [(signal.SIGTERM, True, 3), (signal.SIGTERM, False, 128 + signal.SIGTERM),
+     (signal.SIGHUP, True, 3)],  # a closed terminal: killed at once with nothing saved, before SIGHUP was handled
+    ids=["sigterm-save", "sigterm-nothing-saved", "sighup-save"],
+)  # fmt: skip
+def test_one_process_stopped_by_a_signal_exits_with_the_documented_code(tmp_path: Path, sig: signal.Signals,
+                                                                       save: bool, code: int) -> None:  # fmt: skip
     extra = ["checkpoint.save_interval=1000"] if save else []
     p = subprocess.Popen(_train(tmp_path, "train.train_iters=2000", *extra, nproc=1), env=cli_env(),
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
         _wait_for_steps(p, tmp_path, 2)
-        p.send_signal(signal.SIGTERM)
+        p.send_signal(sig)
         out, err = p.communicate(timeout=120)
     finally:
         p.kill()
     assert p.returncode == code, (out[-2000:], err)
     assert "Traceback" not in err
+    name = signal.Signals(sig).name
     if save:
-        assert "SIGTERM: stopped cleanly after step" in out and (tmp_path / "checkpoints" / "latest").is_file()
+        assert f"{name}: stopped cleanly after step" in out and (tmp_path / "checkpoints" / "latest").is_file()
+        assert verify_checkpoint(tmp_path / "checkpoints") == []
     else:
-        assert "warning: SIGTERM: stopped after step" in out and "with nothing saved" in out
+        assert f"warning: {name}: stopped after step" in out and "with nothing saved" in out
 
 
 def test_a_run_dir_refused_on_rank_0_stops_both_ranks_in_one_line(tmp_path: Path) -> None:
