@@ -22,12 +22,20 @@ class RunConsole(Console):
     output is sent to /dev/null from then on, one line on stderr says so, and the run goes on."""
 
     def on_broken_pipe(self) -> None:
+        """Go quiet and keep running (Rich calls this on `BrokenPipeError`). Best effort past `quiet`: stderr may be
+        the same closed pipe (`2>&1 | head`), and stdout may be no file descriptor at all (a test runner)."""
         self.quiet = True
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
-        print("warning: stdout was closed by its reader; the run goes on without printing progress "
-              "(metrics.jsonl still records it)", file=sys.stderr, flush=True)  # fmt: skip
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())  # later plain prints and the exit's flush go nowhere, quietly
+            os.close(devnull)
+        except (OSError, ValueError):
+            pass
+        try:
+            print("warning: stdout was closed by its reader; the run goes on without printing progress",
+                  file=sys.stderr, flush=True)  # fmt: skip
+        except (OSError, ValueError):
+            pass
 
 
 def make_console(*, quiet: bool = False, stderr: bool = False, outlive_stdout: bool = False) -> Console:

@@ -258,3 +258,20 @@ def test_a_run_dir_refused_on_rank_0_stops_both_ranks_in_one_line(tmp_path: Path
         f"error: rank 0, before the first step: run_dir {tmp_path / 'in_the_way'} cannot be created: a file is in "
         "the way. fix: remove that file, or choose another --run-dir (or set run_dir in the config)"
     ]
+
+
+@pytest.mark.parametrize("both", [False, True], ids=["stdout", "stdout-and-stderr"])
+def test_a_run_piped_into_a_reader_that_leaves_finishes(tmp_path: Path, both: bool) -> None:
+    """`moectl train ... | head` (and `2>&1 | head`): the reader leaves after a few lines; the run goes on to its
+    last step and exits 0 (it died with exit code 1 and nothing said, mid-run)."""
+    p = subprocess.Popen(_train(tmp_path, "train.train_iters=40", "train.log_interval=1", nproc=1), env=cli_env(),
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT if both else subprocess.DEVNULL)  # fmt: skip
+    assert p.stdout is not None
+    try:
+        p.stdout.read(300)
+        p.stdout.close()  # as head does after its lines
+        code = p.wait(timeout=120)
+    finally:
+        p.kill()
+    assert code == 0
+    assert [r["step"] for r in _records(tmp_path) if "loss" in r] == list(range(1, 41))
