@@ -8,7 +8,7 @@ the launcher instead (moectl/cli/outcome.py), which prints one line for the whol
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import os
 import signal
 import sys
@@ -100,10 +100,9 @@ def train_command(
 ) -> None:
     from moectl.cli.launch import launch_train, reexec_args, under_torchrun
 
-    overrides = list(set_ or [])
-    if run_dir is not None:
-        overrides.append(f"run_dir={json.dumps(run_dir)}")  # a quoted YAML string: "" stays "", not null
-    cfg = load_config(config, overrides)
+    cfg = load_config(config, list(set_ or []))
+    if run_dir is not None:  # as given, not through YAML: "" stays "" (rule MOE068), any path survives
+        cfg = dataclasses.replace(cfg, run_dir=run_dir)
     # Inside torchrun every rank checks the rules (so all refuse together); only rank 0 prints, and not even
     # rank 0 when this CLI's launcher printed them already.
     torchrun = under_torchrun()
