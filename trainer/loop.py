@@ -401,8 +401,11 @@ class Trainer:
         if self.rt.is_main:
             cfg, start = self.cfg, self.start_step
             try:
-                lock, lines = prepare_run_dir(self.run_dir, resuming=start > 0, overwrite=overwrite, start=start,
-                                              saves=bool(cfg.checkpoint.save_interval))  # fmt: skip
+                # a loaded checkpoint, step 0 included (ckpt import-hf writes one), whose run will save
+                saves_after = (self.resumed_from is not None and bool(cfg.checkpoint.save_interval)
+                               and start < cfg.train.train_iters)  # fmt: skip
+                lock, lines = prepare_run_dir(self.run_dir, resuming=start > 0, overwrite=overwrite,
+                                              resumed_at=start if saves_after else None)  # fmt: skip
                 writer = MetricsWriter(self.run_dir, jsonl=cfg.logging.jsonl, tensorboard=cfg.logging.tensorboard,
                                        resume_at=start)  # fmt: skip
                 if writer.dropped:

@@ -149,8 +149,9 @@ def check_later_checkpoints(run_dir: Path, start: int) -> None:
     raise UsageError(
         f"run_dir {run_dir} holds {len(later)} checkpoint(s) after step {start} ({span}): a resume from step {start} "
         "that saves there would drop their metrics and collide with their folders",
-        f"resume from the latest with --set checkpoint.load={root}, resume into another --run-dir, or move "
-        f"{span} out of {root}",
+        # the newest by name: `latest` may name an older step (a rollback), and loading the folder would follow it
+        f"resume from the newest with --set checkpoint.load={root / later[-1]}, resume into another --run-dir, or "
+        f"move {span} out of {root}",
     )
 
 
@@ -166,8 +167,8 @@ def check_config_not_replaced(config_path: str | os.PathLike[str], run_dir: Path
     if not same:
         return
     text = target.read_text(encoding="utf-8", errors="replace")
-    if text.startswith(CONFIG_HEADER) or text == CONFIG_HEADER + resolved:
-        return
+    if text.startswith(CONFIG_HEADER) or text.removeprefix(CONFIG_HEADER) == resolved:
+        return  # a run's own file (or one written before the header existed, unchanged): nothing of the user's
     raise UsageError(
         f"{config_path} is the {CONFIG} the run writes into run_dir {run_dir}: the resolved config would replace "
         "your file",
@@ -175,15 +176,16 @@ def check_config_not_replaced(config_path: str | os.PathLike[str], run_dir: Path
     )
 
 
-def prepare_run_dir(run_dir: Path, *, resuming: bool, overwrite: bool, start: int = 0,
-                    saves: bool = False) -> tuple[RunDirLock, list[str]]:  # fmt: skip
-    """Everything above, in order; returns the held lock and lines worth logging (removed folders). `start`: the
-    resumed step; `saves`: whether the run saves checkpoints (`checkpoint.save_interval`)."""
+def prepare_run_dir(run_dir: Path, *, resuming: bool, overwrite: bool,
+                    resumed_at: int | None = None) -> tuple[RunDirLock, list[str]]:  # fmt: skip
+    """Everything above, in order; returns the held lock and lines worth logging (removed folders). `resuming`:
+    the run continues after a step > 0 (its metrics are kept up to it); `resumed_at`: the step of the loaded
+    checkpoint where the run will save checkpoints from it (`check_later_checkpoints`), else None."""
     create_run_dir(run_dir)
     lock = RunDirLock(run_dir)
     try:
-        if resuming and saves:
-            check_later_checkpoints(run_dir, start)
+        if resumed_at is not None:
+            check_later_checkpoints(run_dir, resumed_at)
         check_metrics_file(run_dir, resuming=resuming, overwrite=overwrite)
         cleanup = remove_interrupted_saves(run_dir / "checkpoints")
     except BaseException:

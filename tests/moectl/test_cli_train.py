@@ -125,3 +125,39 @@ def test_a_fresh_saving_run_into_another_runs_checkpoints_is_bad_usage(tmp_path)
     assert runner.invoke(app, run).exit_code == 0
     res = runner.invoke(app, [*run, "--overwrite"])
     assert res.exit_code == 2 and "already holds checkpoints of an earlier run" in _one_error_line(res), res.output
+
+
+def test_a_config_yaml_from_before_the_header_is_taken_back_when_unchanged(tmp_path):
+    """A run's config.yaml written before the header line: passed back unchanged it is the resolved config, so
+    the run may rewrite it; edited, it is the user's and refused."""
+    from moectl.core.config.dump import dump_config
+    from moectl.core.config.load import load_config
+
+    run_dir = tmp_path / "r"
+    run_dir.mkdir()
+    old = run_dir / "config.yaml"
+    old.write_text(dump_config(load_config("configs/tiny.yaml", [*SMALL[1::2], f"run_dir={run_dir}"])))
+    res = runner.invoke(app, ["train", str(old)])
+    assert res.exit_code == 0, res.output
+    old.write_text(old.read_text().split("\n", 1)[1] + "# edited\n")  # the header dropped, a note added
+    res = runner.invoke(app, ["train", str(old), "--overwrite"])
+    assert res.exit_code == 2 and "would replace your file" in _one_error_line(res)
+
+
+def test_a_run_dir_is_taken_as_given_not_parsed_as_yaml(tmp_path):
+    """--run-dir went through a YAML override: json.dumps escaped an emoji into surrogates, which then failed."""
+    run_dir = tmp_path / "r 😀: [x]"
+    res = runner.invoke(app, ["train", "configs/tiny.yaml", *SMALL, "--run-dir", str(run_dir)])
+    assert res.exit_code == 0, res.output
+    assert (run_dir / "metrics.jsonl").is_file()
+
+
+def test_cuda_asked_for_without_a_gpu_is_bad_usage(tmp_path):
+    import pytest
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("the refusal needs a machine without a GPU")
+    res = runner.invoke(app, ["train", "configs/tiny.yaml", *SMALL, "--run-dir", str(tmp_path / "r"),
+                              "--set", "train.device=cuda"])  # fmt: skip
+    assert res.exit_code == 2 and "no CUDA device is visible" in _one_error_line(res)

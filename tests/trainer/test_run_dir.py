@@ -174,7 +174,7 @@ def test_a_saving_resume_from_an_older_step_is_refused_while_later_checkpoints_e
                 f"checkpoint.load={root / 'step_00000002'}").run()  # fmt: skip
     assert "2 checkpoint(s) after step 2 (step_00000004..step_00000006): a resume from step 2 that saves" in (
         e.value.message)
-    assert f"checkpoint.load={root}" in e.value.fix and "another --run-dir" in e.value.fix
+    assert f"checkpoint.load={root / 'step_00000006'}" in e.value.fix and "another --run-dir" in e.value.fix
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file() and p.name != ".moectl.lock"} == {
         k: v for k, v in before.items() if k != ".moectl.lock"}
     assert [p.name for p in list_committed(root)] == ["step_00000002", "step_00000004", "step_00000006"]
@@ -184,3 +184,18 @@ def test_a_saving_resume_from_an_older_step_is_refused_while_later_checkpoints_e
     assert trainer(tmp_path, "train.train_iters=7", f"checkpoint.load={root}").run().steps == 7
     replay = trainer(tmp_path, "train.train_iters=3", f"checkpoint.load={root / 'step_00000002'}")  # saves nothing
     assert replay.run().steps == 3 and [r["step"] for r in records(tmp_path) if "loss" in r] == [1, 2, 3]
+
+
+def test_a_step_0_checkpoint_counts_as_a_resume_and_nothing_to_train_is_not_refused(tmp_path: Path) -> None:
+    """A loaded step-0 checkpoint (`ckpt import-hf` writes one) that saves into a run_dir holding steps 2 and 4 is
+    refused like any older step; a resume with nothing left to train saves nothing and is not."""
+    first = trainer(tmp_path, "train.train_iters=4", "checkpoint.save_interval=2")
+    first.save(0)
+    first.run()
+    root = tmp_path / "checkpoints"
+    assert [p.name for p in list_committed(root)] == ["step_00000000", "step_00000002", "step_00000004"]
+    with pytest.raises(UsageError, match="2 checkpoint\\(s\\) after step 0"):
+        trainer(tmp_path, "train.train_iters=4", "checkpoint.save_interval=2",
+                f"checkpoint.load={root / 'step_00000000'}").run(overwrite=True)  # fmt: skip
+    done = trainer(tmp_path, "train.train_iters=2", "checkpoint.save_interval=2", f"checkpoint.load={root / 'step_00000002'}")
+    assert done.run().steps == 2
