@@ -515,7 +515,8 @@ def _checkpoint_config(meta: dict[str, Any], path: Path) -> Config:
     try:
         return config_from_dict(meta["config"])
     except ConfigError as e:
-        raise CheckpointError(f"{path}: its recorded config is not valid for this moectl: {e.message}",
+        what = "; ".join(x.message for x in getattr(e, "errors", [e]))  # without their fixes: this one has its own
+        raise CheckpointError(f"{path}: its recorded config is not valid for this moectl: {what}",
                               "export with the moectl version that wrote the checkpoint") from None  # fmt: skip
 
 

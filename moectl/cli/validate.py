@@ -166,7 +166,7 @@ def validate_config(
     try:
         cfg = load_config(config, list(set_ or []))
     except MoectlError as e:
-        if json_:  # a script reading stdout gets one JSON object whatever went wrong (the lines go to stderr too)
+        if json_:  # a config that cannot be loaded still gives a script one JSON object (the lines go to stderr)
             typer.echo(json.dumps({"valid": False, "load_errors": e.lines(), "violations": [], "summary": None},
                                   indent=2))  # fmt: skip
         raise
@@ -185,6 +185,7 @@ def validate_config(
     if json_:
         out = {
             "valid": valid,
+            "load_errors": [],
             "violations": [v.to_json() for v in violations],
             "summary": {**summary.to_json(), "device": device.describe() if device else None} if summary else None,
         }

@@ -53,13 +53,13 @@ class ConfigErrors(ConfigError):
     """Several bad keys or values of one config, each its own `ConfigError` (printed one line each)."""
 
     def __init__(self, errors: list[ConfigError]) -> None:
-        first = errors[0]
-        super().__init__(first.key, first.value, f"and {len(errors) - 1} more config error(s)")
-        self.message = f"{len(errors)} config errors: " + "; ".join(e.one_line() for e in errors)
-        self.fix = None
+        # the whole text as the exception's own (tracebacks, `str(e)`); key and value are the first error's
+        MoectlError.__init__(self, f"{len(errors)} config errors: " + "; ".join(e.one_line() for e in errors))
+        self.key, self.value = errors[0].key, errors[0].value
         self.errors = errors
 
     def lines(self) -> list[str]:
+        """One line per bad key or value, each with its own fix."""
         return [e.one_line() for e in self.errors]
 
 

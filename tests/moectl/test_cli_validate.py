@@ -53,7 +53,7 @@ def test_json_shape_valid() -> None:
     r = invoke(TINY, "--json")
     assert r.exit_code == 0, r.output
     out = as_json(r)
-    assert set(out) == {"valid", "violations", "summary"}
+    assert set(out) == {"valid", "load_errors", "violations", "summary"} and out["load_errors"] == []
     assert out["valid"] is True and out["violations"] == []
     s = out["summary"]
     assert s["layout"] == {"world_size": 1, "dp": 1, "ep": 1, "expert_dp": 1, "experts_per_rank": 4}

@@ -241,3 +241,16 @@ def test_every_bad_key_and_value_of_a_file_is_reported_at_once(tmp_path: Path) -
     with pytest.raises(ConfigError) as one:  # a single mistake stays a plain one-line ConfigError
         load_config(None, ["optimizer.lrr=0.1"])
     assert one.value.lines() == [one.value.one_line()]
+
+
+def test_a_folder_given_as_the_config_says_so(tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match="is a folder, not a YAML file"):
+        load_config(tmp_path)
+
+
+def test_several_errors_are_the_exceptions_own_text_too(tmp_path: Path) -> None:
+    """`str(e)` (tracebacks under MOECTL_DEBUG, pytest's match) holds every error, not the first one."""
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["optimizer.lrr=1", "moe.topk=2"])
+    assert "optimizer.lrr" in str(err.value) and "moe.topk" in str(err.value)
+    assert str(err.value) == err.value.message and err.value.key == "optimizer.lrr"
