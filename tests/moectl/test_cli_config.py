@@ -53,5 +53,15 @@ def test_train_help_says_where_results_go_and_how_to_resume() -> None:
     assert r.exit_code == 0
     text = " ".join(r.output.split())
     for words in ("metrics.jsonl", "config.yaml", "checkpoints/latest", "--set checkpoint.load=RUN_DIR/checkpoints",
-                  "--overwrite", "3 stopped by SIGTERM/SIGINT after saving"):
+                  "--overwrite", "3 stopped by SIGTERM/SIGINT/SIGHUP after saving"):
         assert words in text, words
+
+
+def test_config_keys_show_bracketed_help_text() -> None:
+    """Rich read '[gate; up]' in a help text as markup and dropped it."""
+    from typer.testing import CliRunner
+
+    from moectl.cli.app import app
+
+    res = CliRunner().invoke(app, ["config", "keys", "moe.glu_interleave_size"], env={"COLUMNS": "300"})
+    assert res.exit_code == 0 and "[gate; up]" in res.output and "[gate(I), up(I), ...]" in res.output, res.output

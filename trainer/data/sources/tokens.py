@@ -74,13 +74,15 @@ def suffix_dtype(path: str) -> torch.dtype | None:
     return TOKEN_DTYPES.get(name)
 
 
-def _check_agrees(path: str, wanted: torch.dtype | None, found: torch.dtype, where: str) -> None:
-    """`data.dtype`, when set, must be what the header or suffix says."""
+def _check_agrees(path: str, wanted: torch.dtype | None, found: torch.dtype, where: str,
+                  renamable: bool = False) -> None:  # fmt: skip
+    """`data.dtype`, when set, must be what the header or suffix says (`renamable`: a suffix, which a rename
+    fixes; a header is not)."""
     if wanted is not None and wanted != found:
         raise DataError(
             f"{path}: data.dtype={dtype_name(wanted)} but {where} says {dtype_name(found)}",
-            f"set data.dtype: {dtype_name(found)} (or null)"
-            + (f", or rename the file if {where} is wrong" if "suffix" in where else ""),
+            f"set data.dtype: {dtype_name(found)} (or null)" + (f", or rename the file if {where} is wrong"
+                                                                if renamable else ""),  # fmt: skip
         )
 
 
@@ -104,7 +106,7 @@ def load_tokens(path: str, dtype: str | None = None) -> TokenStream:
             return TokenStream(source="tokens", tokens=tokens, path=path, notes=notes)
     named = suffix_dtype(path)
     if named is not None:
-        _check_agrees(path, wanted, named, "its file name suffix")
+        _check_agrees(path, wanted, named, "its file name suffix", renamable=True)
     if wanted is not None:
         chosen, origin, fix = wanted, "data.dtype", "set data.dtype: {wider}"
     elif named is not None:
