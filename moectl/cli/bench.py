@@ -13,6 +13,7 @@ from rich.table import Table
 from moectl.cli.base import app, command, new_app
 from moectl.cli.options import JsonPathOpt, examples
 from moectl.core.errors import UsageError
+from moectl.core.summary import human_count
 
 bench_app = new_app("bench", "Benchmarks: kernels and layers against the baselines a user would pick.")
 app.add_typer(bench_app, name="bench")
@@ -352,7 +353,7 @@ def render_param_gather(result: Any, console: Console) -> None:
     if result.step_rows:
         info = meta["step"]
         step = Table(
-            title=f"training step, GPT-MoE {info['step_params'] / 1e6:.0f}M params, {info['tokens_per_rank']} "
+            title=f"training step, GPT-MoE {human_count(info['step_params'])} params, {info['tokens_per_rank']} "
             f"tokens per rank; {info['grad_reduce_gbytes']:.2f} GB grads reduced, "
             f"{info['param_gather_gbytes']:.2f} GB params gathered",
             caption="exposed = step - compute only (moectl's collectives as no-ops)",
