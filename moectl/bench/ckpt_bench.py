@@ -42,6 +42,7 @@ from moectl.bench.result import RowsResult
 from moectl.bench.train_shrink import quick_overrides
 from moectl.core.config.load import load_config
 from moectl.core.config.schema import Config
+from moectl.core.errors import UsageError
 from moectl.core.params import count_params
 
 Log = Callable[[str], None]
@@ -60,8 +61,57 @@ class CkptBenchConfig:
     saves_only: bool = False  # skip the tools and their raw reads (a scale table's cheap rows)
 
 
+#: written into the bench's folder when it is made: a folder holding it is an earlier bench's, safe to replace
+MARKER = ".moectl-bench-ckpt"
+
+
+def check_folder(folder: Path) -> None:
+    """Refuse a `--dir` the bench may not take: it replaces the folder at start and removes it at the end, so a
+    folder holding anything an earlier bench did not write (a run's checkpoints, the current folder's files)
+    would be deleted."""
+    fix = f"pass a new or empty folder (it is created), e.g. {folder / 'bench_ckpt'}"
+    here = Path.cwd().resolve()
+    if folder.resolve() == here or folder.resolve() in here.parents:
+        raise UsageError(f"bench ckpt --dir {folder} is the current folder or holds it; the bench removes it at the end",
+                         fix)  # fmt: skip
+    if not folder.exists():
+        return
+    if not folder.is_dir():
+        raise UsageError(f"bench ckpt --dir {folder} is a file", fix)
+    entries = [p.name for p in folder.iterdir()]
+    if entries and MARKER not in entries:
+        raise UsageError(f"bench ckpt --dir {folder} holds {len(entries)} entries the bench did not write (e.g. "
+                         f"{sorted(entries)[0]}); it would delete them", fix)  # fmt: skip
+
+
+def _make_folder(folder: Path) -> list[Path]:
+    """Make the bench's folder (an earlier bench's replaced) and mark it; returns the folders made, deepest first,
+    so the end can remove the parents it made too (an empty runs/tiny/ was left in the working folder)."""
+    check_folder(folder)
+    made = [p for p in (folder, *folder.parents) if not p.exists()]
+    if folder.exists():
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True)
+    (folder / MARKER).touch()
+    return made
+
+
+def _remove_folder(folder: Path, made: list[Path]) -> None:
+    shutil.rmtree(folder)
+    for parent in made[1:]:  # made[0] is `folder`
+        try:
+            parent.rmdir()  # only if empty
+        except OSError:
+            break
+
+
 class CkptBenchResult(RowsResult):
     """Every measured time (seconds), its floor, and what they were measured on."""
+
+
+def bench_folder(bench: CkptBenchConfig) -> Path:
+    """Where the bench writes: `--dir`, else the config's run_dir/bench_ckpt."""
+    return bench.folder or Path(load_config(bench.config, bench.sets).run_dir) / "bench_ckpt"
 
 
 def bench_config(bench: CkptBenchConfig, world_size: int = 1) -> Config:
@@ -69,7 +119,7 @@ def bench_config(bench: CkptBenchConfig, world_size: int = 1) -> Config:
     of one step that saves nothing by itself; the run_dir is the bench's folder)."""
     base = load_config(bench.config, bench.sets)
     shrink = quick_overrides(base, world_size) if bench.quick else []
-    folder = bench.folder or Path(base.run_dir) / "bench_ckpt"
+    folder = bench_folder(bench)
     fixed = ["train.eval_interval=null", "checkpoint.save_interval=null", "checkpoint.load=null",
              "checkpoint.keep_last=null", f"run_dir={folder / 'run'}"]  # fmt: skip
     return load_config(bench.config, [*shrink, *bench.sets, *fixed])
@@ -219,10 +269,9 @@ def run(bench: CkptBenchConfig, cfg: Config, meta: dict[str, Any], log: Log = la
         said(f"[{time.perf_counter() - start:7.1f} s] {line}")
 
     # Under torchrun the process group does not exist yet (the trainer joins it): the rank is torchrun's.
+    made: list[Path] = []
     if (_world()[0] if dist.is_initialized() else int(os.environ.get("RANK", "0"))) == 0:
-        if folder.exists():
-            shutil.rmtree(folder)
-        folder.mkdir(parents=True)
+        made = _make_folder(folder)
 
     log("building the model and taking one training step")
     trainer = Trainer(cfg, SilentObserver())
@@ -325,7 +374,7 @@ def run(bench: CkptBenchConfig, cfg: Config, meta: dict[str, Any], log: Log = la
     if bench.saves_only:
         result.notes.append("--saves-only: the tools (inspect, convert, validate) and the raw reads were skipped")
         if not bench.keep:
-            _on_rank0(lambda: shutil.rmtree(folder))
+            _on_rank0(lambda: _remove_folder(folder, made))
         return result
     t = _on_rank0(tools)
     log("ckpt validate (every rank)")
@@ -346,7 +395,7 @@ def run(bench: CkptBenchConfig, cfg: Config, meta: dict[str, Any], log: Log = la
         if not cold["dropped"]:
             result.notes.append("the page cache could not be dropped: reads may have been served from memory")
     if not bench.keep:
-        _on_rank0(lambda: shutil.rmtree(folder))
+        _on_rank0(lambda: _remove_folder(folder, made))
     return result
 
 

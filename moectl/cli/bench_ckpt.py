@@ -68,7 +68,8 @@ def ckpt(
     nproc_per_node: NprocOpt = 1,
     folder: Annotated[
         Optional[Path], typer.Option("--dir", help="Where to write (default: RUN_DIR/bench_ckpt of the config); "
-                                     "removed afterwards unless --keep.")
+                                     "removed afterwards unless --keep; a folder holding files the bench did "
+                                     "not write is refused.")
     ] = None,
     keep: Annotated[bool, typer.Option("--keep", help="Leave the synchronous save in --dir.")] = False,
     json_path: JsonPathOpt = None,
@@ -82,12 +83,15 @@ def ckpt(
 ) -> None:
     from moectl.cli.launch import launch_local, reexec_args, under_torchrun
 
+    from moectl.bench import ckpt_bench as cb
+
+    # before any process starts: the bench replaces its folder, so one holding the user's files is refused here
+    cb.check_folder(cb.bench_folder(cb.CkptBenchConfig(config=config, sets=list(set_ or []), folder=folder)))
     if nproc_per_node > 1 and not under_torchrun():
         raise typer.Exit(launch_local(nproc_per_node, reexec_args()))
 
     import torch
 
-    from moectl.bench import ckpt_bench as cb
     from moectl.cli.train import refuse_on_rule_errors
     from trainer.parallel.groups import destroy_distributed
     from trainer.runtime import pick_device

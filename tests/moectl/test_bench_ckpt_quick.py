@@ -75,6 +75,27 @@ def test_saves_only_measures_the_saves_and_skips_the_tools(tmp_path: Path) -> No
     assert not (tmp_path / "b").exists()
 
 
+def test_a_folder_holding_the_users_files_is_refused_and_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bench replaces --dir at start and removes it at the end: a run's checkpoints or the current folder
+    given as --dir were deleted. Now such a folder is refused untouched; an earlier bench's (--keep) is reused,
+    and the default folder's parents that the bench made are removed with it (no empty runs/tiny/ left)."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "important.txt").write_text("precious")
+    monkeypatch.chdir(tmp_path)
+    for folder, words in ((mine, "entries the bench did not write"), (Path("."), "the current folder")):
+        res = CliRunner().invoke(app, ["bench", "ckpt", str(TINY), "--quick", "--saves-only", "--dir", str(folder)])
+        assert res.exit_code == 2 and words in res.output, res.output
+    assert (mine / "important.txt").read_text() == "precious" and sorted(p.name for p in tmp_path.iterdir()) == ["mine"]
+    kept = tmp_path / "kept"
+    args = ["bench", "ckpt", str(TINY), "--quick", "--saves-only", "--set", "data.source=synthetic"]
+    for _ in range(2):  # the second run takes the first one's kept folder
+        assert CliRunner().invoke(app, [*args, "--dir", str(kept), "--keep"]).exit_code == 0
+    res = CliRunner().invoke(app, args)  # default folder: runs/tiny/bench_ckpt under the working folder
+    assert res.exit_code == 0, res.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept", "mine"]
+
+
 def _two_ranks(rank: int, world_size: int, folder: str) -> Any:
     from moectl.bench import ckpt_bench as cb
 
