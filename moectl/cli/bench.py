@@ -37,6 +37,21 @@ _GROUPED_MLP_HELP = (
 )
 
 
+def _checked_device(device: Optional[str]) -> Optional[str]:
+    """`--device` as the benches take it (cpu or cuda), or a one-line usage error: a wrong name, or cuda on a
+    machine without a GPU, ended in a traceback from deep inside the bench."""
+    if device is None:
+        return None
+    name = device.strip().lower()
+    if name not in ("cpu", "cuda"):
+        raise UsageError(f"--device {device!r}: expected cpu or cuda", "pass --device cpu or --device cuda")
+    import torch
+
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda but no CUDA device is visible", "pass --device cpu, or leave --device out")
+    return name
+
+
 def _cell(row: dict[str, Any], path: str, ran: Optional[list[str]] = None) -> str:
     """'TFLOP/s %-of-ceiling'; 'OOM' where the path or its whole row did not fit; '-' where it did not run."""
     if row.get(f"{path}_error") or (row.get("error") and (ran is None or path in ran)):
@@ -204,6 +219,7 @@ def grouped_mlp(
 ) -> None:
     from moectl.bench import grouped_mlp as gm
 
+    device = _checked_device(device)
     cfg = gm.BenchConfig.quick_config(device) if quick else gm.BenchConfig()
     if device and not quick:
         cfg.device = device
@@ -305,6 +321,7 @@ def optimizer_step(
 
     from moectl.bench import optimizer_step as ob
 
+    device = _checked_device(device)
     dev = device or ("cuda" if torch.cuda.is_available() and not quick else "cpu")
     cfg = ob.OptBenchConfig.quick(dev) if quick else ob.OptBenchConfig(device=dev)
     cfg.rounds = rounds or cfg.rounds
@@ -388,6 +405,7 @@ def param_gather(
 
     if mix not in MIXES:
         raise UsageError(f"--mix {mix!r} is not a param mix", f"use one of: {', '.join(sorted(MIXES))}")
+    device = _checked_device(device)
 
     if not under_torchrun():
         n = nproc_per_node or (1 if quick or not torch.cuda.is_available() else torch.cuda.device_count())

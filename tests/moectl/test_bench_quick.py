@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from typer.testing import CliRunner
@@ -58,3 +59,13 @@ def test_bad_shape_is_a_one_line_usage_error():
     result = CliRunner().invoke(app, ["bench", "grouped-mlp", "--quick", "--shape", "8,4096"])
     assert result.exit_code == 2
     assert "expected four positive integers" in result.output
+
+
+@pytest.mark.parametrize("bench", ["grouped-mlp", "optimizer-step", "param-gather"])
+@pytest.mark.parametrize("device", ["tpu", "cuda"])
+def test_a_device_the_bench_cannot_use_is_one_line(bench: str, device: str) -> None:
+    """A wrong --device, or cuda without a GPU, ended in a traceback from inside the bench."""
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("needs a machine without a GPU")
+    res = CliRunner().invoke(app, ["bench", bench, "--quick", "--device", device])
+    assert res.exit_code == 2 and "error: --device" in res.output and "Traceback" not in res.output, res.output
