@@ -41,7 +41,7 @@ from ckpt.reader import Checkpoint, open_checkpoint
 from ckpt.seal import unsealed_note
 from moectl.core.config import config_from_dict
 from moectl.core.config.schema import Config
-from moectl.core.errors import MoectlError
+from moectl.core.errors import ConfigError, MoectlError, UsageError
 from trainer.checkpointing.resume import load_model_weights
 from trainer.distributed.quantized_storage import quantized_storage_of
 from trainer.loop import Trainer
@@ -138,6 +138,16 @@ def _restore_and_prove(report: ValidationReport, path: str | Path, config_for: O
         with warnings.catch_warnings():  # the restore reopens it: its unsealed-manifest warning is in the row above
             warnings.simplefilter("ignore", UserWarning)
             trainer = Trainer(cfg, SilentObserver(), verify_checkpoint=False, before_load=_compile_probe)
+    except ConfigError as e:
+        if not e.key.startswith("parallel."):
+            report.add(Check("restore", "-", False, e.one_line()))
+            return note, ck.path
+        # the saved layout does not fit this world (ep=2 checked in one process): the checkpoint may be fine, the
+        # command is not (exit 2, not "invalid"); its state is layout-free, so another layout restores it
+        sizes = (e.fix or "").removeprefix("choose ")
+        raise UsageError(f"{e.message}: the checkpoint's recorded layout does not fit this world",
+                         f"pass --set {e.key}=N, N {sizes} (the checkpoint restores into any layout), or run ckpt "
+                         "validate under torchrun with the saved world size") from None  # fmt: skip
     except MoectlError as e:
         report.add(Check("restore", "-", False, e.one_line()))
         return note, ck.path

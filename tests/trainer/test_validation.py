@@ -50,6 +50,17 @@ def test_passes_into_the_other_layout(ckpt_dir):
     assert any(c.name.endswith("linear_fc1.weight3.main_param") for c in report.checks)
 
 
+def test_a_layout_that_does_not_fit_this_world_is_bad_usage_not_invalid(ckpt_dir):
+    """An ep=2 checkpoint validated in one process was reported 'invalid' (exit 1: a script reads a corrupt
+    checkpoint); the checkpoint is fine and the command is not, so it is a usage error naming the --set."""
+    from moectl.core.errors import UsageError
+
+    with pytest.raises(UsageError) as err:
+        validate_checkpoint(ckpt_dir, overridden(["parallel.expert_model_parallel_size=2"]))
+    assert err.value.exit_code == 2
+    assert "--set parallel.expert_model_parallel_size=N, N one of [1]" in err.value.one_line()
+
+
 def _validate_on_two_ranks(rank, world, path):
     r = validate_checkpoint(path)
     return [(c.stage, c.name, c.ok, c.detail) for c in r.checks if not c.ok], r.ok
