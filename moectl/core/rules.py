@@ -1946,12 +1946,26 @@ def data_keys_fit_the_source(c: Context) -> Iterator[_Hit]:
         )
 
 
+def _same_data(a: str, b: str, megatron: bool) -> bool:
+    """Whether two data paths name one file: resolved (a relative path, `./`, a symlink), and for Megatron data
+    as the prefix of its .bin/.idx pair (a path may name the prefix or either file). Comparing the strings
+    missed `train.bin` against `/abs/train.bin`."""
+
+    def key(p: str) -> str:
+        path = os.path.realpath(os.path.expanduser(p))
+        if megatron and path.endswith((".bin", ".idx")):
+            path = path[:-4]
+        return path
+
+    return key(a) == key(b)
+
+
 @rule("MOE052", "data", "warning", ["data.eval_path", "data.path"], "eval_path is not the training file")
 def eval_path_is_not_training_data(c: Context) -> Iterator[_Hit]:
     """With data.eval_path set, data.path trains whole: an eval_path naming the same file evaluates on
     training data, and eval loss then says nothing about generalisation."""
     d = c.cfg.data
-    if d.eval_path and d.path and Path(d.eval_path).expanduser() == Path(d.path).expanduser():
+    if d.eval_path and d.path and _same_data(d.eval_path, d.path, megatron=d.source == "megatron"):
         yield _Hit(
             f"data.eval_path={d.eval_path} is data.path: evaluation would measure the training data",
             "point data.eval_path at a held-out file (nanoGPT's val.bin), or unset it to hold out data.eval_fraction",

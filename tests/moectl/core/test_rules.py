@@ -578,6 +578,18 @@ CASES = [
         severity="warning",
     ),
     Case(
+        "MOE052",
+        ["data.source=tokens", "data.path=t.bin", f"data.eval_path={Path.cwd() / 't.bin'}"],
+        ["data.source=tokens", "data.path=t.bin", f"data.eval_path={Path.cwd() / 'v.bin'}"],
+        severity="warning", name="relative-and-absolute",
+    ),
+    Case(
+        "MOE052",
+        ["data.source=megatron", "data.path=corpus_text_document", "data.eval_path=corpus_text_document.idx"],
+        ["data.source=megatron", "data.path=corpus_text_document", "data.eval_path=held_out_text_document.idx"],
+        severity="warning", name="megatron-prefix",
+    ),
+    Case(
         "MOE053",
         ["optimizer.muon_compute_dtype=float32"],
         ["optimizer.muon_compute_dtype=float32", "optimizer.optimizer=muon"],
@@ -1019,3 +1031,12 @@ def test_the_null_overlap_never_trips_the_overlap_rules() -> None:
         for dist_opt in ("true", "false"):
             found = run([f"parallel.use_distributed_optimizer={dist_opt}"], world)
             assert not [v for v in found if v.rule in ("MOE016", "MOE017")], (world, dist_opt, found)
+
+
+def test_an_eval_path_that_is_a_link_to_the_training_file_is_caught(tmp_path: Path) -> None:
+    (tmp_path / "train.bin").write_bytes(b"\0" * 64)
+    (tmp_path / "link.bin").symlink_to(tmp_path / "train.bin")
+    base = ["data.source=tokens", f"data.path={tmp_path / 'train.bin'}"]
+    assert hits(run([*base, f"data.eval_path={tmp_path / 'link.bin'}"]), "MOE052")
+    (tmp_path / "val.bin").write_bytes(b"\0" * 64)
+    assert not hits(run([*base, f"data.eval_path={tmp_path / 'val.bin'}"]), "MOE052")
