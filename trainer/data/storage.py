@@ -59,7 +59,8 @@ def map_file(path: str, dtype: torch.dtype, *, offset: int = 0, count: int | Non
     if sys.byteorder != "little":  # pragma: no cover - every supported accelerator host is little-endian
         raise DataError(f"{path}: token files are little-endian and this host is not", "run on a little-endian host")
     if not os.path.isfile(path):
-        raise DataError(f"{path}: no such file", "check data.path")
+        what = "a folder, not a data file" if os.path.isdir(path) else "no such file"
+        raise DataError(f"{path}: {what}", "check data.path (it names one file)")
     size = os.path.getsize(path)
     width = itemsize(dtype)
     if count is None:

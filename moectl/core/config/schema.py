@@ -225,7 +225,8 @@ class TrainConfig:
     global_batch_size: int = doc(16, "Sequences per optimizer step, over all data-parallel ranks.")
     train_iters: int = doc(200, "Optimizer steps.")
     eval_interval: Optional[int] = doc(50, "Evaluate every N steps (and at the end); null = never.")
-    eval_iters: int = doc(4, "Micro-batches per evaluation.")
+    eval_iters: int = doc(4, "Micro-batches per evaluation on each data-parallel rank (so the eval set grows with "
+                          "the dp size, and eval loss is comparable only between runs of one dp size).")
     seed: int = doc(1234, "Seed of init and data order.")
     deterministic: bool = doc(False, "Deterministic kernels: two runs on the same device are bit-identical.")
     cuda_graph: Optional[bool] = doc(
