@@ -7,6 +7,7 @@ from trainer.observer import SilentObserver
 
 from ckpt import open_checkpoint
 from moectl.core.config.load import load_config
+from moectl.core.errors import UsageError
 from trainer.loop import Trainer
 
 FAST = [
@@ -111,7 +112,10 @@ def test_expert_parallel_checkpoint_resumes_bitwise_and_loads_at_ep1(tmp_path, l
         assert ck.tensor_info("decoder.layers.0.mlp.experts.linear_fc1.weight.main_param").shape == (4, 32, 32)
     else:
         assert "decoder.layers.0.mlp.experts.linear_fc1.weight3.main_param" in ck.tensor_names()
-    report = validate_checkpoint(ck.path)  # one process: ep=1 (the config's ep=2 is overridden below)
-    assert not report.ok  # its own config asks for ep=2 on one process: refused, not silently changed
+    # its own config asks for ep=2 on one process: refused as a usage error (the checkpoint is fine; the command
+    # names the --set), not silently changed; with ep=1 it validates
+    with pytest.raises(UsageError, match="recorded layout does not fit this world") as err:
+        validate_checkpoint(ck.path)
+    assert "--set parallel.expert_model_parallel_size=N" in (err.value.fix or "")
     report = validate_checkpoint(ck.path, overridden(["parallel.expert_model_parallel_size=1"]))
     assert report.ok, report.failures()
