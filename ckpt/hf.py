@@ -337,6 +337,13 @@ def export_hf(
     return dst
 
 
+def _default_file_mode() -> int:
+    """What `open()` would give a new file here: 0666 less the process's umask (read, then put back)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 class _ShardWriter:
     """HF-style shards: `model.safetensors`, or `model-0000k-of-0000n.safetensors` + index.json past the limit."""
 
@@ -366,7 +373,9 @@ class _ShardWriter:
             self._flush()
         n = len(self.shards)
         names = ["model.safetensors"] if n == 1 else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
+        mode = _default_file_mode()
         for k, name in enumerate(names):
+            os.chmod(self.folder / f"shard-{k}.tmp", mode)  # safetensors writes 0600; the export is to share
             os.rename(self.folder / f"shard-{k}.tmp", self.folder / name)
         if n > 1:
             weight_map = {t: names[k] for k, shard in enumerate(self.shards) for t in shard}
