@@ -49,6 +49,7 @@ import torch
 from moectl.bench.optimizer_step_muon import build_muon, muon_rows, ns_flops_per_step
 from moectl.bench.param_mix import MixShape, build_params, copy_bandwidth_gbps, device_meta
 from moectl.bench.timing import interleaved_ms
+from moectl.core.errors import UsageError
 
 BYTES_PER_PARAM = {"torch_fused": 28, "moectl_fp32": 32, "moectl_bf16": 38}
 #: the bf16 row where the update kernel writes the params itself (CUDA: `kernels/adamw_triton.py`)
@@ -222,7 +223,39 @@ def run_quantize(cfg: OptBenchConfig, device: torch.device, copy_gbps: float,
     return rows, notes
 
 
+#: host bytes per param with every optimizer of the table alive at once (torch's and moectl's fp32 AdamW at
+#: 16 each, moectl's bf16 AdamW at 18, Muon at 14, grads included), an estimate for refusing a run up front
+HOST_BYTES_PER_PARAM = 64
+
+
+def _available_host_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux), else None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def check_fits(cfg: OptBenchConfig) -> None:
+    """On a CPU, refuse a mix whose optimizers cannot all be held in memory: the kernel's out-of-memory killer
+    ended such a run with exit code 137 and no word (803.5M params on a 23 GiB machine)."""
+    if torch.device(cfg.device).type != "cpu":
+        return
+    need, have = cfg.shape.numel() * HOST_BYTES_PER_PARAM, _available_host_bytes()
+    if have is not None and need > have:
+        raise UsageError(
+            f"bench optimizer-step: {cfg.shape.numel() / 1e6:.1f}M params need about {need / 2**30:.0f} GiB of host "
+            f"memory for its optimizers, {have / 2**30:.0f} GiB are available",
+            "pass --quick (a small mix), or run it on a GPU",
+        )
+
+
 def run(cfg: OptBenchConfig, log: Callable[[str], None] = lambda s: None) -> OptBenchResult:
+    check_fits(cfg)
     device = torch.device(cfg.device)
     n = cfg.shape.numel()
     meta = {**device_meta(device), "shape": cfg.shape.to_json(), "warmup": cfg.warmup, "rounds": cfg.rounds,

@@ -69,3 +69,16 @@ def test_a_device_the_bench_cannot_use_is_one_line(bench: str, device: str) -> N
         pytest.skip("needs a machine without a GPU")
     res = CliRunner().invoke(app, ["bench", bench, "--quick", "--device", device])
     assert res.exit_code == 2 and "error: --device" in res.output and "Traceback" not in res.output, res.output
+
+
+def test_a_cpu_optimizer_bench_that_cannot_fit_is_refused_not_killed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """803.5M params on a 23 GiB machine: the OOM killer ended the run with exit 137 and no word."""
+    from moectl.bench import optimizer_step as ob
+    from moectl.core.errors import UsageError
+
+    monkeypatch.setattr(ob, "_available_host_bytes", lambda: 8 << 30)
+    with pytest.raises(UsageError, match="need about 48 GiB of host memory"):
+        ob.check_fits(ob.OptBenchConfig(device="cpu"))
+    ob.check_fits(ob.OptBenchConfig.quick())  # the quick mix fits
+    monkeypatch.setattr(ob, "_available_host_bytes", lambda: None)  # unknown: not refused
+    ob.check_fits(ob.OptBenchConfig(device="cpu"))
