@@ -26,7 +26,8 @@ runs: bf16/fp32 or fp8 tensorwise, no fp8/fp4 param gather), MOE063 (hardware: t
 native fp8 kernels), MOE064 (CUDA graphs: a dynamic expert-parallel exchange keeps the step eager),
 MOE065 (moe: the all-gather dispatcher drops no tokens), MOE066 (retired: CUDA graphs refused expert biases,
 whose grads' per-expert sum synced with the host; it no longer does), MOE067 (moe: the overlapped ep exchange,
-`ep_overlap_chunks`, needs the all-to-all under drop-and-pad), MOE068 (checkpoint: `run_dir` is not empty).
+`ep_overlap_chunks`, needs the all-to-all under drop-and-pad), MOE068 (checkpoint: `run_dir` is not empty),
+MOE069 (hardware: `train.device=cuda` checked against a CPU).
 
 Environment rules (Transformer Engine, device) probe lazily and cheaply: TE is looked up through
 `importlib.util.find_spec` and package metadata, never imported; torch is imported only when a GPU
@@ -2010,6 +2011,17 @@ def muon_bf16_needs_sm80(c: Context) -> Iterator[_Hit]:
             f"optimizer.muon_compute_dtype=bfloat16 on {dev.describe()}: no bf16 tensor cores before sm80",
             "set optimizer.muon_compute_dtype=auto (fp32 there), or run on sm80+",
         )
+
+
+@rule("MOE069", "hardware", "error", ["train.device", "device"], "train.device=cuda needs a GPU")
+def cuda_device_needs_a_gpu(c: Context) -> Iterator[_Hit]:
+    """`train.device: cuda` checked against a CPU (`--device-capability cpu`) passed validation and then
+    refused at start-up; the rule says so first. With no device known the rule stays silent, as hardware rules
+    do on a login node."""
+    dev = c.device
+    if c.cfg.train.device == "cuda" and dev is not None and dev.kind == "cpu":
+        yield _Hit(f"train.device=cuda but the run is checked against {dev.describe()}",
+                   "set train.device=auto (or cpu), or check against the GPU (--device-capability 9.0)")  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------ compile

@@ -550,6 +550,10 @@ CASES = [
           "mixed_precision.fp8=e4m3", "mixed_precision.fp8_recipe=tensorwise"], world=2, pass_world=2,
          name="delayed-fp8"),
     Case("MOE068", ["run_dir=''"], ["run_dir=."]),
+    Case("MOE069", ["train.device=cuda"], ["train.device=cuda"], env=Environment(te=None, device=Device(
+        "cpu", None, "--device-capability cpu")), pass_env=H100),
+    Case("MOE069", ["train.device=cuda"], ["train.device=auto"], env=Environment(te=None, device=Device(
+        "cpu", None, "--device-capability cpu")), name="auto"),
     Case("MOE068", ["run_dir=' '"], ["run_dir=runs/x"], name="blank"),
     Case("MOE059", ["train.cuda_graph=true", *DROP_AND_PAD, "moe.backend=loop"],
          ["train.cuda_graph=true", *DROP_AND_PAD, "moe.backend=grouped"]),
