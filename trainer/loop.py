@@ -24,7 +24,6 @@ from typing import Any, Callable
 
 import torch
 from ckpt import list_committed, resolve_load_path
-from moectl.core.config import dump_config
 from moectl.core.config.schema import Config
 from moectl.core.errors import ConfigError, MoectlError, UsageError
 from moectl.core.overlap import describe_overlap
@@ -45,7 +44,7 @@ from trainer.parallel.failures import collective_failure, raise_if_any_rank_fail
 from trainer.parallel.groups import collective_timeout_s, destroy_distributed
 from trainer.precision import describe
 from trainer.regions import OPTIMIZER, region
-from trainer.run_dir import CONFIG, CONFIG_HEADER, RunDirLock, prepare_run_dir
+from trainer.run_dir import CONFIG, RunDirLock, prepare_run_dir, resolved_config_text
 from trainer.run_state import RunState
 from trainer.runtime import Runtime, setup_runtime
 from trainer.step_weights import StepWeights
@@ -411,7 +410,7 @@ class Trainer:
                 if writer.dropped:
                     lines.append(f"metrics.jsonl: dropped {writer.dropped} record(s) after step {start}, written "
                                  "after that checkpoint by an earlier run")  # fmt: skip
-                _write_config(self.run_dir / CONFIG, CONFIG_HEADER + dump_config(cfg))
+                _write_config(self.run_dir / CONFIG, resolved_config_text(cfg))
             except MoectlError as e:
                 error = e
         try:

@@ -33,6 +33,7 @@ from typing import IO
 from ckpt import names
 from ckpt.cleanup import remove_interrupted_saves
 from ckpt.discovery import list_committed
+from moectl.core.config import Config, dump_config
 from moectl.core.errors import MoectlError, UsageError
 
 METRICS = "metrics.jsonl"
@@ -155,11 +156,16 @@ def check_later_checkpoints(run_dir: Path, start: int) -> None:
     )
 
 
-def check_config_not_replaced(config_path: str | os.PathLike[str], run_dir: Path, resolved: str) -> None:
+def resolved_config_text(cfg: Config) -> str:
+    """What a run writes into `run_dir/config.yaml`: `CONFIG_HEADER`, then the resolved config."""
+    return CONFIG_HEADER + dump_config(cfg)
+
+
+def check_config_not_replaced(config_path: str | os.PathLike[str], cfg: Config) -> None:
     """Refuse a run whose `run_dir/config.yaml` is the config file passed to it, unless a run wrote that file
     (it starts with `CONFIG_HEADER`) or it holds the resolved config already: the run would replace the user's
     own file (comments, and values the `--set` overrides change)."""
-    target = run_dir / CONFIG
+    target = Path(cfg.run_dir) / CONFIG
     try:
         same = target.is_file() and os.path.samefile(config_path, target)
     except OSError:
@@ -167,10 +173,10 @@ def check_config_not_replaced(config_path: str | os.PathLike[str], run_dir: Path
     if not same:
         return
     text = target.read_text(encoding="utf-8", errors="replace")
-    if text.startswith(CONFIG_HEADER) or text.removeprefix(CONFIG_HEADER) == resolved:
+    if text.startswith(CONFIG_HEADER) or text == dump_config(cfg):
         return  # a run's own file (or one written before the header existed, unchanged): nothing of the user's
     raise UsageError(
-        f"{config_path} is the {CONFIG} the run writes into run_dir {run_dir}: the resolved config would replace "
+        f"{config_path} is the {CONFIG} the run writes into run_dir {cfg.run_dir}: the resolved config would replace "
         "your file",
         "train into another --run-dir, or copy the config out of that folder and pass the copy",
     )

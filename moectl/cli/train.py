@@ -110,10 +110,9 @@ def train_command(
     rank = int(os.environ.get("RANK", "0")) if torchrun else 0
     console = make_console(quiet=rank != 0, outlive_stdout=True)
     refuse_on_rule_errors(cfg, world, make_console(quiet=rank != 0 or O.outcome_dir() is not None))
-    from moectl.core.config.dump import dump_config
     from trainer.run_dir import check_config_not_replaced
 
-    check_config_not_replaced(config, Path(cfg.run_dir), dump_config(cfg))
+    check_config_not_replaced(config, cfg)
     if nproc_per_node > 1 and not torchrun:
         result = launch_train(nproc_per_node, reexec_args(), _launcher_threads(cfg))
         if result.line:
