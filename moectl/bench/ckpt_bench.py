@@ -109,9 +109,12 @@ class CkptBenchResult(RowsResult):
     """Every measured time (seconds), its floor, and what they were measured on."""
 
 
-def bench_folder(bench: CkptBenchConfig) -> Path:
-    """Where the bench writes: `--dir`, else the config's run_dir/bench_ckpt."""
-    return bench.folder or Path(load_config(bench.config, bench.sets).run_dir) / "bench_ckpt"
+def bench_folder(bench: CkptBenchConfig, base: Optional[Config] = None) -> Path:
+    """Where the bench writes: `--dir`, else the config's run_dir/bench_ckpt (`base`: the config as loaded
+    already, else it is loaded)."""
+    if bench.folder is not None:
+        return bench.folder
+    return Path((base or load_config(bench.config, bench.sets)).run_dir) / "bench_ckpt"
 
 
 def bench_config(bench: CkptBenchConfig, world_size: int = 1) -> Config:
@@ -119,7 +122,7 @@ def bench_config(bench: CkptBenchConfig, world_size: int = 1) -> Config:
     of one step that saves nothing by itself; the run_dir is the bench's folder)."""
     base = load_config(bench.config, bench.sets)
     shrink = quick_overrides(base, world_size) if bench.quick else []
-    folder = bench_folder(bench)
+    folder = bench_folder(bench, base)
     fixed = ["train.eval_interval=null", "checkpoint.save_interval=null", "checkpoint.load=null",
              "checkpoint.keep_last=null", f"run_dir={folder / 'run'}"]  # fmt: skip
     return load_config(bench.config, [*shrink, *bench.sets, *fixed])

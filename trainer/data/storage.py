@@ -50,6 +50,13 @@ def itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
+def require_file(path: str) -> None:
+    """A `DataError` unless `path` is a file (saying whether it is missing or a folder)."""
+    if not os.path.isfile(path):
+        what = "a folder, not a data file" if os.path.isdir(path) else "no such file"
+        raise DataError(f"{path}: {what}", "check data.path (it names one file)")
+
+
 def map_file(path: str, dtype: torch.dtype, *, offset: int = 0, count: int | None = None) -> torch.Tensor:
     """Map `count` items of `dtype` starting at byte `offset` of `path` as a read-only-in-practice 1-D tensor.
 
@@ -58,9 +65,7 @@ def map_file(path: str, dtype: torch.dtype, *, offset: int = 0, count: int | Non
     """
     if sys.byteorder != "little":  # pragma: no cover - every supported accelerator host is little-endian
         raise DataError(f"{path}: token files are little-endian and this host is not", "run on a little-endian host")
-    if not os.path.isfile(path):
-        what = "a folder, not a data file" if os.path.isdir(path) else "no such file"
-        raise DataError(f"{path}: {what}", "check data.path (it names one file)")
+    require_file(path)
     size = os.path.getsize(path)
     width = itemsize(dtype)
     if count is None:

@@ -265,3 +265,18 @@ def test_errors_print_as_one_line(tmp_path: Path) -> None:
     with pytest.raises(DataError) as err:
         load_tokens(str(tmp_path / "gone.bin"))
     assert "\n" not in err.value.one_line() and "fix:" in err.value.one_line()
+
+
+@pytest.mark.parametrize("source", ["tokens", "text"])
+def test_a_folder_given_as_data_path_is_named_a_folder(tmp_path: Path, source: str) -> None:
+    """It said 'no such file' about a folder that exists; a missing path still says that."""
+    from trainer.data.sources.text import load_text
+    from trainer.data.storage import map_file
+
+    def load(path: str) -> object:
+        return map_file(path, torch.uint16) if source == "tokens" else load_text(path)
+
+    with pytest.raises(DataError, match="a folder, not a data file"):
+        load(str(tmp_path))
+    with pytest.raises(DataError, match="no such file"):
+        load(str(tmp_path / "missing.txt"))

@@ -23,7 +23,7 @@ import torch
 
 from moectl.core.errors import DataError
 
-from ..storage import map_file
+from ..storage import map_file, require_file
 from ..stream import TokenStream
 
 DOC_SEPARATOR_BYTE = 0
@@ -82,9 +82,7 @@ def _tokenize(texts: list[str], tokenizer: Any) -> tuple[torch.Tensor, str | Non
 
 def load_text(path: str, tokenizer: str | None = None) -> TokenStream:
     """Tokenise a `.txt` or `.jsonl` file (bytes by default, or a local tokenizer.json)."""
-    if not os.path.isfile(path):
-        what = "a folder, not a data file" if os.path.isdir(path) else "no such file"
-        raise DataError(f"{path}: {what}", "check data.path (it names one file)")
+    require_file(path)
     is_jsonl = path.endswith(".jsonl")
     if not is_jsonl and not path.endswith(".txt"):
         raise DataError(f"{path}: the text source reads .txt or .jsonl files", "give a .txt or .jsonl file")
