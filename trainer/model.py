@@ -3,6 +3,9 @@
     tokens -> embedding -> [RMSNorm -> attention -> + ; RMSNorm -> MoE or dense SwiGLU -> +] x L
            -> final RMSNorm -> output head (optionally tied to the embedding)
 
+Each residual add runs inside the norm that follows it (`RMSNorm(x, delta)`), so a layer returns its
+stream and its MLP branch unadded and the next norm adds them.
+
 State-dict keys follow Megatron-Core's GPT so checkpoints and converters read naturally:
 `embedding.word_embeddings.weight`, `decoder.layers.N.self_attention.linear_qkv.weight`,
 `decoder.layers.N.mlp.router.weight`, `decoder.layers.N.mlp.experts.linear_fc1.weight` (or `weight3`),
@@ -91,14 +94,24 @@ class DecoderLayer(nn.Module):
         self.pre_mlp_layernorm = RMSNorm(mcfg.hidden_size, mcfg.norm_epsilon, dtype=dtype)
         self.mlp = mlp
 
-    def forward(self, x_BSD: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x_BSD: torch.Tensor, rope: torch.Tensor, delta_BSD: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(x, m)`: the residual stream before this layer's MLP branch and that branch's output `m`.
+
+        The stream after the layer is `x + m`; that add is left to the next norm (`delta_BSD` of the next
+        layer, or the final norm), which fuses it (trainer/norm.py). `delta_BSD` is the previous layer's `m`.
+        """
         with region(regions.NORM):
-            h_BSD = self.input_layernorm(x_BSD)
+            if delta_BSD is None:
+                h_BSD = self.input_layernorm(x_BSD)
+            else:
+                x_BSD, h_BSD = self.input_layernorm(x_BSD, delta_BSD)
         with region(regions.ATTENTION):
-            x_BSD = x_BSD + self.self_attention(h_BSD, rope)
+            a_BSD = self.self_attention(h_BSD, rope)
         with region(regions.NORM):
-            h_BSD = self.pre_mlp_layernorm(x_BSD)
-        return x_BSD + self.mlp(h_BSD)  # the MLP names its own region (the MoE layer: one per part)
+            x_BSD, h_BSD = self.pre_mlp_layernorm(x_BSD, a_BSD)
+        return x_BSD, self.mlp(h_BSD)  # the MLP names its own region (the MoE layer: one per part)
 
 
 class Decoder(nn.Module):
@@ -212,10 +225,14 @@ class GPTMoE(nn.Module):
     def forward(self, tokens_BS: torch.Tensor) -> torch.Tensor:
         with region(regions.EMBEDDING):
             x_BSD = self.embedding(tokens_BS)
+        m_BSD = None  # the last layer's MLP branch, added to the stream by the next norm
         for layer in self.decoder.layers:
-            x_BSD = layer(x_BSD, self.rope)
+            x_BSD, m_BSD = layer(x_BSD, self.rope, m_BSD)
         with region(regions.HEAD):
-            x_BSD = self.decoder.final_layernorm(x_BSD)
+            if m_BSD is None:
+                x_BSD = self.decoder.final_layernorm(x_BSD)
+            else:
+                x_BSD = self.decoder.final_layernorm(x_BSD, m_BSD)[1]
             if self.output_layer is not None:
                 return self.output_layer(x_BSD)  # a module call, so param-gather pre-hooks see the head
             return F.linear(x_BSD, self.embedding.word_embeddings.weight)

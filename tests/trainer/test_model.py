@@ -114,3 +114,31 @@ def test_kv_channels_sets_the_head_dim_apart_from_hidden_over_heads():
     attn_extra = 2 * ((4 + 2 * 2) * 8 * 32 + 32 * 4 * 8)  # the head dim doubles both attention matrices
     scores_extra = 12 * 2 * 16 * 4 * 8
     assert flops_per_token(mcfg, ecfg) - flops_per_token(plain, ecfg) == 6 * attn_extra + scores_extra
+
+
+def _unfused_forward(model: GPTMoE, tokens: torch.Tensor) -> torch.Tensor:
+    """The block as written before the residual adds moved into the norms: add, then norm."""
+    x = model.embedding(tokens)
+    for layer in model.decoder.layers:
+        x = x + layer.self_attention(layer.input_layernorm(x), model.rope)
+        x = x + layer.mlp(layer.pre_mlp_layernorm(x))
+    return model.output_layer(model.decoder.final_layernorm(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_residual_adds_in_the_norms_change_no_bit(dtype):
+    """The layer hands its MLP branch to the next norm unadded (trainer/norm.py); eagerly that computes
+    the same sums in the same dtype as the add-then-norm block, so logits and every grad are bitwise equal.
+    A norm that dropped the branch (or the final norm forgetting the last layer's) would differ."""
+    mcfg, ecfg = small(num_layers=3, moe_layer_freq=[1, 0, 1])
+    model = GPTMoE(mcfg, ecfg, seed=5, params_dtype=dtype)
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    got = model(tokens)
+    got.float().square().mean().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    want = _unfused_forward(model, tokens)
+    want.float().square().mean().backward()
+    assert torch.equal(got, want)
+    for n, p in model.named_parameters():
+        assert torch.equal(grads[n], p.grad), n
