@@ -38,7 +38,8 @@ from moectl.core.errors import ConfigError
 from moectl.core.facts import expert_capacity
 from trainer.moe.delayed_wgrad import flush_point
 from trainer.moe.permute import combine_rows, dispatch_rows
-from trainer.moe.router import RouterOutput, compact_ids
+from trainer.moe.expert_order import compact_ids, sort_by_expert
+from trainer.moe.router import RouterOutput
 
 
 @dataclass
@@ -136,7 +137,8 @@ class LocalDispatcher:
             keep_N[ranked_N] = rank_N < C
             key_N = torch.where(keep_N, experts_N, E)  # dropped routings sort after every expert
             counts_E = self.kept_per_expert(router_out)
-        order_R = torch.argsort(compact_ids(key_N, E), stable=True)
+        # inverse_N: each routing's place in the sorted order (dropped routings sort last, as key E)
+        order_R, inverse_N = sort_by_expert(key_N, E if self.capacity_factor is None else E + 1)
 
         if self.pad_to_capacity:
             C_pad = self.rows_per_expert(T, K)
@@ -160,10 +162,10 @@ class LocalDispatcher:
             rows_E = counts_E
             P = N if self.capacity_factor is None else int(counts_E.sum())
 
-        arange_N = torch.arange(N, device=dev)
         if self.capacity_factor is None and self.align == 1:  # x_PD is the sorted routings themselves
-            src_P, dest_R = order_R, arange_N
+            src_P, row_N = order_R, inverse_N
         else:
+            arange_N = torch.arange(N, device=dev)
             key_R = key_N[order_R]
             e_R = key_R.clamp(max=E - 1)
             kept_start_E = torch.cumsum(counts_E, 0) - counts_E
@@ -177,7 +179,7 @@ class LocalDispatcher:
             dest_R = torch.where(key_R < E, at_R, P)  # P: dropped
             # every dropped routing writes the trash slot P, which is sliced off: which one wins is moot
             src_P = torch.full((P + 1,), N, dtype=torch.int64, device=dev).index_put_((dest_R,), order_R)[:P]
-        row_N = torch.empty_like(order_R).index_put_((order_R,), dest_R)  # order_R is a permutation
+            row_N = dest_R[inverse_N]  # routing n is sorted routing inverse_N[n]
         padded, dropped = self.pad_to_capacity or self.align > 1, self.capacity_factor is not None
         x_PD = flush_point(dispatch_rows(x_TD, src_P, row_N, K, padded, dropped), flush)
         probs_P = dispatch_rows(probs_N[:, None], src_P, row_N, 1, padded, dropped)[:, 0]  # routings: tokens of K=1
@@ -186,7 +188,9 @@ class LocalDispatcher:
             num_tokens=T, topk=K, order_R=order_R, src_P=src_P, row_N=row_N, padded=padded, dropped=dropped,
             num_rows=P,
             tokens_per_expert_E=counts_E, rows_per_expert_E=rows_E,
-            num_dropped=router_out.tokens_per_expert_E.sum() - counts_E.sum(),
+            num_dropped=(
+                router_out.tokens_per_expert_E.sum() - counts_E.sum() if dropped else counts_E.new_zeros(())
+            ),
         )  # fmt: skip
         return x_PD, rows_E, probs_P, plan
 

@@ -56,7 +56,7 @@ class _Dispatch(torch.autograd.Function):
                 padded: bool, dropped: bool) -> torch.Tensor:
         ctx.save_for_backward(row_N)
         ctx.topk, ctx.dropped = topk, dropped
-        token_P = src_P // topk  # padding rows (src N) land on token T: the appended zero row
+        token_P = src_P // topk if topk > 1 else src_P  # padding rows (src N) land on token T: the zero row
         return _gather(x_TD, token_P, padded)
 
     @staticmethod
@@ -78,7 +78,8 @@ class _Combine(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g_TD: torch.Tensor) -> tuple[Any, ...]:
         (src_P,) = ctx.saved_tensors
-        return _gather(g_TD, src_P // ctx.topk, ctx.padded), None, None, None, None, None
+        token_P = src_P // ctx.topk if ctx.topk > 1 else src_P
+        return _gather(g_TD, token_P, ctx.padded), None, None, None, None, None
 
 
 def dispatch_rows(x_TD: torch.Tensor, src_P: torch.Tensor, row_N: torch.Tensor, topk: int, padded: bool,

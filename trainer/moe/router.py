@@ -30,6 +30,7 @@ from torch import nn
 from moectl.core.config.schema import MoEConfig
 from trainer.init_weights import normal_
 from trainer.moe.router_gemm import router_logits
+from trainer.moe.router_topk import fast_topk, topk
 
 
 @dataclass
@@ -58,22 +59,12 @@ def z_loss(logits_TE: torch.Tensor, coeff: float) -> torch.Tensor:
     return coeff * torch.logsumexp(logits_TE, dim=-1).square().mean()
 
 
-def compact_ids(ids: torch.Tensor, bound: int) -> torch.Tensor:
-    """Ids in `[0, bound]` in the narrowest integer dtype that holds `bound` (uint8, int16, else int32).
-
-    A sort of them orders exactly as one of the int64 ids (stable: the same permutation), but the radix sort
-    behind `torch.sort` on CUDA makes one pass per byte of its key: 8 for int64, 1 for uint8."""
-    dtype = torch.uint8 if bound <= 255 else torch.int16 if bound <= 32767 else torch.int32
-    return ids.to(dtype)
-
-
 def expert_counts(indices_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
     """Routings per expert `[E]` (int64): exact, deterministic, and without a host sync. `torch.bincount`
-    reads its input's max on the host on CUDA, which a CUDA graph cannot capture; a sort and a search do not
-    (a sort of T*K small ids, `compact_ids`)."""
-    sorted_N = torch.sort(compact_ids(indices_TK.flatten(), num_experts))[0]
-    edges = torch.arange(num_experts + 1, device=indices_TK.device, dtype=torch.int64).to(sorted_N.dtype)
-    return torch.diff(torch.searchsorted(sorted_N, edges)).to(torch.int64)
+    reads its input's max on the host on CUDA, which a CUDA graph cannot capture; a comparison with every
+    expert id and an integer sum do not, and a compiled router fuses them into one reduction."""
+    ids_E = torch.arange(num_experts, device=indices_TK.device)
+    return (indices_TK.reshape(-1, 1) == ids_E).sum(dim=0)
 
 
 class TopKRouter(nn.Module):
@@ -98,20 +89,21 @@ class TopKRouter(nn.Module):
     def forward(self, x_TD: torch.Tensor) -> RouterOutput:
         """Route `x_TD` (any float dtype) to its top-k experts."""
         # fp32 logits: bf16 scores tie and flip top-k choices, and the aux losses need the precision
-        return self.route(router_logits(x_TD, self.weight))
+        return self.route(router_logits(x_TD, self.weight), fast_topk(x_TD.device))
 
-    def route(self, logits_TE: torch.Tensor) -> RouterOutput:
+    def route(self, logits_TE: torch.Tensor, fast: bool = False) -> RouterOutput:
         """Scores, top-k and the auxiliary losses from the fp32 logits `[T, E]` (`train.compile` compiles this
-        part; the logits' GEMM is `router_gemm.router_logits`, tensor-core GEMMs on CUDA)."""
+        part; the logits' GEMM is `router_gemm.router_logits`, tensor-core GEMMs on CUDA). `fast`: the top-k
+        ids from the Triton kernel (`router_topk.py`; decided by the caller, outside any compiled region)."""
         if self.score_function == "softmax":
             scores_TE = torch.softmax(logits_TE, dim=-1)
-            probs_TK, indices_TK = torch.topk(scores_TE, self.topk, dim=-1)
+            probs_TK, indices_TK = topk(scores_TE, self.topk, fast)
             if self.norm_topk_prob:
                 probs_TK = probs_TK / probs_TK.sum(dim=-1, keepdim=True)
             aux_scores_TE = scores_TE
         else:
             scores_TE = torch.sigmoid(logits_TE)
-            probs_TK, indices_TK = torch.topk(scores_TE, self.topk, dim=-1)
+            probs_TK, indices_TK = topk(scores_TE, self.topk, fast)
             if self.topk > 1:
                 probs_TK = probs_TK / (probs_TK.sum(dim=-1, keepdim=True) + 1e-20)
             aux_scores_TE = scores_TE / (scores_TE.sum(dim=-1, keepdim=True) + 1e-20)

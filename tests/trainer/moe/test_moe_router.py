@@ -9,7 +9,8 @@ import torch
 
 from moectl.core.config.schema import MoEConfig
 from trainer.moe import TopKRouter
-from trainer.moe.router import compact_ids, expert_counts
+from trainer.moe.expert_order import compact_ids
+from trainer.moe.router import expert_counts
 
 # Four tokens, three experts. With router weight = I, the logits are the inputs, so choosing inputs
 # log(p) + c makes softmax return exactly the distributions p below, and logsumexp = c.
@@ -118,3 +119,47 @@ def test_compact_ids_sort_like_int64_and_count_exactly(E: int) -> None:
     assert torch.equal(torch.argsort(narrow, stable=True), torch.argsort(key_N, stable=True))
     indices_TK = key_N.clamp(max=E - 1).view(-1, 4)
     assert torch.equal(expert_counts(indices_TK, E), torch.bincount(indices_TK.flatten(), minlength=E))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the device tool)")
+@pytest.mark.parametrize("T,E,K", [(8192, 32, 4), (8192, 128, 8), (1000, 256, 8), (300, 7, 7), (5, 64, 1)])
+def test_triton_topk_ids_are_torch_topks(T: int, E: int, K: int) -> None:
+    """The kernel's ids (trainer/kernels/topk_triton.py) are `torch.topk`'s, best first, on softmax scores."""
+    from trainer.kernels import has_triton
+
+    if not has_triton():
+        pytest.skip("needs Triton")
+    from trainer.kernels.topk_triton import topk_ids
+
+    scores = torch.randn(T, E, generator=torch.Generator().manual_seed(E)).softmax(-1).cuda()
+    assert torch.equal(topk_ids(scores, K), scores.topk(K, dim=-1).indices)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the device tool)")
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_router_on_the_triton_topk_is_the_torch_router(score: str, compiled: bool,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The router with its top-k ids from the kernel, eager and under inductor (the custom op inside the
+    compiled `route`), gives torch.topk's probs, ids, counts, aux loss and grads bit for bit."""
+    from trainer.kernels import has_triton
+
+    if not has_triton():
+        pytest.skip("needs Triton")
+    cfg = MoEConfig(num_experts=32, router_topk=4, ffn_hidden_size=16, router_score_function=score,
+                    aux_loss_coeff=0.01, z_loss_coeff=0.001)  # fmt: skip
+    router = TopKRouter(cfg, 256, init_std=0.02, generator=torch.Generator().manual_seed(0)).cuda()
+    if compiled:
+        router.route = torch.compile(router.route)  # as trainer/compile.py does
+    x = torch.randn(4096, 256, generator=torch.Generator().manual_seed(1)).bfloat16().cuda()
+    out = {}
+    for fast in ("1", "0"):
+        monkeypatch.setenv("MOECTL_TRITON_TOPK", fast)
+        router.weight.grad = None
+        ro = router(x)
+        (ro.probs_TK.square().sum() + ro.aux_loss + ro.z_loss).backward()
+        out[fast] = (ro.probs_TK, ro.indices_TK, ro.tokens_per_expert_E, ro.aux_loss, ro.z_loss, router.weight.grad)
+    for a, b in zip(out["1"], out["0"]):
+        assert torch.equal(a, b)
