@@ -9,10 +9,13 @@ out_dtype=torch.float32)`), exact in its products:
 - x is bf16 already (the norm's output), so `x.float()` adds no information;
 - W (fp32) = hi + mid + lo, each part bf16 (`split3`: 8 + 8 + 8 significant bits, so the sum is W exactly
   unless a part falls below bf16's normal range), and a bf16 x bf16 product is exact in fp32;
-- forward: `[hi; mid; lo]` stacked `[3E, D]`, one GEMM `[T, 3E]`, the three blocks summed smallest first;
+- forward: `[lo; hi; mid]` stacked `[3E, D]`, one GEMM `[T, 3E]`, the three blocks summed smallest first;
 - weight grad: the same with the logits' grad split (`[3E, T] @ x`);
 - data grad: rounded to x's bf16 anyway, so `g_hi W_hi + g_hi W_mid + g_mid W_hi` (the terms above 2^-16) in
   one GEMM with a bf16 output.
+The weight's parts are stored once as `[lo; hi; mid; hi]` (the forward's operand and the data grad's are
+both slices of it) and the grad's parts as the two operands the backward reads; on CUDA each split is one
+Triton pass (`kernels/split3_triton.py`, the same bits as `split3`; `MOECTL_TRITON_SPLIT3=0` keeps torch).
 
 The GEMMs accumulate in fp32 on the tensor cores, in another order than cuBLAS's SGEMM and less exactly:
 against fp64, logits err by 1.1e-6 of the largest where SGEMM's err by 2.3e-7 (H100; bf16 logits: ~4e-3), so
@@ -28,7 +31,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from trainer.kernels import fp32_out_gemm
+from trainer.kernels import fp32_out_gemm, has_triton
+from trainer.switches import switched_off
 
 
 def split3(w: torch.Tensor) -> torch.Tensor:
@@ -47,32 +51,52 @@ def _mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tenso
     return (a.float() @ b.float()).to(out_dtype)  # the same exact products, for CPU tests
 
 
-def _sum3(y: torch.Tensor, n: int, dim: int) -> torch.Tensor:
-    """The three `n`-wide blocks of `y` along `dim` summed as hi + (mid + lo): the small parts first."""
-    hi, mid, lo = y.split(n, dim=dim)
-    return hi + (mid + lo)
+def _fast_split(t: torch.Tensor) -> bool:
+    return t.is_cuda and not switched_off("MOECTL_TRITON_SPLIT3") and has_triton()
+
+
+def weight_parts(w_ED: torch.Tensor) -> torch.Tensor:
+    """`[4E, D]` bf16 rows `[lo; hi; mid; hi]` of `split3(w)`: the first 3E rows are the forward's operand,
+    the last 3E the data grad's (`[hi; mid; hi]`), so neither needs a `cat` (one Triton pass on CUDA)."""
+    if _fast_split(w_ED):
+        from trainer.kernels.split3_triton import split_rows
+
+        return split_rows(w_ED.contiguous())
+    hi, mid, lo = split3(w_ED)
+    return torch.cat([lo, hi, mid, hi])
+
+
+def grad_parts(g_TE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`([g_hi | g_mid | g_lo], [g_hi | g_hi | g_mid])`, each `[T, 3E]` bf16, of the fp32 logits' grad: the
+    weight grad's operand (read transposed) and the data grad's (one Triton pass on CUDA)."""
+    if _fast_split(g_TE):
+        from trainer.kernels.split3_triton import split_cols
+
+        return split_cols(g_TE.contiguous())
+    hi, mid, lo = split3(g_TE)
+    return torch.cat([hi, mid, lo], dim=1), torch.cat([hi, hi, mid], dim=1)
 
 
 class _RouterLogits(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x_TD: torch.Tensor, w_ED: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         E = w_ED.shape[0]
-        parts = split3(w_ED.detach())  # [3, E, D]
+        parts = weight_parts(w_ED.detach())  # [4E, D]: lo, hi, mid, hi
         ctx.save_for_backward(x_TD, parts)
-        return _sum3(_mm(x_TD, parts.reshape(3 * E, -1).t(), torch.float32), E, dim=1)
+        lo, hi, mid = _mm(x_TD, parts[: 3 * E].t(), torch.float32).split(E, dim=1)
+        return hi + (mid + lo)  # the small parts first
 
     @staticmethod
     def backward(ctx: Any, g_TE: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:  # type: ignore[override]
         x_TD, parts = ctx.saved_tensors
-        E = parts.shape[1]
-        g = split3(g_TE.float())  # [3, T, E]
+        E = parts.shape[0] // 4
+        g_parts, lhs = grad_parts(g_TE.float())  # [T, 3E] each
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            lhs = torch.cat([g[0], g[0], g[1]], dim=1)  # [T, 3E]: g_hi W_hi + g_hi W_mid + g_mid W_hi
-            rhs = torch.cat([parts[0], parts[1], parts[0]], dim=0)  # [3E, D]
-            dx = _mm(lhs, rhs, x_TD.dtype)
+            dx = _mm(lhs, parts[E:], x_TD.dtype)  # g_hi W_hi + g_hi W_mid + g_mid W_hi
         if ctx.needs_input_grad[1]:
-            dw = _sum3(_mm(g.transpose(1, 2).reshape(3 * E, -1), x_TD, torch.float32), E, dim=0)  # [E, D]
+            hi, mid, lo = _mm(g_parts.t(), x_TD, torch.float32).split(E, dim=0)  # [E, D] each
+            dw = hi + (mid + lo)
         return dx, dw
 
 

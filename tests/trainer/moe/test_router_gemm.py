@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainer.moe.router_gemm import _RouterLogits, router_logits, split3
+from trainer.moe.router_gemm import _RouterLogits, grad_parts, router_logits, split3, weight_parts
 
 
 def test_split3_is_exact() -> None:
@@ -68,3 +68,40 @@ def test_split_gemms_match_fp32_accuracy_on_cuda() -> None:
     _check("cuda")
     x = torch.randn(8, 16, device="cuda").bfloat16()
     assert router_logits(x, torch.randn(4, 16, device="cuda")).dtype == torch.float32
+
+
+def test_parts_are_split3_in_the_operand_layouts() -> None:
+    """The CPU path of the stored operands: `[lo; hi; mid; hi]` rows and the grad's two `[T, 3E]` operands."""
+    w = torch.randn(4, 16) * torch.logspace(-6, 2, 16)
+    hi, mid, lo = split3(w)
+    assert torch.equal(weight_parts(w), torch.cat([lo, hi, mid, hi]))
+    g = torch.randn(8, 4)
+    hi, mid, lo = split3(g)
+    parts, lhs = grad_parts(g)
+    assert torch.equal(parts, torch.cat([hi, mid, lo], 1)) and torch.equal(lhs, torch.cat([hi, hi, mid], 1))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the device tool)")
+@pytest.mark.parametrize("E,D,T", [(32, 2048, 8192), (128, 2048, 4096), (7, 33, 100)])
+def test_triton_split_is_split3_bitwise(E: int, D: int, T: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA the splits run one Triton pass each (kernels/split3_triton.py, round to nearest even as torch's
+    casts); their bits equal the torch path's (`MOECTL_TRITON_SPLIT3=0`), and so do the router's logits and
+    grads. Values span 2^-27..2^10, so each part rounds somewhere."""
+    from trainer.kernels import has_triton
+
+    if not has_triton():
+        pytest.skip("needs Triton")
+    gen = torch.Generator().manual_seed(1)
+    w = (torch.randn(E, D, generator=gen) * torch.logspace(-8, 3, D)).cuda()
+    g = (torch.randn(T, E, generator=gen) * 1e-3).cuda()
+    x = torch.randn(T, D, generator=gen).bfloat16().cuda()
+    out = {}
+    for fast in ("1", "0"):
+        monkeypatch.setenv("MOECTL_TRITON_SPLIT3", fast)
+        xr, wr = x.clone().requires_grad_(), (w * 1e-3).requires_grad_()
+        y = _RouterLogits.apply(xr, wr)
+        y.backward(g)
+        out[fast] = (weight_parts(w), *grad_parts(g), y, xr.grad, wr.grad)
+    for a, b in zip(out["1"], out["0"]):
+        assert torch.equal(a, b)
