@@ -27,13 +27,18 @@ def rope_cache(seq_length: int, head_dim: int, base: float, device: torch.device
     return torch.stack([angles.cos(), angles.sin()], dim=-1)
 
 
-def apply_rope(x_BNSC: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE (GPT-NeoX / Llama / Megatron convention): pairs (i, i + C/2)."""
-    s = x_BNSC.shape[-2]
-    cos, sin = cache[:s, :, 0], cache[:s, :, 1]  # [S, C/2]
-    x1, x2 = x_BNSC.float().chunk(2, dim=-1)
+def apply_rope(x_BSNC: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE (GPT-NeoX / Llama / Megatron convention): pairs (i, i + C/2).
+
+    On `[B, S, heads, C]`, the layout the projection writes: a compiled region then writes the rotated
+    heads contiguous in that layout, the attention's output follows its query's layout (cuDNN's does), and
+    merging the heads after it is a view instead of a transposing copy, forward and backward.
+    """
+    s = x_BSNC.shape[1]
+    cos, sin = cache[:s, None, :, 0], cache[:s, None, :, 1]  # [S, 1, C/2]
+    x1, x2 = x_BSNC.float().chunk(2, dim=-1)
     out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-    return out.to(x_BNSC.dtype)
+    return out.to(x_BSNC.dtype)
 
 
 class SelfAttention(nn.Module):
@@ -84,8 +89,8 @@ class SelfAttention(nn.Module):
         if self.q_layernorm is not None and self.k_layernorm is not None:
             q_BSNC = rms_norm(q_BSNC, self.q_layernorm.weight, self.q_layernorm.eps)
             k_BSGC = rms_norm(k_BSGC, self.k_layernorm.weight, self.k_layernorm.eps)
-        q, k, v = (t.transpose(1, 2) for t in (q_BSNC, k_BSGC, v_BSGC))  # [B, heads, S, C]
-        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        q_BSNC, k_BSGC = apply_rope(q_BSNC, rope), apply_rope(k_BSGC, rope)
+        q, k, v = (t.transpose(1, 2) for t in (q_BSNC, k_BSGC, v_BSGC))  # [B, heads, S, C] views
         out_BNSC = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, enable_gqa=self.num_groups != self.num_heads
         )
