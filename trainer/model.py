@@ -33,6 +33,7 @@ from moectl.core.config.schema import ModelConfig, MoEConfig
 from moectl.core.facts import GLU_ROWS_ATTR, GluRows
 from trainer import regions
 from trainer.attention import SelfAttention, rope_cache
+from trainer.embedding import Embedding
 from trainer.init_weights import init_skipped
 from trainer.linear import Linear
 from trainer.moe import MoELayer
@@ -123,17 +124,6 @@ class Decoder(nn.Module):
         self.final_layernorm = final_layernorm
 
 
-class Embedding(nn.Module):
-    """Token embedding (Megatron's `embedding.word_embeddings`)."""
-
-    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.word_embeddings = nn.Embedding(vocab_size, hidden_size, dtype=dtype)
-
-    def forward(self, tokens_BS: torch.Tensor) -> torch.Tensor:
-        return self.word_embeddings(tokens_BS)
-
-
 @dataclass
 class LossParts:
     """The total training loss and what it is made of (all scalars; `total` carries the graph)."""
@@ -166,7 +156,9 @@ class GPTMoE(nn.Module):
         # Megatron's output_layer_init_method: residual-branch outputs start smaller with depth.
         out_std = std / math.sqrt(2.0 * mcfg.num_layers)
 
-        self.embedding = Embedding(mcfg.vocab_size, mcfg.hidden_size, params_dtype)
+        # tied: the head's grad reaches the same weight through autograd, so the embedding's must too
+        self.embedding = Embedding(mcfg.vocab_size, mcfg.hidden_size, params_dtype,
+                                   gradient_accumulation_fusion and not mcfg.tie_embeddings)
         linears = dict(recipe=recipe, gradient_accumulation_fusion=gradient_accumulation_fusion)
         layers = []
         for i in range(mcfg.num_layers):
