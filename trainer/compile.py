@@ -1,8 +1,9 @@
 """`train.compile`: regional `torch.compile` of the small, fusible parts of every decoder layer.
 
-`regional` compiles, in every decoder layer, the two RMSNorms, the attention between its projections
-(`SelfAttention.attend`: head split, QK norm, RoPE, scaled dot-product attention) and the MoE router's
-routing (`TopKRouter.route`: fp32 scores, top-k, aux losses); and the model's cross-entropy (`GPTMoE.lm_loss`).
+`regional` compiles, in every decoder layer, the two RMSNorms (each with the residual add before it), the
+attention between its projections (`SelfAttention.attend`: head split, QK norm, RoPE, scaled dot-product
+attention) and the MoE router's routing (`TopKRouter.route`: fp32 scores, top-k, aux losses); and the model's
+final norm and cross-entropy (`GPTMoE.lm_loss`).
 This is torchtitan's per-block regional compile minus what moectl runs itself: the linear projections (plain
 GEMMs, or the precision recipe's quantized ones), the router's logits GEMM (`moe/router_gemm.py`), the
 dispatcher and the expert MLP (the configured backend's kernels) stay eager.
@@ -75,6 +76,10 @@ def compile_regions(model: nn.Module, *, backend: str | None = None, determinist
         if isinstance(layer.mlp, MoELayer):
             _compile_method(layer.mlp.router, "route", **kwargs)  # the logits' GEMM stays eager (router_gemm.py)
             done.append(f"{prefix}.mlp.router.route")
+    # the final norm (with the last layer's residual add): eagerly its backward alone was ~15 launches and
+    # ~0.6 ms per micro-batch of fp32 elementwise passes on the reference model
+    _compile_method(model.decoder.final_layernorm, "forward", **kwargs)  # type: ignore[union-attr]
+    done.append("decoder.final_layernorm.forward")
     _compile_method(model, "lm_loss", **kwargs)
     done.append("lm_loss")
     model._moectl_compiled_regions = done  # type: ignore[assignment]

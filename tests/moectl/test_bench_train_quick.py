@@ -37,7 +37,7 @@ def test_quick_run_writes_every_measure_for_each_column(tmp_path):
     # the user's --set reaches every column, a column's own overrides win over it
     assert (ours["expert_backend"], titan["expert_backend"]) == ("loop", "grouped")
     # 2 layers: norms, attention, router each; the cross-entropy once
-    assert ours["compiled_regions"] == 0 and titan["compiled_regions"] == 2 * 4 + 1
+    assert ours["compiled_regions"] == 0 and titan["compiled_regions"] == 2 * 4 + 2
     for r in (ours, titan):
         assert len(r["step_ms_all"]) == 2 and r["step_ms_min"] <= r["step_ms"] <= r["step_ms_max"]
         assert r["tokens_per_s"] == pytest.approx(data["meta"]["model"]["tokens_per_step"] / (r["step_ms"] * 1e-3))
