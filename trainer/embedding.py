@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer.kernels import has_triton
-from trainer.main_grad import grad_ready, settle_stale
+from trainer.main_grad import grad_ready, require_main_grad, settle_stale
 from trainer.moe.expert_order import compact_ids
 from trainer.switches import switched_off
 
@@ -43,11 +43,7 @@ class _FusedWgradEmbedding(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, ids: torch.Tensor, weight: nn.Parameter) -> torch.Tensor:
-        if getattr(weight, "main_grad", None) is None:
-            raise RuntimeError(
-                "gradient_accumulation_fusion needs weight.main_grad; wrap the model with trainer.distributed "
-                "or call trainer.main_grad.attach_main_grads(model) first"
-            )
+        require_main_grad(weight)
         ctx.save_for_backward(ids)
         ctx.weight = weight
         return F.embedding(ids, weight)

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.main_grad import accumulate_wgrad_mm
+from trainer.main_grad import accumulate_wgrad_mm, require_main_grad
 from trainer.precision import QuantizedTensor, Recipe
 
 
@@ -103,11 +103,7 @@ class _FusedWgradLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: nn.Parameter) -> torch.Tensor:
-        if getattr(weight, "main_grad", None) is None:
-            raise RuntimeError(
-                "gradient_accumulation_fusion needs weight.main_grad; wrap the model with trainer.distributed "
-                "or call trainer.main_grad.attach_main_grads(model) first"
-            )
+        require_main_grad(weight)
         ctx.save_for_backward(x)
         ctx.weight = weight
         return F.linear(x, weight)

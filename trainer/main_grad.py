@@ -42,6 +42,17 @@ def settle_stale(param: torch.Tensor) -> None:
         settle_stale_([param.main_grad], [flag])  # type: ignore[attr-defined]
 
 
+def require_main_grad(param: torch.Tensor) -> torch.Tensor:
+    """`param.main_grad`, or the error that says how a fused layer gets one."""
+    main_grad = getattr(param, "main_grad", None)
+    if main_grad is None:
+        raise RuntimeError(
+            "gradient_accumulation_fusion needs param.main_grad; wrap the model with trainer.distributed "
+            "or call trainer.main_grad.attach_main_grads(model) first"
+        )
+    return main_grad
+
+
 def accumulate_wgrad(param: torch.nn.Parameter, grad: torch.Tensor, fuse: bool,
                      report: bool = True) -> torch.Tensor | None:  # fmt: skip
     """Route one weight grad: into `param.main_grad` when `fuse` (returns None), else return it.
@@ -52,12 +63,7 @@ def accumulate_wgrad(param: torch.nn.Parameter, grad: torch.Tensor, fuse: bool,
     """
     if not fuse:
         return grad
-    main_grad = getattr(param, "main_grad", None)
-    if main_grad is None:
-        raise RuntimeError(
-            "gradient_accumulation_fusion needs param.main_grad; wrap the model with trainer.distributed "
-            "or call trainer.main_grad.attach_main_grads(model) first"
-        )
+    main_grad = require_main_grad(param)
     with region(GRAD_ACCUMULATE):
         settle_stale(param)
         main_grad.add_(grad)  # bf16 -> fp32 inside the add: a separate .to() would be one more full pass
