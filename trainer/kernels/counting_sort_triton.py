@@ -30,9 +30,11 @@ _TILE = 8192  # one-hot elements per program tile: BLOCK routings x the buckets 
 def _block_hist(keys_ptr, hist_ptr, N, B, BLOCK: tl.constexpr, BP: tl.constexpr):
     b = tl.program_id(0)
     n = b * BLOCK + tl.arange(0, BLOCK)
-    key = tl.load(keys_ptr + n, mask=n < N, other=BP).to(tl.int32)  # BP: out of every bucket
+    n_ok = n < N
+    key = tl.load(keys_ptr + n, mask=n_ok, other=0).to(tl.int32)
     e = tl.arange(0, BP)
-    hit = (key[:, None] == e[None, :]).to(tl.int32)  # [BLOCK, BP]
+    hit = ((key[:, None] == e[None, :]) & n_ok[:, None]).to(tl.int32)  # [BLOCK, BP]; no sentinel key: any
+    # value is a bucket in a narrow dtype (uint8 holds 255)
     tl.store(hist_ptr + b * B + e, tl.sum(hit, axis=0), mask=e < B)
 
 
@@ -59,9 +61,9 @@ def _block_scatter(keys_ptr, start_ptr, order_ptr, inverse_ptr, N, B, BLOCK: tl.
     b = tl.program_id(0)
     n = b * BLOCK + tl.arange(0, BLOCK)
     n_ok = n < N
-    key = tl.load(keys_ptr + n, mask=n_ok, other=BP).to(tl.int32)
+    key = tl.load(keys_ptr + n, mask=n_ok, other=0).to(tl.int32)
     e = tl.arange(0, BP)
-    hit = (key[:, None] == e[None, :]).to(tl.int32)  # [BLOCK, BP]; a masked row hits nothing
+    hit = ((key[:, None] == e[None, :]) & n_ok[:, None]).to(tl.int32)  # [BLOCK, BP]; a masked row hits nothing
     start = tl.load(start_ptr + b * B + e, mask=e < B, other=0)
     before = tl.cumsum(hit, axis=0) - hit  # earlier keys of the same bucket in this block
     pos = tl.sum(hit * (before + start[None, :]), axis=1)  # [BLOCK]

@@ -32,7 +32,9 @@ def fast_topk(device: torch.device) -> bool:
 
 def topk(scores_TE: torch.Tensor, k: int, fast: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """`(values, ids)` of each row's k largest scores, as `torch.topk(scores, k, dim=-1)`. `fast`: the ids from
-    the Triton kernel and the values gathered from the scores (the same bits; grads flow through the gather)."""
+    the Triton kernel and the values gathered from the scores (grads flow through the gather): torch's result
+    where no two of a row's scores tie (of tied scores the kernel takes the lower id first, torch's order is
+    unspecified)."""
     if fast:
         ids_TK = router_topk_ids(scores_TE.detach().float(), k)
         return scores_TE.gather(-1, ids_TK), ids_TK

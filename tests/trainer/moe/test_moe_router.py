@@ -134,6 +134,12 @@ def test_triton_topk_ids_are_torch_topks(T: int, E: int, K: int) -> None:
 
     scores = torch.randn(T, E, generator=torch.Generator().manual_seed(E)).softmax(-1).cuda()
     assert torch.equal(topk_ids(scores, K), scores.topk(K, dim=-1).indices)
+    # a non-finite step's rows: NaN ranks first (as in torch.topk), ties by the lower id, and no id repeats
+    scores[0] = float("nan")
+    scores[-1] = 0.0
+    scores[-1, E - 1] = float("nan")
+    ids = topk_ids(scores, K)
+    assert ids[0].tolist() == list(range(K)) and ids[-1].tolist() == [E - 1, *range(K - 1)]
 
 
 @pytest.mark.gpu
