@@ -1,9 +1,9 @@
 """`train.compile`: regional `torch.compile` of the small, fusible parts of every decoder layer.
 
-`regional` compiles, in every decoder layer, the two RMSNorms (each with the residual add before it), the
-attention between its projections (`SelfAttention.attend`: head split, QK norm, RoPE, scaled dot-product
-attention) and the MoE router's routing (`TopKRouter.route`: fp32 scores, top-k, aux losses); and the model's
-final norm and cross-entropy (`GPTMoE.lm_loss`).
+`regional` compiles, in every decoder layer, the two RMSNorms (with the residual add before each, where there
+is one), the attention between its projections (`SelfAttention.attend`: head split, QK norm, RoPE, scaled
+dot-product attention) and the MoE router's routing (`TopKRouter.route`: fp32 scores, top-k, aux losses);
+and the model's final norm and cross-entropy (`GPTMoE.lm_loss`).
 This is torchtitan's per-block regional compile minus what moectl runs itself: the linear projections (plain
 GEMMs, or the precision recipe's quantized ones), the router's logits GEMM (`moe/router_gemm.py`), the
 dispatcher and the expert MLP (the configured backend's kernels) stay eager.

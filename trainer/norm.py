@@ -28,7 +28,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def add_rms_norm(
     x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(s, rms_norm(s))` with `s = x + delta` rounded to x's dtype first, as a separate add would round it."""
+    """`(s, rms_norm(s))` with `s = x + delta`, computed (and rounded) as a separate add would."""
     s = x + delta
     return s, rms_norm(s, weight, eps)
 

@@ -19,7 +19,7 @@ import torch
 from torch.autograd.profiler import record_function
 
 EMBEDDING = "embedding"
-NORM = "norm"  # a decoder layer's input and pre-MLP RMSNorm, each with the residual add before it
+NORM = "norm"  # a decoder layer's input and pre-MLP RMSNorm, with the residual add before each (but the first)
 ATTENTION = "attention"  # qkv projection, RoPE, scaled dot-product attention, output projection
 ROUTER = "moe.router"
 DISPATCH = "moe.dispatch"  # permute (sort by expert, gather, pad/drop) and, with ep > 1, the token exchange

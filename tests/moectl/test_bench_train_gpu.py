@@ -44,11 +44,11 @@ def test_reference_structure_on_gpu(tmp_path):
         # nothing that looks like a GEMM or attention kernel fell through to elementwise
         for k in p["top"].get("elementwise", []):
             assert not re.search(r"nvjet|xmma|gemm|flash|fmha|cutlass", k["name"], re.I), (name, k)
-        if r["cuda_graph"]:  # replayed kernels have no launching op, so no region (the table's note says so)
-            assert name == "ours" and p["unattributed_ms"] > 0.5 * p["busy_ms"], (name, p["unattributed_ms"])
-            continue
-        assert cats["loss"] > 0, name  # by region
-        assert p["unattributed_ms"] < 0.05 * p["busy_ms"], (name, p["unattributed_ms"], p["busy_ms"])
         assert p["busy_ms"] <= 1.05 * r["step_ms"]  # a profiled step's device work fits in an unprofiled step
         # bf16, same seed and batches: the compiled columns train the same losses within bf16 noise
         assert r["loss_vs_first_column"] < 0.05, name
+        if r["cuda_graph"]:  # replayed kernels have no launching op, so no region (the table's note says so)
+            assert name == "ours" and p["unattributed_ms"] > 0.5 * p["busy_ms"], (name, p["unattributed_ms"])
+        else:
+            assert cats["loss"] > 0, name  # by region
+            assert p["unattributed_ms"] < 0.05 * p["busy_ms"], (name, p["unattributed_ms"], p["busy_ms"])

@@ -36,7 +36,7 @@ def test_quick_run_writes_every_measure_for_each_column(tmp_path):
     assert (ours["column"], titan["column"]) == ("ours", "torchtitan-recipe")
     # the user's --set reaches every column, a column's own overrides win over it
     assert (ours["expert_backend"], titan["expert_backend"]) == ("loop", "grouped")
-    # 2 layers: norms, attention, router each; the cross-entropy once
+    # 2 layers: norms, attention, router each; the final norm and the cross-entropy once
     assert ours["compiled_regions"] == 0 and titan["compiled_regions"] == 2 * 4 + 2
     for r in (ours, titan):
         assert len(r["step_ms_all"]) == 2 and r["step_ms_min"] <= r["step_ms"] <= r["step_ms_max"]
