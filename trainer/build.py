@@ -81,11 +81,14 @@ def build_engine(cfg: Config, model: GPTMoE, rt: Runtime) -> Engine:
     SGD runs on the one-device `LocalEngine` (torch's optimizer), which has no fp32 masters.
     """
     if cfg.optimizer.optimizer == "sgd":
-        if rt.world_size > 1 or cfg.mixed_precision.bf16:
+        if rt.world_size > 1 or cfg.mixed_precision.bf16 or cfg.parallel.gradient_accumulation_fusion:
             from moectl.core.errors import ConfigError
 
-            raise ConfigError("optimizer.optimizer", "sgd", "SGD runs on one process with fp32 params only",
-                              "use optimizer.optimizer=adam, or one process with mixed_precision.bf16=false")
+            # rule MOE070 says the same before start-up; this guards callers that build a Trainer directly
+            raise ConfigError("optimizer.optimizer", "sgd",
+                              "SGD runs on one process with fp32 params and autograd weight grads only (MOE070)",
+                              "use optimizer.optimizer=adam, or one process with mixed_precision.bf16=false and "
+                              "parallel.gradient_accumulation_fusion=null")  # fmt: skip
         return LocalEngine(model, cfg.optimizer, on_nonfinite=cfg.train.on_nonfinite)
     from trainer.distributed.param_gather import param_gather_storage
 

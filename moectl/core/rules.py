@@ -27,7 +27,8 @@ native fp8 kernels), MOE064 (CUDA graphs: a dynamic expert-parallel exchange kee
 MOE065 (moe: the all-gather dispatcher drops no tokens), MOE066 (retired: CUDA graphs refused expert biases,
 whose grads' per-expert sum synced with the host; it no longer does), MOE067 (moe: the overlapped ep exchange,
 `ep_overlap_chunks`, needs the all-to-all under drop-and-pad), MOE068 (checkpoint: `run_dir` is not empty),
-MOE069 (hardware: `train.device=cuda` checked against a CPU).
+MOE069 (hardware: `train.device=cuda` checked against a CPU), MOE070 (optimizer: SGD runs on one process, with
+fp32 params and autograd weight grads).
 
 Environment rules (Transformer Engine, device) probe lazily and cheaply: TE is looked up through
 `importlib.util.find_spec` and package metadata, never imported; torch is imported only when a GPU
@@ -729,6 +730,28 @@ def optimizer_hyperparameters_in_range(c: Context) -> Iterator[_Hit]:
                 f"set optimizer.{name} {want}",
                 keys=(f"optimizer.{name}",),
             )
+
+
+@rule(
+    "MOE070", "optimizer", "error",
+    ["optimizer.optimizer", "world_size", "mixed_precision.bf16", "parallel.gradient_accumulation_fusion"],
+    "SGD runs on one process, with fp32 params and autograd weight grads",
+)  # fmt: skip
+def sgd_on_one_process(c: Context) -> Iterator[_Hit]:
+    """SGD runs on the one-device engine with torch's optimizer: no fp32 masters (so no bf16 params), no grad
+    buffers (so no data parallelism, and no `main_grad` for fused weight grads to add into). Start-up refused
+    the first two after the model was built, and a run with fusion forced on died with a traceback."""
+    if c.cfg.optimizer.optimizer != "sgd":
+        return
+    if c.world_size > 1:
+        yield _Hit(f"optimizer.optimizer=sgd runs on one process, not {c.world_size}",
+                   "use optimizer.optimizer=adam (or muon), or run one process")  # fmt: skip
+    if c.cfg.mixed_precision.bf16:
+        yield _Hit("optimizer.optimizer=sgd keeps fp32 params: it has no fp32 masters for mixed_precision.bf16=true",
+                   "use optimizer.optimizer=adam (or muon), or set mixed_precision.bf16=false")  # fmt: skip
+    if c.cfg.parallel.gradient_accumulation_fusion:
+        yield _Hit("optimizer.optimizer=sgd has no main_grad buffers for parallel.gradient_accumulation_fusion=true",
+                   "set parallel.gradient_accumulation_fusion=null (or false), or use optimizer.optimizer=adam")  # fmt: skip
 
 
 @rule("MOE013", "optimizer", "error", ["optimizer.min_lr", "optimizer.lr", "optimizer.lr_decay_style"], "min_lr <= lr")

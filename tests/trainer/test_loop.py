@@ -161,3 +161,13 @@ def test_router_padding_without_a_recipe_is_refused_not_ignored(tmp_path):
     t = make(tmp_path, "moe.router_padding_for_quantization=true", "mixed_precision.bf16=true",
              "mixed_precision.fp8=e4m3", "moe.backend=grouped")  # fmt: skip
     assert t.model.moe_layers()[0].dispatcher.align == t.model.recipe.align_size == 16
+
+
+@pytest.mark.parametrize("extra", ["mixed_precision.bf16=true", "parallel.gradient_accumulation_fusion=true"])
+def test_sgd_refuses_what_its_engine_cannot_run_before_training(tmp_path, extra):
+    """SGD's one-device engine has no fp32 masters and no main_grad buffers: a Trainer built directly (no CLI
+    rule check) refuses with one config error, not a traceback at the first backward (fused weight grads)."""
+    from moectl.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="MOE070"):
+        make(tmp_path, "optimizer.optimizer=sgd", extra)

@@ -555,6 +555,11 @@ CASES = [
     Case("MOE069", ["train.device=cuda"], ["train.device=auto"], env=Environment(te=None, device=Device(
         "cpu", None, "--device-capability cpu")), name="auto"),
     Case("MOE068", ["run_dir=' '"], ["run_dir=runs/x"], name="blank"),
+    Case("MOE070", ["optimizer.optimizer=sgd"], ["optimizer.optimizer=sgd"], world=2, pass_world=1),
+    Case("MOE070", ["optimizer.optimizer=sgd", "mixed_precision.bf16=true"],
+         ["optimizer.optimizer=adam", "mixed_precision.bf16=true"], name="bf16"),
+    Case("MOE070", ["optimizer.optimizer=sgd", "parallel.gradient_accumulation_fusion=true"],
+         ["optimizer.optimizer=sgd", "parallel.gradient_accumulation_fusion=null"], name="fusion"),
     Case("MOE059", ["train.cuda_graph=true", *DROP_AND_PAD, "moe.backend=loop"],
          ["train.cuda_graph=true", *DROP_AND_PAD, "moe.backend=grouped"]),
     Case("MOE059", ["train.cuda_graph=true", *DROP_AND_PAD, "moe.backend=te"],
