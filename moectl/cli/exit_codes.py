@@ -2,7 +2,7 @@
 
     0    finished: every step ran
     1    failed: a rank crashed, was killed or hung, a collective timed out, a non-finite loss, a bad checkpoint
-    2    bad usage or config: nothing was trained
+    2    bad usage or config (a data source that cannot be read at start-up included): nothing was trained
     3    stopped by a signal (SIGTERM, SIGINT) after saving a checkpoint: resume with checkpoint.load
     128+N  stopped by signal N (143 SIGTERM, 130 SIGINT) with nothing saved (no checkpoint.save_interval):
          the shell's code for a death by that signal, since the steps are lost all the same; a warning says so

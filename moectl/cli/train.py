@@ -26,7 +26,7 @@ from moectl.cli.console import make_console
 from moectl.cli.options import ConfigArg, NprocOpt, RunDirOpt, SetOpt, examples
 from moectl.core.config.load import load_config
 from moectl.core.config.schema import Config
-from moectl.core.errors import ConfigError, MoectlError
+from moectl.core.errors import ConfigError, DataError, MoectlError
 
 OverwriteOpt = Annotated[
     bool,
@@ -155,12 +155,15 @@ def _train_here(cfg: Config, console: Console, rank: int, world: int, overwrite:
                 kind = O.TIMEOUT if e.kind == "timeout" else O.PEER_LOST
             else:
                 kind = O.PEER_FAILED if isinstance(e, PeerFailedError) else O.ERROR
-            report_to_launcher(kind, e.exit_code, e.one_line(), timeout_s=getattr(e, "timeout_s", None))
+            code = e.exit_code
+            if isinstance(e, DataError) and state.step is None:  # the data as configured: nothing was trained
+                code = exit_codes.USAGE
+            report_to_launcher(kind, code, e.one_line(), timeout_s=getattr(e, "timeout_s", None))
             if os.environ.get("MOECTL_DEBUG") == "1":
                 traceback.print_exc()
             elif not launched:  # the launcher prints one line for the whole run
                 report(e, f"rank {rank}: " if world > 1 and not e.message.startswith("rank ") else "")
-            return e.exit_code
+            return code
         except KeyboardInterrupt:  # a second Ctrl-C: abort now, without saving
             report_to_launcher(O.STOPPED, exit_codes.stopped_unsaved(signal.SIGINT), signal_name="SIGINT")
             typer.secho("error: interrupted (second Ctrl-C): stopped without saving", err=True, fg="red")

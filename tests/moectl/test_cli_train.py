@@ -161,3 +161,12 @@ def test_cuda_asked_for_without_a_gpu_is_bad_usage(tmp_path):
     res = runner.invoke(app, ["train", "configs/tiny.yaml", *SMALL, "--run-dir", str(tmp_path / "r"),
                               "--set", "train.device=cuda"])  # fmt: skip
     assert res.exit_code == 2 and "no CUDA device is visible" in _one_error_line(res)
+
+
+def test_data_that_cannot_be_read_at_start_up_is_bad_usage_exit_2(tmp_path):
+    """Nothing was trained: exit 2, as for a bad config (moectl/cli/exit_codes.py), with one line."""
+    (tmp_path / "x.bin").write_bytes(b"garbage")
+    for path, words in ((tmp_path / "missing", "no such file"), (tmp_path / "x", "x.idx")):
+        res = runner.invoke(app, ["train", "configs/tiny.yaml", *SMALL, "--run-dir", str(tmp_path / "r"),
+                                  "--set", "data.source=megatron", "--set", f"data.path={path}"])  # fmt: skip
+        assert res.exit_code == 2 and words in _one_error_line(res), res.output
