@@ -141,6 +141,18 @@ def test_text_txt_is_its_bytes(tmp_path: Path) -> None:
     assert s.tokens.dtype == torch.uint8 and bytes(s.tokens.tolist()) == "héllo\nworld\n".encode()
 
 
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-32"])
+def test_text_txt_in_utf16_or_32_is_refused_by_its_byte_order_mark(tmp_path: Path, encoding: str) -> None:
+    """Read as bytes, every other token would be an encoding's zero byte; UTF-8 (with or without a BOM) reads."""
+    path = tmp_path / "a.txt"
+    path.write_text("hello world", encoding=encoding)  # Python writes the platform's BOM first
+    with pytest.raises(DataError, match=f"{encoding.upper()} text") as e:
+        load_text(str(path))
+    assert f"iconv -f {encoding.upper()} -t UTF-8" in e.value.one_line()
+    path.write_text("hello", encoding="utf-8-sig")
+    assert load_text(str(path)).tokens.numel() == 8
+
+
 def test_text_jsonl_joins_records_with_nul(tmp_path: Path) -> None:
     path = tmp_path / "docs.jsonl"
     path.write_text('{"text": "ab", "id": 1}\n\n{"text": "ç"}\n', encoding="utf-8")

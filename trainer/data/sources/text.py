@@ -80,6 +80,18 @@ def _tokenize(texts: list[str], tokenizer: Any) -> tuple[torch.Tensor, str | Non
     return torch.tensor(ids, dtype=torch.int32), end
 
 
+def _refuse_utf16_or_32(path: str) -> None:
+    """A `.txt` read as bytes must be UTF-8: a UTF-16 or UTF-32 file (told by its byte-order mark) would train
+    on its encoding's zero bytes, every other token."""
+    with open(path, "rb") as f:
+        head = f.read(4)
+    for bom, name in ((b"\xff\xfe\x00\x00", "UTF-32"), (b"\x00\x00\xfe\xff", "UTF-32"), (b"\xff\xfe", "UTF-16"),
+                      (b"\xfe\xff", "UTF-16")):  # fmt: skip
+        if head.startswith(bom):
+            raise DataError(f"{path}: {name} text (its byte-order mark); the byte tokenizer reads UTF-8",
+                            f"re-encode the file as UTF-8 (e.g. iconv -f {name} -t UTF-8)")
+
+
 def load_text(path: str, tokenizer: str | None = None) -> TokenStream:
     """Tokenise a `.txt` or `.jsonl` file (bytes by default, or a local tokenizer.json)."""
     require_file(path)
@@ -89,6 +101,7 @@ def load_text(path: str, tokenizer: str | None = None) -> TokenStream:
     tok = load_tokenizer(tokenizer) if tokenizer else None
     notes: dict[str, Any] = {"format": "jsonl" if is_jsonl else "txt", "tokenizer": tokenizer or "bytes"}
     if tok is None and not is_jsonl:
+        _refuse_utf16_or_32(path)
         tokens = map_file(path, torch.uint8)
     elif tok is None:
         texts = read_jsonl_texts(path)
