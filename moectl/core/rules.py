@@ -739,8 +739,8 @@ def optimizer_hyperparameters_in_range(c: Context) -> Iterator[_Hit]:
 )  # fmt: skip
 def sgd_on_one_process(c: Context) -> Iterator[_Hit]:
     """SGD runs on the one-device engine with torch's optimizer: no fp32 masters (so no bf16 params), no grad
-    buffers (so no data parallelism, and no `main_grad` for fused weight grads to add into). Start-up refused
-    the first two after the model was built, and a run with fusion forced on died with a traceback."""
+    buffers (so no data parallelism, and no `main_grad` for fused weight grads to add into). Use AdamW or Muon
+    for any of those; `gradient_accumulation_fusion: null` already leaves fusion off under SGD."""
     if c.cfg.optimizer.optimizer != "sgd":
         return
     if c.world_size > 1:
