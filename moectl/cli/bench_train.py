@@ -88,6 +88,22 @@ def _rows(result: Any) -> list[tuple[str, list[str]]]:
     return out
 
 
+def _host_cpu() -> str:
+    """The host CPU's model name (Linux `/proc/cpuinfo`, else `platform.processor()`): a column that launches
+    eagerly (the peers) is bound by the host, and its step time moved 240 -> 306 ms between H100 machines
+    (docs/benchmarks.md, twenty-second session), so a recorded number names its host."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return " ".join(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
 def render(result: Any, console: Console) -> None:
     """The result as one Rich table: a column per bench column, a row per measure."""
     meta = result.meta
@@ -96,7 +112,7 @@ def render(result: Any, console: Console) -> None:
     title = (
         f"training step, {meta['config']}: {model.get('params', 0) / 1e6:,.1f}M params "
         f"({model.get('active_params', 0) / 1e6:,.1f}M active), {model.get('tokens_per_step', 0):,} tokens per step, "
-        f"{meta['world_size']} x {meta['device_name']} ({versions})"
+        f"{meta['world_size']} x {meta['device_name']} ({versions}); host {meta.get('host_cpu', 'unknown')}"
     )
     caption = (
         f"{meta['steps']} timed steps after {meta['warmup']} warm-up; device time from a profile of "
@@ -183,7 +199,7 @@ def _run(bench: Any, configs: list[Any], world: int, console: Console) -> Any:
         "steps": bench.steps, "warmup": bench.warmup, "profile_steps": bench.profile_steps, "quick": bench.quick,
         "world_size": world, "device": device.type, "torch": torch.__version__,
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "cuda": torch.version.cuda if device.type == "cuda" else None,
+        "cuda": torch.version.cuda if device.type == "cuda" else None, "host_cpu": _host_cpu(),
     }  # fmt: skip
     notes = []
     set_backend = bench.quick and device.type == "cpu" and not os.environ.get(BACKEND_ENV)
@@ -191,6 +207,10 @@ def _run(bench: Any, configs: list[Any], world: int, console: Console) -> Any:
         os.environ[BACKEND_ENV] = "aot_eager"
         notes.append("--quick on the CPU: compiled columns use torch.compile backend aot_eager (graph capture, no "
                      "code generation); their times say nothing about compiled speed")  # fmt: skip
+    eager = [c.name for c in bench.columns if "train.cuda_graph=false" in c.overrides and c.name != "eager"]
+    if device.type == "cuda" and eager:
+        notes.append(f"{', '.join(eager)}: every kernel launched from the host, so their step times move with the "
+                     "host CPU (named in the title) as well as the GPU")  # fmt: skip
     if device.type == "cpu":
         notes.append("on the CPU the 'device' is the host: op times include the profiler's per-op overhead, so the "
                      "split only shows that the attribution works")  # fmt: skip

@@ -31,6 +31,8 @@ def test_quick_run_writes_every_measure_for_each_column(tmp_path):
     assert "training step" in result.output and "aot_eager" in result.output
     data = json.loads(out.read_text())
     assert data["meta"]["world_size"] == 1 and data["meta"]["device"] == "cpu" and data["meta"]["quick"]
+    host = data["meta"]["host_cpu"]  # the peers are host-bound: a recorded number names its host
+    assert host and f"host {host}" in " ".join(result.output.split())
     assert data["meta"]["model"]["params"] > data["meta"]["model"]["active_params"] > 0
     ours, titan = data["rows"]
     assert (ours["column"], titan["column"]) == ("ours", "torchtitan-recipe")
