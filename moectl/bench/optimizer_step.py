@@ -46,6 +46,7 @@ from typing import Any, Callable
 
 import torch
 
+from ckpt.staging import host_memory_available
 from moectl.bench.optimizer_step_muon import build_muon, muon_rows, ns_flops_per_step
 from moectl.bench.param_mix import MixShape, build_params, copy_bandwidth_gbps, device_meta
 from moectl.bench.timing import interleaved_ms
@@ -228,24 +229,12 @@ def run_quantize(cfg: OptBenchConfig, device: torch.device, copy_gbps: float,
 HOST_BYTES_PER_PARAM = 64
 
 
-def _available_host_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo (Linux), else None."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
 def check_fits(cfg: OptBenchConfig) -> None:
     """On a CPU, refuse a mix whose optimizers cannot all be held in memory: the kernel's out-of-memory killer
     ended such a run with exit code 137 and no word (803.5M params on a 23 GiB machine)."""
     if torch.device(cfg.device).type != "cpu":
         return
-    need, have = cfg.shape.numel() * HOST_BYTES_PER_PARAM, _available_host_bytes()
+    need, have = cfg.shape.numel() * HOST_BYTES_PER_PARAM, host_memory_available()
     if have is not None and need > have:
         raise UsageError(
             f"bench optimizer-step: {cfg.shape.numel() / 1e6:.1f}M params need about {need / 2**30:.0f} GiB of host "

@@ -76,9 +76,9 @@ def test_a_cpu_optimizer_bench_that_cannot_fit_is_refused_not_killed(monkeypatch
     from moectl.bench import optimizer_step as ob
     from moectl.core.errors import UsageError
 
-    monkeypatch.setattr(ob, "_available_host_bytes", lambda: 8 << 30)
+    monkeypatch.setattr(ob, "host_memory_available", lambda: 8 << 30)
     with pytest.raises(UsageError, match="need about 48 GiB of host memory"):
         ob.check_fits(ob.OptBenchConfig(device="cpu"))
     ob.check_fits(ob.OptBenchConfig.quick())  # the quick mix fits
-    monkeypatch.setattr(ob, "_available_host_bytes", lambda: None)  # unknown: not refused
+    monkeypatch.setattr(ob, "host_memory_available", lambda: None)  # unknown: not refused
     ob.check_fits(ob.OptBenchConfig(device="cpu"))
