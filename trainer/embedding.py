@@ -16,18 +16,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.kernels import has_triton
+from trainer.kernels import triton_runs
 from trainer.main_grad import grad_ready, require_main_grad, settle_stale
 from trainer.moe.expert_order import compact_ids
-from trainer.switches import switched_off
 
 
 def accumulate_embedding_grad(param: nn.Parameter, ids_N: torch.Tensor, g_ND: torch.Tensor) -> None:
     """`param.main_grad[ids[n]] += g[n]` for a `[V, D]` embedding weight, then report the grad ready."""
     main_grad = param.main_grad  # type: ignore[attr-defined]
     settle_stale(param)
-    if (main_grad.is_cuda and main_grad.dtype == torch.float32 and main_grad.is_contiguous()
-            and not switched_off("MOECTL_TRITON_EMBEDDING_GRAD") and has_triton()):  # fmt: skip
+    if (triton_runs(main_grad.device, "MOECTL_TRITON_EMBEDDING_GRAD") and main_grad.dtype == torch.float32
+            and main_grad.is_contiguous()):  # fmt: skip
         from trainer.kernels.embedding_grad_triton import add_embedding_grad
 
         sorted_ids, order = torch.sort(compact_ids(ids_N, main_grad.shape[0] - 1), stable=True)

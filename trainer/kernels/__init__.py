@@ -13,11 +13,19 @@ from typing import Literal, Optional
 
 import torch
 
+from trainer.switches import switched_off
+
 
 @functools.lru_cache(maxsize=None)
 def has_triton() -> bool:
     """Whether Triton can be imported (looked up once, without importing it; CI and CPU installs have none)."""
     return importlib.util.find_spec("triton") is not None
+
+
+def triton_runs(device: torch.device, switch: str) -> bool:
+    """Whether work on `device` takes a Triton kernel: CUDA, Triton importable, and the kernel's A/B switch
+    (`switch`, e.g. `MOECTL_TRITON_SORT`; `trainer/switches.py`) not turned off."""
+    return device.type == "cuda" and has_triton() and not switched_off(switch)
 
 
 def capability(device: torch.device | str | None) -> Optional[tuple[int, int]]:

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from trainer.kernels import has_triton
-from trainer.switches import switched_off
+from trainer.kernels import triton_runs
 
 
 def compact_ids(ids: torch.Tensor, bound: int) -> torch.Tensor:
@@ -27,7 +26,7 @@ def compact_ids(ids: torch.Tensor, bound: int) -> torch.Tensor:
 def sort_by_expert(keys_N: torch.Tensor, buckets: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`(order_R, inverse_N)` (int64) for keys in `[0, buckets)`: `order_R` is `argsort(keys_N, stable=True)`
     (equal keys keep their order) and `inverse_N[order_R[r]] = r`, the sorted place of each routing."""
-    if keys_N.is_cuda and not switched_off("MOECTL_TRITON_SORT") and has_triton():
+    if triton_runs(keys_N.device, "MOECTL_TRITON_SORT"):
         from trainer.kernels.counting_sort_triton import counting_sort
 
         return counting_sort(keys_N, buckets)

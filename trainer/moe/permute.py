@@ -24,8 +24,7 @@ from typing import Any
 
 import torch
 
-from trainer.kernels import has_triton
-from trainer.switches import switched_off
+from trainer.kernels import triton_runs
 
 
 def _with_zero_row(t_XD: torch.Tensor) -> torch.Tensor:
@@ -41,7 +40,7 @@ def _gather_sum(t_XD: torch.Tensor, index_N: torch.Tensor, topk: int, zero_row: 
     """`[N / K, D]`: the K rows `index_N` picks for each output row, summed in fp32 in order k = 0..K-1."""
     if topk == 1:  # a plain row gather (the all-to-all's receiver side): nothing to sum
         return _gather(t_XD, index_N, zero_row)
-    if t_XD.is_cuda and not switched_off("MOECTL_TRITON_GATHER_SUM") and has_triton():
+    if triton_runs(t_XD.device, "MOECTL_TRITON_GATHER_SUM"):
         from trainer.kernels.gather_sum_triton import gather_sum
 
         return gather_sum(t_XD.contiguous(), index_N, topk)  # an index X (dropped) reads zeros

@@ -31,8 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from trainer.kernels import fp32_out_gemm, has_triton
-from trainer.switches import switched_off
+from trainer.kernels import fp32_out_gemm, triton_runs
 
 
 def split3(w: torch.Tensor) -> torch.Tensor:
@@ -51,14 +50,10 @@ def _mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tenso
     return (a.float() @ b.float()).to(out_dtype)  # the same exact products, for CPU tests
 
 
-def _fast_split(t: torch.Tensor) -> bool:
-    return t.is_cuda and not switched_off("MOECTL_TRITON_SPLIT3") and has_triton()
-
-
 def weight_parts(w_ED: torch.Tensor) -> torch.Tensor:
     """`[4E, D]` bf16 rows `[lo; hi; mid; hi]` of `split3(w)`: the first 3E rows are the forward's operand,
     the last 3E the data grad's (`[hi; mid; hi]`), so neither needs a `cat` (one Triton pass on CUDA)."""
-    if _fast_split(w_ED):
+    if triton_runs(w_ED.device, "MOECTL_TRITON_SPLIT3"):
         from trainer.kernels.split3_triton import split_rows
 
         return split_rows(w_ED.contiguous())
@@ -69,7 +64,7 @@ def weight_parts(w_ED: torch.Tensor) -> torch.Tensor:
 def grad_parts(g_TE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`([g_hi | g_mid | g_lo], [g_hi | g_hi | g_mid])`, each `[T, 3E]` bf16, of the fp32 logits' grad: the
     weight grad's operand (read transposed) and the data grad's (one Triton pass on CUDA)."""
-    if _fast_split(g_TE):
+    if triton_runs(g_TE.device, "MOECTL_TRITON_SPLIT3"):
         from trainer.kernels.split3_triton import split_cols
 
         return split_cols(g_TE.contiguous())

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from trainer.kernels import has_triton
-from trainer.switches import switched_off
+from trainer.kernels import triton_runs
 
 
 @torch.library.custom_op("moectl::router_topk_ids", mutates_args=())
@@ -27,7 +26,7 @@ def _(scores_TE: torch.Tensor, k: int) -> torch.Tensor:
 
 def fast_topk(device: torch.device) -> bool:
     """Whether the router takes the Triton top-k on `device`."""
-    return device.type == "cuda" and not switched_off("MOECTL_TRITON_TOPK") and has_triton()
+    return triton_runs(device, "MOECTL_TRITON_TOPK")
 
 
 def topk(scores_TE: torch.Tensor, k: int, fast: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -53,9 +53,8 @@ from trainer.distributed.layout import PARAM_ALIGN
 from trainer.optim.adamw import adamw_update_, fused_adamw_update_
 from trainer.optim.grad_norm import GradVerdict
 from trainer.optim.grad_norm import clipped
-from trainer.kernels import has_triton
+from trainer.kernels import triton_runs
 from trainer.optim.sharded_base import Segment, ShardBase, ShardedOptimizerBase
-from trainer.switches import switched_off
 
 STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
 #: "0": torch's fused AdamW kernel on CUDA instead of `kernels/adamw_triton.py`
@@ -66,7 +65,7 @@ DECAY_CHUNK = PARAM_ALIGN
 
 def wants_triton_adamw(device: torch.device) -> bool:
     """Whether fused AdamW on `device` runs `kernels/adamw_triton.py` (CUDA with Triton, not switched off)."""
-    return device.type == "cuda" and has_triton() and not switched_off(TRITON_ADAMW_ENV)
+    return triton_runs(device, TRITON_ADAMW_ENV)
 
 
 def adamw_triton() -> Any:
