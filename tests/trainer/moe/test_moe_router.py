@@ -148,8 +148,11 @@ def test_triton_topk_ids_are_torch_topks(T: int, E: int, K: int) -> None:
 @pytest.mark.parametrize("compiled", [False, True])
 def test_router_on_the_triton_topk_is_the_torch_router(score: str, compiled: bool,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """The router with its top-k ids from the kernel, eager and under inductor (the custom op inside the
-    compiled `route`), gives torch.topk's probs, ids, counts, aux loss and grads bit for bit."""
+    """The router with its top-k ids from the kernel gives torch.topk's probs, ids, counts, aux loss and grads:
+    bit for bit eagerly. Under inductor (the custom op inside the compiled `route`) the routing itself is bit for
+    bit too, but the losses and the grad only to rounding: the two graphs fuse the reductions around an opaque op
+    and `aten.topk` differently (on an H100 the aux loss and grad of one score function differed in their last
+    bits, which one varied with the compile cache's state)."""
     from trainer.kernels import has_triton
 
     if not has_triton():
@@ -167,5 +170,11 @@ def test_router_on_the_triton_topk_is_the_torch_router(score: str, compiled: boo
         ro = router(x)
         (ro.probs_TK.square().sum() + ro.aux_loss + ro.z_loss).backward()
         out[fast] = (ro.probs_TK, ro.indices_TK, ro.tokens_per_expert_E, ro.aux_loss, ro.z_loss, router.weight.grad)
-    for a, b in zip(out["1"], out["0"]):
+    routing, reduced = slice(0, 3), slice(3, 6)  # probs, ids, counts | aux loss, z loss, weight grad
+    for a, b in zip(out["1"][routing], out["0"][routing]):
         assert torch.equal(a, b)
+    for a, b in zip(out["1"][reduced], out["0"][reduced]):
+        if compiled:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-9)
+        else:
+            assert torch.equal(a, b)
