@@ -32,7 +32,7 @@ from torch import nn
 from moectl.core.config.schema import ModelConfig, MoEConfig
 from moectl.core.facts import GLU_ROWS_ATTR, GluRows
 from trainer import regions
-from trainer.attention import SelfAttention, rope_cache
+from trainer.attention import SelfAttention
 from trainer.embedding import Embedding
 from trainer.init_weights import init_skipped
 from trainer.linear import Linear
@@ -40,6 +40,7 @@ from trainer.moe import MoELayer
 from trainer.norm import RMSNorm
 from trainer.precision import Recipe
 from trainer.regions import region
+from trainer.rope import rope_cache
 
 
 class DenseMLP(nn.Module):
