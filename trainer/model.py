@@ -33,6 +33,7 @@ from moectl.core.config.schema import ModelConfig, MoEConfig
 from moectl.core.facts import GLU_ROWS_ATTR, GluRows
 from trainer import regions
 from trainer.attention import SelfAttention
+from trainer.cross_entropy import cross_entropy, fast_cross_entropy
 from trainer.embedding import Embedding
 from trainer.init_weights import init_skipped
 from trainer.linear import Linear
@@ -234,11 +235,12 @@ class GPTMoE(nn.Module):
         """Mean next-token cross-entropy (in fp32) plus the routers' auxiliary losses."""
         logits_BSV = self(tokens_BS)
         with region(regions.LOSS):
-            lm_loss = self.lm_loss(logits_BSV, targets_BS)
+            lm_loss = self.lm_loss(logits_BSV, targets_BS, fast_cross_entropy(logits_BSV.device))
             aux = sum((m.aux_loss for m in self.moe_layers()), torch.zeros((), device=lm_loss.device))
         return LossParts(total=lm_loss + aux, lm_loss=lm_loss, aux_loss=aux)
 
-    def lm_loss(self, logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
+    def lm_loss(self, logits_BSV: torch.Tensor, targets_BS: torch.Tensor, fused: bool = False) -> torch.Tensor:
         """Mean cross-entropy of the logits, in fp32 (a region `train.compile` compiles: fused, the fp32
-        upcast of the [B*S, V] logits never reaches memory)."""
-        return F.cross_entropy(logits_BSV.float().flatten(0, 1), targets_BS.flatten())
+        upcast of the [B*S, V] logits never reaches memory). `fused` (decided outside, so the region guards on
+        it): the Triton op of `trainer/cross_entropy.py`, which reads the logits once each way."""
+        return cross_entropy(logits_BSV.flatten(0, 1), targets_BS.flatten(), fused)
