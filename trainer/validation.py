@@ -46,6 +46,7 @@ from trainer.checkpointing.resume import load_model_weights
 from trainer.distributed.quantized_storage import quantized_storage_of
 from trainer.loop import Trainer
 from trainer.observer import SilentObserver
+from trainer.parallel.groups import ep_sizes
 
 # Builds the config to restore into from the checkpoint's own (plain data, a private copy).
 ConfigFor = Callable[[dict[str, Any]], Config]
@@ -144,10 +145,14 @@ def _restore_and_prove(report: ValidationReport, path: str | Path, config_for: O
             return note, ck.path
         # the saved layout does not fit this world (ep=2 checked in one process): the checkpoint may be fine, the
         # command is not (exit 2, not "invalid"); its state is layout-free, so another layout restores it
-        sizes = (e.fix or "").removeprefix("choose ")
+        if e.key == "parallel.expert_model_parallel_size":
+            world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+            change = f"pass --set {e.key}=N, N one of {ep_sizes(world)}"
+        else:
+            change = f"{e.fix or 'change ' + e.key} (with --set)"
         raise UsageError(f"{e.message}: the checkpoint's recorded layout does not fit this world",
-                         f"pass --set {e.key}=N, N {sizes} (the checkpoint restores into any layout), or run ckpt "
-                         "validate under torchrun with the saved world size") from None  # fmt: skip
+                         f"{change} (the checkpoint restores into any layout), or run ckpt validate under torchrun "
+                         "with the saved world size") from None  # fmt: skip
     except MoectlError as e:
         report.add(Check("restore", "-", False, e.one_line()))
         return note, ck.path

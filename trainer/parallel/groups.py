@@ -99,14 +99,19 @@ def _default_device(local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def ep_sizes(world_size: int) -> list[int]:
+    """The expert-parallel sizes a world of `world_size` processes takes: its divisors."""
+    return [d for d in range(1, world_size + 1) if world_size % d == 0]
+
+
 def check_ep_size(world_size: int, ep: int) -> None:
     """Refuse an expert-parallel size that does not divide the world (a user error)."""
-    if ep < 1 or world_size % ep != 0:
+    if ep not in ep_sizes(world_size):
         raise ConfigError(
             "parallel.expert_model_parallel_size",
             ep,
             f"must be a positive divisor of the world size ({world_size})",
-            fix=f"choose one of {[d for d in range(1, world_size + 1) if world_size % d == 0]}",
+            fix=f"choose one of {ep_sizes(world_size)}",
         )
 
 
