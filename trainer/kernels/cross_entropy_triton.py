@@ -2,10 +2,10 @@
 
 One program per row. The forward walks the row in BLOCK_V chunks keeping, per lane, a running max and the sum
 of `exp(x - max)` (in fp32), folds the lanes into the row's log-sum-exp and writes it with the row's loss
-`lse - x[target]` (0 for an ignored target); the caller sums the rows in torch (a fixed order). The backward
-walks the row again and writes `(exp(x - lse) - [v == target]) * scale` in the logits' dtype, `scale` being
-the device scalar `grad / count` (0 on ignored rows). The forward reads the logits once, the backward once
-and writes the grad once.
+`lse - x[target]` (0 for an ignored target, NaN for one outside the vocabulary); the caller sums the rows in
+torch (a fixed order). The backward walks the row again and writes `(exp(x - lse) - [v == target]) * scale` in
+the logits' dtype, `scale` being the device scalar `grad / count` (0 on ignored rows). The forward reads the
+logits once, the backward once and writes the grad once.
 
 Imported lazily on CUDA only; importing it needs Triton.
 """
@@ -38,7 +38,9 @@ def _ce_fwd_kernel(x_ptr, t_ptr, loss_ptr, lse_ptr, V, stride, IGNORE: tl.conste
     lse = top + tl.log(tl.sum(s * tl.exp(m - top), axis=0))
     tgt = tl.load(t_ptr + row)
     counted = tgt != IGNORE
-    x_t = tl.load(base + tl.where(counted, tgt, 0)).to(tl.float32)
+    # a target outside [0, V) reads nothing and makes the loss NaN (the step's non-finite guard then names it),
+    # where torch's kernel would stop the process with a device-side assert
+    x_t = tl.load(base + tgt, mask=counted & (tgt >= 0) & (tgt < V), other=float("nan")).to(tl.float32)
     tl.store(lse_ptr + row, lse)
     tl.store(loss_ptr + row, tl.where(counted, lse - x_t, 0.0))
 

@@ -36,3 +36,15 @@ def test_kernels_are_f_cross_entropy_to_rounding(V: int) -> None:
     torch.testing.assert_close(res["a"][0], res["torch"][0], rtol=1e-6, atol=0)
     torch.testing.assert_close(res["a"][1].float(), res["torch"][1].float(), rtol=2**-7, atol=1e-10)
     assert torch.count_nonzero(res["a"][1][::7]) == 0
+
+
+def test_a_target_outside_the_vocabulary_makes_the_loss_nan() -> None:
+    """No read outside the row (torch's kernel would stop the process with a device-side assert): the loss is
+    NaN, which the step's non-finite guard reports."""
+    if not has_triton():
+        pytest.skip("needs Triton")
+    logits = torch.randn(8, 1000, device="cuda").bfloat16()
+    targets = torch.randint(0, 1000, (8,), device="cuda")
+    assert torch.isfinite(cross_entropy(logits, targets, True))
+    targets[-1] = 1000
+    assert torch.isnan(cross_entropy(logits, targets, True))
