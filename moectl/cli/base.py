@@ -14,6 +14,8 @@ from typing import Any, Callable, TypeVar
 
 import typer
 
+from moectl.cli.outcome import OUTCOME_DIR_ENV
+from moectl.core.environment import unknown_variables
 from moectl.core.errors import MoectlError
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -67,12 +69,22 @@ def report(e: MoectlError, prefix: str = "") -> None:
         typer.secho(f"error: {prefix}{line}", err=True, fg="red")
 
 
+def warn_unknown_variables() -> None:
+    """Name each `MOECTL_*` environment variable moectl does not read (a mistyped switch would change nothing
+    silently); once per run: a launched worker (RANK set) leaves it to the command that launched it."""
+    if os.environ.get("RANK") not in (None, "0") or os.environ.get(OUTCOME_DIR_ENV):
+        return
+    for line in unknown_variables(os.environ):
+        typer.secho(f"warning: {line}", err=True, fg="yellow")
+
+
 def command(target: typer.Typer = app, name: str | None = None, **kwargs: Any) -> Callable[[F], F]:
     """Register `fn` as a command of `target`, with one-line user errors."""
 
     def decorate(fn: F) -> F:
         @functools.wraps(fn)
         def wrapper(*args: Any, **kw: Any) -> Any:
+            warn_unknown_variables()
             try:
                 return fn(*args, **kw)
             except MoectlError as e:
