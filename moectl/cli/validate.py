@@ -101,11 +101,7 @@ def _explain(rule_id: str, as_json: bool, console: Console) -> None:
     if rid in RETIRED:
         raise UsageError(f"--explain {rid}: retired rule: {RETIRED[rid]}", "--explain all lists the rules in use")
     if rid not in RULES:
-        close = difflib.get_close_matches(rid, list(RULES), n=1, cutoff=0.6)
-        hint = (
-            f"did you mean {close[0]}?" if close else f"rules are {min(RULES)}..{max(RULES)}; --explain all lists them"
-        )
-        raise UsageError(f"--explain {rule_id!r}: no such rule", hint)
+        raise UsageError(f"--explain {rule_id!r}: no such rule", _explain_hint(rid))
     if as_json:
         typer.echo(json.dumps(_rule_json(rid), indent=2))
         return
@@ -215,3 +211,17 @@ def _print_human(
         console.print(f"[red]{config}: invalid[/] ({errors} error(s), {warnings} warning(s))", highlight=False)
     else:
         console.print(f"[green]{config}: valid[/] ({warnings} warning(s))", highlight=False)
+
+
+def _explain_hint(rid: str) -> str:
+    """The fix for an unknown `--explain` id. Ids differ only in their number, so spelling similarity means
+    nothing between two well-formed ids (MOE999 is not "close to" MOE069): a well-formed one gets the range. A
+    mistyped prefix or padding (`MEO042`, `MOE42`, `42`) is read by its number; else the closest spelling
+    (`MOE0100`: MOE010)."""
+    if re.fullmatch(r"MOE\d{3}", rid) is None:
+        digits = re.fullmatch(r"[A-Z]*0*(\d{1,3})", rid)
+        guess = f"MOE{int(digits[1]):03d}" if digits else None
+        close = [guess] if guess in RULES else difflib.get_close_matches(rid, list(RULES), n=1, cutoff=0.6)
+        if close:
+            return f"did you mean {close[0]}?"
+    return f"rules are {min(RULES)}..{max(RULES)}; --explain all lists them"

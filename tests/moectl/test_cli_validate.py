@@ -176,6 +176,10 @@ def test_explain_unknown_rule_exits_2_with_suggestion() -> None:
     assert r.exit_code == 2 and "did you mean MOE010" in r.stderr
     r = invoke("--explain", "nonsense")
     assert r.exit_code == 2 and "--explain all" in r.stderr
+    r = invoke("--explain", "moe42")  # a mistyped prefix or padding is read by its number
+    assert r.exit_code == 2 and "did you mean MOE042" in r.stderr
+    r = invoke("--explain", "MOE999")  # well-formed: spelling says nothing about which rule was meant
+    assert r.exit_code == 2 and "did you mean" not in r.stderr and "MOE001.." in r.stderr
 
 
 def test_help_has_examples() -> None:
