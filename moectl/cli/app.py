@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import sys
+
+import typer
+
 from moectl.cli.base import app
 from moectl.cli import validate  # noqa: F401
 from moectl.cli import bench  # noqa: F401
@@ -16,5 +20,29 @@ __all__ = ["app", "main"]
 
 
 def main() -> None:
-    """Console entry point."""
-    app()
+    """Console entry point. A bad flag, option value or command name is one line with its fix, as every other
+    error (Typer would draw a multi-line box under a usage line); help and exit codes are Typer's."""
+    usage_error, click_error = _click_errors()
+    try:
+        code = app(standalone_mode=False)
+    except usage_error as e:
+        where = e.ctx.command_path if e.ctx is not None else "moectl"
+        message = " ".join(e.format_message().split())
+        stop = "" if message.endswith((".", "?", "!")) else "."
+        typer.secho(f"error: {message}{stop} fix: see {where} -h", err=True, fg="red")
+        sys.exit(e.exit_code)
+    except click_error as e:  # e.g. a file option that cannot be opened
+        typer.secho(f"error: {' '.join(e.format_message().split())}", err=True, fg="red")
+        sys.exit(e.exit_code)
+    except typer.Abort:  # Ctrl-C while click itself waited (a prompt)
+        typer.secho("error: aborted", err=True, fg="red")
+        sys.exit(130)
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+def _click_errors() -> tuple[type[Exception], type[Exception]]:
+    """(UsageError, ClickException) of the click that Typer runs on: its own vendored copy since Typer 0.29,
+    the click package before; `typer.BadParameter` derives from both in either case."""
+    bases = typer.BadParameter.__mro__
+    return (next(c for c in bases if c.__name__ == "UsageError"),
+            next(c for c in bases if c.__name__ == "ClickException"))  # fmt: skip

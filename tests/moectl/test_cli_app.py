@@ -1,0 +1,39 @@
+"""The `moectl` entry point (moectl/cli/app.py `main`), run as a user runs it (a subprocess): a bad option value,
+an unknown command or option and a missing argument are each one `error: ... fix: see ... -h` line on stderr with
+exit code 2, as every other error (Typer's own handling drew a multi-line box); help and --version exit 0."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TINY = str(Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml")
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "moectl", *args], capture_output=True, text=True, timeout=120,
+                          env={"PATH": "/usr/bin:/bin", "COLUMNS": "100"})  # fmt: skip
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (("train", TINY, "--nproc-per-node", "abc"), "Invalid value for '--nproc-per-node'"),
+    (("trainn",), "No such command 'trainn'. Did you mean 'train'?"),
+    (("validate-config", TINY, "--bogus"), "No such option: --bogus"),
+    (("ckpt", "convert"), "Missing argument"),
+])  # fmt: skip
+def test_usage_errors_are_one_line_with_exit_2(args: tuple[str, ...], says: str) -> None:
+    r = _run(*args)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], r.stderr
+    assert "fix: see " in lines[0] and " -h" in lines[0] and "╭" not in r.stderr
+
+
+def test_help_and_version_exit_0() -> None:
+    r = _run("validate-config", "--help")
+    assert r.returncode == 0 and "Usage" in r.stdout
+    r = _run("--version")
+    assert r.returncode == 0 and r.stdout.startswith("moectl ")
