@@ -86,6 +86,31 @@ class ValidationReport:
         return [c for c in self.checks if not c.ok]
 
 
+def merge_ranks(report: ValidationReport) -> ValidationReport:
+    """Every rank's report as one (collective; `report` itself without a multi-rank process group): each rank
+    proves the tensors it owns, so rank 0's rows alone could read "valid" while another rank's failed. The
+    merge keeps rank 0's rows, adds every other rank's failures with `rank N: ` before their detail, and sums
+    each stage's count over the ranks except integrity (every rank hashes the same files); every rank gets
+    the same report, so they agree on the verdict and the exit code."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return report
+    mine = ([(c.stage, c.name, c.ok, c.detail) for c in report.checks], report.counts)
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    merged = ValidationReport(report.path)
+    for rank, (checks, counts) in enumerate(every):
+        for stage, name, ok, detail in checks:
+            if rank == 0:
+                merged.checks.append(Check(stage, name, ok, detail))
+            elif not ok:
+                merged.checks.append(Check(stage, name, ok, f"rank {rank}: {detail}"))
+        for stage, n in counts.items():
+            if rank == 0 or stage != "integrity":
+                merged.counts[stage] = merged.counts.get(stage, 0) + n
+    return merged
+
+
 def validate_checkpoint(path: str | Path, config_for: Optional[ConfigFor] = None) -> ValidationReport:
     """Run all three stages on `path` (a step folder or a checkpoints folder); never raises for a bad checkpoint.
 

@@ -236,11 +236,11 @@ def validate_command(
     import os
 
     from moectl.core.config.load import load_config, overridden
-    from trainer.validation import validate_checkpoint
+    from trainer.validation import merge_ranks, validate_checkpoint
 
     overrides = list(set_ or [])
     given = None if config is None else load_config(config, overrides)  # a bad --config fails here, in one line
-    report = validate_checkpoint(path, overridden(overrides) if given is None else lambda saved: given)
+    report = merge_ranks(validate_checkpoint(path, overridden(overrides) if given is None else lambda saved: given))
     if int(os.environ.get("RANK", "0")) != 0:
         raise typer.Exit(0 if report.ok else 1)
     console = make_console()

@@ -2,6 +2,7 @@
 
 import hashlib
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -169,3 +170,27 @@ def test_overrides_do_not_leak_into_the_checkpoints_own_config(tmp_path):
     assert report.ok, report.failures()
     (probe,) = [c for c in report.checks if c.stage == "probe"]
     assert "other layout" in probe.detail and "bitwise" not in probe.detail, probe.detail
+
+
+def _merge_on_two_ranks(rank, world):
+    from trainer.validation import Check, ValidationReport, merge_ranks
+
+    report = ValidationReport(Path("ck"))
+    report.add(Check("integrity", "-", True, "sha256"))
+    report.add(Check("master", f"w{rank}", True, "equal"))
+    if rank == 1:
+        report.add(Check("master", "w9", False, "max |diff| 1.0"))
+    merged = merge_ranks(report)
+    return merged.ok, [(c.stage, c.name, c.ok, c.detail) for c in merged.checks], merged.counts
+
+
+@pytest.mark.slow
+def test_ranks_merge_into_one_verdict():
+    """Each rank proves its own tensors: rank 1's failure reaches rank 0's report (which alone read valid), every
+    rank gets the same verdict, and counts add up over the ranks (integrity once: all ranks hash the same files)."""
+    results = run_distributed(_merge_on_two_ranks)
+    assert results[0] == results[1]
+    ok, checks, counts = results[0]
+    assert not ok
+    assert ("master", "w9", False, "rank 1: max |diff| 1.0") in checks and ("master", "w0", True, "equal") in checks
+    assert counts == {"integrity": 1, "master": 3}
