@@ -97,12 +97,14 @@ def _profile(trainer: Any, first_step: int, n: int, median_ms: float) -> tuple[d
     from torch.profiler import ProfilerActivity, profile, schedule
 
     from moectl.bench.device_time import activities, split
+    from moectl.bench.profiler_chatter import without_profiler_chatter
     from trainer import regions
 
     device = trainer.rt.device
     kinds = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     step, wall_ms = first_step, 0.0
-    with profile(activities=kinds, schedule=schedule(wait=0, warmup=1, active=n, repeat=1)) as prof:
+    plan = schedule(wait=0, warmup=1, active=n, repeat=1)
+    with without_profiler_chatter(), profile(activities=kinds, schedule=plan) as prof:
         for i in range(n + 1):
             if i == 1:
                 t0 = time.perf_counter()
