@@ -78,19 +78,18 @@ def lm_cross_entropy_backward(grad: torch.Tensor, logits_NV: torch.Tensor, targe
 @lm_cross_entropy_backward.register_fake
 def _(grad: torch.Tensor, logits_NV: torch.Tensor, targets_N: torch.Tensor, lse_N: torch.Tensor,
       count: torch.Tensor) -> torch.Tensor:  # fmt: skip
-    return torch.empty_like(logits_NV)
+    return logits_NV.new_empty(logits_NV.shape)  # contiguous, as the kernels write it
 
 
 def _setup(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: tuple) -> None:
     logits_NV, targets_N = inputs
     _, lse_N, count = output
+    ctx.mark_non_differentiable(lse_N, count)  # the backward's inputs, not results to differentiate
     ctx.save_for_backward(logits_NV, targets_N, lse_N, count)
 
 
-def _backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor | None, *_: object) -> tuple:
+def _backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor, *_: object) -> tuple:
     logits_NV, targets_N, lse_N, count = ctx.saved_tensors
-    if grad is None:  # only the side outputs were used: nothing flows to the logits
-        return None, None
     return lm_cross_entropy_backward(grad, logits_NV, targets_N, lse_N, count), None
 
 

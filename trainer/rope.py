@@ -70,7 +70,8 @@ def rope_qkv_reference(qkv_BSR: torch.Tensor, cache: torch.Tensor, num_heads: in
     q, k, v = split_qkv(qkv_BSR, num_heads, num_groups)
     b, s = qkv_BSR.shape[:2]
     q_BSNC = apply_rope(q.reshape(b, s, num_heads, -1), cache)
-    return q_BSNC, apply_rope(k, cache).contiguous(), v.contiguous()
+    # fresh tensors: a custom op's outputs must not alias its input (`contiguous` of a contiguous v would)
+    return q_BSNC, apply_rope(k, cache).contiguous(), v.clone(memory_format=torch.contiguous_format)
 
 
 def rope_qkv_backward_reference(dq_BSNC: torch.Tensor, dk_BSGC: torch.Tensor, dv_BSGC: torch.Tensor,
@@ -126,15 +127,12 @@ def _setup(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: tupl
     _, cache, num_heads, num_groups = inputs
     ctx.save_for_backward(cache)
     ctx.heads = (num_heads, num_groups)
-    ctx.shapes = tuple(t.shape for t in output)
 
 
-def _backward(ctx: torch.autograd.function.FunctionCtx, dq: torch.Tensor | None, dk: torch.Tensor | None,
-              dv: torch.Tensor | None) -> tuple[torch.Tensor, None, None, None]:  # fmt: skip
+def _backward(ctx: torch.autograd.function.FunctionCtx, dq: torch.Tensor, dk: torch.Tensor,
+              dv: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # fmt: skip
+    # an output nothing used arrives as zeros (autograd materialises them), so its columns' grad is zero
     (cache,) = ctx.saved_tensors
-    like = next(d for d in (dq, dk, dv) if d is not None)
-    # an output nothing used (k without q, say) has no grad: its part of the projection's grad is zero
-    dq, dk, dv = (d if d is not None else like.new_zeros(shape) for d, shape in zip((dq, dk, dv), ctx.shapes))
     return rope_qkv_backward(dq, dk, dv, cache, *ctx.heads), None, None, None
 
 

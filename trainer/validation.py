@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import tempfile
 import warnings
 from dataclasses import dataclass, field
@@ -171,7 +172,9 @@ def _restore_and_prove(report: ValidationReport, path: str | Path, config_for: O
         # the saved layout does not fit this world (ep=2 checked in one process): the checkpoint may be fine, the
         # command is not (exit 2, not "invalid"); its state is layout-free, so another layout restores it
         if e.key == "parallel.expert_model_parallel_size":
-            world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+            # torchrun's world even before the rendezvous (init_distributed checks the size first)
+            world = (torch.distributed.get_world_size() if torch.distributed.is_initialized()
+                     else int(os.environ.get("WORLD_SIZE", "1")))  # fmt: skip
             change = f"pass --set {e.key}=N, N one of {ep_sizes(world)}"
         else:
             change = f"{e.fix or 'change ' + e.key} (with --set)"

@@ -62,3 +62,13 @@ def test_the_unfused_path_is_f_cross_entropy_bitwise() -> None:
     logits = torch.randn(6, 40).bfloat16()
     targets = torch.randint(0, 40, (6,))
     assert torch.equal(cross_entropy(logits, targets), F.cross_entropy(logits.float(), targets))
+
+
+def test_the_side_outputs_carry_no_grad() -> None:
+    """The log-sum-exp and the count are the backward's inputs: marked non-differentiable, so a loss built on
+    them (a z-loss, say) cannot get a silently wrong (zero) grad through the op."""
+    from trainer.cross_entropy import lm_cross_entropy
+
+    x = torch.randn(4, 10).bfloat16().requires_grad_()
+    loss, lse, count = lm_cross_entropy(x, torch.randint(0, 10, (4,)))
+    assert loss.requires_grad and not lse.requires_grad and not count.requires_grad

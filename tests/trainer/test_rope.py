@@ -83,3 +83,11 @@ def test_attend_with_the_fused_op_is_the_unfused_attention() -> None:
         out.square().sum().backward()
         res[fused] = (out.detach(), x.grad)
     assert torch.equal(res[True][0], res[False][0]) and torch.equal(res[True][1], res[False][1])
+
+
+def test_one_token_one_group_returns_fresh_tensors() -> None:
+    """B = S = 1 with one kv group: v's view is already contiguous, and a custom op may not return it."""
+    cache = rope_cache(4, 8, 10000.0)
+    qkv = torch.randn(1, 1, (2 + 2) * 8)
+    q, k, v = rope_qkv(qkv, cache, 2, 1)
+    assert v.data_ptr() != qkv.data_ptr() and torch.equal(v, qkv.view(1, 1, 1, 4, 8)[:, :, :, 3])

@@ -62,6 +62,17 @@ def test_a_layout_that_does_not_fit_this_world_is_bad_usage_not_invalid(ckpt_dir
     assert "--set parallel.expert_model_parallel_size=N, N one of [1]" in err.value.one_line()
 
 
+def test_the_ep_hint_names_torchruns_world_before_the_rendezvous(ckpt_dir, monkeypatch):
+    """Under torchrun the size check runs before the process group exists: the choices are WORLD_SIZE's."""
+    from moectl.core.errors import UsageError
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(UsageError) as err:
+        validate_checkpoint(ckpt_dir, overridden(["parallel.expert_model_parallel_size=3"]))
+    assert "N one of [1, 2, 4]" in err.value.one_line()
+
+
 def _validate_on_two_ranks(rank, world, path):
     r = validate_checkpoint(path)
     return [(c.stage, c.name, c.ok, c.detail) for c in r.checks if not c.ok], r.ok

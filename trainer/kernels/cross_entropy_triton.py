@@ -4,7 +4,8 @@ One program per row. The forward walks the row in BLOCK_V chunks keeping, per la
 of `exp(x - max)` (in fp32), folds the lanes into the row's log-sum-exp and writes it with the row's loss
 `lse - x[target]` (0 for an ignored target, NaN for one outside the vocabulary); the caller sums the rows in
 torch (a fixed order). The backward walks the row again and writes `(exp(x - lse) - [v == target]) * scale` in
-the logits' dtype, `scale` being the device scalar `grad / count` (0 on ignored rows). The forward reads the
+the logits' dtype, `scale` being the device scalar `grad / count` (0 on ignored rows, NaN on a row whose target is
+outside the vocabulary). The forward reads the
 logits once, the backward once and writes the grad once.
 
 Imported lazily on CUDA only; importing it needs Triton.
@@ -54,6 +55,7 @@ def _ce_bwd_kernel(x_ptr, t_ptr, lse_ptr, scale_ptr, dx_ptr, V, stride, dx_strid
     cols = tl.arange(0, BLOCK_V)
     tgt = tl.load(t_ptr + row)
     scale = tl.where(tgt != IGNORE, tl.load(scale_ptr), 0.0)
+    scale = tl.where((tgt == IGNORE) | ((tgt >= 0) & (tgt < V)), scale, float("nan"))  # as its loss: NaN
     lse = tl.load(lse_ptr + row)
     for v0 in range(0, V, BLOCK_V):
         ok = v0 + cols < V

@@ -2,8 +2,9 @@
 
 Forward and backward bit for bit the torch definition on the same device (the kernels skip fused multiply-adds
 so each product and sum rounds as the eager ops do), bf16 and fp32, with grads strided as cuDNN's attention
-returns them and a sequence shorter than the cos/sin table; and the attention with the fused op equal to the
-unfused attention on CUDA (forward and the projection's grad).
+returns them, a sequence shorter than the cos/sin table and a head dim that is no power of two (96, the lanes past
+C/2 masked); and the attention with the fused op equal to the unfused attention on CUDA (forward and the
+projection's grad).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ pytestmark = [
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize(("heads", "groups", "C"), [(16, 4, 128), (8, 8, 64), (12, 1, 128)])
+@pytest.mark.parametrize(("heads", "groups", "C"), [(16, 4, 128), (8, 8, 64), (12, 1, 128), (6, 2, 96)])
 def test_kernels_are_the_torch_definition_bitwise(dtype: torch.dtype, heads: int, groups: int, C: int) -> None:
     if not has_triton():
         pytest.skip("needs Triton")
