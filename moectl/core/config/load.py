@@ -136,6 +136,11 @@ def load_config(path: str | Path | None, overrides: Iterable[str] = ()) -> Confi
 
 
 def overridden(overrides: Iterable[str]) -> Callable[[dict[str, Any]], Config]:
-    """A function that builds a `Config` from raw data (a checkpoint's stored config) with `--set` applied."""
+    """A function that builds a `Config` from raw data (a checkpoint's stored config) with `--set` applied.
+
+    The overrides' syntax, keys and types are checked here, against the defaults, before any checkpoint is read:
+    a mistyped `--set` is the command's error (a UsageError or ConfigError, exit 2), not a failed restore of a
+    checkpoint that may be fine (`ckpt validate` reported it as "invalid", exit 1)."""
     items = list(overrides)
+    config_from_dict(apply_overrides({}, items))
     return lambda data: config_from_dict(apply_overrides(data, items))
