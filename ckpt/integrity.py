@@ -76,6 +76,22 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> list[Problem]:
     return found
 
 
+def quick_problem(step_dir: Path) -> str | None:
+    """The first problem a glance finds in a committed step folder, or None: the manifest reads and checks,
+    and every file it lists is there at its recorded size. No hashing (milliseconds, for advice: a truncated
+    or missing shard shows; a flipped byte needs `verify_checkpoint`)."""
+    m, problems = manifest.load(step_dir)
+    if m is None or problems:
+        return problems[0].message if problems else "its manifest cannot be used"
+    for fname, frec in m["files"].items():
+        path = step_dir / fname
+        if not path.is_file():
+            return f"{fname} is missing"
+        if path.stat().st_size != frec["size"]:
+            return f"{fname} is {path.stat().st_size} bytes, the manifest says {frec['size']}"
+    return None
+
+
 class BackgroundVerify:
     """`verify_checkpoint(path)` on a thread of its own, for a reader that goes ahead meanwhile (a convert, a
     validate) and must ask `problems()` before it trusts, or lets anyone else trust, what it read. The reader's

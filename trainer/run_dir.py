@@ -33,6 +33,7 @@ from typing import IO
 from ckpt import names
 from ckpt.cleanup import remove_interrupted_saves
 from ckpt.discovery import list_committed
+from ckpt.integrity import quick_problem
 from moectl.core.config import Config, dump_config
 from moectl.core.errors import MoectlError, UsageError
 
@@ -147,9 +148,15 @@ def check_later_checkpoints(run_dir: Path, start: int) -> None:
     if not later:
         return
     span = later[0] if len(later) == 1 else f"{later[0]}..{later[-1]}"
+    why = f"run_dir {run_dir} holds {len(later)} checkpoint(s) after step {start} ({span}): a resume from step {start} "
+    why += "that saves there would drop their metrics and collide with their folders"
+    broken = quick_problem(root / later[-1])
+    if broken is not None:  # the newest is damaged (why the user went back): do not send them to it
+        raise UsageError(f"{why}; the newest, {later[-1]}, is damaged ({broken})",
+                         f"move {span} out of {root} to resume from step {start} here (ckpt validate "
+                         f"{root / later[-1]} lists what is wrong), or resume into another --run-dir")  # fmt: skip
     raise UsageError(
-        f"run_dir {run_dir} holds {len(later)} checkpoint(s) after step {start} ({span}): a resume from step {start} "
-        "that saves there would drop their metrics and collide with their folders",
+        why,
         # the newest by name: `latest` may name an older step (a rollback), and loading the folder would follow it
         f"resume from the newest with --set checkpoint.load={root / later[-1]}, resume into another --run-dir, or "
         f"move {span} out of {root}",

@@ -186,6 +186,21 @@ def test_a_saving_resume_from_an_older_step_is_refused_while_later_checkpoints_e
     assert replay.run().steps == 3 and [r["step"] for r in records(tmp_path) if "loss" in r] == [1, 2, 3]
 
 
+
+def test_when_the_newest_later_checkpoint_is_damaged_the_fix_does_not_send_the_user_to_it(tmp_path: Path) -> None:
+    """A user trial truncated the newest checkpoint, was refused loading it, went back a step, and was told to
+    "resume from the newest", the damaged one. A glance (manifest, file sizes; no hashing) now names the damage
+    and the fix is to move the later steps aside."""
+    trainer(tmp_path, "train.train_iters=4", "checkpoint.save_interval=2").run()
+    root = tmp_path / "checkpoints"
+    shard = sorted((root / "step_00000004").glob("*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    with pytest.raises(UsageError) as e:
+        trainer(tmp_path, "train.train_iters=6", "checkpoint.save_interval=2",
+                f"checkpoint.load={root / 'step_00000002'}").run()  # fmt: skip
+    assert f"the newest, step_00000004, is damaged ({shard.name} is" in e.value.message
+    assert "checkpoint.load" not in e.value.fix and f"move step_00000004 out of {root}" in e.value.fix
+
 def test_a_step_0_checkpoint_counts_as_a_resume_and_nothing_to_train_is_not_refused(tmp_path: Path) -> None:
     """A loaded step-0 checkpoint (`ckpt import-hf` writes one) that saves into a run_dir holding steps 2 and 4 is
     refused like any older step; a resume with nothing left to train saves nothing and is not."""
