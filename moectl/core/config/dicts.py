@@ -72,7 +72,11 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         raise TypeError(f"unsupported config type {tp!r} for {key}")
     expected = type_name(tp)
     how = f"one of {expected}" if origin is Literal else f"a value of type {expected}"
-    raise ConfigError(key, value, f"expected {expected}", f"set {key} to {how}")
+    fix = f"set {key} to {how}"
+    if isinstance(value, float) and value.is_integer() and "int" in expected.split(" | "):
+        # 1e3 is a float to YAML (and to moectl's loader): say so, rather than print 1000.0 against `int`
+        fix = f"write {key}={int(value)} (a number in e-notation or with a point is a float)"
+    raise ConfigError(key, value, f"expected {expected}", fix)
 
 
 def _build(cls: type, data: Any, prefix: str, errors: list[ConfigError]) -> Any:

@@ -11,6 +11,7 @@ UTF-8 (it was a traceback; the error names the line and the byte).
 from __future__ import annotations
 
 import re
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -132,6 +133,9 @@ def _read_utf8(p: Path) -> str:
 def load_config(path: str | Path | None, overrides: Iterable[str] = ()) -> Config:
     """Load a config file (or the defaults when `path` is None) and apply `--set` overrides."""
     data = read_yaml(path) if path is not None else {}
+    if path is not None and not data:  # likely the wrong file, or one not saved yet: the run would be all defaults
+        warnings.warn(f"config file {str(path)!r} is empty: every key takes its default (moectl config keys "
+                      "lists them)", UserWarning, stacklevel=2)  # fmt: skip
     return config_from_dict(apply_overrides(data, overrides))
 
 

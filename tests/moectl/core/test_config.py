@@ -119,6 +119,16 @@ def test_type_error_names_key_value_and_expected_type(override: str, key: str, v
     assert "\n" not in line
 
 
+
+def test_an_integral_float_for_an_int_key_is_told_how_to_write_it() -> None:
+    """`train.train_iters=1e3` is the float 1000.0 to YAML: the fix writes the integer, not just the type."""
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["train.train_iters=1e3"])
+    assert "fix: write train.train_iters=1000 " in err.value.one_line()
+    with pytest.raises(ConfigError) as err:  # a fraction keeps the plain type fix
+        load_config(None, ["moe.num_experts=2.5"])
+    assert "write moe.num_experts" not in err.value.one_line()
+
 def test_section_given_a_scalar_is_an_error() -> None:
     with pytest.raises(ConfigError, match="expected a mapping"):
         load_config(None, ["model=3"])
@@ -163,7 +173,8 @@ def test_top_level_list_is_refused(tmp_path: Path) -> None:
 
 
 def test_empty_file_is_the_defaults(tmp_path: Path) -> None:
-    assert load_config(write(tmp_path, "")) == Config()
+    with pytest.warns(UserWarning, match="is empty"):
+        assert load_config(write(tmp_path, "")) == Config()
 
 
 def test_dump_round_trips(tmp_path: Path) -> None:
@@ -254,3 +265,10 @@ def test_several_errors_are_the_exceptions_own_text_too(tmp_path: Path) -> None:
         load_config(None, ["optimizer.lrr=1", "moe.topk=2"])
     assert "optimizer.lrr" in str(err.value) and "moe.topk" in str(err.value)
     assert str(err.value) == err.value.message and err.value.key == "optimizer.lrr"
+
+
+def test_an_empty_config_file_warns_that_everything_is_default(tmp_path) -> None:
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("# nothing yet\n")
+    with pytest.warns(UserWarning, match="is empty: every key takes its default"):
+        load_config(empty)
