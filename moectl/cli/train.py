@@ -57,14 +57,14 @@ def refuse_on_rule_errors(cfg: Config, world_size: int, console: Console) -> Non
 
     violations = check(cfg, world_size=world_size)
     errors = [v for v in violations if v.severity == "error"]
-    if violations:
-        print_violations(violations, console)
+    if violations:  # a table on a terminal, a line each in a log (a run's output usually lands in one)
+        print_violations(violations, console, lines=not console.is_terminal)
     if errors:
         raise ConfigError(
             "",
             None,
             f"the config breaks {len(errors)} rule(s) ({', '.join(v.rule for v in errors)}); not starting",
-            "fix the rows above (moectl validate-config CONFIG shows them too)",
+            "fix each violation above (moectl validate-config CONFIG shows them too)",
         )
 
 

@@ -74,8 +74,15 @@ def _keys_text(keys: dict[str, Any]) -> str:
     return "\n".join(f"{k}={fmt(v)}" for k, v in keys.items())
 
 
-def print_violations(violations: Sequence[Violation], console: Console) -> None:
-    """The violations as a Rich table: rule, severity, keys=values, reason, fix (also used by `train`)."""
+def print_violations(violations: Sequence[Violation], console: Console, lines: bool = False) -> None:
+    """The violations as a Rich table: rule, severity, keys=values, reason, fix (also used by `train`). `lines`:
+    one plain line each instead (`severity: RULE keys=values: reason. fix: ...`), what a log file reads best."""
+    if lines:
+        for v in violations:
+            keys = ", ".join(f"{k}={fmt(x)}" for k, x in v.keys.items())
+            console.print(f"{v.severity}: {v.rule} {keys}: {v.message}. fix: {v.fix}", markup=False,
+                          highlight=False, soft_wrap=True)  # fmt: skip
+        return
     table = Table(show_lines=True, expand=False)
     for name, style in (("rule", "bold"), ("severity", ""), ("keys", "cyan"), ("reason", ""), ("fix", "green")):
         table.add_column(name, style=style, overflow="fold")

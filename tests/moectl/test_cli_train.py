@@ -24,6 +24,8 @@ def test_train_refuses_to_start_on_rule_errors(tmp_path):
     assert res.exit_code == 2
     assert "not starting" in res.output and "moe.router_topk" in res.output
     assert not (tmp_path / "r").exists()
+    # off a terminal (a log): one plain line per violation, no table
+    assert "error: MOE018 moe.router_topk=9, moe.num_experts=" in res.output and "┃" not in res.output
 
 
 def test_train_bad_key_is_one_line_exit_2(tmp_path):
