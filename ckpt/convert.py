@@ -35,7 +35,7 @@ from ckpt.collective import SOLO
 from ckpt.integrity import BackgroundVerify
 from ckpt.reader import Checkpoint, open_checkpoint, refusal
 from ckpt.save import save_checkpoint
-from moectl.core.errors import CheckpointError
+from moectl.core.errors import CheckpointArgumentError, CheckpointError
 
 
 class _Keep:
@@ -194,7 +194,7 @@ def _convert(ck: Checkpoint, dst: Path, layout: str, glu_interleave_size: Option
 def _new_root(dst: Path, src_step_dir: Path) -> Path:
     dst = dst.expanduser()
     if dst.exists() or dst.is_symlink():
-        raise CheckpointError(f"destination {dst} already exists", "give a new folder: convert never overwrites")
+        raise CheckpointArgumentError(f"destination {dst} already exists", "give a new folder: convert never overwrites")
     if src_step_dir.resolve() in dst.resolve().parents:
         raise CheckpointError(f"destination {dst} is inside the source checkpoint {src_step_dir}",
                               "write the converted checkpoint somewhere else")  # fmt: skip

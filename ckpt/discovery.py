@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 from ckpt import manifest, names
-from moectl.core.errors import CheckpointError
+from moectl.core.errors import CheckpointArgumentError, CheckpointError
 
 _LOAD_FIX = "set checkpoint.load to a step_NNNNNNNN folder or a checkpoints folder, or to null to train from scratch"
 #: the fix for the checkpoint tools (`moectl ckpt ...`), which have no checkpoint.load to set
@@ -109,9 +109,9 @@ def resolve_load_path(load: str | os.PathLike[str], fix: str = _LOAD_FIX) -> Pat
     """
     p = Path(load).expanduser()
     if not p.exists():
-        raise CheckpointError(f"checkpoint path {p} does not exist", fix)
+        raise CheckpointArgumentError(f"checkpoint path {p} does not exist", fix)
     if not p.is_dir():
-        raise CheckpointError(f"checkpoint path {p} is a file, not a checkpoint folder", fix)
+        raise CheckpointArgumentError(f"checkpoint path {p} is a file, not a checkpoint folder", fix)
     if is_step_dir(p):
         if names.TMP_DIR_RE.match(p.name) or not (p / names.MANIFEST).is_file():
             raise CheckpointError(

@@ -36,7 +36,7 @@ from ckpt.seal import seal_problem
 from ckpt.shard_io import hash_file, io_threads, range_jobs
 from ckpt.st_header import TORCH_NAME, Header, read_header
 from ckpt.verify_tree import hash_jobs, pieces, tree_problems
-from moectl.core.errors import CheckpointError
+from moectl.core.errors import CheckpointArgumentError
 
 _PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".pkl", ".pickle", ".ckpt", ".distcp")
 
@@ -45,11 +45,12 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> list[Problem]:
     """All problems of the checkpoint at `path` (empty list: it is intact).
 
     `path` is a step folder (committed or not, so an interrupted save can be inspected) or a checkpoints
-    folder (then the step `latest` names). Raises CheckpointError only if `path` is neither.
+    folder (then the step `latest` names). Raises CheckpointArgumentError only if `path` is neither.
     """
     p = Path(path).expanduser()
     if not p.is_dir():
-        raise CheckpointError(f"checkpoint path {p} {'is not a folder' if p.exists() else 'does not exist'}", TOOL_FIX)
+        raise CheckpointArgumentError(f"checkpoint path {p} {'is not a folder' if p.exists() else 'does not exist'}",
+                                      TOOL_FIX)  # fmt: skip
     step_dir = p if is_step_dir(p) else resolve_load_path(p, TOOL_FIX)
     found: list[Problem] = []
     if names.TMP_DIR_RE.match(step_dir.name):

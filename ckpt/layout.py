@@ -28,7 +28,7 @@ from typing import Iterable, Literal, Mapping, Optional
 
 import torch
 
-from moectl.core.errors import CheckpointError
+from moectl.core.errors import CheckpointArgumentError, CheckpointError
 
 SINGLE_GROUPED = "single-grouped"
 PER_EXPERT = "per-expert"
@@ -217,9 +217,10 @@ def _desc(t: torch.Tensor) -> str:
 def fc1_row_order(from_interleave: Optional[int], to_interleave: Optional[int], ffn_size: int) -> torch.Tensor:
     """Source row of each target row of fc1 (`out = t.index_select(rows_dim, order)`), None = `[gate; up]`."""
     F = ffn_size
-    for i in (from_interleave, to_interleave):
+    for i, error in ((from_interleave, CheckpointError), (to_interleave, CheckpointArgumentError)):
+        # the source's is recorded in the checkpoint (a bad one is the checkpoint's fault), the target's asked for
         if i is not None and (isinstance(i, bool) or not isinstance(i, int) or i <= 0 or F % i):
-            raise CheckpointError(
+            raise error(
                 f"glu_interleave_size {i!r} must be a positive int dividing the expert ffn size {F}",
                 "pick an interleave that divides moe.ffn_hidden_size, or null",
             )

@@ -82,3 +82,11 @@ class DataError(MoectlError):
 
 class CheckpointError(MoectlError):
     """A checkpoint that is missing, incomplete, corrupt, or does not fit the model."""
+
+
+class CheckpointArgumentError(CheckpointError):
+    """A checkpoint argument that names nothing usable: a path that does not exist or is a file, a destination
+    that already does, an option value no checkpoint can take. The command's fault, not a checkpoint's (exit 2:
+    to a script, exit 1 of `ckpt validate` means a bad checkpoint)."""
+
+    exit_code = 2

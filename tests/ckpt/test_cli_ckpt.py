@@ -39,17 +39,23 @@ def test_convert_round_trip_exits_0(ckpt: tuple[Path, dict], tmp_path: Path) -> 
     assert_same_tensors(read_all(tmp_path / "back"), tensors)
 
 
-def test_convert_errors_are_one_line_exit_1_and_bad_usage_exit_2(ckpt: tuple[Path, dict], tmp_path: Path) -> None:
+def test_convert_errors_are_one_line_and_bad_arguments_exit_2(ckpt: tuple[Path, dict], tmp_path: Path) -> None:
+    """A destination that exists, a source that does not and an interleave no checkpoint can take are the
+    command's arguments: exit 2, as a bad option value (they were exit 1, what a bad checkpoint gets)."""
     root, _ = ckpt
     r = invoke("convert", root, root, "--layout", "per-expert")
-    assert r.exit_code == 1
+    assert r.exit_code == 2
     assert r.output.startswith("error: destination") and "already exists. fix:" in r.output
     assert len(r.output.strip().splitlines()) == 1
     assert invoke("convert", root, tmp_path / "x", "--layout", "grouped").exit_code == 2
     r = invoke("convert", root, tmp_path / "x", "--layout", "per-expert", "--glu-interleave-size", "abc")
     assert r.exit_code == 2 and "expected a positive int or none" in r.output
     r = invoke("convert", tmp_path / "nothing", tmp_path / "y", "--layout", "per-expert")
-    assert r.exit_code == 1 and r.output.startswith("error:")
+    assert r.exit_code == 2 and r.output.startswith("error:") and "does not exist" in r.output
+    r = invoke("convert", root, tmp_path / "z", "--layout", "per-expert", "--glu-interleave-size", "7")
+    assert r.exit_code == 2 and "must be a positive int dividing" in r.output
+    r = invoke("validate", tmp_path / "nothing")
+    assert r.exit_code == 2 and "does not exist" in r.output
 
 
 def test_inspect_table_and_json(ckpt: tuple[Path, dict]) -> None:
