@@ -201,6 +201,15 @@ def test_when_the_newest_later_checkpoint_is_damaged_the_fix_does_not_send_the_u
     assert f"the newest, step_00000004, is damaged ({shard.name} is" in e.value.message
     assert "checkpoint.load" not in e.value.fix and f"move step_00000004 out of {root}" in e.value.fix
 
+
+def test_a_resume_with_nothing_to_train_leaves_config_yaml_as_it_was(tmp_path: Path) -> None:
+    """train_iters at or below the checkpoint's step trains nothing and exits 0; it used to rewrite
+    run_dir/config.yaml with its own train_iters, so the record no longer said how the run was trained."""
+    trainer(tmp_path, "train.train_iters=4", "checkpoint.save_interval=2").run()
+    before = (tmp_path / "config.yaml").read_bytes()
+    result = trainer(tmp_path, "train.train_iters=3", f"checkpoint.load={tmp_path / 'checkpoints'}").run()
+    assert result.steps == 4 and (tmp_path / "config.yaml").read_bytes() == before
+
 def test_a_step_0_checkpoint_counts_as_a_resume_and_nothing_to_train_is_not_refused(tmp_path: Path) -> None:
     """A loaded step-0 checkpoint (`ckpt import-hf` writes one) that saves into a run_dir holding steps 2 and 4 is
     refused like any older step; a resume with nothing left to train saves nothing and is not."""
