@@ -5,6 +5,7 @@ There was no way from the CLI to list the keys (issue 18); the schema's docstrin
 
 from __future__ import annotations
 
+import difflib
 import json
 from dataclasses import asdict
 from typing import Annotated, Optional
@@ -42,7 +43,9 @@ def keys_command(
     keys = [k for k in config_keys() if section is None or k.key == section or k.key.startswith(section + ".")]
     if not keys:
         sections = sorted({k.key.split(".")[0] for k in config_keys()})
-        raise UsageError(f"no config key starts with {section!r}", f"use one of {', '.join(sections)}")
+        close = difflib.get_close_matches(section or "", sections + [k.key for k in config_keys()], n=1, cutoff=0.7)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise UsageError(f"no config key starts with {section!r}", f"{hint}use one of {', '.join(sections)}")
     if json_:
         typer.echo(json.dumps([asdict(k) for k in keys], indent=2))
         return

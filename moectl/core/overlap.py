@@ -23,7 +23,7 @@ def overlap_policy(p: ParallelConfig, dp: int) -> tuple[bool, bool]:
 
 def describe_overlap(p: ParallelConfig, dp: int) -> str:
     """What a run of data parallel size `dp` overlaps, saying when a null chose it:
-    "grad reduce on, param gather on (null)"."""
+    "grad reduce on, param gather on (null flags: the default at dp=2)"."""
     grad, gather = overlap_policy(p, dp)
-    null = " (null)" if p.overlap_grad_reduce is None or p.overlap_param_gather is None else ""
+    null = f" (null flags: the default at dp={dp})" if None in (p.overlap_grad_reduce, p.overlap_param_gather) else ""
     return f"grad reduce {'on' if grad else 'off'}, param gather {'on' if gather else 'off'}{null}"

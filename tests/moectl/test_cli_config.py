@@ -46,6 +46,9 @@ def test_config_keys_table_filters_by_section_and_refuses_an_unknown_one() -> No
     assert r.exit_code == 0 and "optimizer.lr " in r.output and "train.seed" not in r.output
     bad = runner.invoke(app, ["config", "keys", "optimiser"])
     assert bad.exit_code == 2 and "use one of" in bad.output and "Traceback" not in bad.output
+    assert "did you mean 'optimizer'?" in bad.output
+    bad = runner.invoke(app, ["config", "keys", "optimizer.lrr"])  # a mistyped key, not only a section
+    assert bad.exit_code == 2 and "did you mean 'optimizer.lr'?" in bad.output
 
 
 def test_train_help_says_where_results_go_and_how_to_resume() -> None:

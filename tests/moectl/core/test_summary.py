@@ -112,11 +112,11 @@ def test_human_units() -> None:
 @pytest.mark.parametrize(
     ("world", "sets", "want"),
     [
-        (1, [], "overlap: grad reduce off, param gather off (null)"),
-        (2, [], "overlap: grad reduce on, param gather on (null)"),
+        (1, [], "overlap: grad reduce off, param gather off (null flags: the default at dp=1)"),
+        (2, [], "overlap: grad reduce on, param gather on (null flags: the default at dp=2)"),
         (2, ["parallel.overlap_grad_reduce=false", "parallel.overlap_param_gather=false"],
          "overlap: grad reduce off, param gather off"),
-        (2, ["parallel.use_distributed_optimizer=false"], "overlap: grad reduce on, param gather off (null)"),
+        (2, ["parallel.use_distributed_optimizer=false"], "overlap: grad reduce on, param gather off (null flags: the default at dp=2)"),
     ],
 )
 def test_the_world_row_says_what_overlaps(world: int, sets: list[str], want: str) -> None:
