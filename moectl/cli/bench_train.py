@@ -39,6 +39,7 @@ def _fmt(value: Optional[float], spec: str, suffix: str = "") -> str:
 def _ms_pct(ms: Optional[float], step_ms: Optional[float]) -> str:
     if ms is None or not step_ms:
         return "-"
+    ms += 0.0  # -0.0 (no concurrent time, negated) prints as 0.0
     return f"{ms:.1f} ({100 * ms / step_ms:.0f}%)"
 
 
@@ -118,7 +119,8 @@ def render(result: Any, console: Console) -> None:
         f"{meta['steps']} timed steps after {meta['warmup']} warm-up; device time from a profile of "
         f"{meta['profile_steps']} more; categories sum kernel time over all streams, 'concurrent streams' takes "
         "back the time two ran at once (overlapped communication included), idle = median step - busy device "
-        "time: the rows add up to the step"
+        "time (0 where the profiled steps were busier than the median; the rows then add up to more than the step, "
+        "else to the step)"
         + "".join(f"\n{n}" for n in result.notes)
     )
     table = Table(title=title, caption=caption)
@@ -145,7 +147,7 @@ def train(
     ] = None,
     column: Annotated[
         Optional[list[str]],
-        typer.Option("--column", help="Only these columns: ours, compiled-peer, torchtitan-recipe, cuda-graph, eager (repeatable; the first three by default)."),
+        typer.Option("--column", help="Only these columns: ours, compiled-peer, torchtitan-recipe, cuda-graph, eager, adam, muon (repeatable; the first three by default; adam and muon: ours with that optimizer)."),
     ] = None,
     json_path: JsonPathOpt = None,
     quick: Annotated[
