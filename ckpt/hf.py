@@ -65,7 +65,7 @@ from ckpt.hf_config import (
 )  # fmt: skip
 from ckpt.logical import probe_meta, recipe_meta
 from moectl.core.config import Config, config_from_dict, config_to_dict, dump_config
-from moectl.core.errors import CheckpointError, ConfigError, MoectlError
+from moectl.core.errors import CheckpointArgumentError, CheckpointError, ConfigError, MoectlError
 
 __all__ = ["FAMILIES", "FORMATS", "Family", "export_hf", "family", "import_hf"]
 
@@ -544,5 +544,5 @@ def _read_json(path: Path) -> dict[str, Any]:
 def _new_path(p: Path) -> Path:
     p = p.expanduser()
     if p.exists() or p.is_symlink():
-        raise CheckpointError(f"destination {p} already exists", "give a new folder: nothing is ever overwritten")
+        raise CheckpointArgumentError(f"destination {p} already exists", "give a new folder: nothing is ever overwritten")
     return p

@@ -410,7 +410,8 @@ class Trainer:
                 if writer.dropped:
                     lines.append(f"metrics.jsonl: dropped {writer.dropped} record(s) after step {start}, written "
                                  "after that checkpoint by an earlier run")  # fmt: skip
-                if not 0 < cfg.train.train_iters <= start:  # a resume with nothing to train leaves the record be
+                # a resume with nothing to train leaves an existing record be (a new run_dir still gets one)
+                if not 0 < cfg.train.train_iters <= start or not (self.run_dir / CONFIG).exists():
                     _write_config(self.run_dir / CONFIG, resolved_config_text(cfg))
             except MoectlError as e:
                 error = e

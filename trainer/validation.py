@@ -91,8 +91,9 @@ def merge_ranks(report: ValidationReport) -> ValidationReport:
     """Every rank's report as one (collective; `report` itself without a multi-rank process group): each rank
     proves the tensors it owns, so rank 0's rows alone could read "valid" while another rank's failed. The
     merge keeps rank 0's rows, adds every other rank's failures with `rank N: ` before their detail, and sums
-    each stage's count over the ranks except integrity (every rank hashes the same files); every rank gets
-    the same report, so they agree on the verdict and the exit code."""
+    each stage's count over the ranks; integrity is rank 0's alone (every rank hashes the same files, so
+    another rank's integrity rows repeat rank 0's). Every rank gets the same report, so they agree on the
+    verdict and the exit code."""
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return report
@@ -104,7 +105,7 @@ def merge_ranks(report: ValidationReport) -> ValidationReport:
         for stage, name, ok, detail in checks:
             if rank == 0:
                 merged.checks.append(Check(stage, name, ok, detail))
-            elif not ok:
+            elif not ok and stage != "integrity":
                 merged.checks.append(Check(stage, name, ok, f"rank {rank}: {detail}"))
         for stage, n in counts.items():
             if rank == 0 or stage != "integrity":

@@ -26,6 +26,8 @@ def main() -> None:
     try:
         code = app(standalone_mode=False)
     except usage_error as e:
+        if type(e).__name__ == "NoArgsIsHelpError":  # `moectl` or `moectl ckpt` alone: the help is printed
+            sys.exit(e.exit_code)
         where = e.ctx.command_path if e.ctx is not None else "moectl"
         message = " ".join(e.format_message().split())
         stop = "" if message.endswith((".", "?", "!")) else "."

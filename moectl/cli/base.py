@@ -14,8 +14,7 @@ from typing import Any, Callable, TypeVar
 
 import typer
 
-from moectl.cli.outcome import OUTCOME_DIR_ENV
-from moectl.core.environment import unknown_variables
+from moectl.core.environment import says_it_once, unknown_variables
 from moectl.core.errors import MoectlError
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -72,7 +71,7 @@ def report(e: MoectlError, prefix: str = "") -> None:
 def warn_unknown_variables() -> None:
     """Name each `MOECTL_*` environment variable moectl does not read (a mistyped switch would change nothing
     silently); once per run: a launched worker (RANK set) leaves it to the command that launched it."""
-    if os.environ.get("RANK") not in (None, "0") or os.environ.get(OUTCOME_DIR_ENV):
+    if not says_it_once(os.environ):
         return
     for line in unknown_variables(os.environ):
         typer.secho(f"warning: {line}", err=True, fg="yellow")

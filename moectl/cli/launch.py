@@ -29,6 +29,7 @@ from typing import Optional
 
 from moectl.cli.outcome import OUTCOME_DIR_ENV, read_outcomes
 from moectl.cli.verdict import Exit, Verdict, verdict
+from moectl.core.environment import LAUNCHED_ENV
 
 def under_torchrun() -> bool:
     """True inside a process that torchrun (or this launcher) started."""
@@ -63,10 +64,13 @@ def launch_local(nproc_per_node: int, moectl_args: list[str]) -> int:
     args = get_args_parser().parse_args(
         ["--standalone", f"--nproc-per-node={nproc_per_node}", "--module", "moectl", *moectl_args]
     )
+    os.environ[LAUNCHED_ENV] = "1"  # the workers leave this process's notices to it
     try:
         run(args)
     except ChildFailedError:  # torchrun already printed each failed rank's error
         return 1
+    finally:
+        del os.environ[LAUNCHED_ENV]
     return 0
 
 
@@ -84,6 +88,7 @@ def launch_train(nproc_per_node: int, moectl_args: list[str], cpu_threads: Optio
     _quiet_torchrun()
     with tempfile.TemporaryDirectory(prefix="moectl-outcome-") as reports:
         os.environ[OUTCOME_DIR_ENV] = reports
+        os.environ[LAUNCHED_ENV] = "1"  # the workers leave this process's notices to it
         args = get_args_parser().parse_args(
             ["--standalone", f"--nproc-per-node={nproc_per_node}", "--module", "moectl", *moectl_args]
         )
@@ -100,6 +105,7 @@ def launch_train(nproc_per_node: int, moectl_args: list[str], cpu_threads: Optio
             launcher_signal = e.sigval.name
         finally:
             del os.environ[OUTCOME_DIR_ENV]
+            del os.environ[LAUNCHED_ENV]
         return verdict(nproc_per_node, read_outcomes(Path(reports)), exits, launcher_signal)
 
 

@@ -228,7 +228,11 @@ def _explain_hint(rid: str) -> str:
     if re.fullmatch(r"MOE\d{3}", rid) is None:
         digits = re.fullmatch(r"[A-Z]*0*(\d{1,3})", rid)
         guess = f"MOE{int(digits[1]):03d}" if digits else None
-        close = [guess] if guess in RULES else difflib.get_close_matches(rid, list(RULES), n=1, cutoff=0.6)
+        if guess in RETIRED:
+            return f"{guess} is retired ({RETIRED[guess]}); --explain all lists the rules in use"
+        # spelling helps only with a digit too many (MOE0100); without digits, or past the range, nothing
+        many = len(re.sub(r"\D", "", rid)) > 3
+        close = [guess] if guess in RULES else difflib.get_close_matches(rid, list(RULES), n=1, cutoff=0.85) if many else []
         if close:
             return f"did you mean {close[0]}?"
     return f"rules are {min(RULES)}..{max(RULES)}; --explain all lists them"

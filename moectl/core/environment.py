@@ -1,8 +1,8 @@
 """Every `MOECTL_*` environment variable moectl reads, in one table, and the check that names an unknown one.
 
-A mistyped variable (`MOECTL_TRITON_ROPEE=0`) would otherwise change nothing without a word, so every command
-warns about a `MOECTL_*` name it does not know, with the closest known one (moectl/cli/base.py). A test keeps
-the table and the code in step both ways. The A/B switches (`=0` turns one fast path off, `trainer/switches.py`)
+A mistyped variable (`MOECTL_TRITON_ROPE` with a letter too many) would otherwise change nothing without a
+word, so every command warns about a `MOECTL_*` name it does not know, with the closest known one
+(moectl/cli/base.py). A test keeps the table and the code in step both ways. The A/B switches (`=0` turns one fast path off, `trainer/switches.py`)
 exist for comparisons; a run needs none of them.
 """
 
@@ -22,6 +22,7 @@ ENV: dict[str, str] = {
     "MOECTL_COMPILE_BACKEND": "the torch.compile backend of train.compile (default inductor)",
     # internal: set by moectl for its own processes, or by its tests
     "MOECTL_OUTCOME_DIR": "internal: where the launcher's workers report how they ended",
+    "MOECTL_LAUNCHED": "internal: set for the workers of moectl's own launcher (--nproc-per-node)",
     "MOECTL_PARITY_VERDICT": "internal: where a parity run's worker writes its verdict",
     "MOECTL_CKPT_FAIL": "tests: fault injection into checkpoint saves (<rank>:<phase>[:<how>][@<step>])",
     # A/B switches
@@ -53,6 +54,15 @@ ENV: dict[str, str] = {
     "MOECTL_NS_AXPBY": _NS_TILES + "the B X kernel",
     "MOECTL_NS_AXPBY_TMA": _NS_TILES + "the TMA B X kernel",
 }
+
+
+LAUNCHED_ENV = "MOECTL_LAUNCHED"
+
+
+def says_it_once(environ: Mapping[str, str]) -> bool:
+    """Whether this process should print a once-per-command notice: not a worker of moectl's own launcher
+    (which printed it), not a rank other than 0 (torchrun run by hand)."""
+    return environ.get(LAUNCHED_ENV) is None and environ.get("RANK") in (None, "0")
 
 
 def unknown_variables(environ: Mapping[str, str]) -> list[str]:

@@ -32,6 +32,13 @@ def test_usage_errors_are_one_line_with_exit_2(args: tuple[str, ...], says: str)
     assert "fix: see " in lines[0] and " -h" in lines[0] and "╭" not in r.stderr
 
 
+def test_no_command_prints_the_help_and_no_error() -> None:
+    """`moectl` (or `moectl ckpt`) alone: the help and click's exit code 2, no empty `error:` line after it."""
+    for args in ((), ("ckpt",)):
+        r = _run(*args)
+        assert r.returncode == 2 and "Usage" in r.stdout + r.stderr and "error:" not in r.stderr, r.stderr
+
+
 def test_help_and_version_exit_0() -> None:
     r = _run("validate-config", "--help")
     assert r.returncode == 0 and "Usage" in r.stdout

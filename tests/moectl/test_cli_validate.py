@@ -180,6 +180,11 @@ def test_explain_unknown_rule_exits_2_with_suggestion() -> None:
     assert r.exit_code == 2 and "did you mean MOE042" in r.stderr
     r = invoke("--explain", "MOE999")  # well-formed: spelling says nothing about which rule was meant
     assert r.exit_code == 2 and "did you mean" not in r.stderr and "MOE001.." in r.stderr
+    r = invoke("--explain", "MOE50")  # read by its number: a retired rule says so
+    assert r.exit_code == 2 and "MOE050 is retired" in r.stderr
+    for rid in ("MOE", "MOE1000"):  # no digits, or past the range: no guess
+        r = invoke("--explain", rid)
+        assert r.exit_code == 2 and "did you mean" not in r.stderr and "MOE001.." in r.stderr
 
 
 def test_help_has_examples() -> None:

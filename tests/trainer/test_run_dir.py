@@ -209,6 +209,9 @@ def test_a_resume_with_nothing_to_train_leaves_config_yaml_as_it_was(tmp_path: P
     before = (tmp_path / "config.yaml").read_bytes()
     result = trainer(tmp_path, "train.train_iters=3", f"checkpoint.load={tmp_path / 'checkpoints'}").run()
     assert result.steps == 4 and (tmp_path / "config.yaml").read_bytes() == before
+    # into a new run_dir there is no record to keep: it gets one
+    trainer(tmp_path / "new", "train.train_iters=3", f"checkpoint.load={tmp_path / 'checkpoints'}").run()
+    assert (tmp_path / "new" / "config.yaml").is_file()
 
 def test_a_step_0_checkpoint_counts_as_a_resume_and_nothing_to_train_is_not_refused(tmp_path: Path) -> None:
     """A loaded step-0 checkpoint (`ckpt import-hf` writes one) that saves into a run_dir holding steps 2 and 4 is

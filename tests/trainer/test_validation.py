@@ -188,6 +188,7 @@ def _merge_on_two_ranks(rank, world):
 
     report = ValidationReport(Path("ck"))
     report.add(Check("integrity", "-", True, "sha256"))
+    report.add(Check("integrity", "model-00000.safetensors", False, "sha256 differs"))  # every rank finds it
     report.add(Check("master", f"w{rank}", True, "equal"))
     if rank == 1:
         report.add(Check("master", "w9", False, "max |diff| 1.0"))
@@ -204,4 +205,6 @@ def test_ranks_merge_into_one_verdict():
     ok, checks, counts = results[0]
     assert not ok
     assert ("master", "w9", False, "rank 1: max |diff| 1.0") in checks and ("master", "w0", True, "equal") in checks
-    assert counts == {"integrity": 1, "master": 3}
+    assert [c for c in checks if c[0] == "integrity" and not c[2]] == [
+        ("integrity", "model-00000.safetensors", False, "sha256 differs")]  # once, not once per rank
+    assert counts == {"integrity": 2, "master": 3}

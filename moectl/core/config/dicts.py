@@ -73,9 +73,9 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     expected = type_name(tp)
     how = f"one of {expected}" if origin is Literal else f"a value of type {expected}"
     fix = f"set {key} to {how}"
-    if isinstance(value, float) and value.is_integer() and "int" in expected.split(" | "):
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**53 and "int" in expected.split(" | "):
         # 1e3 is a float to YAML (and to moectl's loader): say so, rather than print 1000.0 against `int`
-        fix = f"write {key}={int(value)} (a number in e-notation or with a point is a float)"
+        fix = f"write {key} as the integer {int(value)} (a number in e-notation or with a point is a float)"
     raise ConfigError(key, value, f"expected {expected}", fix)
 
 

@@ -10,6 +10,7 @@ UTF-8 (it was a traceback; the error names the line and the byte).
 
 from __future__ import annotations
 
+import os
 import re
 import warnings
 from pathlib import Path
@@ -20,6 +21,7 @@ import yaml
 from moectl.core.config.dicts import config_from_dict
 from moectl.core.config.dump import dump_config  # noqa: F401 - the loader's inverse, re-exported
 from moectl.core.config.schema import Config
+from moectl.core.environment import says_it_once
 from moectl.core.errors import UsageError
 
 
@@ -133,10 +135,22 @@ def _read_utf8(p: Path) -> str:
 def load_config(path: str | Path | None, overrides: Iterable[str] = ()) -> Config:
     """Load a config file (or the defaults when `path` is None) and apply `--set` overrides."""
     data = read_yaml(path) if path is not None else {}
-    if path is not None and not data:  # likely the wrong file, or one not saved yet: the run would be all defaults
+    if path is not None and not data and _first_notice(str(path)):  # likely the wrong file: all defaults
         warnings.warn(f"config file {str(path)!r} is empty: every key takes its default (moectl config keys "
                       "lists them)", UserWarning, stacklevel=2)  # fmt: skip
     return config_from_dict(apply_overrides(data, overrides))
+
+
+_NOTICED: set[str] = set()
+
+
+def _first_notice(path: str) -> bool:
+    """Whether to warn about the empty file `path`: once per process (a command may load its config twice), and
+    not in a launched worker or a rank other than 0 (the launcher or rank 0 says it)."""
+    if path in _NOTICED or not says_it_once(os.environ):
+        return False
+    _NOTICED.add(path)
+    return True
 
 
 def overridden(overrides: Iterable[str]) -> Callable[[dict[str, Any]], Config]:

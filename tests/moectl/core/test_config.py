@@ -124,7 +124,7 @@ def test_an_integral_float_for_an_int_key_is_told_how_to_write_it() -> None:
     """`train.train_iters=1e3` is the float 1000.0 to YAML: the fix writes the integer, not just the type."""
     with pytest.raises(ConfigError) as err:
         load_config(None, ["train.train_iters=1e3"])
-    assert "fix: write train.train_iters=1000 " in err.value.one_line()
+    assert "fix: write train.train_iters as the integer 1000 " in err.value.one_line()
     with pytest.raises(ConfigError) as err:  # a fraction keeps the plain type fix
         load_config(None, ["moe.num_experts=2.5"])
     assert "write moe.num_experts" not in err.value.one_line()
