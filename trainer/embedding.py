@@ -18,7 +18,7 @@ from torch import nn
 
 from trainer.kernels import triton_runs
 from trainer.main_grad import grad_ready, require_main_grad, settle_stale
-from trainer.moe.expert_order import compact_ids
+from trainer.sort_keys import compact_ids
 
 
 def accumulate_embedding_grad(param: nn.Parameter, ids_N: torch.Tensor, g_ND: torch.Tensor) -> None:

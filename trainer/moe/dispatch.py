@@ -38,8 +38,9 @@ from moectl.core.errors import ConfigError
 from moectl.core.facts import expert_capacity
 from trainer.moe.delayed_wgrad import flush_point
 from trainer.moe.permute import combine_rows, dispatch_rows
-from trainer.moe.expert_order import compact_ids, sort_by_expert
+from trainer.moe.expert_order import sort_by_expert
 from trainer.moe.router import RouterOutput
+from trainer.sort_keys import compact_ids
 
 
 @dataclass

@@ -30,8 +30,8 @@ from moectl.core.arith import round_up
 from moectl.core.errors import ConfigError
 from trainer.moe.dispatch_alltoall import check_divisible
 from trainer.moe.ep_comm import all_gather_rows, all_gather_rows_nograd, reduce_scatter_rows
-from trainer.moe.expert_order import compact_ids
 from trainer.moe.router import RouterOutput
+from trainer.sort_keys import compact_ids
 
 if TYPE_CHECKING:
     from trainer.parallel.groups import Group

@@ -9,7 +9,7 @@ import torch
 
 from moectl.core.config.schema import MoEConfig
 from trainer.moe import TopKRouter
-from trainer.moe.expert_order import compact_ids
+from trainer.sort_keys import compact_ids
 from trainer.moe.router import expert_counts
 
 # Four tokens, three experts. With router weight = I, the logits are the inputs, so choosing inputs
