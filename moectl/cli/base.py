@@ -70,7 +70,7 @@ def report(e: MoectlError, prefix: str = "") -> None:
 
 def warn_unknown_variables() -> None:
     """Name each `MOECTL_*` environment variable moectl does not read (a mistyped switch would change nothing
-    silently); once per run: a launched worker (RANK set) leaves it to the command that launched it."""
+    silently); once per run: a worker of moectl's launcher, or a rank other than 0, leaves it to another."""
     if not says_it_once(os.environ):
         return
     for line in unknown_variables(os.environ):

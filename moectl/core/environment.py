@@ -2,8 +2,8 @@
 
 A mistyped variable (`MOECTL_TRITON_ROPE` with a letter too many) would otherwise change nothing without a
 word, so every command warns about a `MOECTL_*` name it does not know, with the closest known one
-(moectl/cli/base.py). A test keeps the table and the code in step both ways. The A/B switches (`=0` turns one fast path off, `trainer/switches.py`)
-exist for comparisons; a run needs none of them.
+(moectl/cli/base.py). A test keeps the table and the code in step both ways. The A/B switches (`=0` turns
+one fast path off, `trainer/switches.py`) exist for comparisons; a run needs none of them.
 """
 
 from __future__ import annotations
