@@ -532,8 +532,9 @@ def _checkpoint_config(meta: dict[str, Any], path: Path) -> Config:
 def _read_json(path: Path) -> dict[str, Any]:
     try:
         obj = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} not found", "give an HF model folder (config.json + *.safetensors)") from None
+    except (FileNotFoundError, NotADirectoryError):  # the source named nothing usable: the command's fault (exit 2)
+        raise CheckpointArgumentError(f"{path} not found",
+                                      "give an HF model folder (config.json + *.safetensors)") from None  # fmt: skip
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path}: cannot be read as JSON ({e})", "fix or re-download the file") from None
     if not isinstance(obj, dict):
@@ -542,7 +543,13 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def _new_path(p: Path) -> Path:
+    """A destination that does not exist yet and can be made: its nearest existing ancestor a writable folder
+    (a path under a file ended an export in a traceback after the work was done)."""
     p = p.expanduser()
     if p.exists() or p.is_symlink():
         raise CheckpointArgumentError(f"destination {p} already exists", "give a new folder: nothing is ever overwritten")
+    ancestor = next(a for a in p.absolute().parents if a.exists())
+    if not ancestor.is_dir() or not os.access(ancestor, os.W_OK):
+        why = "is a file, not a folder" if not ancestor.is_dir() else "is not writable"
+        raise CheckpointArgumentError(f"destination {p} cannot be made: {ancestor} {why}", "give a new folder")
     return p

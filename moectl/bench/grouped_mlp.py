@@ -88,10 +88,16 @@ class Shape:
 
     @staticmethod
     def parse(text: str) -> "Shape":
-        """'E,h,f,m' -> Shape."""
-        parts = [int(p) for p in text.replace("x", ",").split(",")]
+        """'E,h,f,m' -> Shape; refuses what no path could run: non-integers, and h or f not a multiple of 8
+        (the grouped GEMMs need 16-byte row strides in bf16)."""
+        try:
+            parts = [int(p) for p in text.replace("x", ",").split(",")]
+        except ValueError:
+            parts = []
         if len(parts) != 4 or min(parts) <= 0:
             raise ValueError(f"shape {text!r}: expected four positive integers E,h,f,m")
+        if parts[1] % 8 or parts[2] % 8:
+            raise ValueError(f"shape {text!r}: h and f must be multiples of 8 (16-byte rows for the grouped GEMMs)")
         return Shape(*parts)
 
 

@@ -40,7 +40,7 @@ def keys_command(
     from moectl.core.config.keys import config_keys
     from moectl.core.errors import UsageError
 
-    keys = [k for k in config_keys() if section is None or k.key == section or k.key.startswith(section + ".")]
+    keys = [k for k in config_keys() if section is None or k.key.startswith(section)]  # a section, key or prefix
     if not keys:
         sections = sorted({k.key.split(".")[0] for k in config_keys()})
         close = difflib.get_close_matches(section or "", sections + [k.key for k in config_keys()], n=1, cutoff=0.7)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -21,7 +22,28 @@ SetOpt = Annotated[
     ),
 ]
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout instead of a table.")]
-JsonPathOpt = Annotated[Optional[Path], typer.Option("--json", help="Also write the results as JSON to this path.")]
+def _json_path_usable(path: Optional[Path]) -> Optional[Path]:
+    """Check a `--json PATH` before the command runs (its folder is made here): a run of minutes must not end
+    in a traceback because the path is a folder or lies under a file."""
+    if path is None:
+        return None
+    if path.is_dir():
+        raise typer.BadParameter(f"{path} is a folder; give a file path, e.g. {path / 'result.json'}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        blocker = next((p for p in (path.parent, *path.parent.parents) if p.exists() and not p.is_dir()), None)
+        why = f"{blocker} is a file, not a folder" if blocker is not None else e.strerror or str(e)
+        raise typer.BadParameter(f"cannot make the folder {path.parent}: {why}") from None
+    if not os.access(path.parent, os.W_OK):
+        raise typer.BadParameter(f"the folder {path.parent} is not writable")
+    return path
+
+
+JsonPathOpt = Annotated[
+    Optional[Path],
+    typer.Option("--json", help="Also write the results as JSON to this path.", callback=_json_path_usable),
+]
 WorldSizeOpt = Annotated[
     Optional[int],
     typer.Option("--world-size", "-w", min=1, help="Number of processes to check for (default: the smallest that fits)."),

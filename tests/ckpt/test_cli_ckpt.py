@@ -109,6 +109,17 @@ def test_export_and_import_hf(ckpt: tuple[Path, dict], tmp_path: Path) -> None:
     assert "model weights only" in r.output and "valid" in r.output and "weight" in r.output
 
 
+
+def test_hf_arguments_that_name_nothing_usable_exit_2(ckpt: tuple[Path, dict], tmp_path: Path) -> None:
+    """export-hf into a path under a file ended, after the export's work, in a traceback; import-hf from a folder
+    without config.json exited 1 (export-hf's bad arguments exit 2). Both are one line, exit 2, now."""
+    root, _ = ckpt
+    (tmp_path / "afile").write_text("x")
+    r = invoke("export-hf", root, tmp_path / "afile" / "out", "--format", "mixtral")
+    assert r.exit_code == 2 and "is a file, not a folder" in r.output and "Traceback" not in r.output
+    r = invoke("import-hf", tmp_path, tmp_path / "back")
+    assert r.exit_code == 2 and "config.json not found" in r.output
+
 @pytest.mark.parametrize("cmd", ["convert", "inspect", "export-hf", "import-hf"])
 def test_every_command_has_examples(cmd: str) -> None:
     r = invoke(cmd, "--help")

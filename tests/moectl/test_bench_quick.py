@@ -59,6 +59,10 @@ def test_bad_shape_is_a_one_line_usage_error():
     result = CliRunner().invoke(app, ["bench", "grouped-mlp", "--quick", "--shape", "8,4096"])
     assert result.exit_code == 2
     assert "expected four positive integers" in result.output
+    # a shape no path could run (95 is no multiple of 8) and a word: the usage error, not a traceback mid-run
+    for shape, says in (("4,64,95,32", "multiples of 8"), ("a,b,c,d", "expected four positive integers")):
+        result = CliRunner().invoke(app, ["bench", "grouped-mlp", "--quick", "--shape", shape])
+        assert result.exit_code == 2 and says in result.output and "Traceback" not in result.output
 
 
 @pytest.mark.parametrize("bench", ["grouped-mlp", "optimizer-step", "param-gather"])

@@ -49,6 +49,8 @@ def test_config_keys_table_filters_by_section_and_refuses_an_unknown_one() -> No
     assert "did you mean 'optimizer'?" in bad.output
     bad = runner.invoke(app, ["config", "keys", "optimizer.lrr"])  # a mistyped key, not only a section
     assert bad.exit_code == 2 and "did you mean 'optimizer.lr'?" in bad.output
+    r = runner.invoke(app, ["config", "keys", "moe.router"], env={"COLUMNS": "200"})  # any prefix, as its help says
+    assert r.exit_code == 0 and "moe.router_topk" in r.output and "moe.num_experts" not in r.output
 
 
 def test_train_help_says_where_results_go_and_how_to_resume() -> None:

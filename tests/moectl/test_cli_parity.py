@@ -71,3 +71,20 @@ def test_two_ranks_exit_1_on_a_difference_without_a_failed_child(tmp_path):
     assert res.returncode == 1, res.stdout + res.stderr
     assert "first at step 1" in res.stdout and "ChildFailedError" not in res.stderr
     assert json.loads(out.read_text())["first_difference"]["step"] == 1
+
+
+
+def test_a_json_path_that_cannot_be_written_is_refused_before_the_run(tmp_path):
+    """It ran every step, then died in a traceback writing the file (a folder, or a path under a file)."""
+    (tmp_path / "afile").write_text("x")
+
+    def parity(path):
+        return subprocess.run([sys.executable, "-m", "moectl", "parity", "configs/tiny.yaml", "--flag", "train.seed=2",
+                               "--steps", "1", "--json", str(path)], capture_output=True, text=True, timeout=300)
+
+    for path, says in ((tmp_path, "is a folder"), (tmp_path / "afile" / "out.json", "is a file, not a folder")):
+        r = parity(path)
+        assert r.returncode == 2 and says in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert "loss OFF" not in r.stdout  # refused before any step
+    r = parity(tmp_path / "new" / "deep" / "p.json")
+    assert r.returncode == 1 and (tmp_path / "new" / "deep" / "p.json").is_file()  # its folder made
