@@ -154,8 +154,9 @@ def _print_summary(s: Any, console: Console) -> None:
     help="Write a checkpoint's model weights as a Hugging Face model folder (config.json + safetensors) that"
     " transformers loads with from_pretrained. Refuses, naming each setting, what the format cannot express."
     + examples(
-        "moectl ckpt export-hf runs/tiny/checkpoints /tmp/tiny-mixtral --format mixtral",
-        "moectl ckpt export-hf runs/qwen/checkpoints/step_00001000 /tmp/qwen-hf --format qwen3-moe",
+        "moectl ckpt export-hf runs/qwen/checkpoints /tmp/qwen-hf --format qwen3-moe   # README's qwen run",
+        "moectl ckpt export-hf runs/mix/checkpoints/step_00001000 /tmp/mix-hf --format mixtral   # a run with "
+        "moe.router_norm_topk_prob=true",
     ),
 )
 def export_hf_command(
