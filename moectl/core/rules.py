@@ -14,7 +14,7 @@ MOE036-037, hardware and environment MOE038-040, model, data and training basics
 later additions: MOE048 (precision: which recipes and optimizers low-precision param gather supports),
 MOE049 (precision: fp8_fast_accum_backward needs an fp8 recipe with native GEMMs), MOE050 (retired: it
 warned that `train.cuda_graph` was not captured; it is now), MOE051 and MOE052
-(data: `data.dtype` / `data.eval_path` only where the source reads them; an eval_path that is the
+(data: `data.dtype` / `data.path` / `data.eval_path` only where the source reads them; an eval_path that is the
 training file), MOE053 (optimizer: `muon_compute_dtype` and `muon_ns_method` are read only by Muon), MOE054
 (hardware: bf16 Newton-Schulz needs sm80+), MOE055 (compile: `train.compile=regional` on the CPU needs the C++
 compiler inductor builds with), MOE056 (hardware: the per-rank memory estimate fits the GPU memory given
@@ -1947,8 +1947,8 @@ def fp8_fast_accum_backward_needs_native_fp8(c: Context) -> Iterator[_Hit]:
     "MOE051",
     "data",
     "error",
-    ["data.dtype", "data.eval_path", "data.source"],
-    "data.dtype and data.eval_path only where the source reads them",
+    ["data.dtype", "data.path", "data.eval_path", "data.source"],
+    "data.dtype, data.path and data.eval_path only where the source reads them",
 )
 def data_keys_fit_the_source(c: Context) -> Iterator[_Hit]:
     """`data.dtype` is how the tokens and megatron sources read their files (megatron: a check against the
@@ -1962,12 +1962,13 @@ def data_keys_fit_the_source(c: Context) -> Iterator[_Hit]:
             "remove data.dtype, or use data.source tokens or megatron",
             keys=("data.dtype", "data.source"),
         )
-    if d.eval_path and d.source not in ("tokens", "megatron", "text"):
-        yield _Hit(
-            f"data.eval_path={d.eval_path} is not read by data.source={d.source} (it reads no files)",
-            "remove data.eval_path, or use a tokens, megatron or text source",
-            keys=("data.eval_path", "data.source"),
-        )
+    for key, value in (("data.path", d.path), ("data.eval_path", d.eval_path)):
+        if value and d.source not in ("tokens", "megatron", "text"):
+            yield _Hit(
+                f"{key}={value} is not read by data.source={d.source} (it reads no files)",
+                f"remove {key}, or use a tokens, megatron or text source",
+                keys=(key, "data.source"),
+            )
 
 
 def _same_data(a: str, b: str, megatron: bool) -> bool:

@@ -33,11 +33,12 @@ def _check_keys(cfg: DataConfig) -> None:
             f"data.dtype={cfg.dtype} is set but data.source={cfg.source} decides its own dtype",
             "remove data.dtype (it is for the tokens and megatron sources)",
         )
-    if cfg.eval_path and cfg.source not in _NEEDS_PATH:
-        raise DataError(
-            f"data.eval_path is set but data.source={cfg.source} reads no files",
-            "remove data.eval_path, or use a tokens, megatron or text source",
-        )
+    for key, value in (("data.path", cfg.path), ("data.eval_path", cfg.eval_path)):
+        if value and cfg.source not in _NEEDS_PATH:  # a run believed to train on that file would not
+            raise DataError(
+                f"{key} is set but data.source={cfg.source} reads no files",
+                f"remove {key}, or use a tokens, megatron or text source",
+            )
 
 
 def load_source(

@@ -580,6 +580,12 @@ CASES = [
         ["data.eval_path=v.bin", "data.source=text", "data.path=t.txt"],
         name="eval-path",
     ),
+    Case(  # a user trial: data.path with the corpus source trained on the stdlib without a word
+        "MOE051",
+        ["data.path=mine.bin", "data.source=corpus"],
+        ["data.path=mine.bin", "data.source=tokens"],
+        name="path",
+    ),
     Case(
         "MOE052",
         ["data.source=tokens", "data.path=t.bin", "data.eval_path=./t.bin"],

@@ -108,6 +108,8 @@ def test_eval_path_is_evaluated_instead_of_a_held_out_fraction(tmp_path: Path) -
         build_data(cfg, seq_length=16, vocab_size=210, seed=0)
     with pytest.raises(DataError, match="data.eval_path is set but data.source=synthetic reads no files"):
         build_data(DataConfig(source="synthetic", eval_path=val_path), seq_length=16, vocab_size=256, seed=0)
+    with pytest.raises(DataError, match="data.path is set but data.source=corpus reads no files"):
+        build_data(DataConfig(source="corpus", path=train_path), seq_length=16, vocab_size=256, seed=0)
     with pytest.raises(DataError, match="data.dtype=uint16 is set but data.source=corpus"):
         build_data(DataConfig(dtype="uint16"), seq_length=16, vocab_size=256, seed=0)
 
