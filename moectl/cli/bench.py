@@ -248,10 +248,7 @@ def grouped_mlp(
     console = Console()
     result = gm.run(cfg, log=lambda line: console.print(line, style="dim", highlight=False))
     render(result, console)
-    if json_path is not None:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(result.to_json(), indent=2) + "\n")
-        console.print(f"wrote {json_path}")
+    write_json(result, json_path, console)
 
 
 # ------------------------------------------------------------------------------------------------ optimizer-step
@@ -301,9 +298,9 @@ def render_optimizer_step(result: Any, console: Console) -> None:
         console.print(q)
 
 
-def _write_json(result: Any, json_path: Optional[Path], console: Console) -> None:
+def write_json(result: Any, json_path: Optional[Path], console: Console) -> None:
+    """Write a bench's result as JSON to `--json PATH` (its folder made by the option) and say so."""
     if json_path is not None:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(result.to_json(), indent=2) + "\n")
         console.print(f"wrote {json_path}")
 
@@ -328,7 +325,7 @@ def optimizer_step(
     console = Console()
     result = ob.run(cfg, log=lambda line: console.print(line, style="dim", highlight=False))
     render_optimizer_step(result, console)
-    _write_json(result, json_path, console)
+    write_json(result, json_path, console)
 
 
 # ------------------------------------------------------------------------------------------------ param-gather
@@ -427,4 +424,4 @@ def param_gather(
         result = pg.run(cfg, dev, log=lambda line: console.print(line, style="dim", highlight=False))
         render_param_gather(result, console)
         if main:
-            _write_json(result, json_path, console)
+            write_json(result, json_path, console)

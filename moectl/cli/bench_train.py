@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Annotated, Any, Optional
 
@@ -11,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from moectl.cli.base import command
-from moectl.cli.bench import bench_app
+from moectl.cli.bench import bench_app, write_json
 from moectl.cli.options import ConfigArg, JsonPathOpt, NprocOpt, SetOpt, examples
 from moectl.core.errors import UsageError
 
@@ -180,10 +179,7 @@ def train(
     result = _run(bench, configs, world, console)
     if rank0:
         render(result, console)
-        if json_path is not None:
-            json_path.parent.mkdir(parents=True, exist_ok=True)
-            json_path.write_text(json.dumps(result.to_json(), indent=2) + "\n")
-            console.print(f"wrote {json_path}")
+        write_json(result, json_path, console)
 
 
 def _run(bench: Any, configs: list[Any], world: int, console: Console) -> Any:
