@@ -88,9 +88,16 @@ def quick_problem(step_dir: Path) -> str | None:
         path = step_dir / fname
         if not path.is_file():
             return f"{fname} is missing"
-        if path.stat().st_size != frec["size"]:
-            return f"{fname} is {path.stat().st_size} bytes, the manifest says {frec['size']}"
+        wrong_size = _wrong_size(path, frec)
+        if wrong_size is not None:
+            return f"{fname} {wrong_size}"
     return None
+
+
+def _wrong_size(path: Path, frec: dict[str, Any]) -> str | None:
+    """How a listed file's size differs from its manifest record ("is N bytes, the manifest says M"), or None."""
+    size = path.stat().st_size
+    return None if size == frec["size"] else f"is {size} bytes, the manifest says {frec['size']}"
 
 
 class BackgroundVerify:
@@ -177,10 +184,10 @@ def _check_structure(path: Path, frec: dict[str, Any], expected: dict[str, Any]
         held = ", ".join(sorted(expected)[:3]) + (", ..." if len(expected) > 3 else "")
         return [Problem(P.MISSING_FILE, fname, None, f"missing; it held {len(expected)} tensor(s): {held}")], None, False
     found = []
-    size = path.stat().st_size
-    size_ok = size == frec["size"]
+    wrong_size = _wrong_size(path, frec)
+    size_ok = wrong_size is None
     if not size_ok:
-        found.append(Problem(P.SIZE, fname, None, f"is {size} bytes, the manifest says {frec['size']}"))
+        found.append(Problem(P.SIZE, fname, None, wrong_size))
     header, hprobs = read_header(path)
     found += hprobs
     if header is None and _looks_pickled(path):
