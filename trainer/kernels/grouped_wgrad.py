@@ -36,16 +36,20 @@ def grouped_wgrad_reference_(targets: Sequence[torch.Tensor], a_TM: torch.Tensor
 
 def accumulate_grouped_wgrad_(targets: Sequence[torch.Tensor], a_TM: torch.Tensor, b_TN: torch.Tensor,
                               tokens_per_expert_E: torch.Tensor, offs_E: torch.Tensor | None = None,
-                              stale_E: Sequence[torch.Tensor] | None = None) -> None:
+                              stale_E: Sequence[torch.Tensor] | None = None,
+                              sq: bool = False) -> torch.Tensor | None:
     """targets[e] += a[rows of e]^T b[rows of e]; one Triton launch on CUDA (no host sync), else the reference.
 
     `offs_E`: the cumulative row ends, if the caller has them on the device already. On Hopper, when the targets
     are whole rows of one fp32 matrix (a grouped main_grad, or per-expert main_grads laid out row-aligned in the
     grad buffer), the TMA kernel runs; otherwise the pointer kernel (the same sums, bitwise).
+    `sq`: also return partial sums of squares of the targets after the add (a 1-D tensor whose sum is the
+    targets' sum of squares: per tile, from the kernel's registers, on CUDA; per target, in fp64, on the CPU),
+    what the grad norm reads instead of the targets (`trainer/grad_sq.py`). Else None.
     """
     if not (a_TM.is_cuda and has_triton()):
         grouped_wgrad_reference_(targets, a_TM, b_TN, tokens_per_expert_E, stale_E)
-        return
+        return torch.stack([t.double().square().sum() for t in targets]) if sq else None
     from trainer.kernels import grouped_wgrad_triton as kernels  # lazy: needs Triton
 
     base = targets[0]
@@ -59,12 +63,15 @@ def accumulate_grouped_wgrad_(targets: Sequence[torch.Tensor], a_TM: torch.Tenso
     if offs_E is None:
         offs_E = torch.cumsum(tokens_per_expert_E.to(a_TM.device), 0)
     a_TM, b_TN = a_TM.contiguous(), b_TN.contiguous()
+    partials = torch.empty(kernels.sq_slots(len(targets), M, N), dtype=torch.float32, device=base.device) if sq else None
     if layout.rows is not None and _tma_fits(a_TM, b_TN, M, N):
-        kernels.grouped_wgrad_accumulate_tma_(*_rows_view(targets, layout), a_TM, b_TN, offs_E, M, N, stale=stale)
+        kernels.grouped_wgrad_accumulate_tma_(*_rows_view(targets, layout), a_TM, b_TN, offs_E, M, N, stale=stale,
+                                              sq=partials)
     else:
-        kernels.grouped_wgrad_accumulate_(base, layout.offsets, a_TM, b_TN, offs_E, M, N, stale=stale)
+        kernels.grouped_wgrad_accumulate_(base, layout.offsets, a_TM, b_TN, offs_E, M, N, stale=stale, sq=partials)
     if stale is not None:
         clear_flags_(stale_E)  # type: ignore[arg-type]
+    return partials
 
 
 _FLAG_OFFSETS: dict[tuple[int, ...], torch.Tensor] = {}

@@ -25,6 +25,11 @@ Two kernels, the same sums in the same order (bitwise equal, measured):
   two experts; the caller checks (`grouped_wgrad.py`).
 - `_wgrad_kernel`: pointer loads everywhere, any layout, any GPU Triton runs on.
 
+Sums of squares (`sq_ptr`, on the step's last accumulation; `trainer/grad_sq.py`): each program also writes
+the sum of squares of its final fp32 tile, which it holds in registers anyway, to its own slot (no atomics:
+the same bits every run). The grad norm then adds those partials instead of reading the expert grads
+again: on the reference model those grads are 88% of the bytes the norm reads.
+
 Stale targets (`stale_ptr`, `stale_offs_E`): expert e's target may be flagged stale (an int32 at
 `stale_ptr + stale_offs_E[e]`, nonzero after `zero_grad` skipped zero-filling it, `trainer/main_grad.py`):
 its tile is then stored, not added (an expert without rows stores zeros), which is bitwise the zero fill plus
@@ -52,9 +57,10 @@ TMA_BLOCK_M, TMA_BLOCK_N, TMA_BLOCK_K, TMA_NUM_WARPS, TMA_NUM_STAGES = 128, 128,
 
 @triton.jit
 def _wgrad_kernel(
-    a_ptr, b_ptr, c_ptr, offs_ptr, c_offs_ptr, stale_ptr, stale_offs_ptr,
+    a_ptr, b_ptr, c_ptr, offs_ptr, c_offs_ptr, stale_ptr, stale_offs_ptr, sq_ptr,
     M, N, stride_at, stride_bt, stride_cm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_STALE: tl.constexpr,
+    HAS_SQ: tl.constexpr,
 ):  # fmt: skip
     e = tl.program_id(1)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -82,20 +88,27 @@ def _wgrad_kernel(
     if stale:  # leftovers read as zero: store the sum (zeros for an expert without rows)
         tl.store(c_ptrs, acc, mask=mask)
     elif end > start:  # an expert without rows leaves its grad untouched
-        tl.store(c_ptrs, tl.load(c_ptrs, mask=mask) + acc, mask=mask)
+        acc = tl.load(c_ptrs, mask=mask, other=0.0) + acc
+        tl.store(c_ptrs, acc, mask=mask)
+    elif HAS_SQ:  # untouched, but its square still counts
+        acc = tl.load(c_ptrs, mask=mask, other=0.0)
+    if HAS_SQ:  # masked lanes hold 0 (acc's rows beyond M summed nothing, or were loaded as 0)
+        tl.store(sq_ptr + e * tl.num_programs(0) + pid, tl.sum(tl.sum(acc * acc, axis=1), axis=0))
 
 
 def grouped_wgrad_accumulate_(c: torch.Tensor, c_offs_E: torch.Tensor, a_TM: torch.Tensor, b_TN: torch.Tensor,
                               offs_E: torch.Tensor, M: int, N: int,
                               config: tuple[int, int, int, int, int] | None = None,
-                              stale: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                              stale: tuple[torch.Tensor, torch.Tensor] | None = None,
+                              sq: torch.Tensor | None = None) -> None:
     """c[e] += a[rows of e]^T b[rows of e] for every expert e, in fp32, in one launch (`config`: the tile
     shape, warps and stages to use instead of the chosen ones; for the tuning probe).
 
     `offs_E`: int32/int64 cumulative row ends per expert (on the device); `c_offs_E`: int64 element offset of
     expert e's `[M, N]` fp32 matrix (row stride N) from `c.data_ptr()`. a and b contiguous, one dtype.
     `stale`: (int32 flags, int64 offset of expert e's flag from the flags' data pointer): a flagged target is
-    overwritten (see the module docstring); the flags are left as they were.
+    overwritten (see the module docstring); the flags are left as they were. `sq`: fp32, `sq_slots(E, M, N)`
+    elements: each tile's sum of squares of its final `c` goes there (module docstring).
     """
     if a_TM.shape[1] != M or b_TN.shape[1] != N or a_TM.shape[0] != b_TN.shape[0]:
         raise ValueError(f"operands {tuple(a_TM.shape)} and {tuple(b_TN.shape)} do not make [{M}, {N}] grads")
@@ -104,18 +117,21 @@ def grouped_wgrad_accumulate_(c: torch.Tensor, c_offs_E: torch.Tensor, a_TM: tor
     bm, bn, bk, warps, stages = config or (BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES)
     grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn), offs_E.numel())
     flags, flag_offs_E = stale if stale is not None else (offs_E, offs_E)  # unread without HAS_STALE
+    _check_sq(sq, grid)
     _wgrad_kernel[grid](
-        a_TM, b_TN, c, offs_E, c_offs_E, flags, flag_offs_E, M, N, a_TM.stride(0), b_TN.stride(0), N,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, HAS_STALE=stale is not None, num_warps=warps, num_stages=stages,
+        a_TM, b_TN, c, offs_E, c_offs_E, flags, flag_offs_E, c if sq is None else sq, M, N,
+        a_TM.stride(0), b_TN.stride(0), N,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, HAS_STALE=stale is not None, HAS_SQ=sq is not None,
+        num_warps=warps, num_stages=stages,
     )  # fmt: skip
 
 
 @triton.jit
 def _wgrad_kernel_tma(
-    a_desc, b_desc, c_desc, a_ptr, b_ptr, offs_ptr, c_row_ptr, stale_ptr, stale_offs_ptr,
+    a_desc, b_desc, c_desc, a_ptr, b_ptr, offs_ptr, c_row_ptr, stale_ptr, stale_offs_ptr, sq_ptr,
     M, N, stride_at, stride_bt,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-    HAS_STALE: tl.constexpr,
+    HAS_STALE: tl.constexpr, HAS_SQ: tl.constexpr,
 ):  # fmt: skip
     e = tl.program_id(1)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -146,7 +162,12 @@ def _wgrad_kernel_tma(
     if stale:  # leftovers read as zero: store the sum (zeros for an expert without rows)
         c_desc.store([row, n0], acc)
     elif end > start:  # an expert without rows leaves its grad untouched
-        c_desc.store([row, n0], c_desc.load([row, n0]) + acc)
+        acc = c_desc.load([row, n0]) + acc
+        c_desc.store([row, n0], acc)
+    elif HAS_SQ:  # untouched, but its square still counts
+        acc = c_desc.load([row, n0])
+    if HAS_SQ:  # a TMA tile lies inside c's N columns (it clips there); M % BLOCK_M == 0
+        tl.store(sq_ptr + e * tl.num_programs(0) + pid, tl.sum(tl.sum(acc * acc, axis=1), axis=0))
 
 
 def tma_supported(device: torch.device) -> bool:
@@ -158,11 +179,12 @@ def tma_supported(device: torch.device) -> bool:
 def grouped_wgrad_accumulate_tma_(c_RN: torch.Tensor, c_row_E: torch.Tensor, a_TM: torch.Tensor, b_TN: torch.Tensor,
                                   offs_E: torch.Tensor, M: int, N: int,
                                   config: tuple[int, int, int, int, int] | None = None,
-                                  stale: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                                  stale: tuple[torch.Tensor, torch.Tensor] | None = None,
+                                  sq: torch.Tensor | None = None) -> None:
     """c[e] += a[rows of e]^T b[rows of e] with TMA loads and stores: `c_RN` is an fp32 `[R, N]` matrix whose rows
     `c_row_E[e] .. c_row_E[e] + M` (int64, on the device) are expert e's grad. Needs `M % BLOCK_M == 0`, a and
-    b contiguous with 16-byte aligned rows (`M % 8 == N % 8 == 0` in bf16) and `tma_supported`. `stale` as
-    for `grouped_wgrad_accumulate_`."""
+    b contiguous with 16-byte aligned rows (`M % 8 == N % 8 == 0` in bf16) and `tma_supported`. `stale` and
+    `sq` as for `grouped_wgrad_accumulate_`."""
     bm, bn, bk, warps, stages = config or (TMA_BLOCK_M, TMA_BLOCK_N, TMA_BLOCK_K, TMA_NUM_WARPS, TMA_NUM_STAGES)
     if M % bm or a_TM.shape[1] != M or b_TN.shape[1] != N or a_TM.shape[0] != b_TN.shape[0]:
         raise ValueError(f"operands {tuple(a_TM.shape)}, {tuple(b_TN.shape)} and M={M} (a multiple of {bm}) disagree")
@@ -171,8 +193,22 @@ def grouped_wgrad_accumulate_tma_(c_RN: torch.Tensor, c_row_E: torch.Tensor, a_T
     c_desc = TensorDescriptor.from_tensor(c_RN, [bm, bn])
     grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn), offs_E.numel())
     flags, flag_offs_E = stale if stale is not None else (offs_E, offs_E)  # unread without HAS_STALE
+    _check_sq(sq, grid)
     _wgrad_kernel_tma[grid](
-        a_desc, b_desc, c_desc, a_TM, b_TN, offs_E, c_row_E, flags, flag_offs_E, M, N, a_TM.stride(0), b_TN.stride(0),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=stages, HAS_STALE=stale is not None,
+        a_desc, b_desc, c_desc, a_TM, b_TN, offs_E, c_row_E, flags, flag_offs_E, c_RN if sq is None else sq, M, N,
+        a_TM.stride(0), b_TN.stride(0),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=stages, HAS_STALE=stale is not None, HAS_SQ=sq is not None,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
+
+
+def sq_slots(E: int, M: int, N: int) -> int:
+    """How many fp32 partial sums of squares a launch with `sq` writes: one per tile (both kernels' default
+    tiles are BLOCK_M x BLOCK_N)."""
+    assert (BLOCK_M, BLOCK_N) == (TMA_BLOCK_M, TMA_BLOCK_N)
+    return E * triton.cdiv(M, BLOCK_M) * triton.cdiv(N, BLOCK_N)
+
+
+def _check_sq(sq: torch.Tensor | None, grid: tuple[int, int]) -> None:
+    if sq is not None and (sq.dtype != torch.float32 or sq.numel() != grid[0] * grid[1] or not sq.is_contiguous()):
+        raise ValueError(f"sq must be a contiguous fp32 tensor of {grid[0] * grid[1]} elements, got {tuple(sq.shape)}")

@@ -182,6 +182,40 @@ def test_triton_kernels_overwrite_stale_targets_bitwise_as_zero_fill_then_add(M:
     assert torch.equal(got, want) and int(flag) == 0
 
 
+def test_reference_leaves_the_sums_of_squares_of_the_targets_after_the_add() -> None:
+    a, b, counts = _problem("cpu", torch.bfloat16)
+    targets = [torch.full((48, 80), 0.5) for _ in COUNTS]
+    partials = accumulate_grouped_wgrad_(targets, a, b, counts, sq=True)
+    assert partials is not None
+    want = sum(float(t.double().square().sum()) for t in targets)
+    assert float(partials.sum()) == pytest.approx(want, rel=1e-12)
+    assert accumulate_grouped_wgrad_(targets, a, b, counts) is None  # only when asked
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("M,N", [(2048, 1024), (256, 200), (48, 80)], ids=["tma", "tma-ragged-n", "pointer"])
+def test_triton_kernels_leave_the_sums_of_squares_of_their_final_tiles(M: int, N: int) -> None:
+    a, b, counts = _problem("cuda", torch.bfloat16, M=M, N=N)
+    E = len(COUNTS)
+    got = torch.randn(E, M, N, device="cuda")
+    got[[0, 1]] = float("nan")  # stale leftovers: overwritten, and never counted
+    flags = torch.tensor([1, 1, 0, 0, 0], dtype=torch.int32, device="cuda")
+    plain = got.clone()
+    plain[[0, 1]] = 0.0
+    accumulate_grouped_wgrad_(list(plain.unbind(0)), a, b, counts)
+    partials = accumulate_grouped_wgrad_(list(got.unbind(0)), a, b, counts,
+                                         stale_E=[flags[i:i + 1] for i in range(E)], sq=True)
+    assert partials is not None and partials.dtype == torch.float32
+    assert torch.equal(got, plain)  # asking for the sums changes no grad bit
+    # expert 3 has one row and expert 1 none (stale: zeros); each untouched or written tile counts once
+    want = got.double().square().sum()
+    torch.testing.assert_close(partials.double().sum(), want, rtol=1e-6, atol=0)
+    again = accumulate_grouped_wgrad_(list(got.clone().unbind(0)), a, b, counts * 0, sq=True)  # no rows at all
+    assert again is not None
+    torch.testing.assert_close(again.double().sum(), want, rtol=1e-6, atol=0)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_hopper_takes_the_tma_kernel_for_row_aligned_targets(monkeypatch: pytest.MonkeyPatch) -> None:
