@@ -28,6 +28,7 @@ from moectl.core.config.schema import Config
 from moectl.core.errors import ConfigError, MoectlError, UsageError
 from moectl.core.overlap import describe_overlap
 from moectl.core.params import count_params
+from trainer import grad_sq
 from trainer.build import build_data_for, build_engine, build_model
 from trainer.checkpointing import load_training_checkpoint, save_training_checkpoint
 from trainer.checkpointing.saver import RunCheckpointer, SaveReport
@@ -44,6 +45,7 @@ from trainer.parallel.failures import collective_failure, raise_if_any_rank_fail
 from trainer.parallel.groups import collective_timeout_s, destroy_distributed
 from trainer.precision import describe
 from trainer.regions import OPTIMIZER, region
+from trainer.switches import switched_off
 from trainer.run_dir import CONFIG, RunDirLock, prepare_run_dir, resolved_config_text
 from trainer.run_state import RunState
 from trainer.runtime import Runtime, setup_runtime
@@ -165,6 +167,9 @@ class Trainer:
         model, engine = self.model, self.engine
         model.train()
         engine.zero_grad()
+        grad_sq.clear()  # no sums of squares of the grads just zeroed
+        # The last micro-batch's backward leaves the expert grads' sums of squares for the norm (grad_sq.py).
+        final_sq = engine.grads_final_after_backward and not switched_off("MOECTL_GRAD_SQ")
         lm_sum = torch.zeros((), device=self.rt.device, dtype=torch.float64)
         aux_sum = torch.zeros((), device=self.rt.device, dtype=torch.float64)
         # The first step of a process runs eagerly (compiles, autotuning, lazily built state); graphs after it.
@@ -182,20 +187,22 @@ class Trainer:
             if graph is not None:
                 graph.refresh_weights()
             for micro, (tokens, targets) in enumerate(self._step_batches(step)):
+                last = micro == self.n_micro - 1
                 if graph is not None:
                     gathers = gather_in_graph and micro == 0
-                    reduces = reduce_in_graph and micro == self.n_micro - 1
+                    reduces = reduce_in_graph and last
                     if gathers:
                         engine.stage_for_graph_gather()
                     with engine.micro_batch(is_last=reduces):
                         parts = graph.run(tokens, targets, gathers=gathers,
-                                          finish=engine.finish_grad_sync if reduces else None)
+                                          finish=engine.finish_grad_sync if reduces else None,
+                                          final_sq=final_sq and last)
                     if gathers:
                         engine.params_gathered_by_replay()
                     if reduces:
                         engine.grads_reduced_by_replay()
                 else:
-                    with engine.micro_batch(is_last=micro == self.n_micro - 1):
+                    with engine.micro_batch(is_last=last), grad_sq.final_accumulation(final_sq and last):
                         parts = model.loss(tokens, targets)
                         (parts.total / self.n_micro).backward()
                 lm_sum += parts.lm_loss.detach().double()

@@ -26,6 +26,7 @@ ENV: dict[str, str] = {
     "MOECTL_PARITY_VERDICT": "internal: where a parity run's worker writes its verdict",
     "MOECTL_CKPT_FAIL": "tests: fault injection into checkpoint saves (<rank>:<phase>[:<how>][@<step>])",
     # A/B switches
+    "MOECTL_GRAD_SQ": _SWITCH + "the expert grads' sums of squares left by their wgrad kernel for the grad norm",
     "MOECTL_TRITON_ADAMW": _SWITCH + "the Triton AdamW of the distributed optimizer",
     "MOECTL_TRITON_CROSS_ENTROPY": _SWITCH + "the Triton cross-entropy op of the loss",
     "MOECTL_TRITON_EMBEDDING_GRAD": _SWITCH + "the embedding's weight grad straight into main_grad",

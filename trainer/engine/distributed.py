@@ -75,6 +75,11 @@ class DistributedEngine:
     def finish_grad_sync(self) -> None:
         self.dmodel.finish_grad_sync()
 
+    @property
+    def grads_final_after_backward(self) -> bool:
+        """One data-parallel rank: no reduce and no 1/dp scale touch the grads after the backward."""
+        return self.dmodel.pstate.dp.size == 1
+
     def grads_reduced_by_replay(self) -> None:
         self.dmodel.mark_grads_reduced()
 

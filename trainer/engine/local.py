@@ -60,6 +60,11 @@ class LocalEngine:
     def finish_grad_sync(self) -> None:
         """One device: nothing to reduce."""
 
+    @property
+    def grads_final_after_backward(self) -> bool:
+        """torch's optimizer and norm read `.grad`, not the grad buffers the fused layers could account for."""
+        return False
+
     def grads_reduced_by_replay(self) -> None:
         """One device: nothing to reduce."""
 

@@ -44,6 +44,13 @@ class Engine(Protocol):
         """Launch what is left and wait for every grad reduction (on the stream: capturable)."""
         ...
 
+    @property
+    def grads_final_after_backward(self) -> bool:
+        """Whether the grads the optimizer's norm reads are exactly what the last micro-batch's backward left in
+        the grad buffers (no reduce, no scale in between: one data-parallel rank), so that backward may leave
+        their sums of squares for the norm (`trainer/grad_sq.py`)."""
+        ...
+
     def grads_reduced_by_replay(self) -> None:
         """Record that a replay of the last micro-batch's graph reduced every grad (no Python ran in it)."""
         ...

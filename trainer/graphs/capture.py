@@ -52,6 +52,7 @@ from torch import nn
 from moectl.core.config.schema import Config
 from moectl.core.errors import MoectlError
 from moectl.core.rules import null_graph_policy
+from trainer import grad_sq
 from trainer.distributed.bucket_group import GradSyncError
 from trainer.distributed.param_sync import ParamSyncError
 from trainer.graphs.static_weights import StaticWeights
@@ -78,15 +79,17 @@ class _Captured:
     graph: torch.cuda.CUDAGraph
     out: ReplayedLoss
     stats: list[tuple[nn.Module, Any]]
+    sq_records: list[grad_sq.SqRecord]  # what its backward recorded at the capture (armed variants)
 
 
 class MicroBatchGraph:
     """Captures `loss_fn(tokens, targets)` and its backward (`total / n_micro`) once; replays it after.
 
-    Up to four variants, each captured at its first use, all on one private memory pool (never replayed
+    A few variants, each captured at its first use, all on one private memory pool (never replayed
     concurrently, always in capture order within a step): the micro-batch alone; the first one of a data
     parallel step, whose forward gathers the params; the last one, followed by `finish()` (its grad
-    reductions); and both at once when a step has one micro-batch.
+    reductions); both at once when a step has one micro-batch; and, on one data-parallel rank, the last one
+    armed to leave the expert grads' sums of squares for the norm (`trainer/grad_sq.py`).
     `model` is searched for MoE layers (their `stats`) and published quantized weights (pinned).
     """
 
@@ -97,7 +100,7 @@ class MicroBatchGraph:
         self.weights = StaticWeights(model)
         self.tokens: torch.Tensor | None = None
         self.targets: torch.Tensor | None = None
-        self._variants: dict[tuple[bool, bool], _Captured] = {}  # keyed by (gathers, ends with finish())
+        self._variants: dict[tuple[bool, bool, bool], _Captured] = {}  # keyed by (gathers, finish(), final_sq)
         self.replays = 0
 
     @property
@@ -109,15 +112,17 @@ class MicroBatchGraph:
         self.weights.refresh()
 
     def run(self, tokens: torch.Tensor, targets: torch.Tensor, gathers: bool = False,
-            finish: Callable[[], None] | None = None) -> ReplayedLoss:
+            finish: Callable[[], None] | None = None, final_sq: bool = False) -> ReplayedLoss:
         """Forward + backward of one micro-batch through the graph (captured on the variant's first call).
 
         `gathers`: the param gathers are staged and pending, so the forward's pre-hooks launch and wait them
         inside the captured span (the step's first micro-batch): a variant of its own. `finish`: run at the
         end of the captured span, so its device work replays with the micro-batch (the engine's
         `finish_grad_sync`: every grad reduction launched and waited inside the graph). Hooks and `finish`
-        run in Python at the capture only; the caller records their effect after each replay."""
-        key = (gathers, finish is not None)
+        run in Python at the capture only; the caller records their effect after each replay. `final_sq`: the
+        step's last micro-batch, whose backward leaves the grads' sums of squares (`trainer/grad_sq.py`): a
+        variant of its own, whose capture's records are recorded again after each replay."""
+        key = (gathers, finish is not None, final_sq)
         if self.tokens is not None:
             assert self.targets is not None
             if tokens.shape != self.tokens.shape or targets.shape != self.targets.shape:
@@ -131,9 +136,10 @@ class MicroBatchGraph:
             self.tokens, self.targets = tokens.clone(), targets.clone()
         variant = self._variants.get(key)
         if variant is None:
-            variant = self._variants[key] = self._capture(finish)
+            variant = self._variants[key] = self._capture(finish, final_sq)
         variant.graph.replay()
         self.replays += 1
+        grad_sq.restore(variant.sq_records)
         for layer, stats in variant.stats:  # the other variant or an eager forward (eval) pointed them elsewhere
             layer.stats = stats
         return variant.out
@@ -148,7 +154,7 @@ class MicroBatchGraph:
                 m.stats = None
         gc.collect()
 
-    def _capture(self, finish: Callable[[], None] | None) -> _Captured:
+    def _capture(self, finish: Callable[[], None] | None, final_sq: bool = False) -> _Captured:
         assert self.tokens is not None and self.targets is not None
         self.release_eager_graphs()
         torch.cuda.synchronize()
@@ -166,11 +172,14 @@ class MicroBatchGraph:
             # compile copies host tensors to the device, which a capture refuses. Such a region runs its
             # eager code into the graph instead (seen on an H100 when an earlier model of the same process
             # had left Dynamo entries with dynamic shapes whose guard failed at the capture).
-            with torch.compiler.set_stance("eager_on_recompile"), torch.cuda.graph(graph, pool=pool):
+            before = {id(r) for r in grad_sq.recorded()}
+            with (torch.compiler.set_stance("eager_on_recompile"), torch.cuda.graph(graph, pool=pool),
+                  grad_sq.final_accumulation(final_sq)):
                 parts = self.loss_fn(self.tokens, self.targets)
                 (parts.total / self.n_micro).backward()
                 if finish is not None:
                     finish()
+            records = [r for r in grad_sq.recorded() if id(r) not in before]
         except (GradSyncError, ParamSyncError):
             raise  # the step's own bookkeeping (a param without a grad under overlap): its message has the fix
         except RuntimeError as e:
@@ -180,7 +189,7 @@ class MicroBatchGraph:
                 "set train.cuda_graph=false, and report the config: something in the step synchronises with the host",
             ) from e
         stats = [(m, m.stats) for m in self.model.modules() if isinstance(m, MoELayer)]
-        return _Captured(graph, ReplayedLoss(parts.lm_loss.detach(), parts.aux_loss.detach()), stats)
+        return _Captured(graph, ReplayedLoss(parts.lm_loss.detach(), parts.aux_loss.detach()), stats, records)
 
 
 def _culprit(e: BaseException) -> str:

@@ -37,11 +37,13 @@ from torch import nn
 from moectl.core.config.schema import MoEConfig
 from moectl.core.errors import MoectlError
 from moectl.core.facts import GLU_ROWS_ATTR, GluRows
+from trainer import grad_sq
 from trainer.linear import state_for_call
 from trainer.main_grad import accumulate_late_wgrad, accumulate_wgrad, grad_ready, settle_stale, stale_flag
 from trainer.moe.backends import (
     ExpertBackend,
     get_backend,
+    leaves_wgrad_sq,
     overwrites_stale_wgrad,
     supports_delayed_wgrad,
     supports_precision,
@@ -244,9 +246,18 @@ class _ExpertMLPFunction(torch.autograd.Function):
         w1, b1, w2, b2 = ctx.groups
         extra = _ExpertMLPFunction._wgrad_kwargs(ctx)
         into = extra.get("wgrad_into")
+        report = ctx.reports is None or ctx.reports.last()  # the last chunk's backward reports for all of them
+        # The step's last add into these grads: the kernel leaves their sums of squares for the norm (grad_sq.py).
+        final = into is not None and report and grad_sq.armed()
+        sq: list[torch.Tensor] = []
+        if final and ctx.precision is None and leaves_wgrad_sq(ctx.backend):
+            extra["wgrad_sq"] = sq
         dx_PD, dw1_EHD, db1_EH, dw2_EDF, db2_ED, dprobs_P = ctx.backend.backward(ctx.backend_ctx, dy_PD, **extra)
         ctx.backend_ctx = None  # free activations now, not when the graph dies
-        report = ctx.reports is None or ctx.reports.last()  # the last chunk's backward reports for all of them
+        if final:
+            assert into is not None
+            for targets, partials in zip(into, sq or (None, None)):
+                grad_sq.record(targets, partials)
         if into is not None and report:  # the backend accumulated the weight grads: report, as accumulate_wgrad does
             for p in (*w2, *w1):
                 grad_ready(p)

@@ -36,6 +36,7 @@ from typing import Any, Iterator, Literal, NamedTuple, Optional
 import torch
 
 from moectl.core.config.schema import OptimizerConfig
+from trainer import grad_sq
 from trainer.distributed.bucket import Bucket
 from trainer.distributed.bucket_group import BucketGroup, GradSyncError
 from trainer.distributed.ddp import DistributedModel
@@ -196,8 +197,13 @@ class ShardedOptimizerBase:
         """Called whenever the masters changed (`stepped`: by a step; else by a load), before any group stages."""
 
     def local_grad_sq(self) -> torch.Tensor:
-        """This rank's counted sum of squares (float64 scalar): a chained optimizer adds these up."""
-        return local_sq_sum([s.norm_grad() for s in self.shards], self.device)
+        """This rank's counted sum of squares (float64 scalar): a chained optimizer adds these up. Grads whose
+        writer left their sums of squares (`trainer/grad_sq.py`) are not read again."""
+        rest, partials = grad_sq.take_covered([s.norm_grad() for s in self.shards])
+        total = local_sq_sum(rest, self.device)
+        if partials:
+            total = total + torch.cat([p.reshape(-1) for p in partials]).double().sum()
+        return total
 
     def grad_verdict(self, loss: torch.Tensor | None = None) -> GradVerdict:
         """The global norm and found-inf flag over this optimizer's grads (and `loss`, see

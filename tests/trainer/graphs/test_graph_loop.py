@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import trainer.loop as loop_module
+from trainer import grad_sq
 from dist_helpers import run_distributed
 from moectl.core.config.load import load_config
 from trainer.distributed.bucket_group import GradSyncState
@@ -50,15 +51,21 @@ class EagerStandIn:
 
     def __init__(self, model: torch.nn.Module, loss_fn: Any, n_micro: int) -> None:
         self.loss_fn, self.n_micro = loss_fn, n_micro
-        self.refreshes = self.replays = self.finishes = self.gathers = 0
-        self.captured: set[tuple[bool, bool]] = set()
+        self.refreshes = self.replays = self.finishes = self.gathers = self.final_sq = 0
+        self.captured: set[tuple[bool, bool, bool]] = set()
 
     def refresh_weights(self) -> None:
         self.refreshes += 1
 
     def run(self, tokens: torch.Tensor, targets: torch.Tensor, gathers: bool = False,
-            finish: Any = None) -> ReplayedLoss:
-        key = (gathers, finish is not None)
+            finish: Any = None, final_sq: bool = False) -> ReplayedLoss:
+        key = (gathers, finish is not None, final_sq)
+        self.final_sq += final_sq
+        with grad_sq.final_accumulation(final_sq):  # a replay rewrites the partials its capture recorded
+            return self._run(key, tokens, targets, gathers, finish)
+
+    def _run(self, key: tuple[bool, bool, bool], tokens: torch.Tensor, targets: torch.Tensor, gathers: bool,
+             finish: Any) -> ReplayedLoss:
         replay = key in self.captured
         self.captured.add(key)
         self.replays += 1
@@ -131,6 +138,7 @@ def _run(sets: list[str], run_dir: Path, graphs: bool, monkeypatch: Any = None,
         "params": {n: p.detach().clone() for n, p in trainer.model.named_parameters()},
         "replays": 0 if graph is None else graph.replays, "refreshes": 0 if graph is None else graph.refreshes,
         "finishes": 0 if graph is None else graph.finishes, "gathers": 0 if graph is None else graph.gathers,
+        "final_sq": 0 if graph is None else graph.final_sq,
         "skipped": skipped,
     }  # fmt: skip
 
@@ -140,12 +148,18 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
             and all(torch.equal(p, b["params"][n]) for n, p in a["params"].items()))  # fmt: skip
 
 
-def test_the_graph_path_of_the_loop_equals_eager_on_one_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("fused", [False, True], ids=["grouped", "fused"])
+def test_the_graph_path_of_the_loop_equals_eager_on_one_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             fused: bool) -> None:
+    # fused: the expert wgrad leaves its sums of squares on the last micro-batch (trainer/grad_sq.py)
     sets = ["train.global_batch_size=6"]
+    if fused:
+        sets += ["moe.backend=fused", "parallel.gradient_accumulation_fusion=true"]
     eager = _run(sets, tmp_path / "eager", graphs=False)
     graph = _run(sets, tmp_path / "graph", graphs=True, monkeypatch=monkeypatch)
     assert graph["replays"] == 3 * 3 and graph["refreshes"] == 3  # steps 2-4; step 1 eager
     assert graph["finishes"] == graph["gathers"] == 0  # one rank: nothing to reduce or gather
+    assert graph["final_sq"] == 3  # each step's last micro-batch: a variant of its own
     assert _same(eager, graph)
 
 

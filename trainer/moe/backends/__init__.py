@@ -123,6 +123,12 @@ def overwrites_stale_wgrad(backend: ExpertBackend) -> bool:
     return _takes(backend.backward, "wgrad_stale") and supports_wgrad_into(backend)
 
 
+def leaves_wgrad_sq(backend: ExpertBackend) -> bool:
+    """Whether `backend.backward` can leave the partial sums of squares of the weight grads it added (the
+    keyword `wgrad_sq` beside `wgrad_into`, high precision; trainer/grad_sq.py): `fused` does."""
+    return _takes(backend.backward, "wgrad_sq") and supports_wgrad_into(backend)
+
+
 def supports_precision(backend: ExpertBackend) -> bool:
     """Whether `backend.forward` takes a low-precision recipe (the keyword `precision`)."""
     return _takes(backend.forward, "precision")

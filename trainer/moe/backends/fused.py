@@ -217,13 +217,15 @@ class FusedBackend:
         return y_TD, ctx
 
     def backward(self, ctx: Any, dy_TD: torch.Tensor, wgrad_into: WgradTargets | None = None,
-                 wgrad_stale: WgradTargets | None = None) -> Grads:
+                 wgrad_stale: WgradTargets | None = None, wgrad_sq: list[torch.Tensor] | None = None) -> Grads:
         """(dx, dw1, db1, dw2, db2, dprobs); None for the inputs that were None.
 
         `wgrad_into` (gradient-accumulation fusion, high precision): per-expert fp32 `[H, D]` and `[D, F]`
         targets that the weight grads are added into as fp32 products (`trainer/kernels/grouped_wgrad.py`);
         dw1 and dw2 then come back None. `wgrad_stale`: the targets' stale flags (high precision only): flagged
-        targets are overwritten and their flags cleared (trainer/main_grad.py).
+        targets are overwritten and their flags cleared (trainer/main_grad.py). `wgrad_sq` (a list, with
+        `wgrad_into`, high precision): the partial sums of squares of the w1 and w2 targets after the add are
+        appended to it, in that order (trainer/grad_sq.py); nothing is appended when no kernel ran.
         """
         if isinstance(ctx, QuantizedFusedCtx):
             if wgrad_stale is not None:
@@ -250,8 +252,11 @@ class FusedBackend:
                 dw1_EHD = torch._grouped_mm(dh_TH.t(), x, ctx.offs_E)
             else:
                 (w1_into, w2_into), (w1_stale, w2_stale) = wgrad_into, wgrad_stale or (None, None)
-                accumulate_grouped_wgrad_(w2_into, dy, a_TF, ctx.tokens_per_expert_E, ctx.offs_E, w2_stale)
-                accumulate_grouped_wgrad_(w1_into, dh_TH, x, ctx.tokens_per_expert_E, ctx.offs_E, w1_stale)
+                sq = wgrad_sq is not None
+                sq2 = accumulate_grouped_wgrad_(w2_into, dy, a_TF, ctx.tokens_per_expert_E, ctx.offs_E, w2_stale, sq)
+                sq1 = accumulate_grouped_wgrad_(w1_into, dh_TH, x, ctx.tokens_per_expert_E, ctx.offs_E, w1_stale, sq)
+                if wgrad_sq is not None and sq1 is not None and sq2 is not None:
+                    wgrad_sq += [sq1, sq2]
         dx_TD = torch._grouped_mm(dh_TH, w1, ctx.offs_E)
         _join(side, *(t for t in (dw2_EDF, dw1_EHD) if t is not None))
         db1_EH, db2_ED, dprobs_T = _bias_grads(
