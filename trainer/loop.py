@@ -527,12 +527,14 @@ class Trainer:
             result.losses.append(record["loss"])
             self.last_record = record
             result.skipped_steps += int(record["skipped"])
-            if writer is not None and (step + 1) % tc.log_interval == 0:
+            last = step + 1 == tc.train_iters
+            # the last step's record is written whatever the interval: the run's final numbers are in the file
+            logged = writer is not None and ((step + 1) % tc.log_interval == 0 or last)
+            if logged:
                 writer.write(record)
             observer.step(step + 1, record)
             if record["skipped"]:
                 observer.log(f"step {step + 1}: non-finite loss or grad norm, update skipped")
-            last = step + 1 == tc.train_iters
             # Every rank asks every step, so a signal that reached one rank stops all after the same step;
             # a failed background save rides on the same all-reduce and stops all after the same step too.
             agreed = stop.agree(self._world_group(), self.rt.world_size, save_failed=self.checkpointer.failed())
@@ -540,6 +542,8 @@ class Trainer:
                 self.checkpointer.finish()  # raises that save's error, the same on every rank
             self._saved(self.checkpointer.poll(), observer, writer, result, state)
             stopping = agreed.stop and not last
+            if stopping and writer is not None and not logged:  # so is the step a signal stopped the run at
+                writer.write(record)
             if tc.eval_interval and ((step + 1) % tc.eval_interval == 0 or last):
                 eval_loss = self.evaluate()
                 result.eval_losses.append((step + 1, eval_loss))

@@ -37,6 +37,12 @@ def test_metrics_jsonl_fields_and_full_precision_losses(tmp_path):
     assert (tmp_path / "run" / "config.yaml").is_file()
 
 
+def test_metrics_jsonl_keeps_the_last_step_whatever_the_log_interval(tmp_path):
+    make(tmp_path, "train.train_iters=5", "train.log_interval=2", "train.eval_interval=null").run()
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines if "loss" in r] == [2, 4, 5]
+
+
 def test_loss_falls_on_real_text(tmp_path):
     # Byte-level Python source: unigram/bigram structure is learnt within a few dozen steps.
     result = make(tmp_path, "train.train_iters=25", "train.eval_interval=null", "optimizer.lr=1e-2",

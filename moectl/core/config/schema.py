@@ -249,7 +249,7 @@ class TrainConfig:
         "regional, or auto (regional on CUDA, none on CPU). The first step compiles (a minute on a GPU). With "
         "train.deterministic, inductor runs in its deterministic mode.",
     )
-    log_interval: int = doc(1, "Write a metrics record every N steps.")
+    log_interval: int = doc(1, "Write a metrics record every N steps (and at the last step).")
     on_nonfinite: Literal["stop", "skip"] = doc("stop", "On a non-finite loss or grad norm: stop the run, or skip the step.")
     device: Literal["auto", "cpu", "cuda"] = doc("auto", "auto = cuda when available, else cpu.")
     cpu_threads: Optional[int] = doc(
