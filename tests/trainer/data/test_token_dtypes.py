@@ -110,6 +110,15 @@ def test_eval_path_is_evaluated_instead_of_a_held_out_fraction(tmp_path: Path) -
         build_data(DataConfig(source="synthetic", eval_path=val_path), seq_length=16, vocab_size=256, seed=0)
     with pytest.raises(DataError, match="data.path is set but data.source=corpus reads no files"):
         build_data(DataConfig(source="corpus", path=train_path), seq_length=16, vocab_size=256, seed=0)
+
+
+def test_a_missing_eval_file_names_data_eval_path(tmp_path: Path) -> None:
+    train_path = write(tmp_path / "train.bin", "H", [i % 100 for i in range(3000)])
+    cfg = DataConfig(source="tokens", path=train_path, eval_path=str(tmp_path / "nope.bin"))
+    with pytest.raises(DataError) as e:
+        build_data(cfg, seq_length=16, vocab_size=256, seed=0)
+    assert e.value.message.startswith("data.eval_path: ") and "nope.bin: no such file" in e.value.message
+    assert e.value.fix == "check data.eval_path (it names one file)"
     with pytest.raises(DataError, match="data.dtype=uint16 is set but data.source=corpus"):
         build_data(DataConfig(dtype="uint16"), seq_length=16, vocab_size=256, seed=0)
 
