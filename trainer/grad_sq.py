@@ -10,7 +10,8 @@ That is right only while nothing changes the grads between that backward and the
 reduce and no 1/dp scale, i.e. one data-parallel rank. So:
 
     the loop       arms the last micro-batch's backward (`final_accumulation`) when its engine says the grads
-                   are final after it (`Engine.grads_final_after_backward`), and `clear()`s at every zero_grad
+                   are final after it (`Engine.grads_final_after_backward`)
+    zero_grad      `clear()`s (`DistributedModel.zero_grad_buffer`): no record outlives its grads
     a layer        whose kernel wrote partials for some grads `record`s them (a later record of the same grads
                    replaces it; `record(grads, None)` drops it: a backward that wrote without partials)
     the optimizer  `take_covered(views)`: the records whose grads lie wholly inside the ranges it counts, and
@@ -32,7 +33,7 @@ import torch
 _armed = False
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class SqRecord:
     """Partial sums of squares (`partials`, any float dtype, summed in fp64) of the final `grads`."""
 
@@ -40,11 +41,11 @@ class SqRecord:
     partials: torch.Tensor
 
     @property
-    def key(self) -> tuple[int, ...]:
-        return tuple(g.data_ptr() for g in self.grads)
+    def key(self) -> tuple[tuple[int, int], ...]:
+        return tuple((g.data_ptr(), g.numel()) for g in self.grads)
 
 
-_records: dict[tuple[int, ...], SqRecord] = {}
+_records: dict[tuple[tuple[int, int], ...], SqRecord] = {}
 
 
 @contextlib.contextmanager
@@ -95,13 +96,19 @@ def take_covered(views: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], lis
              for i, v in enumerate(views) if v.numel() and v.is_contiguous()]
     cut: dict[int, list[tuple[int, int]]] = {}
     partials: list[torch.Tensor] = []
+    views_key = tuple((s, lo, hi, views[i].dtype) for s, lo, hi, i in spans)
     for key, rec in list(_records.items()):
-        places = [_inside(g, spans, views) for g in rec.grads]
-        if any(p is None for p in places):
+        # grads and views keep their addresses for a run: where a record's grads lie is worked out once
+        place_key = (key, views_key)
+        if place_key not in _PLACES:
+            if len(_PLACES) > 4096:
+                _PLACES.clear()
+            _PLACES[place_key] = _cuts(rec.grads, spans, views)
+        cuts = _PLACES[place_key]
+        if cuts is None:
             continue  # some of its grads are counted elsewhere (another optimizer, another rank)
-        for g, i in zip(rec.grads, places):
-            lo = (g.data_ptr() - views[i].data_ptr()) // views[i].element_size()
-            cut.setdefault(i, []).append((lo, lo + g.numel()))
+        for i, lo, hi in cuts:
+            cut.setdefault(i, []).append((lo, hi))
         partials.append(rec.partials)
         del _records[key]
     rest: list[torch.Tensor] = []
@@ -114,6 +121,22 @@ def take_covered(views: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], lis
         if at < v.numel():
             rest.append(v[at:])
     return rest, partials
+
+
+_PLACES: dict[tuple, Optional[list[tuple[int, int, int]]]] = {}
+
+
+def _cuts(grads: Sequence[torch.Tensor], spans: list[tuple[int, int, int, int]],
+          views: Sequence[torch.Tensor]) -> Optional[list[tuple[int, int, int]]]:
+    """(view index, first element, end) of each of `grads` in `views`; None unless all lie inside them."""
+    out = []
+    for g in grads:
+        i = _inside(g, spans, views)
+        if i is None:
+            return None
+        lo = (g.data_ptr() - views[i].data_ptr()) // views[i].element_size()
+        out.append((i, lo, lo + g.numel()))
+    return out
 
 
 def _inside(g: torch.Tensor, spans: list[tuple[int, int, int, int]], views: Sequence[torch.Tensor]) -> Optional[int]:

@@ -166,8 +166,7 @@ class Trainer:
         record's numbers; `run` times it and adds `tokens_per_s` and `mfu`."""
         model, engine = self.model, self.engine
         model.train()
-        engine.zero_grad()
-        grad_sq.clear()  # no sums of squares of the grads just zeroed
+        engine.zero_grad()  # forgets the sums of squares of the grads it zeroes too (grad_sq.py)
         # The last micro-batch's backward leaves the expert grads' sums of squares for the norm (grad_sq.py).
         final_sq = engine.grads_final_after_backward and not switched_off("MOECTL_GRAD_SQ")
         lm_sum = torch.zeros((), device=self.rt.device, dtype=torch.float64)

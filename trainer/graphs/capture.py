@@ -172,14 +172,18 @@ class MicroBatchGraph:
             # compile copies host tensors to the device, which a capture refuses. Such a region runs its
             # eager code into the graph instead (seen on an H100 when an earlier model of the same process
             # had left Dynamo entries with dynamic shapes whose guard failed at the capture).
-            before = {id(r) for r in grad_sq.recorded()}
+            earlier = grad_sq.recorded()
+            grad_sq.clear()  # what remains recorded after the capture is what its backward recorded
             with (torch.compiler.set_stance("eager_on_recompile"), torch.cuda.graph(graph, pool=pool),
                   grad_sq.final_accumulation(final_sq)):
                 parts = self.loss_fn(self.tokens, self.targets)
                 (parts.total / self.n_micro).backward()
                 if finish is not None:
                     finish()
-            records = [r for r in grad_sq.recorded() if id(r) not in before]
+            records = grad_sq.recorded()
+            grad_sq.clear()
+            grad_sq.restore(earlier)
+            grad_sq.restore(records)
         except (GradSyncError, ParamSyncError):
             raise  # the step's own bookkeeping (a param without a grad under overlap): its message has the fix
         except RuntimeError as e:

@@ -258,7 +258,7 @@ class FusedBackend:
                 if wgrad_sq is not None and sq1 is not None and sq2 is not None:
                     wgrad_sq += [sq1, sq2]
         dx_TD = torch._grouped_mm(dh_TH, w1, ctx.offs_E)
-        _join(side, *(t for t in (dw2_EDF, dw1_EHD) if t is not None))
+        _join(side, *(t for t in (dw2_EDF, dw1_EHD, *(wgrad_sq or ())) if t is not None))
         db1_EH, db2_ED, dprobs_T = _bias_grads(
             ctx.b1_EH, ctx.b2_ED, probs, ctx.expert_T, ctx.tokens_per_expert_E, dy, dh_TH, dprobs_T
         )
