@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from moectl.bench import grouped_mlp_fp8 as fp8
 from moectl.bench.backend_function import BackendFunction
 from moectl.bench import te_paths
-from moectl.bench.oom import OutOfMemory, free, oom_message
+from moectl.bench.oom import free, is_oom, oom_message
 from moectl.bench.timing import SUSTAINED_SECONDS, dense_ceiling_tflops, dense_matmul, interleaved_ms, queued_ms, sustained_ms
 from moectl.core.arith import ceil_div
 
@@ -295,7 +295,9 @@ def bench_shape(
     topk = cfg.topk or (2 if shape.experts <= 8 else 8)
     try:
         inp = _inputs(shape, topk, device, cfg.dtype, cfg.seed)
-    except OutOfMemory as e:
+    except RuntimeError as e:
+        if not is_oom(e):
+            raise
         error = oom_message(e)
     else:
         return _bench_inputs(shape, cfg, inp, topk, ceiling, dense, notes, log, profiles)
@@ -333,7 +335,9 @@ def _probe(calls: dict[str, Callable[[], object]], device: torch.device) -> dict
     for path, call in list(calls.items()):
         try:
             call()
-        except OutOfMemory as e:
+        except RuntimeError as e:
+            if not is_oom(e):
+                raise
             failed[path] = oom_message(e)
         if path in failed:
             del calls[path]
@@ -377,7 +381,9 @@ def _bench_inputs(
         n_out = inp.x_ND.shape[0] if permute else shape.rows
         try:
             dy = torch.randn(n_out, shape.hidden, device=device, dtype=cfg.dtype)
-        except OutOfMemory as e:
+        except RuntimeError as e:
+            if not is_oom(e):
+                raise
             error = oom_message(e)
             rows += [_error_row(shape, topk, permute, backward, error) for backward in (False, True)]
             continue
@@ -390,7 +396,9 @@ def _bench_inputs(
                     continue
                 try:
                     fn, weights = _expert_fn(path, inp, spec, compiled)
-                except OutOfMemory as e:  # e.g. the loop path's per-expert weight copies
+                except RuntimeError as e:  # e.g. the loop path's per-expert weight copies
+                    if not is_oom(e):
+                        raise
                     path_errors[path] = oom_message(e)
                     continue
                 calls[path] = _step(fn, inp, weights, permute, backward, dy)
@@ -446,7 +454,9 @@ def _bench_inputs(
                         log(f"profiling {path} fwd+bwd at {shape.label()} ...")
                         try:
                             profiles[path] = {"shape": shape.label(), **fp8.kernel_profile(calls[path], device)}
-                        except OutOfMemory as e:
+                        except RuntimeError as e:
+                            if not is_oom(e):
+                                raise
                             notes.append(f"profile of {path} at {shape.label()}: {oom_message(e)}")
     for row in rows:
         if row.get("error"):
@@ -483,7 +493,9 @@ def _time_row(
         queued, behind = queued_ms(paths_only, device, rounds, ceil_div(cfg.iters, rounds))
         seconds = cfg.sustained_seconds if steady else 0.0
         sustained, states = sustained_ms(paths_only, device, cfg.sustained_rounds, seconds)
-    except OutOfMemory as e:
+    except RuntimeError as e:
+        if not is_oom(e):
+            raise
         return oom_message(e)
     return samples, queued, behind, sustained, states
 
@@ -522,7 +534,9 @@ def _fp8_errors(shape: Shape, cfg: BenchConfig, spec: Any, paths: list[str],
     small = error_check_shape(shape)
     try:
         return _fp8_errors_at(small, cfg, spec, paths, log)
-    except OutOfMemory as e:
+    except RuntimeError as e:
+        if not is_oom(e):
+            raise
         message = oom_message(e)
     free(torch.device(cfg.device))
     log(f"{shape.label()}: fp8 error check at {small.label()}: {message}")

@@ -1,8 +1,9 @@
 """Out-of-memory as a benchmark result: a shape or column that does not fit is reported, never a traceback.
 
-Catch `torch.OutOfMemoryError` around the work, keep `oom_message(e)` for the row, and call `free(device)`
-after the `except` block has ended (inside it the traceback still holds the frames, and with them the
-tensors that filled the memory).
+Catch `RuntimeError` around the work, re-raise it unless `is_oom(e)` (CUDA's `torch.OutOfMemoryError`, or the
+CPU allocator's failure, which torch raises as a plain RuntimeError), keep `oom_message(e)` for the row, and
+call `free(device)` after the `except` block has ended (inside it the traceback still holds the frames, and
+with them the tensors that filled the memory).
 """
 
 from __future__ import annotations
@@ -11,12 +12,19 @@ import gc
 
 import torch
 
-OutOfMemory = torch.OutOfMemoryError
+_CPU_OOM = "DefaultCPUAllocator: can't allocate memory"
+
+
+def is_oom(e: BaseException) -> bool:
+    """Whether `e` is an allocation failure: CUDA's out-of-memory error or the CPU allocator's."""
+    return isinstance(e, torch.OutOfMemoryError) or (isinstance(e, RuntimeError) and _CPU_OOM in str(e))
 
 
 def oom_message(e: BaseException) -> str:
     """'out of memory: <the allocator's first line>', short enough for a table cell's note."""
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    if _CPU_OOM in first:  # "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: ..."
+        first = first[first.index(_CPU_OOM):]
     return "out of memory: " + first[:200]
 
 

@@ -30,7 +30,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from moectl.bench.oom import OutOfMemory, free, oom_message
+from moectl.bench.oom import free, is_oom, oom_message
 from moectl.bench.result import RowsResult
 from moectl.bench.train_columns import Column
 from moectl.bench.train_shrink import quick_overrides
@@ -193,7 +193,9 @@ def run_column(cfg: Config, column: Column, bench: TrainBenchConfig, log: Log) -
     error: Optional[str] = None
     try:
         row = measure_column(cfg, column, bench, log)
-    except OutOfMemory as e:
+    except RuntimeError as e:
+        if not is_oom(e):
+            raise
         error = oom_message(e)
     except MoectlError as e:
         error = e.one_line()

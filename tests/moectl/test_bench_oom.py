@@ -123,3 +123,35 @@ def test_fp8_error_check_needs_less_memory_than_the_path_it_checks():
     check_peak = peak_of(lambda: errors.update(gm._fp8_errors(shape, cfg, spec, [path], print)))
     assert set(errors[path]) == {"y", "dx", "dw1"} and all(0 < e < 0.1 for e in errors[path].values())
     assert check_peak < path_peak, (check_peak / 2**30, path_peak / 2**30)
+
+
+CPU_OOM = ("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you tried to "
+           "allocate 41943040000000 bytes. Error code 12 (Cannot allocate memory)")
+
+
+def test_the_cpu_allocators_failure_is_an_oom_too(tmp_path, monkeypatch):
+    from moectl.bench.oom import is_oom, oom_message
+
+    assert is_oom(RuntimeError(CPU_OOM)) and is_oom(torch.OutOfMemoryError(OOM))
+    assert not is_oom(RuntimeError("shape mismatch")) and not is_oom(ValueError(CPU_OOM))
+    assert oom_message(RuntimeError(CPU_OOM)).startswith("out of memory: DefaultCPUAllocator: can't allocate memory")
+    real_inputs = gm._inputs
+
+    def inputs(shape, *a):  # the first shape does not fit in host memory (torch raises a plain RuntimeError)
+        if shape == QUICK_SHAPES[0]:
+            raise RuntimeError(CPU_OOM)
+        return real_inputs(shape, *a)
+
+    monkeypatch.setattr(gm, "_inputs", inputs)
+    output, data = _invoke(tmp_path)
+    errors = [r.get("error") for r in data["rows"] if r["shape"] == QUICK_SHAPES[0].label()]
+    assert errors and all(e and e.startswith("out of memory: DefaultCPUAllocator") for e in errors)
+
+
+def test_any_other_runtime_error_still_surfaces(monkeypatch):
+    def inputs(shape, *a):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(gm, "_inputs", inputs)
+    result = CliRunner(env={"COLUMNS": "250"}).invoke(app, ARGS)
+    assert result.exit_code != 0 and isinstance(result.exception, RuntimeError)
