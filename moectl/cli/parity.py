@@ -89,13 +89,14 @@ def parity_command(
     from trainer.parity import run_parity
 
     table = Table(box=box.SIMPLE_HEAD, title=f"moectl parity {config} ({' '.join(flag)})")
-    for col in ("step", "loss OFF", "loss ON", "grad norm OFF", "grad norm ON", "tensors", "result"):
+    # "compared" counts what "N differ" counts: the loss, the grad norm and every tensor
+    for col in ("step", "loss OFF", "loss ON", "grad norm OFF", "grad norm ON", "compared", "result"):
         table.add_column(col, justify="right" if col != "result" else "left")
     report = run_parity(off, on, steps, flags=list(flag), rtol=rtol)
     for r in report.records:
         result = "[green]equal[/]" if not r.differences else f"[red]{len(r.differences)} differ[/]"
         table.add_row(str(r.step), f"{r.off.loss:.6f}", f"{r.on.loss:.6f}", f"{r.off.grad_norm:.6f}",
-                      f"{r.on.grad_norm:.6f}", str(r.compared), result)  # fmt: skip
+                      f"{r.on.grad_norm:.6f}", str(r.compared + 2), result)  # fmt: skip
     console.print(table)
     first = report.first
     if first is None:

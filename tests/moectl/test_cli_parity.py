@@ -48,6 +48,11 @@ def test_a_learning_rate_flag_reports_the_first_differing_step(tmp_path):
     one = report["records"][0]
     assert one["off"]["loss"] == one["on"]["loss"]  # step 1's loss is computed before the first update
     assert report["records"][1]["off"]["loss"] != report["records"][1]["on"]["loss"]
+    rows = [line.split() for line in res.output.splitlines() if line.split()[:1] in (["2"], ["3"])]
+    assert len(rows) == 2, res.output
+    for row, r in zip(rows, report["records"][1:]):  # "compared" counts what "N differ" counts
+        compared, differ = int(row[5]), len(r["differences"])
+        assert compared == r["tensors_compared"] + 2 and 2 < differ <= compared and row[6:8] == [str(differ), "differ"]
 
 
 def test_usage_errors_exit_2():
