@@ -393,6 +393,7 @@ def import_hf(
     base: dict[str, Any] | None = None,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
     probe: Optional[Callable[[Config, dict[str, torch.Tensor]], float]] = None,
+    check_config: Optional[Callable[[Config], None]] = None,
 ) -> Path:
     """Import the HF Mixtral / Qwen3-MoE folder `src` as a committed moectl checkpoint under `dst` (new).
 
@@ -403,13 +404,17 @@ def import_hf(
     these weights and starts fresh moments), records config.json and generation_config.json in the manifest (`meta["hf"]`, so export
     writes them back), and writes `dst/config.yaml`: the resolved moectl config, with `checkpoint.load` at
     `dst`, to train or validate with. `probe(cfg, tensors)`, when given (the CLI passes the engine's), is the
-    probe loss of a model holding these weights; it is recorded for `ckpt validate`. Returns the step folder.
+    probe loss of a model holding these weights; it is recorded for `ckpt validate`. `check_config(cfg)`, when
+    given (the CLI passes the rules `train` enforces), raises before anything is written if the resolved
+    config could not train. Returns the step folder.
     """
     src = Path(src).expanduser()
     hf = _read_json(src / "config.json")
     fam = family_of(hf, str(src / "config.json"))
     root = _new_path(Path(dst))
     cfg = moectl_config(hf, fam, base, _run_keys(root))
+    if check_config is not None:  # a config.yaml that `moectl train` refuses would be written otherwise
+        check_config(cfg)
     gen_file = src / "generation_config.json"
     generation = _read_json(gen_file) if gen_file.is_file() else None
     d = Dims.of(cfg)

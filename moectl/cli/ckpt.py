@@ -206,9 +206,14 @@ def import_hf_command(
     if not no_probe:
         from trainer.validation import probe_loss_of_weights as probe
 
+    from moectl.cli.train import refuse_on_rule_errors
+    from moectl.core.rules import default_world_size
+
     base = apply_overrides(read_yaml(config) if config is not None else {}, set_ or [])
-    out = import_hf(src, dst, base=base, probe=probe)
     console = make_console()
+    out = import_hf(src, dst, base=base, probe=probe,
+                    check_config=lambda cfg: refuse_on_rule_errors(cfg, default_world_size(cfg), console,
+                                                                   "nothing imported"))
     console.print(f"[green]imported[/] {src} -> {out}", highlight=False)
     console.print(f"config: {out.parent / 'config.yaml'} (moectl train / ckpt validate --config)", highlight=False)
 

@@ -50,8 +50,9 @@ HELP = (
 )
 
 
-def refuse_on_rule_errors(cfg: Config, world_size: int, console: Console) -> None:
-    """Print every rule violation of `cfg` at `world_size`; raise one ConfigError if any is an error."""
+def refuse_on_rule_errors(cfg: Config, world_size: int, console: Console, refusal: str = "not starting") -> None:
+    """Print every rule violation of `cfg` at `world_size`; raise one ConfigError (ending in `refusal`) if any
+    is an error."""
     from moectl.cli.validate import print_violations
     from moectl.core.rules import check
 
@@ -63,7 +64,7 @@ def refuse_on_rule_errors(cfg: Config, world_size: int, console: Console) -> Non
         raise ConfigError(
             "",
             None,
-            f"the config breaks {len(errors)} rule(s) ({', '.join(v.rule for v in errors)}); not starting",
+            f"the config breaks {len(errors)} rule(s) ({', '.join(v.rule for v in errors)}); {refusal}",
             "fix each violation above (moectl validate-config CONFIG shows them too)",
         )
 

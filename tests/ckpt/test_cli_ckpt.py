@@ -98,6 +98,9 @@ def test_export_and_import_hf(ckpt: tuple[Path, dict], tmp_path: Path) -> None:
     assert (tmp_path / "hf" / "config.json").is_file()
     r = invoke("import-hf", tmp_path / "hf", tmp_path / "back", "--set", "model.num_layers=3")
     assert r.exit_code == 1 and "model.num_layers=3 (the HF model has 2)" in r.output
+    r = invoke("import-hf", tmp_path / "hf", tmp_path / "back", "--set", "train.train_iters=-5")
+    assert r.exit_code == 2 and "MOE041" in r.output and "nothing imported" in r.output  # train would refuse it
+    assert not (tmp_path / "back").exists()
     r = invoke("import-hf", tmp_path / "hf", tmp_path / "back", "--set", "train.seed=3")
     assert r.exit_code == 0, r.output
     assert f"config: {tmp_path / 'back' / 'config.yaml'}" in r.output.replace("\n", "")
