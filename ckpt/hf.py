@@ -41,6 +41,7 @@ from the file headers, meta tensors), so missing, unexpected and mis-shaped keys
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections import Counter
 import secrets
@@ -452,10 +453,18 @@ def _probe(probe: Optional[Callable[[Config, dict[str, torch.Tensor]], float]], 
     if probe is None:
         return {}
     try:
-        return probe_meta(probe(cfg, weights()))
+        loss = probe(cfg, weights())
     except MoectlError as e:  # e.g. the run's data cannot be read here
         raise CheckpointError(f"the probe loss for ckpt validate needs a model on the run's data: {e.message}",
                               f"{e.fix or 'fix the config'}; or import with --no-probe") from None  # fmt: skip
+    if not math.isfinite(loss):  # the manifest could not hold it, and a run from these weights would not train
+        tensors = weights()
+        bad = sorted(n for n, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all()))
+        more = " ..." if len(bad) > 3 else ""
+        where = f"non-finite values in {', '.join(bad[:3])}{more}" if bad else "no non-finite weight"
+        raise CheckpointError(f"the imported weights give a probe loss of {loss} ({where})",
+                              "check the source model's weights; nothing was imported")
+    return probe_meta(loss)
 
 
 def _run_keys(root: Path) -> dict[str, Any]:

@@ -89,6 +89,23 @@ def test_inspect_verify_exits_1_on_a_flipped_byte(ckpt: tuple[Path, dict]) -> No
     assert any("sha256" in p for p in json.loads(r.stdout)["problems"])
 
 
+def test_import_hf_of_non_finite_weights_names_them_and_writes_nothing(ckpt: tuple[Path, dict], tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    root, _ = ckpt
+    assert invoke("export-hf", root, tmp_path / "hf", "--format", "mixtral").exit_code == 0
+    for f in sorted((tmp_path / "hf").glob("*.safetensors")):
+        tensors = load_file(f)
+        names = [n for n in tensors if n == "model.layers.0.input_layernorm.weight"]
+        if names:
+            tensors[names[0]].fill_(float("nan"))
+            save_file(tensors, f, metadata={"format": "pt"})
+    r = invoke("import-hf", tmp_path / "hf", tmp_path / "back")
+    assert r.exit_code == 1 and len(r.output.strip().splitlines()) == 1, r.output
+    assert "probe loss of nan (non-finite values in decoder.layers.0.input_layernorm.weight)" in r.output
+    assert "JSON" not in r.output and not (tmp_path / "back").exists()
+
+
 def test_export_and_import_hf(ckpt: tuple[Path, dict], tmp_path: Path) -> None:
     root, tensors = ckpt
     r = invoke("export-hf", root, tmp_path / "hf", "--format", "qwen3-moe")
