@@ -20,7 +20,7 @@ from rich.table import Table
 from moectl.cli.base import app, command, new_app
 from moectl.cli.console import make_console
 from moectl.cli.options import JsonFlag, SetOpt, examples
-from moectl.core.errors import UsageError
+from moectl.core.errors import MoectlError, UsageError
 
 ckpt_app = new_app("ckpt", "Inspect, convert, validate and export moectl checkpoints.")
 app.add_typer(ckpt_app, name="ckpt")
@@ -101,7 +101,12 @@ def inspect_command(
 ) -> None:
     from ckpt.inspect import inspect_checkpoint
 
-    summary = inspect_checkpoint(ckpt, verify=verify)
+    try:
+        summary = inspect_checkpoint(ckpt, verify=verify)
+    except MoectlError as e:  # unreadable (a damaged manifest): a --json reader still gets JSON, saying so
+        if json_ and e.exit_code == 1:
+            typer.echo(json.dumps({"path": str(ckpt), "readable": False, "problems": [e.one_line()]}, indent=2))
+        raise
     if json_:
         typer.echo(json.dumps(summary.to_json(), indent=2))
     else:

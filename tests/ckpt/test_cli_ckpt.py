@@ -77,6 +77,15 @@ def test_inspect_table_and_json(ckpt: tuple[Path, dict]) -> None:
     assert s["totals"]["parameters"] == sum(t.numel() for n, t in tensors.items() if tensor_role(n) == "model")
 
 
+def test_inspect_json_of_a_damaged_manifest_is_still_json(ckpt: tuple[Path, dict]) -> None:
+    root, _ = ckpt
+    (root / "step_00000007" / "manifest.json").write_text("{broken")
+    r = invoke("inspect", root, "--json")
+    assert r.exit_code == 1
+    s = json.loads(r.stdout)
+    assert s["readable"] is False and len(s["problems"]) == 1 and "manifest.json: not valid JSON" in s["problems"][0]
+
+
 def test_inspect_verify_exits_1_on_a_flipped_byte(ckpt: tuple[Path, dict]) -> None:
     root, _ = ckpt
     assert invoke("inspect", root, "--verify").exit_code == 0
