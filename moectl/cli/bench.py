@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from moectl.cli.base import app, command, new_app
+from moectl.cli.console import make_console
 from moectl.cli.options import JsonPathOpt, examples
 from moectl.core.errors import UsageError
 from moectl.core.summary import human_count
@@ -245,7 +246,7 @@ def grouped_mlp(
     cfg.warmup = cfg.warmup if warmup is None else warmup
     cfg.sustained_seconds = cfg.sustained_seconds if sustained is None else sustained
     cfg.sustained_every_row = sustained_every_row
-    console = Console()
+    console = make_console()
     result = gm.run(cfg, log=lambda line: console.print(line, style="dim", highlight=False))
     render(result, console)
     write_json(result, json_path, console)
@@ -322,7 +323,7 @@ def optimizer_step(
     dev = device or ("cuda" if torch.cuda.is_available() and not quick else "cpu")
     cfg = ob.OptBenchConfig.quick(dev) if quick else ob.OptBenchConfig(device=dev)
     cfg.rounds = rounds or cfg.rounds
-    console = Console()
+    console = make_console()
     result = ob.run(cfg, log=lambda line: console.print(line, style="dim", highlight=False))
     render_optimizer_step(result, console)
     write_json(result, json_path, console)
@@ -420,7 +421,7 @@ def param_gather(
         cfg.step = None
     with ProcessGroup(dev):
         main = dist.get_rank() == 0
-        console = Console(quiet=not main)
+        console = make_console(quiet=not main)
         result = pg.run(cfg, dev, log=lambda line: console.print(line, style="dim", highlight=False))
         render_param_gather(result, console)
         if main:

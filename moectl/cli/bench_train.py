@@ -11,6 +11,7 @@ from rich.table import Table
 
 from moectl.cli.base import command
 from moectl.cli.bench import bench_app, write_json
+from moectl.cli.console import make_console
 from moectl.cli.options import ConfigArg, JsonPathOpt, NprocOpt, SetOpt, examples
 from moectl.core.errors import UsageError
 
@@ -172,7 +173,7 @@ def train(
     bench = tb.TrainBenchConfig(config=config, sets=list(set_ or []), columns=columns, quick=quick, **counts)
     world = int(os.environ.get("WORLD_SIZE", "1")) if under_torchrun() else 1
     rank0 = int(os.environ.get("RANK", "0")) == 0
-    console = Console(quiet=not rank0)
+    console = make_console(quiet=not rank0)
     configs = [tb.column_config(bench, c, world) for c in columns]
     for cfg in configs:
         refuse_on_rule_errors(cfg, world, console)

@@ -20,10 +20,10 @@ from typing import Annotated, Any, Optional
 
 import typer
 from rich import box
-from rich.console import Console
 from rich.table import Table
 
 from moectl.cli.base import app, command
+from moectl.cli.console import make_console
 from moectl.cli.options import ConfigArg, JsonPathOpt, SetOpt, examples
 from moectl.cli.train import NprocOpt, refuse_on_rule_errors
 from moectl.core.errors import UsageError
@@ -76,7 +76,7 @@ def parity_command(
     on = load_config(config, [*common, *flag])
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else nproc_per_node
     rank0 = int(os.environ.get("RANK", "0")) == 0 if under_torchrun() else True
-    console = Console(quiet=not rank0)
+    console = make_console(quiet=not rank0)
     for cfg in (off, on):
         refuse_on_rule_errors(cfg, world, console)
     if nproc_per_node > 1 and not under_torchrun():

@@ -17,12 +17,14 @@ from typing import Any, Iterator, Union
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from moectl.cli.console import make_console
+
 
 class RichObserver:
     """A Rich progress bar with the numbers a user watches: loss, lr, grad norm, tokens/s, MFU, balance."""
 
     def __init__(self, console: Console | None = None) -> None:
-        self.console = console or Console()
+        self.console = console or make_console()
         self.progress: Progress | None = None
         self.task: Any = None
 

@@ -32,3 +32,24 @@ def test_a_closed_stdout_silences_the_run_console_instead_of_ending_the_process(
         assert code == 0 and "stdout was closed by its reader" in err and "still running at the end" in err, err
     else:
         assert code == 1 and "still running at the end" not in err, err
+
+
+def test_every_command_console_is_wide_off_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a pipe Rich assumes 80 columns: parity's and the benches' tables were squeezed ("grad norm" over
+    "OFF", shapes cut to "64,…") where they built a bare Console instead of `make_console`."""
+    import pathlib
+    import re
+
+    from typer.testing import CliRunner
+
+    from moectl.cli.app import app
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    bare = [str(p.relative_to(root)) for p in (root / "moectl").rglob("*.py")
+            if p.name != "console.py" and re.search(r"(?<![\w.])Console\(", p.read_text())]
+    assert bare == []
+    monkeypatch.delenv("COLUMNS", raising=False)
+    res = CliRunner().invoke(app, ["parity", "configs/tiny.yaml", "--set", "train.global_batch_size=4",
+                                   "--set", "data.source=synthetic", "--flag", "optimizer.lr=1e-3", "--steps", "1"])
+    assert res.exit_code == 1, res.output  # the lr differs
+    assert "grad norm OFF" in res.output
