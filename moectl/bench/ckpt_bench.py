@@ -90,13 +90,25 @@ def _make_folder(folder: Path) -> list[Path]:
     check_folder(folder)
     made = [p for p in (folder, *folder.parents) if not p.exists()]
     if folder.exists():
-        shutil.rmtree(folder)
-    folder.mkdir(parents=True)
+        _empty(folder)  # the folder itself stays: the user's (a mount point, say), not the bench's to remove
+    folder.mkdir(parents=True, exist_ok=True)
     (folder / MARKER).touch()
     return made
 
 
+def _empty(folder: Path) -> None:
+    for entry in folder.iterdir():
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+
+
 def _remove_folder(folder: Path, made: list[Path]) -> None:
+    """Remove what the bench wrote: the folders it made, or only the contents of one that was there before."""
+    if folder not in made:
+        _empty(folder)
+        return
     shutil.rmtree(folder)
     for parent in made[1:]:  # made[0] is `folder`
         try:

@@ -68,7 +68,8 @@ def ckpt(
     nproc_per_node: NprocOpt = 1,
     folder: Annotated[
         Optional[Path], typer.Option("--dir", help="Where to write (default: RUN_DIR/bench_ckpt of the config); "
-                                     "removed afterwards unless --keep; a folder holding files the bench did "
+                                     "removed afterwards unless --keep (a folder that was there is emptied, "
+                                     "not removed); a folder holding files the bench did "
                                      "not write is refused.")
     ] = None,
     keep: Annotated[bool, typer.Option("--keep", help="Leave the synchronous save in --dir.")] = False,

@@ -94,6 +94,10 @@ def test_a_folder_holding_the_users_files_is_refused_and_kept(tmp_path: Path, mo
     res = CliRunner().invoke(app, args)  # default folder: runs/tiny/bench_ckpt under the working folder
     assert res.exit_code == 0, res.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["kept", "mine"]
+    empty = tmp_path / "empty"  # an empty folder the user made (a mount point, say) is emptied, never removed
+    empty.mkdir()
+    assert CliRunner().invoke(app, [*args, "--dir", str(empty)]).exit_code == 0
+    assert empty.is_dir() and list(empty.iterdir()) == []
 
 
 def _two_ranks(rank: int, world_size: int, folder: str) -> Any:
