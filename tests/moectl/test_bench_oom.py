@@ -155,3 +155,18 @@ def test_any_other_runtime_error_still_surfaces(monkeypatch):
     monkeypatch.setattr(gm, "_inputs", inputs)
     result = CliRunner(env={"COLUMNS": "250"}).invoke(app, ARGS)
     assert result.exit_code != 0 and isinstance(result.exception, RuntimeError)
+
+
+def test_full_shapes_on_the_cpu_say_they_take_long_before_they_start(monkeypatch):
+    class Started(Exception):
+        pass
+
+    def run(cfg, log):
+        raise Started
+
+    monkeypatch.setattr(gm, "run", run)
+    result = CliRunner(env={"COLUMNS": "250"}).invoke(app, ["bench", "grouped-mlp", "--device", "cpu", "--no-fp8"])
+    assert isinstance(result.exception, Started)
+    assert "run for a long time on the CPU" in result.output and "--quick" in result.output
+    result = CliRunner(env={"COLUMNS": "250"}).invoke(app, ["bench", "grouped-mlp", "--device", "cpu", "--quick"])
+    assert isinstance(result.exception, Started) and "long time" not in result.output
