@@ -7,7 +7,9 @@ model, engine and data as `moectl train`), then runs `train_step` through the pu
     timed steps     wall time per step with the device synchronised at its end, as `moectl train` times it;
                     tokens/s = tokens per step / median step time, MFU from trainer/flops.py against the
                     GPU's dense peak (known GPUs only), peak memory = torch.cuda.max_memory_allocated over
-                    these steps (the largest over ranks)
+                    these steps, reserved = torch.cuda.max_memory_reserved over the whole column, warm-up
+                    included (the footprint: a CUDA graph's pool counts there once its capture freed its
+                    blocks), each the largest over ranks
     profiled steps  a torch.profiler pass over 1-2 more steps (after one unrecorded), split into categories (device_time.py); idle
                     = median step time - busy device time (the profiler's host overhead stretches the
                     profiled steps themselves, so their own wall time is only reported beside)
@@ -149,6 +151,9 @@ def measure_column(cfg: Config, column: Column, bench: TrainBenchConfig, log: Lo
         step += 1
     _sync(device)
     row["warmup_s"] = time.perf_counter() - t0
+    # CUDA graphs allocate at their capture (a warm-up step) and replay in their private pool, whose blocks count
+    # as reserved, not allocated, once the capture freed them: the footprint is the reserved peak of the run
+    reserved = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else 0
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     times, losses = [], []
@@ -162,11 +167,14 @@ def measure_column(cfg: Config, column: Column, bench: TrainBenchConfig, log: Lo
     median = statistics.median(times)
     tps = trainer.tokens_per_step / (median * 1e-3)
     peak_mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    if device.type == "cuda":
+        reserved = max(reserved, torch.cuda.max_memory_reserved(device))
     row.update(
         step_ms=median, step_ms_min=min(times), step_ms_max=max(times), step_ms_all=times, losses=losses,
         tokens_per_s=tps, tokens_per_s_per_gpu=tps / world,
         mfu=trainer.flops_per_step / (median * 1e-3) / (trainer.peak * 1e12 * world) if trainer.peak else None,
         peak_mem_gib=None if peak_mem is None else _max_over_ranks(peak_mem, device),
+        reserved_gib=None if peak_mem is None else _max_over_ranks(reserved / 2**30, device),
     )  # fmt: skip
     log(f"{column.name}: {median:.1f} ms/step, {tps:,.0f} tokens/s")
     if bench.profile_steps:

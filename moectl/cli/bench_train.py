@@ -60,7 +60,8 @@ def _rows(result: Any) -> list[tuple[str, list[str]]]:
         line("ours / this (tokens/s)", lambda r: _fmt(r.get("ours_speedup"), ".2f", "x")),
         line("this / first column (tokens/s)", lambda r: _fmt(r.get("vs_first"), ".3f", "x")),
         line("step ms median (min-max)", lambda r: f"{r['step_ms']:.1f} ({r['step_ms_min']:.1f}-{r['step_ms_max']:.1f})"),
-        line("peak memory", lambda r: _fmt(r["peak_mem_gib"], ".1f", " GiB")),
+        line("peak memory (allocated, timed steps)", lambda r: _fmt(r["peak_mem_gib"], ".1f", " GiB")),
+        line("reserved memory (whole run)", lambda r: _fmt(r.get("reserved_gib"), ".1f", " GiB")),
         line("warm-up s (compile)", lambda r: f"{r['warmup_s']:.1f}"),
         line("experts / compiled regions / graphs", lambda r: f"{r['expert_backend']} / {r['compiled_regions']} / "
              + ("yes" if r.get("cuda_graph") else "no")),

@@ -44,7 +44,7 @@ def test_quick_run_writes_every_measure_for_each_column(tmp_path):
         assert len(r["step_ms_all"]) == 2 and r["step_ms_min"] <= r["step_ms"] <= r["step_ms_max"]
         assert r["tokens_per_s"] == pytest.approx(data["meta"]["model"]["tokens_per_step"] / (r["step_ms"] * 1e-3))
         assert r["tokens_per_s_per_gpu"] == r["tokens_per_s"]
-        assert r["mfu"] is None and r["peak_mem_gib"] is None  # CPU: no peak to compare with, no CUDA allocator
+        assert r["mfu"] is None and r["peak_mem_gib"] is None and r["reserved_gib"] is None  # CPU: no peak to compare with, no CUDA allocator
         prof = r["profile"]
         assert set(prof["category_ms"]) == set(CATEGORIES) and prof["busy_ms"] > 0
         assert prof["category_ms"]["grouped_gemm"] > 0 and prof["category_ms"]["attention"] > 0
