@@ -34,10 +34,13 @@ def grouped_wgrad_reference_(targets: Sequence[torch.Tensor], a_TM: torch.Tensor
         start += n
 
 
+Source = tuple[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"]  # (a, b, tokens per expert, offs)
+
+
 def accumulate_grouped_wgrad_(targets: Sequence[torch.Tensor], a_TM: torch.Tensor, b_TN: torch.Tensor,
                               tokens_per_expert_E: torch.Tensor, offs_E: torch.Tensor | None = None,
                               stale_E: Sequence[torch.Tensor] | None = None,
-                              sq: bool = False) -> torch.Tensor | None:
+                              sq: bool = False, earlier: Sequence[Source] = ()) -> torch.Tensor | None:
     """targets[e] += a[rows of e]^T b[rows of e]; one Triton launch on CUDA (no host sync), else the reference.
 
     `offs_E`: the cumulative row ends, if the caller has them on the device already. On Hopper, when the targets
@@ -46,9 +49,15 @@ def accumulate_grouped_wgrad_(targets: Sequence[torch.Tensor], a_TM: torch.Tenso
     `sq`: also return partial sums of squares of the targets after the add (a 1-D tensor whose sum is the
     targets' sum of squares: per tile, from the kernel's registers, on CUDA; per target, in fp64, on the CPU),
     what the grad norm reads instead of the targets (`trainer/grad_sq.py`). Else None.
+    `earlier`: `(a, b, tokens_per_expert, offs)` of earlier micro-batches whose products were deferred to this
+    call (`moe.defer_expert_wgrad`), added first, in order. The TMA kernel sums up to `MAX_SOURCES` of them in
+    one fp32 accumulator, so the targets are read and written once per launch instead of once per micro-batch;
+    elsewhere they take one launch each (the sums of separate calls).
     """
+    sources = [*earlier, (a_TM, b_TN, tokens_per_expert_E, offs_E)]
     if not (a_TM.is_cuda and has_triton()):
-        grouped_wgrad_reference_(targets, a_TM, b_TN, tokens_per_expert_E, stale_E)
+        for i, (a, b, counts, _) in enumerate(sources):
+            grouped_wgrad_reference_(targets, a, b, counts, stale_E if i == 0 else None)
         return torch.stack([t.double().square().sum() for t in targets]) if sq else None
     from trainer.kernels import grouped_wgrad_triton as kernels  # lazy: needs Triton
 
@@ -60,17 +69,30 @@ def accumulate_grouped_wgrad_(targets: Sequence[torch.Tensor], a_TM: torch.Tenso
         stale = _flag_offsets(stale_E)
         if stale is None:  # flags the kernel cannot address: settle them the slow way
             settle_stale_(targets, stale_E)
-    if offs_E is None:
-        offs_E = torch.cumsum(tokens_per_expert_E.to(a_TM.device), 0)
-    a_TM, b_TN = a_TM.contiguous(), b_TN.contiguous()
+    ready = []
+    for a, b, counts, offs in sources:
+        if offs is None:
+            offs = torch.cumsum(counts.to(a.device), 0)
+        ready.append((a.contiguous(), b.contiguous(), offs))
     partials = torch.empty(kernels.sq_slots(len(targets), M, N), dtype=torch.float32, device=base.device) if sq else None
-    if layout.rows is not None and _tma_fits(a_TM, b_TN, M, N):
-        kernels.grouped_wgrad_accumulate_tma_(*_rows_view(targets, layout), a_TM, b_TN, offs_E, M, N, stale=stale,
-                                              sq=partials)
+    if layout.rows is not None and all(_tma_fits(a, b, M, N) for a, b, _ in ready):
+        step = kernels.MAX_SOURCES
+        launches = [ready[i:i + step] for i in range(0, len(ready), step)]
+        for i, launch in enumerate(launches):
+            (a, b, offs), more = launch[0], launch[1:]
+            last = i == len(launches) - 1
+            kernels.grouped_wgrad_accumulate_tma_(*_rows_view(targets, layout), a, b, offs, M, N,
+                                                  stale=stale if i == 0 else None, sq=partials if last else None,
+                                                  more=more)
+            if i == 0 and stale is not None:
+                clear_flags_(stale_E)  # type: ignore[arg-type]
     else:
-        kernels.grouped_wgrad_accumulate_(base, layout.offsets, a_TM, b_TN, offs_E, M, N, stale=stale, sq=partials)
-    if stale is not None:
-        clear_flags_(stale_E)  # type: ignore[arg-type]
+        for i, (a, b, offs) in enumerate(ready):
+            last = i == len(ready) - 1
+            kernels.grouped_wgrad_accumulate_(base, layout.offsets, a, b, offs, M, N,
+                                              stale=stale if i == 0 else None, sq=partials if last else None)
+            if i == 0 and stale is not None:
+                clear_flags_(stale_E)  # type: ignore[arg-type]
     return partials
 
 

@@ -39,6 +39,8 @@ them after the launch (a program clearing its own flag would race the expert's o
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 import triton
 import triton.language as tl
@@ -127,21 +129,11 @@ def grouped_wgrad_accumulate_(c: torch.Tensor, c_offs_E: torch.Tensor, a_TM: tor
 
 
 @triton.jit
-def _wgrad_kernel_tma(
-    a_desc, b_desc, c_desc, a_ptr, b_ptr, offs_ptr, c_row_ptr, stale_ptr, stale_offs_ptr, sq_ptr,
-    M, N, stride_at, stride_bt,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-    HAS_STALE: tl.constexpr, HAS_SQ: tl.constexpr,
-):  # fmt: skip
-    e = tl.program_id(1)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    pid = tl.program_id(0)
-    pid_m, pid_n = pid // tiles_n, pid % tiles_n
+def _source_dot(acc, a_desc, b_desc, a_ptr, b_ptr, offs_ptr, e, m0, n0, M, N, stride_at, stride_bt,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
+    """acc += a[rows of e]^T b[rows of e] for one source; and whether e has rows there."""
     start = tl.load(offs_ptr + e - 1, mask=e > 0, other=0).to(tl.int32)
     end = tl.load(offs_ptr + e).to(tl.int32)
-    m0 = pid_m * BLOCK_M
-    n0 = pid_n * BLOCK_N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     # full blocks by TMA: a block's rows all belong to expert e (a TMA box is clipped only at the tensor's edge)
     for i in tl.range(0, (end - start) // BLOCK_K, num_stages=STAGES):
         r = start + i * BLOCK_K
@@ -155,13 +147,47 @@ def _wgrad_kernel_tma(
     a = tl.load(a_ptr + rows[:, None] * stride_at + rm[None, :], mask=row_ok[:, None] & (rm[None, :] < M), other=0.0)
     b = tl.load(b_ptr + rows[:, None] * stride_bt + rn[None, :], mask=row_ok[:, None] & (rn[None, :] < N), other=0.0)
     acc = tl.dot(a.T, b, acc)
+    return acc, end > start
+
+
+@triton.jit
+def _wgrad_kernel_tma(
+    a_desc0, b_desc0, a_ptr0, b_ptr0, offs_ptr0, a_desc1, b_desc1, a_ptr1, b_ptr1, offs_ptr1,
+    a_desc2, b_desc2, a_ptr2, b_ptr2, offs_ptr2, a_desc3, b_desc3, a_ptr3, b_ptr3, offs_ptr3,
+    c_desc, c_row_ptr, stale_ptr, stale_offs_ptr, sq_ptr,
+    M, N, stride_at, stride_bt,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+    HAS_STALE: tl.constexpr, HAS_SQ: tl.constexpr, SOURCES: tl.constexpr,
+):  # fmt: skip
+    e = tl.program_id(1)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    pid = tl.program_id(0)
+    pid_m, pid_n = pid // tiles_n, pid % tiles_n
+    m0 = pid_m * BLOCK_M
+    n0 = pid_n * BLOCK_N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # the sources' rows of expert e summed in one fp32 accumulator, source by source (deferred micro-batches)
+    acc, rows = _source_dot(acc, a_desc0, b_desc0, a_ptr0, b_ptr0, offs_ptr0, e, m0, n0, M, N, stride_at, stride_bt,
+                            BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
+    if SOURCES > 1:
+        acc, more = _source_dot(acc, a_desc1, b_desc1, a_ptr1, b_ptr1, offs_ptr1, e, m0, n0, M, N, stride_at,
+                                stride_bt, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
+        rows = rows | more
+    if SOURCES > 2:
+        acc, more = _source_dot(acc, a_desc2, b_desc2, a_ptr2, b_ptr2, offs_ptr2, e, m0, n0, M, N, stride_at,
+                                stride_bt, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
+        rows = rows | more
+    if SOURCES > 3:
+        acc, more = _source_dot(acc, a_desc3, b_desc3, a_ptr3, b_ptr3, offs_ptr3, e, m0, n0, M, N, stride_at,
+                                stride_bt, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
+        rows = rows | more
     stale = False
     if HAS_STALE:
         stale = tl.load(stale_ptr + tl.load(stale_offs_ptr + e)) != 0
     row = tl.load(c_row_ptr + e).to(tl.int32) + m0
     if stale:  # leftovers read as zero: store the sum (zeros for an expert without rows)
         c_desc.store([row, n0], acc)
-    elif end > start:  # an expert without rows leaves its grad untouched
+    elif rows:  # an expert without rows leaves its grad untouched
         acc = c_desc.load([row, n0]) + acc
         c_desc.store([row, n0], acc)
     elif HAS_SQ:  # untouched, but its square still counts
@@ -176,29 +202,41 @@ def tma_supported(device: torch.device) -> bool:
     return TensorDescriptor is not None and cap is not None and cap[0] >= 9
 
 
+#: the most sources (deferred micro-batches' operands) one TMA launch sums; more take several launches
+MAX_SOURCES = 4
+
+
 def grouped_wgrad_accumulate_tma_(c_RN: torch.Tensor, c_row_E: torch.Tensor, a_TM: torch.Tensor, b_TN: torch.Tensor,
                                   offs_E: torch.Tensor, M: int, N: int,
                                   config: tuple[int, int, int, int, int] | None = None,
                                   stale: tuple[torch.Tensor, torch.Tensor] | None = None,
-                                  sq: torch.Tensor | None = None) -> None:
+                                  sq: torch.Tensor | None = None,
+                                  more: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = ()) -> None:
     """c[e] += a[rows of e]^T b[rows of e] with TMA loads and stores: `c_RN` is an fp32 `[R, N]` matrix whose rows
     `c_row_E[e] .. c_row_E[e] + M` (int64, on the device) are expert e's grad. Needs `M % BLOCK_M == 0`, a and
     b contiguous with 16-byte aligned rows (`M % 8 == N % 8 == 0` in bf16) and `tma_supported`. `stale` and
-    `sq` as for `grouped_wgrad_accumulate_`."""
+    `sq` as for `grouped_wgrad_accumulate_`. `more`: up to `MAX_SOURCES - 1` further `(a, b, offs)` whose
+    products are summed into the same fp32 accumulator after (a, b)'s, so c is read and written once for all."""
     bm, bn, bk, warps, stages = config or (TMA_BLOCK_M, TMA_BLOCK_N, TMA_BLOCK_K, TMA_NUM_WARPS, TMA_NUM_STAGES)
-    if M % bm or a_TM.shape[1] != M or b_TN.shape[1] != N or a_TM.shape[0] != b_TN.shape[0]:
-        raise ValueError(f"operands {tuple(a_TM.shape)}, {tuple(b_TN.shape)} and M={M} (a multiple of {bm}) disagree")
-    a_desc = TensorDescriptor.from_tensor(a_TM, [bk, bm])
-    b_desc = TensorDescriptor.from_tensor(b_TN, [bk, bn])
+    sources = [(a_TM, b_TN, offs_E), *more]
+    if len(sources) > MAX_SOURCES:
+        raise ValueError(f"at most {MAX_SOURCES} sources per launch, got {len(sources)}")
+    args: list[object] = []
+    for a, b, offs in sources:
+        if M % bm or a.shape[1] != M or b.shape[1] != N or a.shape[0] != b.shape[0] or offs.numel() != offs_E.numel():
+            raise ValueError(f"operands {tuple(a.shape)}, {tuple(b.shape)} and M={M} (a multiple of {bm}) disagree")
+        if a.stride() != (M, 1) or b.stride() != (N, 1):
+            raise ValueError("TMA wgrad sources must be contiguous")
+        args += [TensorDescriptor.from_tensor(a, [bk, bm]), TensorDescriptor.from_tensor(b, [bk, bn]), a, b, offs]
+    args += args[:5] * (MAX_SOURCES - len(sources))  # unread (SOURCES)
     c_desc = TensorDescriptor.from_tensor(c_RN, [bm, bn])
     grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn), offs_E.numel())
     flags, flag_offs_E = stale if stale is not None else (offs_E, offs_E)  # unread without HAS_STALE
     _check_sq(sq, grid)
     _wgrad_kernel_tma[grid](
-        a_desc, b_desc, c_desc, a_TM, b_TN, offs_E, c_row_E, flags, flag_offs_E, c_RN if sq is None else sq, M, N,
-        a_TM.stride(0), b_TN.stride(0),
+        *args, c_desc, c_row_E, flags, flag_offs_E, c_RN if sq is None else sq, M, N, M, N,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=stages, HAS_STALE=stale is not None, HAS_SQ=sq is not None,
-        num_warps=warps, num_stages=stages,
+        SOURCES=len(sources), num_warps=warps, num_stages=stages,
     )  # fmt: skip
 
 

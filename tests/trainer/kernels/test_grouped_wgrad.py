@@ -216,6 +216,42 @@ def test_triton_kernels_leave_the_sums_of_squares_of_their_final_tiles(M: int, N
     torch.testing.assert_close(again.double().sum(), want, rtol=1e-6, atol=0)
 
 
+def test_earlier_micro_batches_are_added_first_on_the_cpu() -> None:
+    sources = [_problem("cpu", torch.bfloat16, seed=s) for s in range(3)]
+    want = [torch.full((48, 80), float("nan")) for _ in COUNTS]
+    flag = torch.ones(1, dtype=torch.int32)
+    got = [t.clone() for t in want]
+    for i, (a, b, counts) in enumerate(sources):
+        grouped_wgrad_reference_(want, a, b, counts, [flag.clone()] * len(COUNTS) if i == 0 else None)
+    *earlier, (a, b, counts, _) = [(a, b, c, None) for a, b, c in sources]
+    accumulate_grouped_wgrad_(got, a, b, counts, stale_E=[flag] * len(COUNTS), earlier=earlier)
+    assert all(torch.equal(g, w) for g, w in zip(got, want)) and int(flag) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("M,N,n", [(256, 200, 2), (256, 200, 4), (2048, 1024, 6), (48, 80, 3)],
+                         ids=["tma-2", "tma-4", "tma-6-two-launches", "pointer-3"])
+def test_earlier_micro_batches_sum_in_one_pass_as_their_separate_adds(M: int, N: int, n: int) -> None:
+    sources = [_problem("cuda", torch.bfloat16, M=M, N=N, seed=s) for s in range(n)]
+    E = len(COUNTS)
+    init = torch.randn(E, M, N, device="cuda")
+    want = init.clone()
+    want[0] = 0.0  # stale: overwritten by the sum of every micro-batch
+    for a, b, counts in sources:
+        accumulate_grouped_wgrad_(list(want.unbind(0)), a, b, counts)
+    got = init.clone()
+    got[0] = float("nan")
+    flags = torch.tensor([1, 0, 0, 0, 0], dtype=torch.int32, device="cuda")
+    *earlier, (a, b, counts, _) = [(a, b, c, None) for a, b, c in sources]
+    partials = accumulate_grouped_wgrad_(list(got.unbind(0)), a, b, counts,
+                                         stale_E=[flags[i:i + 1] for i in range(E)], sq=True, earlier=earlier)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)  # one fp32 sum per tile, not n rounded adds
+    assert flags.tolist() == [0] * E and torch.equal(got[1], init[1])  # expert 1 has no rows anywhere
+    assert partials is not None
+    torch.testing.assert_close(partials.double().sum(), got.double().square().sum(), rtol=1e-6, atol=0)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_hopper_takes_the_tma_kernel_for_row_aligned_targets(monkeypatch: pytest.MonkeyPatch) -> None:
