@@ -38,6 +38,7 @@ from trainer.flops import flops_per_token, peak_tflops
 from trainer.graphs import MicroBatchGraph, wants_cuda_graph
 from trainer.init_weights import skipped_init
 from trainer.metrics import MetricsWriter, expert_balance
+from trainer.moe import wgrad_deferral
 from trainer.observer import PrintObserver, RunObserver, SilentObserver
 from trainer.optim.lr_schedule import lr_at
 from trainer.optim.step_result import NonFiniteGradError
@@ -169,6 +170,8 @@ class Trainer:
         engine.zero_grad()  # forgets the sums of squares of the grads it zeroes too (grad_sq.py)
         # The last micro-batch's backward leaves the expert grads' sums of squares for the norm (grad_sq.py).
         final_sq = engine.grads_final_after_backward and not switched_off("MOECTL_GRAD_SQ")
+        # Every micro-batch but the last keeps its expert wgrad operands for the last (moe/wgrad_deferral.py).
+        defers = self.cfg.moe.defer_expert_wgrad and self.n_micro > 1
         lm_sum = torch.zeros((), device=self.rt.device, dtype=torch.float64)
         aux_sum = torch.zeros((), device=self.rt.device, dtype=torch.float64)
         # The first step of a process runs eagerly (compiles, autotuning, lazily built state); graphs after it.
@@ -187,6 +190,7 @@ class Trainer:
                 graph.refresh_weights()
             for micro, (tokens, targets) in enumerate(self._step_batches(step)):
                 last = micro == self.n_micro - 1
+                defer = (not last) if defers else None
                 if graph is not None:
                     gathers = gather_in_graph and micro == 0
                     reduces = reduce_in_graph and last
@@ -195,17 +199,20 @@ class Trainer:
                     with engine.micro_batch(is_last=reduces):
                         parts = graph.run(tokens, targets, gathers=gathers,
                                           finish=engine.finish_grad_sync if reduces else None,
-                                          final_sq=final_sq and last)
+                                          final_sq=final_sq and last, wgrad_defer=defer, micro=micro)
                     if gathers:
                         engine.params_gathered_by_replay()
                     if reduces:
                         engine.grads_reduced_by_replay()
                 else:
-                    with engine.micro_batch(is_last=last), grad_sq.final_accumulation(final_sq and last):
+                    with (engine.micro_batch(is_last=last), grad_sq.final_accumulation(final_sq and last),
+                          wgrad_deferral.micro_batch_phase(defer)):
                         parts = model.loss(tokens, targets)
                         (parts.total / self.n_micro).backward()
                 lm_sum += parts.lm_loss.detach().double()
                 aux_sum += parts.aux_loss.detach().double()
+            if defers:
+                wgrad_deferral.check_flushed()
         finally:  # the update below changes the weights: nothing may read these copies after it
             if self.step_weights is not None:
                 self.step_weights.retract()

@@ -28,7 +28,8 @@ MOE065 (moe: the all-gather dispatcher drops no tokens), MOE066 (retired: CUDA g
 whose grads' per-expert sum synced with the host; it no longer does), MOE067 (moe: the overlapped ep exchange,
 `ep_overlap_chunks`, needs the all-to-all under drop-and-pad), MOE068 (checkpoint: `run_dir` is not empty),
 MOE069 (hardware: `train.device=cuda` checked against a CPU), MOE070 (optimizer: SGD runs on one process, with
-fp32 params and autograd weight grads).
+fp32 params and autograd weight grads), MOE071 (moe: `defer_expert_wgrad` changes nothing off the fused fp32
+wgrad accumulation or with one micro-batch per step).
 
 Environment rules (Transformer Engine, device) probe lazily and cheaply: TE is looked up through
 `importlib.util.find_spec` and package metadata, never imported; torch is imported only when a GPU
@@ -752,6 +753,37 @@ def sgd_on_one_process(c: Context) -> Iterator[_Hit]:
     if c.cfg.parallel.gradient_accumulation_fusion:
         yield _Hit("optimizer.optimizer=sgd has no main_grad buffers for parallel.gradient_accumulation_fusion=true",
                    "set parallel.gradient_accumulation_fusion=null (or false), or use optimizer.optimizer=adam")  # fmt: skip
+
+
+@rule(
+    "MOE071", "moe", "warning",
+    ["moe.defer_expert_wgrad", "moe.backend", "parallel.gradient_accumulation_fusion", "mixed_precision.fp8",
+     "mixed_precision.fp4", "moe.delay_wgrad_compute", "train.global_batch_size", "train.micro_batch_size",
+     "world_size"],
+    "defer_expert_wgrad needs the fused fp32 wgrad accumulation and more than one micro-batch",
+)  # fmt: skip
+def defer_expert_wgrad_applies(c: Context) -> Iterator[_Hit]:
+    """`moe.defer_expert_wgrad` lives in the fused backend's high-precision path that adds the expert weight grads
+    into fp32 `main_grad` (trainer/moe/wgrad_deferral.py); elsewhere, or with one micro-batch per step, the flag
+    changes nothing (and keeps nothing: no memory is spent)."""
+    m = c.cfg.moe
+    if not m.defer_expert_wgrad:
+        return
+    why = []
+    if m.backend not in ("auto", "fused"):
+        why.append(f"moe.backend={m.backend} (only fused defers)")
+    if c.cfg.parallel.gradient_accumulation_fusion is False:
+        why.append("parallel.gradient_accumulation_fusion=false")
+    if c.recipes:
+        why.append(f"the {' and '.join(r for r, _ in c.recipes)} recipe (high precision only)")
+    if m.delay_wgrad_compute:
+        why.append("moe.delay_wgrad_compute=true")
+    t = c.cfg.train
+    if t.global_batch_size == t.micro_batch_size * c.dp:
+        why.append(f"one micro-batch per step (train.global_batch_size={t.global_batch_size})")
+    if why:
+        yield _Hit(f"moe.defer_expert_wgrad=true changes nothing with {'; '.join(why)}",
+                   "set moe.defer_expert_wgrad=false, or change what is listed")  # fmt: skip
 
 
 @rule("MOE013", "optimizer", "error", ["optimizer.min_lr", "optimizer.lr", "optimizer.lr_decay_style"], "min_lr <= lr")

@@ -207,7 +207,7 @@ def _two_rank_norms(rank: int, world_size: int, root: str) -> dict[str, object]:
     for switch in ("1", "0"):
         os.environ["MOECTL_GRAD_SQ"] = switch
         cfg = load_config(None, [*FAST, "train.global_batch_size=8", "parallel.use_distributed_optimizer=true",
-                                 f"run_dir={root}/run{switch}"])
+                                 "train.device=cpu", f"run_dir={root}/run{switch}"])
         trainer = Trainer(cfg, SilentObserver())
         out[switch] = [float(trainer.train_step(step)["grad_norm"]) for step in range(2)]
     out["taken"] = len(taken)

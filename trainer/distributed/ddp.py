@@ -51,6 +51,7 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 
 from trainer import grad_sq
+from trainer.moe import wgrad_deferral
 from trainer.parallel import comm
 from trainer.distributed.bucket_group import BucketGroup, GradSyncError, GradSyncState, dispatch_coalesced
 from trainer.distributed.buffers import BufferKey, ParamAndGradBuffer, Planner
@@ -288,6 +289,7 @@ class DistributedModel:
                     f"{g.name}: zeroing grads while its gather is {g.state.value} would destroy the values in flight"
                 )
         grad_sq.clear()  # their sums of squares go with them
+        wgrad_deferral.clear_all()  # and the operands of an interrupted step's deferred expert wgrads
         for g in self.bucket_groups:
             g.reset_grad_sync()
         for buf in self.buffers:

@@ -56,6 +56,7 @@ from trainer import grad_sq
 from trainer.distributed.bucket_group import GradSyncError
 from trainer.distributed.param_sync import ParamSyncError
 from trainer.graphs.static_weights import StaticWeights
+from trainer.moe import wgrad_deferral
 from trainer.moe.layer import MoELayer
 
 
@@ -100,7 +101,8 @@ class MicroBatchGraph:
         self.weights = StaticWeights(model)
         self.tokens: torch.Tensor | None = None
         self.targets: torch.Tensor | None = None
-        self._variants: dict[tuple[bool, bool, bool], _Captured] = {}  # keyed by (gathers, finish(), final_sq)
+        # keyed by (gathers, finish(), final_sq, wgrad_defer, the micro-batch when it defers)
+        self._variants: dict[tuple[bool, bool, bool, bool | None, int | None], _Captured] = {}
         self.replays = 0
 
     @property
@@ -112,7 +114,8 @@ class MicroBatchGraph:
         self.weights.refresh()
 
     def run(self, tokens: torch.Tensor, targets: torch.Tensor, gathers: bool = False,
-            finish: Callable[[], None] | None = None, final_sq: bool = False) -> ReplayedLoss:
+            finish: Callable[[], None] | None = None, final_sq: bool = False, wgrad_defer: bool | None = None,
+            micro: int = 0) -> ReplayedLoss:
         """Forward + backward of one micro-batch through the graph (captured on the variant's first call).
 
         `gathers`: the param gathers are staged and pending, so the forward's pre-hooks launch and wait them
@@ -121,8 +124,11 @@ class MicroBatchGraph:
         `finish_grad_sync`: every grad reduction launched and waited inside the graph). Hooks and `finish`
         run in Python at the capture only; the caller records their effect after each replay. `final_sq`: the
         step's last micro-batch, whose backward leaves the grads' sums of squares (`trainer/grad_sq.py`): a
-        variant of its own, whose capture's records are recorded again after each replay."""
-        key = (gathers, finish is not None, final_sq)
+        variant of its own, whose capture's records are recorded again after each replay.
+        `wgrad_defer` (`moe.defer_expert_wgrad`, `trainer/moe/wgrad_deferral.py`): True for a micro-batch that keeps
+        its expert wgrad operands, False for the last one, which reads them: each deferring `micro` is a variant
+        of its own, so what it keeps sits at its own addresses until the last one's replay reads it."""
+        key = (gathers, finish is not None, final_sq, wgrad_defer, micro if wgrad_defer else None)
         if self.tokens is not None:
             assert self.targets is not None
             if tokens.shape != self.tokens.shape or targets.shape != self.targets.shape:
@@ -136,7 +142,7 @@ class MicroBatchGraph:
             self.tokens, self.targets = tokens.clone(), targets.clone()
         variant = self._variants.get(key)
         if variant is None:
-            variant = self._variants[key] = self._capture(finish, final_sq)
+            variant = self._variants[key] = self._capture(finish, final_sq, wgrad_defer)
         variant.graph.replay()
         self.replays += 1
         grad_sq.restore(variant.sq_records)
@@ -154,7 +160,8 @@ class MicroBatchGraph:
                 m.stats = None
         gc.collect()
 
-    def _capture(self, finish: Callable[[], None] | None, final_sq: bool = False) -> _Captured:
+    def _capture(self, finish: Callable[[], None] | None, final_sq: bool = False,
+                 wgrad_defer: bool | None = None) -> _Captured:
         assert self.tokens is not None and self.targets is not None
         self.release_eager_graphs()
         torch.cuda.synchronize()
@@ -175,7 +182,7 @@ class MicroBatchGraph:
             earlier = grad_sq.recorded()
             grad_sq.clear()  # what remains recorded after the capture is what its backward recorded
             with (torch.compiler.set_stance("eager_on_recompile"), torch.cuda.graph(graph, pool=pool),
-                  grad_sq.final_accumulation(final_sq)):
+                  grad_sq.final_accumulation(final_sq), wgrad_deferral.micro_batch_phase(wgrad_defer)):
                 parts = self.loss_fn(self.tokens, self.targets)
                 (parts.total / self.n_micro).backward()
                 if finish is not None:

@@ -42,6 +42,7 @@ from trainer.linear import state_for_call
 from trainer.main_grad import accumulate_late_wgrad, accumulate_wgrad, grad_ready, settle_stale, stale_flag
 from trainer.moe.backends import (
     ExpertBackend,
+    defers_wgrad,
     get_backend,
     leaves_wgrad_sq,
     overwrites_stale_wgrad,
@@ -54,6 +55,7 @@ from trainer.init_weights import normal_
 from trainer.moe.delayed_wgrad import DelayedWgrad
 from trainer.moe.expert_math import ExpertSpec
 from trainer.moe.expert_precision import ExpertPrecision
+from trainer.moe import wgrad_deferral
 from trainer.precision import QuantizedTensor, Recipe
 
 
@@ -252,6 +254,11 @@ class _ExpertMLPFunction(torch.autograd.Function):
         sq: list[torch.Tensor] = []
         if final and ctx.precision is None and leaves_wgrad_sq(ctx.backend):
             extra["wgrad_sq"] = sq
+        # A step's micro-batches but the last keep their wgrad operands for it (wgrad_deferral.py).
+        defer = wgrad_deferral.phase()
+        if (defer is not None and into is not None and ctx.precision is None and ctx.reports is None
+                and defers_wgrad(ctx.backend)):
+            extra.update(wgrad_stash=ctx.module.wgrad_stash, wgrad_defer=defer)
         dx_PD, dw1_EHD, db1_EH, dw2_EDF, db2_ED, dprobs_P = ctx.backend.backward(ctx.backend_ctx, dy_PD, **extra)
         ctx.backend_ctx = None  # free activations now, not when the graph dies
         if final:
@@ -386,6 +393,8 @@ class GroupedMLP(nn.Module):
         #: the deferred weight grads of this layer's backward (None: computed with the data grads)
         self.delayed: Optional[DelayedWgrad] = DelayedWgrad() if delay_wgrad else None
         self._chunk_reports: Optional[ChunkReports] = None  # set by `chunked` for the calls inside it
+        #: the wgrad operands of this step's earlier micro-batches under `moe.defer_expert_wgrad`
+        self.wgrad_stash = wgrad_deferral.WgradStash()
 
     def stale_grad_params(self, device: torch.device) -> list[nn.Parameter]:
         """The weights whose grads this layer overwrites when they are flagged stale (trainer/main_grad.py), so

@@ -106,6 +106,12 @@ class MoEConfig:
         "Compute expert weight grads after the data grads of the layer, during the expert-parallel all-to-all "
         "of the data grads (Megatron's overlap); bitwise the same grads.",
     )
+    defer_expert_wgrad: bool = doc(
+        False,
+        "Compute the expert weight grads of all of a step's micro-batches at its last one, in one pass over the "
+        "fp32 grads (fused backend, gradient_accumulation_fusion, no recipe): faster where that pass is "
+        "memory-bound, at the price of keeping every earlier micro-batch's wgrad operands until then (MOE071).",
+    )
     ep_overlap_chunks: int = doc(
         1,
         "Expert parallelism under drop-and-pad: split each micro-batch's expert rows into this many chunks "

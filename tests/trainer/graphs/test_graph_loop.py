@@ -20,6 +20,7 @@ import torch
 
 import trainer.loop as loop_module
 from trainer import grad_sq
+from trainer.moe import wgrad_deferral
 from dist_helpers import run_distributed
 from moectl.core.config.load import load_config
 from trainer.distributed.bucket_group import GradSyncState
@@ -52,19 +53,20 @@ class EagerStandIn:
     def __init__(self, model: torch.nn.Module, loss_fn: Any, n_micro: int) -> None:
         self.loss_fn, self.n_micro = loss_fn, n_micro
         self.refreshes = self.replays = self.finishes = self.gathers = self.final_sq = 0
-        self.captured: set[tuple[bool, bool, bool]] = set()
+        self.captured: set[tuple[Any, ...]] = set()
 
     def refresh_weights(self) -> None:
         self.refreshes += 1
 
     def run(self, tokens: torch.Tensor, targets: torch.Tensor, gathers: bool = False,
-            finish: Any = None, final_sq: bool = False) -> ReplayedLoss:
-        key = (gathers, finish is not None, final_sq)
+            finish: Any = None, final_sq: bool = False, wgrad_defer: Any = None, micro: int = 0) -> ReplayedLoss:
+        key = (gathers, finish is not None, final_sq, wgrad_defer, micro if wgrad_defer else None)
         self.final_sq += final_sq
-        with grad_sq.final_accumulation(final_sq):  # a replay rewrites the partials its capture recorded
+        # a replay rewrites the partials its capture recorded, and keeps or reads the deferred wgrad operands
+        with grad_sq.final_accumulation(final_sq), wgrad_deferral.micro_batch_phase(wgrad_defer):
             return self._run(key, tokens, targets, gathers, finish)
 
-    def _run(self, key: tuple[bool, bool, bool], tokens: torch.Tensor, targets: torch.Tensor, gathers: bool,
+    def _run(self, key: tuple[Any, ...], tokens: torch.Tensor, targets: torch.Tensor, gathers: bool,
              finish: Any) -> ReplayedLoss:
         replay = key in self.captured
         self.captured.add(key)
@@ -148,13 +150,16 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
             and all(torch.equal(p, b["params"][n]) for n, p in a["params"].items()))  # fmt: skip
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["grouped", "fused"])
+@pytest.mark.parametrize("fused", [False, True, "defer"], ids=["grouped", "fused", "fused-deferred"])
 def test_the_graph_path_of_the_loop_equals_eager_on_one_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                             fused: bool) -> None:
-    # fused: the expert wgrad leaves its sums of squares on the last micro-batch (trainer/grad_sq.py)
+                                                             fused: Any) -> None:
+    # fused: the expert wgrad leaves its sums of squares on the last micro-batch (trainer/grad_sq.py); deferred:
+    # the last micro-batch's wgrad adds the earlier ones' (trainer/moe/wgrad_deferral.py)
     sets = ["train.global_batch_size=6"]
     if fused:
         sets += ["moe.backend=fused", "parallel.gradient_accumulation_fusion=true"]
+    if fused == "defer":
+        sets += ["moe.defer_expert_wgrad=true"]
     eager = _run(sets, tmp_path / "eager", graphs=False)
     graph = _run(sets, tmp_path / "graph", graphs=True, monkeypatch=monkeypatch)
     assert graph["replays"] == 3 * 3 and graph["refreshes"] == 3  # steps 2-4; step 1 eager

@@ -129,6 +129,12 @@ def leaves_wgrad_sq(backend: ExpertBackend) -> bool:
     return _takes(backend.backward, "wgrad_sq") and supports_wgrad_into(backend)
 
 
+def defers_wgrad(backend: ExpertBackend) -> bool:
+    """Whether `backend.backward` can keep a micro-batch's wgrad operands for the step's last one (the keywords
+    `wgrad_stash` and `wgrad_defer` beside `wgrad_into`, high precision; trainer/moe/wgrad_deferral.py)."""
+    return _takes(backend.backward, "wgrad_stash") and supports_wgrad_into(backend)
+
+
 def supports_precision(backend: ExpertBackend) -> bool:
     """Whether `backend.forward` takes a low-precision recipe (the keyword `precision`)."""
     return _takes(backend.forward, "precision")

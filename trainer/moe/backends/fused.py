@@ -53,6 +53,7 @@ from trainer.kernels.stale_zero import settle_stale_
 from trainer.moe import expert_math
 from trainer.moe.expert_math import bias_grads, expert_of_row
 from trainer.moe.expert_precision import qlinear_forward, quantize_output_grad
+from trainer.moe.wgrad_deferral import WgradStash
 from trainer.precision.groups import TokenGroups
 from trainer.precision.native import grouped_wgrad_accumulate_
 from trainer.precision.quantize import triton_fast_path
@@ -217,7 +218,8 @@ class FusedBackend:
         return y_TD, ctx
 
     def backward(self, ctx: Any, dy_TD: torch.Tensor, wgrad_into: WgradTargets | None = None,
-                 wgrad_stale: WgradTargets | None = None, wgrad_sq: list[torch.Tensor] | None = None) -> Grads:
+                 wgrad_stale: WgradTargets | None = None, wgrad_sq: list[torch.Tensor] | None = None,
+                 wgrad_stash: WgradStash | None = None, wgrad_defer: bool = False) -> Grads:
         """(dx, dw1, db1, dw2, db2, dprobs); None for the inputs that were None.
 
         `wgrad_into` (gradient-accumulation fusion, high precision): per-expert fp32 `[H, D]` and `[D, F]`
@@ -226,6 +228,9 @@ class FusedBackend:
         targets are overwritten and their flags cleared (trainer/main_grad.py). `wgrad_sq` (a list, with
         `wgrad_into`, high precision): the partial sums of squares of the w1 and w2 targets after the add are
         appended to it, in that order (trainer/grad_sq.py); nothing is appended when no kernel ran.
+        `wgrad_stash` (with `wgrad_into`, high precision; trainer/moe/wgrad_deferral.py): `wgrad_defer` keeps this
+        micro-batch's wgrad operands there instead of adding its products; else the stashed micro-batches'
+        products are added with this one's, in one pass over the targets.
         """
         if isinstance(ctx, QuantizedFusedCtx):
             if wgrad_stale is not None:
@@ -236,6 +241,12 @@ class FusedBackend:
         # grouped_mm rejects stride-0 (expanded) grads and needs aligned rows: make dy a plain tensor.
         dy = dy_TD.to(x.dtype).contiguous()
         if rows == 0:
+            if wgrad_stash is not None and not wgrad_defer and wgrad_stash.entries:
+                assert wgrad_into is not None  # the earlier micro-batches' products still go in
+                wgrad_sq_out = _add_wgrads(wgrad_into, wgrad_stale, wgrad_stash.take(), wgrad_sq is not None)
+                if wgrad_sq is not None and wgrad_sq_out is not None:
+                    wgrad_sq += wgrad_sq_out
+                wgrad_stale = None  # the add above settled them
             return _empty_grads(ctx, wgrad_into, wgrad_stale)
         kernels = _kernels(x.device)
         da_TF = torch._grouped_mm(dy, w2, ctx.offs_E)
@@ -250,13 +261,15 @@ class FusedBackend:
             if wgrad_into is None:
                 dw2_EDF = torch._grouped_mm(dy.t(), a_TF, ctx.offs_E)
                 dw1_EHD = torch._grouped_mm(dh_TH.t(), x, ctx.offs_E)
+            elif wgrad_stash is not None and wgrad_defer:  # the last micro-batch adds these products
+                wgrad_stash.defer(((dy, a_TF, ctx.tokens_per_expert_E, ctx.offs_E),
+                                   (dh_TH, x, ctx.tokens_per_expert_E, ctx.offs_E)))
             else:
-                (w1_into, w2_into), (w1_stale, w2_stale) = wgrad_into, wgrad_stale or (None, None)
-                sq = wgrad_sq is not None
-                sq2 = accumulate_grouped_wgrad_(w2_into, dy, a_TF, ctx.tokens_per_expert_E, ctx.offs_E, w2_stale, sq)
-                sq1 = accumulate_grouped_wgrad_(w1_into, dh_TH, x, ctx.tokens_per_expert_E, ctx.offs_E, w1_stale, sq)
-                if wgrad_sq is not None and sq1 is not None and sq2 is not None:
-                    wgrad_sq += [sq1, sq2]
+                earlier = wgrad_stash.take() if wgrad_stash is not None else []
+                now = ((dy, a_TF, ctx.tokens_per_expert_E, ctx.offs_E), (dh_TH, x, ctx.tokens_per_expert_E, ctx.offs_E))
+                out = _add_wgrads(wgrad_into, wgrad_stale, [*earlier, now], wgrad_sq is not None)
+                if wgrad_sq is not None and out is not None:
+                    wgrad_sq += out
         dx_TD = torch._grouped_mm(dh_TH, w1, ctx.offs_E)
         _join(side, *(t for t in (dw2_EDF, dw1_EHD, *(wgrad_sq or ())) if t is not None))
         db1_EH, db2_ED, dprobs_T = _bias_grads(
@@ -300,6 +313,18 @@ class FusedBackend:
             return dw1_EHD, db1_EH, dw2_EDF, db2_ED
 
         return dx_TD, dprobs_T, wgrad
+
+
+def _add_wgrads(wgrad_into: WgradTargets, wgrad_stale: WgradTargets | None, micro_batches: list[Any],
+                sq: bool) -> list[torch.Tensor] | None:
+    """Add the w2 and w1 products of `micro_batches` (each `((dy, a, counts, offs), (dh, x, counts, offs))`,
+    oldest first) into the targets, fc2's first; their partial sums of squares (w1's, w2's) when `sq`."""
+    (w1_into, w2_into), (w1_stale, w2_stale) = wgrad_into, wgrad_stale or (None, None)
+    *w2_earlier, w2_now = [m[0] for m in micro_batches]
+    *w1_earlier, w1_now = [m[1] for m in micro_batches]
+    sq2 = accumulate_grouped_wgrad_(w2_into, *w2_now, w2_stale, sq, earlier=w2_earlier)
+    sq1 = accumulate_grouped_wgrad_(w1_into, *w1_now, w1_stale, sq, earlier=w1_earlier)
+    return [sq1, sq2] if sq1 is not None and sq2 is not None else None
 
 
 _bias_only = expert_math.bias_grads_scaled  # (db1, db2): the math is expert_math's, shared with the te backend
