@@ -170,7 +170,7 @@ class Trainer:
         engine.zero_grad()  # forgets the sums of squares of the grads it zeroes too (grad_sq.py)
         # The last micro-batch's backward leaves the expert grads' sums of squares for the norm (grad_sq.py).
         final_sq = engine.grads_final_after_backward and not switched_off("MOECTL_GRAD_SQ")
-        # Every micro-batch but the last keeps its expert wgrad operands for the last (moe/wgrad_deferral.py).
+        # Micro-batches keep their expert wgrad operands for every fourth and the last (moe/wgrad_deferral.py).
         defers = self.cfg.moe.defer_expert_wgrad and self.n_micro > 1
         lm_sum = torch.zeros((), device=self.rt.device, dtype=torch.float64)
         aux_sum = torch.zeros((), device=self.rt.device, dtype=torch.float64)
@@ -190,7 +190,7 @@ class Trainer:
                 graph.refresh_weights()
             for micro, (tokens, targets) in enumerate(self._step_batches(step)):
                 last = micro == self.n_micro - 1
-                defer = (not last) if defers else None
+                defer = wgrad_deferral.defers(micro, self.n_micro) if defers else None
                 if graph is not None:
                     gathers = gather_in_graph and micro == 0
                     reduces = reduce_in_graph and last

@@ -758,8 +758,8 @@ def sgd_on_one_process(c: Context) -> Iterator[_Hit]:
 @rule(
     "MOE071", "moe", "warning",
     ["moe.defer_expert_wgrad", "moe.backend", "parallel.gradient_accumulation_fusion", "mixed_precision.fp8",
-     "mixed_precision.fp4", "moe.delay_wgrad_compute", "train.global_batch_size", "train.micro_batch_size",
-     "world_size"],
+     "mixed_precision.fp4", "moe.delay_wgrad_compute", "moe.ep_overlap_chunks", "train.global_batch_size",
+     "train.micro_batch_size", "train.device", "optimizer.optimizer", "world_size"],
     "defer_expert_wgrad needs the fused fp32 wgrad accumulation and more than one micro-batch",
 )  # fmt: skip
 def defer_expert_wgrad_applies(c: Context) -> Iterator[_Hit]:
@@ -770,10 +770,15 @@ def defer_expert_wgrad_applies(c: Context) -> Iterator[_Hit]:
     if not m.defer_expert_wgrad:
         return
     why = []
-    if m.backend not in ("auto", "fused"):
-        why.append(f"moe.backend={m.backend} (only fused defers)")
-    if c.cfg.parallel.gradient_accumulation_fusion is False:
-        why.append("parallel.gradient_accumulation_fusion=false")
+    cpu = c.cfg.train.device == "cpu"  # where auto resolves to grouped and null fusion to off
+    if m.backend not in ("auto", "fused") or (m.backend == "auto" and cpu):
+        why.append(f"moe.backend={m.backend}{' on the CPU (grouped)' if m.backend == 'auto' else ''} (only fused defers)")
+    fusion = c.cfg.parallel.gradient_accumulation_fusion
+    if fusion is False or (fusion is None and (cpu or c.cfg.optimizer.optimizer == "sgd")):
+        why.append(f"parallel.gradient_accumulation_fusion={fusion} (off here)" if fusion is None
+                   else "parallel.gradient_accumulation_fusion=false")  # fmt: skip
+    if m.ep_overlap_chunks > 1:
+        why.append(f"moe.ep_overlap_chunks={m.ep_overlap_chunks} (chunked expert calls add their own)")
     if c.recipes:
         why.append(f"the {' and '.join(r for r, _ in c.recipes)} recipe (high precision only)")
     if m.delay_wgrad_compute:

@@ -11,6 +11,8 @@ from torch import nn
 
 from moectl.core.config.schema import OptimizerConfig
 from moectl.core.errors import MoectlError
+from trainer import grad_sq
+from trainer.moe import wgrad_deferral
 from trainer.optim.distributed_optimizer import decays
 from trainer.optim.step_result import NonFiniteGradError, StepResult
 
@@ -46,6 +48,8 @@ class LocalEngine:
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
+        grad_sq.clear()  # nothing records here today (no main_grad), but no record may outlive its grads
+        wgrad_deferral.clear_all()
 
     def micro_batch(self, is_last: bool) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()

@@ -101,7 +101,7 @@ class MicroBatchGraph:
         self.weights = StaticWeights(model)
         self.tokens: torch.Tensor | None = None
         self.targets: torch.Tensor | None = None
-        # keyed by (gathers, finish(), final_sq, wgrad_defer, the micro-batch when it defers)
+        # keyed by (gathers, finish(), final_sq, wgrad_defer, the micro-batch under moe.defer_expert_wgrad)
         self._variants: dict[tuple[bool, bool, bool, bool | None, int | None], _Captured] = {}
         self.replays = 0
 
@@ -126,9 +126,9 @@ class MicroBatchGraph:
         step's last micro-batch, whose backward leaves the grads' sums of squares (`trainer/grad_sq.py`): a
         variant of its own, whose capture's records are recorded again after each replay.
         `wgrad_defer` (`moe.defer_expert_wgrad`, `trainer/moe/wgrad_deferral.py`): True for a micro-batch that keeps
-        its expert wgrad operands, False for the last one, which reads them: each deferring `micro` is a variant
-        of its own, so what it keeps sits at its own addresses until the last one's replay reads it."""
-        key = (gathers, finish is not None, final_sq, wgrad_defer, micro if wgrad_defer else None)
+        its expert wgrad operands, False for one that reads them (a flush): each `micro` is then a variant of its
+        own, so what one keeps sits at its own addresses until its flush's replay reads them."""
+        key = (gathers, finish is not None, final_sq, wgrad_defer, micro if wgrad_defer is not None else None)
         if self.tokens is not None:
             assert self.targets is not None
             if tokens.shape != self.tokens.shape or targets.shape != self.targets.shape:

@@ -45,7 +45,8 @@ def accumulate_grouped_wgrad_(targets: Sequence[torch.Tensor], a_TM: torch.Tenso
 
     `offs_E`: the cumulative row ends, if the caller has them on the device already. On Hopper, when the targets
     are whole rows of one fp32 matrix (a grouped main_grad, or per-expert main_grads laid out row-aligned in the
-    grad buffer), the TMA kernel runs; otherwise the pointer kernel (the same sums, bitwise).
+    grad buffer), the TMA kernel runs; otherwise the pointer kernel (the same sums, bitwise, for one source;
+    with `earlier`, see below).
     `sq`: also return partial sums of squares of the targets after the add (a 1-D tensor whose sum is the
     targets' sum of squares: per tile, from the kernel's registers, on CUDA; per target, in fp64, on the CPU),
     what the grad norm reads instead of the targets (`trainer/grad_sq.py`). Else None.

@@ -12,7 +12,10 @@ Layouts (docs/architecture.md, "Expert layouts"):
     per-expert:     `linear_fc1.weight0..weight{E-1}` `[H, D]`, ... (biases `bias0..`)
 Both start from one RNG draw of the whole `[E, out, in]` tensor (per-expert params are its slices) and run
 the same backend on the same values: the per-expert layout stacks its weights first. So forward and every
-grad are bitwise identical across layouts by construction, and the tests hold us to it.
+grad are bitwise identical across layouts by construction, and the tests hold us to it. (One exception: under
+`moe.defer_expert_wgrad` on a GPU, per-expert grads that are not whole rows of one matrix take the pointer
+kernel, which adds each micro-batch in its own launch where the TMA kernel sums four in one accumulator:
+equal to the last bits, not bitwise; the grad buffer puts them row-aligned when it can, not always.)
 
 Weight grads never go through autograd's AccumulateGrad for the layout's sake: one autograd Function calls
 the backend and routes `dw_E..` to the params (the whole `[E, out, in]` grad, or its `unbind(0)` slices)

@@ -4,17 +4,19 @@ Each micro-batch's expert wgrad reads and writes every fp32 expert grad (8 B an 
 expert gets per micro-batch: memory-bound at the reference shapes (fc1: 2.67 ms for four micro-batches,
 412 TFLOP/s, on an H100). Deferred, the backward of every micro-batch but the last keeps the wgrad's operands
 (`x`, `dh`, the activation and `dy`: 470 MB per layer and micro-batch at the reference shapes) in its layer's
-`WgradStash`, and the last one sums all micro-batches' products per tile in one fp32 accumulator and adds them
-into the grad once (`grouped_wgrad.accumulate_grouped_wgrad_(earlier=)`: 2.16 ms, 508 TFLOP/s). The price is
-that memory: n_micro - 1 micro-batches' operands live until the last backward. The grads are the same sums in
+`WgradStash`, and every fourth (`GROUP`, the kernel's sources per launch) and the last sum the kept
+micro-batches' products with their own per tile in one fp32 accumulator and add them into the grad once
+(`grouped_wgrad.accumulate_grouped_wgrad_(earlier=)`: 2.16 ms, 508 TFLOP/s). The price is that memory: up to
+three micro-batches' operands live until the next flush. The grads are the same sums in
 another order (fp32 throughout), not bitwise those of the undeferred step.
 
-    the loop       says which backward defers and which flushes (`micro_batch_phase`); after the last
-                   micro-batch nothing may be left (`check_flushed`)
+    the loop       says which backward defers and which flushes (`defers`, `micro_batch_phase`); after the
+                   last micro-batch nothing may be left (`check_flushed`)
     the experts    stash in a deferring backward, flush in the last (`GroupedMLP`, `backends/fused.py`)
     zero_grad      drops every stash (`clear_all`): an interrupted step's operands never reach the next step
-    CUDA graphs    each deferring micro-batch is a variant of its own, so its kept operands sit at addresses
-                   no other variant writes before the last one has read them (`graphs/capture.py`)
+    CUDA graphs    each micro-batch is a variant of its own, so kept operands sit at addresses no other
+                   variant writes before the flush that reads them, and each flush reads its own group's
+                   (`graphs/capture.py`)
 """
 
 from __future__ import annotations
@@ -22,6 +24,10 @@ from __future__ import annotations
 import contextlib
 import weakref
 from typing import Any, Iterator, Optional
+
+#: micro-batches per flush: the kernel sums up to four sources per launch, so a flush every fourth micro-batch
+#: saves as much as one at the end, and keeps at most three micro-batches' operands at a time
+GROUP = 4
 
 _phase: Optional[bool] = None  # True: the running backward defers; False: it flushes; None: no deferral
 _stashes: "weakref.WeakSet[WgradStash]" = weakref.WeakSet()
@@ -40,6 +46,11 @@ def micro_batch_phase(defer: Optional[bool]) -> Iterator[None]:
         _phase = prev
 
 
+def defers(micro: int, n_micro: int) -> bool:
+    """Whether micro-batch `micro` (0-based) of `n_micro` keeps its operands: all but every `GROUP`-th and the last."""
+    return micro != n_micro - 1 and micro % GROUP != GROUP - 1
+
+
 def phase() -> Optional[bool]:
     """What the running backward does with deferrable expert wgrads (see `micro_batch_phase`)."""
     return _phase
@@ -51,6 +62,9 @@ class WgradStash:
     def __init__(self) -> None:
         self.entries: list[Any] = []
         _stashes.add(self)
+
+    def __deepcopy__(self, memo: dict) -> "WgradStash":
+        return WgradStash()  # a copied layer (a bench's model copy) gets its own, registered, empty stash
 
     def defer(self, entry: Any) -> None:
         self.entries.append(entry)

@@ -108,9 +108,10 @@ class MoEConfig:
     )
     defer_expert_wgrad: bool = doc(
         False,
-        "Compute the expert weight grads of all of a step's micro-batches at its last one, in one pass over the "
-        "fp32 grads (fused backend, gradient_accumulation_fusion, no recipe): faster where that pass is "
-        "memory-bound, at the price of keeping every earlier micro-batch's wgrad operands until then (MOE071).",
+        "Compute the expert weight grads of a step's micro-batches at every fourth one and the last, four "
+        "micro-batches in one pass over the fp32 grads (fused backend, gradient_accumulation_fusion, no recipe): "
+        "faster where that pass is memory-bound, at the price of keeping up to three micro-batches' wgrad "
+        "operands until then (MOE071).",
     )
     ep_overlap_chunks: int = doc(
         1,

@@ -52,7 +52,7 @@ class EagerStandIn:
 
     def __init__(self, model: torch.nn.Module, loss_fn: Any, n_micro: int) -> None:
         self.loss_fn, self.n_micro = loss_fn, n_micro
-        self.refreshes = self.replays = self.finishes = self.gathers = self.final_sq = 0
+        self.refreshes = self.replays = self.finishes = self.gathers = self.final_sq = self.deferred = 0
         self.captured: set[tuple[Any, ...]] = set()
 
     def refresh_weights(self) -> None:
@@ -60,8 +60,9 @@ class EagerStandIn:
 
     def run(self, tokens: torch.Tensor, targets: torch.Tensor, gathers: bool = False,
             finish: Any = None, final_sq: bool = False, wgrad_defer: Any = None, micro: int = 0) -> ReplayedLoss:
-        key = (gathers, finish is not None, final_sq, wgrad_defer, micro if wgrad_defer else None)
+        key = (gathers, finish is not None, final_sq, wgrad_defer, micro if wgrad_defer is not None else None)
         self.final_sq += final_sq
+        self.deferred += bool(wgrad_defer)
         # a replay rewrites the partials its capture recorded, and keeps or reads the deferred wgrad operands
         with grad_sq.final_accumulation(final_sq), wgrad_deferral.micro_batch_phase(wgrad_defer):
             return self._run(key, tokens, targets, gathers, finish)
@@ -140,7 +141,7 @@ def _run(sets: list[str], run_dir: Path, graphs: bool, monkeypatch: Any = None,
         "params": {n: p.detach().clone() for n, p in trainer.model.named_parameters()},
         "replays": 0 if graph is None else graph.replays, "refreshes": 0 if graph is None else graph.refreshes,
         "finishes": 0 if graph is None else graph.finishes, "gathers": 0 if graph is None else graph.gathers,
-        "final_sq": 0 if graph is None else graph.final_sq,
+        "final_sq": 0 if graph is None else graph.final_sq, "deferred": 0 if graph is None else graph.deferred,
         "skipped": skipped,
     }  # fmt: skip
 
@@ -165,6 +166,7 @@ def test_the_graph_path_of_the_loop_equals_eager_on_one_rank(tmp_path: Path, mon
     assert graph["replays"] == 3 * 3 and graph["refreshes"] == 3  # steps 2-4; step 1 eager
     assert graph["finishes"] == graph["gathers"] == 0  # one rank: nothing to reduce or gather
     assert graph["final_sq"] == 3  # each step's last micro-batch: a variant of its own
+    assert graph["deferred"] == (3 * 2 if fused == "defer" else 0)  # 2 of each step's 3 micro-batches keep
     assert _same(eager, graph)
 
 

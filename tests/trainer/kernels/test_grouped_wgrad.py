@@ -233,8 +233,15 @@ def test_earlier_micro_batches_are_added_first_on_the_cpu() -> None:
 @pytest.mark.parametrize("M,N,n", [(256, 200, 2), (256, 200, 4), (2048, 1024, 6), (48, 80, 3)],
                          ids=["tma-2", "tma-4", "tma-6-two-launches", "pointer-3"])
 def test_earlier_micro_batches_sum_in_one_pass_as_their_separate_adds(M: int, N: int, n: int) -> None:
-    sources = [_problem("cuda", torch.bfloat16, M=M, N=N, seed=s) for s in range(n)]
     E = len(COUNTS)
+    g = torch.Generator().manual_seed(n)
+    sources = []
+    for s in range(n):  # each micro-batch its own rows per expert: expert 2 only in the last, 1 in none
+        counts = [int(c) for c in torch.randint(0, 150, (E,), generator=g)]
+        counts[1], counts[2] = 0, (37 if s == n - 1 else 0)
+        a = torch.randn(sum(counts), M, generator=g).to("cuda", torch.bfloat16)
+        b = torch.randn(sum(counts), N, generator=g).to("cuda", torch.bfloat16)
+        sources.append((a, b, torch.tensor(counts, device="cuda")))
     init = torch.randn(E, M, N, device="cuda")
     want = init.clone()
     want[0] = 0.0  # stale: overwritten by the sum of every micro-batch
@@ -242,12 +249,14 @@ def test_earlier_micro_batches_sum_in_one_pass_as_their_separate_adds(M: int, N:
         accumulate_grouped_wgrad_(list(want.unbind(0)), a, b, counts)
     got = init.clone()
     got[0] = float("nan")
-    flags = torch.tensor([1, 0, 0, 0, 0], dtype=torch.int32, device="cuda")
+    got[1] = float("nan")  # stale and without rows anywhere: zeros
+    want[1] = 0.0
+    flags = torch.tensor([1, 1, 0, 0, 0], dtype=torch.int32, device="cuda")
     *earlier, (a, b, counts, _) = [(a, b, c, None) for a, b, c in sources]
     partials = accumulate_grouped_wgrad_(list(got.unbind(0)), a, b, counts,
                                          stale_E=[flags[i:i + 1] for i in range(E)], sq=True, earlier=earlier)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)  # one fp32 sum per tile, not n rounded adds
-    assert flags.tolist() == [0] * E and torch.equal(got[1], init[1])  # expert 1 has no rows anywhere
+    assert flags.tolist() == [0] * E and torch.equal(got[1], torch.zeros_like(got[1]))
     assert partials is not None
     torch.testing.assert_close(partials.double().sum(), got.double().square().sum(), rtol=1e-6, atol=0)
 

@@ -43,12 +43,23 @@ def _train(tmp_path: Path, name: str, extra: list[str], monkeypatch: pytest.Monk
     return [(r["loss"], r["grad_norm"]) for r in records], params, stashed
 
 
-@pytest.mark.parametrize("layout", ["true", "false"], ids=["grouped", "per-expert"])
+def test_every_fourth_and_the_last_micro_batch_flush() -> None:
+    assert [wgrad_deferral.defers(m, 9) for m in range(9)] == [True, True, True, False] * 2 + [False]
+    assert [wgrad_deferral.defers(m, 2) for m in range(2)] == [True, False]
+
+
+@pytest.mark.parametrize(("layout", "batch", "found"), [("true", 8, [3]), ("false", 8, [3]), ("true", 22, [3, 3, 2])],
+                         ids=["grouped", "per-expert", "grouped-11-micro-batches"])
 def test_deferred_expert_wgrads_train_bitwise_as_undeferred_on_the_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                                       layout: str) -> None:
-    extra = [f"moe.single_grouped_weight={layout}"]
+                                                                       layout: str, batch: int, found: list) -> None:
+    extra = [f"moe.single_grouped_weight={layout}", f"train.global_batch_size={batch}"]
+    checks: list[int] = []
+    real_check = wgrad_deferral.check_flushed
+    monkeypatch.setattr(wgrad_deferral, "check_flushed", lambda: (checks.append(1), real_check()))
     numbers, params, stashed = _train(tmp_path, "defer", [*CPU, *extra, "moe.defer_expert_wgrad=true"], monkeypatch)
-    assert stashed == [3] * (3 * 2)  # 3 steps x 2 layers: the last of 4 micro-batches found the other 3
+    # per step and layer, each flush found the micro-batches kept since the last one (a fourth flushes)
+    assert stashed == [n for _ in range(3) for n in found for _ in range(2)], stashed
+    assert checks == [1, 1, 1]  # the loop checked after each step that nothing was left
     ref_numbers, ref_params, ref_stashed = _train(tmp_path, "ref", [*CPU, *extra], monkeypatch)
     assert ref_stashed == []  # undeferred: nothing kept, nothing taken
     assert numbers == ref_numbers
@@ -90,6 +101,47 @@ def test_a_last_micro_batch_without_rows_still_adds_the_kept_ones() -> None:
         assert torch.equal(got, want)
 
 
+def test_a_flush_without_rows_overwrites_stale_grads_with_the_kept_ones() -> None:
+    from trainer.main_grad import STALE_ATTR
+
+    def flagged(mlp: GroupedMLP) -> torch.Tensor:
+        weights = [p for n, p in mlp.named_parameters() if "weight" in n]
+        flags = torch.ones(len(weights), dtype=torch.int32)
+        for i, p in enumerate(weights):  # zero_grad skipped the fill: leftovers that read as zero
+            setattr(p, STALE_ATTR, flags[i:i + 1])
+            p.main_grad.fill_(float("nan"))
+        return flags
+
+    ref = _mlp()
+    flagged(ref)
+    for seed in (1, 2):
+        _micro(ref, 8, seed)
+    mlp = _mlp()
+    flags = flagged(mlp)
+    for seed in (1, 2):
+        with wgrad_deferral.micro_batch_phase(True):
+            _micro(mlp, 8, seed)
+    assert flags.tolist() == [1] * len(flags)  # still stale: nothing was written
+    with wgrad_deferral.micro_batch_phase(False):
+        _micro(mlp, 0, 3)
+    assert flags.tolist() == [0] * len(flags)
+    for got, want in zip(_grads(mlp), _grads(ref)):
+        assert torch.equal(got, want)
+
+
+def test_a_copied_layer_has_its_own_registered_stash(tmp_path: Path) -> None:
+    import copy
+
+    mlp = copy.deepcopy(_mlp())
+    attach_main_grads(mlp)  # a copy's params carry no main_grad of their own
+    with wgrad_deferral.micro_batch_phase(True):
+        _micro(mlp, 8, 1)
+    with pytest.raises(RuntimeError, match="never flushed"):
+        wgrad_deferral.check_flushed()
+    wgrad_deferral.clear_all()
+    assert mlp.wgrad_stash.entries == []
+
+
 def test_zero_grad_drops_kept_operands_and_a_missed_flush_is_an_error(tmp_path: Path) -> None:
     mlp = _mlp()
     with wgrad_deferral.micro_batch_phase(True):
@@ -111,7 +163,9 @@ def test_deferred_expert_wgrads_train_as_undeferred_on_the_gpu(tmp_path: Path, m
     extra = ["train.device=cuda", "mixed_precision.bf16=true", "model.hidden_size=128", "moe.ffn_hidden_size=128",
              f"train.cuda_graph={graph}"]
     numbers, _, stashed = _train(tmp_path, "defer", [*extra, "moe.defer_expert_wgrad=true"], monkeypatch)
-    assert stashed[:2] == [3, 3]  # the eager first step: each layer's flush found 3 kept micro-batches
+    # each layer's flush found 3 kept micro-batches: every step eagerly; under graphs in the eager first step
+    # and at the second's capture, then no Python runs (a replay that stopped deferring would not show here)
+    assert stashed == ([3] * 4 if graph == "true" else [3] * 6)
     ref_numbers, _, _ = _train(tmp_path, "ref", extra, monkeypatch)
     for (loss, norm), (ref_loss, ref_norm) in zip(numbers, ref_numbers):
         assert loss == pytest.approx(ref_loss, rel=1e-4) and norm == pytest.approx(ref_norm, rel=1e-3)
