@@ -169,15 +169,19 @@ def _is_uint(x: Any) -> bool:
 def _check_coverage(entries: dict[str, Entry], data_start: int, size: int, bad: Any) -> None:
     """The data section must be indexed exactly: no overlap, no hole, nothing past either end."""
     cursor, prev = data_start, None
+    past: list[Entry] = []  # a truncated file: one problem for all the tensors it cut, not one each
     for e in sorted(entries.values(), key=lambda e: (e.start, e.end)):
         if e.start < cursor:
             bad(f"bytes [{e.start}, {e.end}) overlap tensor {prev.name!r} (ends at {cursor})", e.name)  # type: ignore[union-attr]
         elif e.start > cursor:
             bad(f"{e.start - cursor} unindexed bytes before this tensor (a hole at {cursor})", e.name)
         if e.end > size:
-            bad(f"ends at byte {e.end} but the file has {size} bytes: file truncated", e.name)
+            past.append(e)
         if e.end >= cursor:
             cursor, prev = e.end, e
+    if past:
+        more = f" and {len(past) - 1} more tensor(s) after it" if len(past) > 1 else ""
+        bad(f"ends at byte {past[0].end} but the file has {size} bytes{more}: file truncated", past[0].name)
     if cursor < size:
         last = f" after tensor {prev.name!r}" if prev else ""
         bad(f"{size - cursor} unindexed bytes at the end of the file{last}: appended data")

@@ -66,3 +66,12 @@ def test_a_malformed_record_is_not_also_reported_missing(tmp_path: Path) -> None
     path = _write(tmp_path, json.dumps({"a": _rec("F32", [2], 0, 4)}), payload=4)
     header, problems = read_header(path)
     assert header is not None and header.malformed == {"a"} and len(problems) == 2  # byte length + hole at end
+
+
+def test_a_truncated_file_is_one_problem_naming_the_first_tensor_it_cut(tmp_path: Path) -> None:
+    records = {f"t{i}": _rec("U8", [4], 4 * i, 4 * i + 4) for i in range(50)}
+    path = _write(tmp_path, json.dumps(records), payload=4 * 10 + 2)  # t10 is cut, t11..t49 are gone
+    _, problems = read_header(path)
+    assert [(p.tensor, p.message) for p in problems] == [
+        ("t10", f"ends at byte {8 + len(json.dumps(records)) + 44} but the file has "
+                f"{8 + len(json.dumps(records)) + 42} bytes and 39 more tensor(s) after it: file truncated")]
