@@ -463,7 +463,7 @@ def _probe(probe: Optional[Callable[[Config, dict[str, torch.Tensor]], float]], 
         more = " ..." if len(bad) > 3 else ""
         where = f"non-finite values in {', '.join(bad[:3])}{more}" if bad else "no non-finite weight"
         raise CheckpointError(f"the imported weights give a probe loss of {loss} ({where})",
-                              "check the source model's weights; nothing was imported")
+                              "check the source model's weights, or import with --no-probe; nothing was imported")
     return probe_meta(loss)
 
 

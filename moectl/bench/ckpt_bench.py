@@ -89,10 +89,14 @@ def _make_folder(folder: Path) -> list[Path]:
     so the end can remove the parents it made too (an empty runs/tiny/ was left in the working folder)."""
     check_folder(folder)
     made = [p for p in (folder, *folder.parents) if not p.exists()]
-    if folder.exists():
-        _empty(folder)  # the folder itself stays: the user's (a mount point, say), not the bench's to remove
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / MARKER).touch()
+    try:
+        if folder.exists():
+            _empty(folder)  # the folder itself stays: the user's (a mount point, say), not the bench's to remove
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / MARKER).touch()
+    except OSError as e:  # a dangling symlink, a path under /proc, no permission
+        raise UsageError(f"bench ckpt --dir {folder}: {e.strerror or e}",
+                         f"pass a new or empty folder the bench can write, e.g. {Path.cwd() / 'bench_ckpt'}") from None
     return made
 
 

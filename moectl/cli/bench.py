@@ -247,7 +247,7 @@ def grouped_mlp(
     cfg.sustained_seconds = cfg.sustained_seconds if sustained is None else sustained
     cfg.sustained_every_row = sustained_every_row
     console = make_console()
-    if not quick and cfg.device == "cpu":  # the GPU's shapes at CPU speed: quiet for a long while otherwise
+    if not quick and not shape and cfg.device == "cpu":  # the GPU's shapes at CPU speed: quiet for a long while
         console.print("note: these are GPU-sized shapes and run for a long time on the CPU before the first row; "
                       "--quick is the CPU smoke test", highlight=False)
     result = gm.run(cfg, log=lambda line: console.print(line, style="dim", highlight=False))

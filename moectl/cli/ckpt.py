@@ -218,7 +218,7 @@ def import_hf_command(
     console = make_console()
     out = import_hf(src, dst, base=base, probe=probe,
                     check_config=lambda cfg: refuse_on_rule_errors(cfg, default_world_size(cfg), console,
-                                                                   "nothing imported"))
+                                                                   "nothing imported", this_machine=False))
     console.print(f"[green]imported[/] {src} -> {out}", highlight=False)
     console.print(f"config: {out.parent / 'config.yaml'} (moectl train / ckpt validate --config)", highlight=False)
 

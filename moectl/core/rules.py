@@ -401,6 +401,10 @@ def rule(id: str, family: str, severity: str, keys: Sequence[str], summary: str)
     return register
 
 
+#: the pseudo-keys of rules about the machine a check runs on, not the config (`Context.value`)
+MACHINE_KEYS = ("device", "transformer_engine")
+
+
 def check(
     cfg: Config,
     world_size: Optional[int] = None,

@@ -94,6 +94,11 @@ def test_a_folder_holding_the_users_files_is_refused_and_kept(tmp_path: Path, mo
     res = CliRunner().invoke(app, args)  # default folder: runs/tiny/bench_ckpt under the working folder
     assert res.exit_code == 0, res.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["kept", "mine"]
+    dangling = tmp_path / "dangling"  # a folder the bench cannot make: one line, exit 2, no traceback
+    dangling.symlink_to(tmp_path / "nowhere" / "x")
+    res = CliRunner().invoke(app, [*args, "--dir", str(dangling)])
+    assert res.exit_code == 2 and "bench ckpt --dir" in res.output and "Traceback" not in res.output, res.output
+    dangling.unlink()
     empty = tmp_path / "empty"  # an empty folder the user made (a mount point, say) is emptied, never removed
     empty.mkdir()
     assert CliRunner().invoke(app, [*args, "--dir", str(empty)]).exit_code == 0

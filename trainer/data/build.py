@@ -103,8 +103,8 @@ def build_data(
         return split_stream(stream, eval_fraction=cfg.eval_fraction, seq_length=seq_length)
     try:
         held = load_source(cfg, vocab_size=vocab_size, seed=seed, cache_dir=cache_dir, path=cfg.eval_path)
+        check_vocab(held, vocab_size)
     except DataError as e:  # the source's checks speak of data.path; this file came from data.eval_path
         fix = (e.fix or "").replace("data.path", "data.eval_path") or None
         raise DataError(f"data.eval_path: {e.message}", fix) from None
-    check_vocab(held, vocab_size)
     return _whole(stream, "train", seq_length, "data.path"), _whole(held, "eval", seq_length, "data.eval_path")

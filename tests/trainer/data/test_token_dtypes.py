@@ -104,12 +104,14 @@ def test_eval_path_is_evaluated_instead_of_a_held_out_fraction(tmp_path: Path) -
     assert held.path == val_path and held.split == "eval" and train.split == "train"
     with pytest.raises(DataError, match=r"val\.bin \(data.eval_path\): 500 tokens, fewer than one sequence"):
         build_data(cfg, seq_length=600, vocab_size=256, seed=0)
-    with pytest.raises(DataError, match=r"val\.bin: token id 249 does not fit model.vocab_size=210"):
+    with pytest.raises(DataError, match=r"data.eval_path: .*val\.bin: token id 249 does not fit model.vocab_size=210"):
         build_data(cfg, seq_length=16, vocab_size=210, seed=0)
     with pytest.raises(DataError, match="data.eval_path is set but data.source=synthetic reads no files"):
         build_data(DataConfig(source="synthetic", eval_path=val_path), seq_length=16, vocab_size=256, seed=0)
     with pytest.raises(DataError, match="data.path is set but data.source=corpus reads no files"):
         build_data(DataConfig(source="corpus", path=train_path), seq_length=16, vocab_size=256, seed=0)
+    with pytest.raises(DataError, match="data.dtype=uint16 is set but data.source=corpus"):
+        build_data(DataConfig(dtype="uint16"), seq_length=16, vocab_size=256, seed=0)
 
 
 def test_a_missing_eval_file_names_data_eval_path(tmp_path: Path) -> None:
@@ -119,8 +121,6 @@ def test_a_missing_eval_file_names_data_eval_path(tmp_path: Path) -> None:
         build_data(cfg, seq_length=16, vocab_size=256, seed=0)
     assert e.value.message.startswith("data.eval_path: ") and "nope.bin: no such file" in e.value.message
     assert e.value.fix == "check data.eval_path (it names one file)"
-    with pytest.raises(DataError, match="data.dtype=uint16 is set but data.source=corpus"):
-        build_data(DataConfig(dtype="uint16"), seq_length=16, vocab_size=256, seed=0)
 
 
 def test_eval_path_drives_the_trainers_evaluation(tmp_path: Path) -> None:
