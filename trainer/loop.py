@@ -46,12 +46,12 @@ from trainer.parallel.failures import collective_failure, raise_if_any_rank_fail
 from trainer.parallel.groups import collective_timeout_s, destroy_distributed
 from trainer.precision import describe
 from trainer.regions import OPTIMIZER, region
-from trainer.switches import switched_off
 from trainer.run_dir import CONFIG, RunDirLock, prepare_run_dir, resolved_config_text
 from trainer.run_state import RunState
 from trainer.runtime import Runtime, setup_runtime
 from trainer.step_weights import StepWeights
 from trainer.stop import StopSignals
+from trainer.switches import switched_off
 from trainer.threads import ThreadChoice, apply_cpu_threads, choose_cpu_threads
 
 
