@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from moectl.bench import grouped_mlp_fp8 as fp8
 from moectl.bench.backend_function import BackendFunction
 from moectl.bench import te_paths
-from moectl.bench.oom import free, is_oom, oom_message
+from moectl.bench.oom import as_oom, free
 from moectl.bench.timing import SUSTAINED_SECONDS, dense_ceiling_tflops, dense_matmul, interleaved_ms, queued_ms, sustained_ms
 from moectl.core.arith import ceil_div
 
@@ -296,9 +296,7 @@ def bench_shape(
     try:
         inp = _inputs(shape, topk, device, cfg.dtype, cfg.seed)
     except RuntimeError as e:
-        if not is_oom(e):
-            raise
-        error = oom_message(e)
+        error = as_oom(e)
     else:
         return _bench_inputs(shape, cfg, inp, topk, ceiling, dense, notes, log, profiles)
     free(device)  # outside the except block: its traceback no longer holds the half-built inputs
@@ -336,9 +334,7 @@ def _probe(calls: dict[str, Callable[[], object]], device: torch.device) -> dict
         try:
             call()
         except RuntimeError as e:
-            if not is_oom(e):
-                raise
-            failed[path] = oom_message(e)
+            failed[path] = as_oom(e)
         if path in failed:
             del calls[path]
             free(device)
@@ -382,9 +378,7 @@ def _bench_inputs(
         try:
             dy = torch.randn(n_out, shape.hidden, device=device, dtype=cfg.dtype)
         except RuntimeError as e:
-            if not is_oom(e):
-                raise
-            error = oom_message(e)
+            error = as_oom(e)
             rows += [_error_row(shape, topk, permute, backward, error) for backward in (False, True)]
             continue
         for backward in (False, True):
@@ -397,9 +391,7 @@ def _bench_inputs(
                 try:
                     fn, weights = _expert_fn(path, inp, spec, compiled)
                 except RuntimeError as e:  # e.g. the loop path's per-expert weight copies
-                    if not is_oom(e):
-                        raise
-                    path_errors[path] = oom_message(e)
+                    path_errors[path] = as_oom(e)
                     continue
                 calls[path] = _step(fn, inp, weights, permute, backward, dy)
             path_errors.update(_probe(calls, device))
@@ -455,9 +447,7 @@ def _bench_inputs(
                         try:
                             profiles[path] = {"shape": shape.label(), **fp8.kernel_profile(calls[path], device)}
                         except RuntimeError as e:
-                            if not is_oom(e):
-                                raise
-                            notes.append(f"profile of {path} at {shape.label()}: {oom_message(e)}")
+                            notes.append(f"profile of {path} at {shape.label()}: {as_oom(e)}")
     for row in rows:
         if row.get("error"):
             notes.append(f"{row['shape']} {row['pass']}{' +permute' if row['permute'] else ''}: {row['error']}")
@@ -494,9 +484,7 @@ def _time_row(
         seconds = cfg.sustained_seconds if steady else 0.0
         sustained, states = sustained_ms(paths_only, device, cfg.sustained_rounds, seconds)
     except RuntimeError as e:
-        if not is_oom(e):
-            raise
-        return oom_message(e)
+        return as_oom(e)
     return samples, queued, behind, sustained, states
 
 
@@ -535,9 +523,7 @@ def _fp8_errors(shape: Shape, cfg: BenchConfig, spec: Any, paths: list[str],
     try:
         return _fp8_errors_at(small, cfg, spec, paths, log)
     except RuntimeError as e:
-        if not is_oom(e):
-            raise
-        message = oom_message(e)
+        message = as_oom(e)
     free(torch.device(cfg.device))
     log(f"{shape.label()}: fp8 error check at {small.label()}: {message}")
     return {p: {"error": message} for p in paths}

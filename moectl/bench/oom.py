@@ -1,9 +1,9 @@
 """Out-of-memory as a benchmark result: a shape or column that does not fit is reported, never a traceback.
 
-Catch `RuntimeError` around the work, re-raise it unless `is_oom(e)` (CUDA's `torch.OutOfMemoryError`, or the
-CPU allocator's failure, which torch raises as a plain RuntimeError), keep `oom_message(e)` for the row, and
-call `free(device)` after the `except` block has ended (inside it the traceback still holds the frames, and
-with them the tensors that filled the memory).
+Catch `RuntimeError` around the work and keep `as_oom(e)` for the row (it raises again whatever is not an
+allocation failure: CUDA's `torch.OutOfMemoryError`, or the CPU allocator's, which torch raises as a plain
+RuntimeError), then call `free(device)` after the `except` block has ended (inside it the traceback still
+holds the frames, and with them the tensors that filled the memory).
 """
 
 from __future__ import annotations
@@ -18,6 +18,13 @@ _CPU_OOM = "DefaultCPUAllocator: can't allocate memory"
 def is_oom(e: BaseException) -> bool:
     """Whether `e` is an allocation failure: CUDA's out-of-memory error or the CPU allocator's."""
     return isinstance(e, torch.OutOfMemoryError) or (isinstance(e, RuntimeError) and _CPU_OOM in str(e))
+
+
+def as_oom(e: RuntimeError) -> str:
+    """`oom_message(e)` for an allocation failure (`is_oom`); any other error is raised again, unchanged."""
+    if not is_oom(e):
+        raise e
+    return oom_message(e)
 
 
 def oom_message(e: BaseException) -> str:

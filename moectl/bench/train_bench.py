@@ -32,7 +32,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from moectl.bench.oom import free, is_oom, oom_message
+from moectl.bench.oom import as_oom, free
 from moectl.bench.result import RowsResult
 from moectl.bench.train_columns import Column
 from moectl.bench.train_shrink import quick_overrides
@@ -202,9 +202,7 @@ def run_column(cfg: Config, column: Column, bench: TrainBenchConfig, log: Log) -
     try:
         row = measure_column(cfg, column, bench, log)
     except RuntimeError as e:
-        if not is_oom(e):
-            raise
-        error = oom_message(e)
+        error = as_oom(e)
     except MoectlError as e:
         error = e.one_line()
     _free()  # after the except block: its traceback (and the tensors its frames hold) is gone
