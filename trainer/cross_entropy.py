@@ -4,8 +4,9 @@
 (`kernels/cross_entropy_triton.py`) it is a custom op, `lm_cross_entropy`, which the compiled loss region calls
 as it is (off CUDA the op runs as torch ops, for the tests): the forward reads each row of logits once (an
 online max and sum of exponentials in fp32) and keeps each row's log-sum-exp; the backward reads the row again
-and writes `(softmax - one_hot) * grad / count` in the logits' dtype. Inductor's compile of the definition read the `[B*S, V]` logits at ~1.3 TB/s forward (~390 us per
-micro-batch at the reference shape on an H100; docs/benchmarks.md). Targets equal to `IGNORE_INDEX` count for
+and writes `(softmax - one_hot) * grad / count` in the logits' dtype. Inductor's compile of the definition
+read the `[B*S, V]` logits at ~1.3 TB/s forward (~390 us per micro-batch at the reference shape on an H100;
+docs/benchmarks.md). Targets equal to `IGNORE_INDEX` count for
 nothing, as in `F.cross_entropy`; the mean is over the others (NaN when there are none).
 `MOECTL_TRITON_CROSS_ENTROPY=0` keeps the definition.
 """

@@ -22,6 +22,8 @@ SetOpt = Annotated[
     ),
 ]
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout instead of a table.")]
+
+
 def _json_path_usable(path: Optional[Path]) -> Optional[Path]:
     """Check a `--json PATH` before the command runs, and make its folder (the one place it is made; the
     commands only write the file): a run of minutes must not end in a traceback because the path is a folder
