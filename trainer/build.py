@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from moectl.core import facts
 from moectl.core.config.schema import Config
 from trainer.engine import DistributedEngine, Engine, LocalEngine
 from trainer.model import GPTMoE
@@ -52,16 +53,9 @@ def build_model(cfg: Config, device: torch.device, pstate: ParallelState | None 
 
 
 def fuses_wgrad(cfg: Config, device: torch.device) -> bool:
-    """Whether weight grads accumulate into fp32 main_grad inside the GEMMs (`parallel.gradient_accumulation_fusion`;
-    null = on CUDA with the distributed engine, whose buffers give every param a main_grad).
-
-    On an H100 (reference model, bf16) it took the step from 317 to 295 ms: the 30 ms of bf16-grad adds go,
-    and the experts' Triton wgrad costs 10 ms more than the grouped GEMM it replaces (docs/benchmarks.md).
-    """
-    choice = cfg.parallel.gradient_accumulation_fusion
-    if choice is not None:
-        return choice
-    return device.type == "cuda" and cfg.optimizer.optimizer != "sgd"
+    """Whether weight grads accumulate into fp32 main_grad inside the GEMMs on `device` (`moectl/core/facts.py`,
+    which the rules read too)."""
+    return facts.fuses_wgrad(cfg.parallel.gradient_accumulation_fusion, cfg.optimizer.optimizer, device.type)
 
 
 def build_recipe(cfg: Config, device: torch.device) -> "Recipe | None":

@@ -96,7 +96,7 @@ from typing import Any, Callable, Iterator, Literal, Mapping, Optional, Sequence
 
 from moectl.core import hardware
 from moectl.core.arith import round_up
-from moectl.core.facts import GATED_ACTIVATIONS, RECIPE_ALIGN, expert_capacity
+from moectl.core.facts import GATED_ACTIVATIONS, RECIPE_ALIGN, expert_capacity, fuses_wgrad, resolved_expert_backend
 from moectl.core.config.schema import Config
 from moectl.core.gpu_memory import GpuMemory
 from moectl.core.overlap import overlap_policy
@@ -774,11 +774,12 @@ def defer_expert_wgrad_applies(c: Context) -> Iterator[_Hit]:
     if not m.defer_expert_wgrad:
         return
     why = []
-    cpu = c.cfg.train.device == "cpu"  # where auto resolves to grouped and null fusion to off
-    if m.backend not in ("auto", "fused") or (m.backend == "auto" and cpu):
+    # Only `train.device: cpu` counts as CPU here: validate-config often runs off the GPU machine it checks.
+    kind = "cpu" if c.cfg.train.device == "cpu" else "cuda"
+    if resolved_expert_backend(m.backend, kind) != "fused":
         why.append(f"moe.backend={m.backend}{' on the CPU (grouped)' if m.backend == 'auto' else ''} (only fused defers)")
     fusion = c.cfg.parallel.gradient_accumulation_fusion
-    if fusion is False or (fusion is None and (cpu or c.cfg.optimizer.optimizer == "sgd")):
+    if not fuses_wgrad(fusion, c.cfg.optimizer.optimizer, kind):
         why.append(f"parallel.gradient_accumulation_fusion={fusion} (off here)" if fusion is None
                    else "parallel.gradient_accumulation_fusion=false")  # fmt: skip
     if m.ep_overlap_chunks > 1:

@@ -35,7 +35,7 @@ Backends by name (`get_backend`): `loop` (reference, `loop.py`), `grouped` (torc
 `fused` (grouped GEMMs around one fused activation kernel, `fused.py`, imported on first use), `te`
 (Transformer Engine's grouped GEMMs and row-scaled activation kernel, `te.py`: CUDA only, TE imported when
 the backend is built, never at package import), `auto` (-> `fused` on CUDA, else `grouped`; see
-`_resolve_auto`). The math they share is `trainer/moe/expert_math.py`;
+`moectl/core/facts.py resolved_expert_backend`). The math they share is `trainer/moe/expert_math.py`;
 `quantized.py` is the loop and grouped backends under a low-precision recipe.
 A registry target is a class or factory; it is called as `target(device)` when it takes an argument, else as
 `target()`, and must return an object with `name`, `forward`, `backward`.
@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 import torch
 
 from moectl.core.errors import MoectlError
+from moectl.core.facts import resolved_expert_backend
 from trainer.moe.expert_math import ExpertSpec
 
 if TYPE_CHECKING:
@@ -158,21 +159,11 @@ def register_backend(name: str, target: Callable[..., ExpertBackend] | str) -> N
     _REGISTRY[name] = target
 
 
-def _resolve_auto(device: torch.device) -> str:
-    """What `auto` means on `device`: `fused` on CUDA, `grouped` elsewhere.
-
-    On an H200, fused forward+backward ran 1.24-2.0x faster than grouped and 1.07-1.56x faster than the
-    eager torchtitan-style path at every default shape (docs/benchmarks.md, `moectl bench grouped-mlp`).
-    On CPU the fused backend runs its pure-torch reference, which buys nothing over grouped.
-    """
-    return "fused" if device.type == "cuda" else "grouped"
-
-
 def get_backend(name: str, device: torch.device | str | None = None) -> ExpertBackend:
     """The expert backend `name` (`auto`, `loop`, `grouped`, `fused`, ...) for tensors on `device`."""
     device = torch.device(device if device is not None else "cpu")
     if name == "auto":
-        name = _resolve_auto(device)
+        name = resolved_expert_backend(name, device.type)
     target = _REGISTRY.get(name)
     if target is None:
         raise MoectlError(

@@ -176,10 +176,3 @@ def test_spec_validation():
     with pytest.raises(MoectlError, match="unknown"):
         ExpertSpec("gelu", 8)
     assert ExpertSpec("swiglu", 8).fc1_out == 16 and ExpertSpec("squared_relu", 8).fc1_out == 8
-
-
-def test_auto_picks_grouped_on_cpu_and_fused_on_cuda():
-    from trainer.moe.backends import _resolve_auto
-
-    assert _resolve_auto(torch.device("cpu")) == "grouped"
-    assert _resolve_auto(torch.device("cuda", 0)) == "fused"
