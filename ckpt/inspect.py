@@ -52,7 +52,9 @@ class CheckpointSummary:
     problems: Optional[list[str]] = field(default=None)  # None: not verified; [] verified intact
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        """Every field, and `"readable": true`: the JSON of a checkpoint that cannot be read says false."""
+        d = asdict(self)
+        return {"path": d.pop("path"), "readable": True, **d}
 
 
 def tensor_role(name: str) -> str:

@@ -69,7 +69,7 @@ def test_inspect_table_and_json(ckpt: tuple[Path, dict]) -> None:
     assert r.exit_code == 0, r.output
     s = json.loads(r.stdout)
     assert (s["step"], s["consumed_samples"], s["expert_layout"], s["glu_interleave_size"]) == (7, 448, "single-grouped", None)
-    assert s["probe"]["loss"] == 4.25 and s["problems"] is None
+    assert s["probe"]["loss"] == 4.25 and s["problems"] is None and s["readable"] is True
     rows = {t["name"]: t for t in s["tensors"]}
     assert set(rows) == set(tensors)
     w = rows["decoder.layers.0.mlp.experts.linear_fc1.weight.main_param"]
