@@ -1,7 +1,7 @@
 """The Typer app object and the decorator every command goes through.
 
 `command` registers a function on an app and turns a `MoectlError` into one red line
-(`error: ... fix: ...`) and the error's exit code; `MOECTL_DEBUG=1` lets the traceback through.
+(`error: ... fix: ...`) and the error's exit code; `MOECTL_DEBUG=1` prints the traceback before that line.
 Doing it per command (rather than around `app()`) keeps it working under Typer's test runner.
 """
 
@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import functools
 import os
+import traceback
 import warnings
 from typing import Any, Callable, TypeVar
 
 import typer
 
+from moectl.cli import exit_codes
+from moectl.cli.console import stdout_to_devnull
 from moectl.core.environment import says_it_once, unknown_variables
 from moectl.core.errors import MoectlError
 
@@ -87,10 +90,13 @@ def command(target: typer.Typer = app, name: str | None = None, **kwargs: Any) -
             try:
                 return fn(*args, **kw)
             except MoectlError as e:
-                if os.environ.get("MOECTL_DEBUG") == "1":
-                    raise
+                if os.environ.get("MOECTL_DEBUG") == "1":  # the traceback on top: the line and exit code stay
+                    traceback.print_exc()
                 report(e)
                 raise typer.Exit(e.exit_code) from None
+            except BrokenPipeError:  # the reader left (`| head`): click would exit 1, the code of "violations"
+                stdout_to_devnull()
+                raise typer.Exit(exit_codes.reader_gone()) from None
 
         target.command(name, **kwargs)(wrapper)
         return fn

@@ -13,7 +13,32 @@ import sys
 
 from rich.console import Console
 
+from moectl.cli import exit_codes
+
 OFF_TERMINAL_WIDTH = 4096
+
+
+def stdout_to_devnull() -> None:
+    """Later plain prints and the interpreter's last flush go nowhere, quietly. Best effort: stdout may be no
+    file descriptor at all (a test runner)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+class CommandConsole(Console):
+    """A console whose command ends when the reader of its stdout goes away (`moectl validate-config ... | head
+    -1`): with 141, the code of a shell tool killed by SIGPIPE. Rich's default exits 1, which a `pipefail` script
+    reads as the command's own verdict (violations, a failed check)."""
+
+    def on_broken_pipe(self) -> None:
+        """Rich calls this on `BrokenPipeError`."""
+        self.quiet = True
+        stdout_to_devnull()
+        raise SystemExit(exit_codes.reader_gone())
 
 
 class RunConsole(Console):
@@ -25,12 +50,7 @@ class RunConsole(Console):
         """Go quiet and keep running (Rich calls this on `BrokenPipeError`). Best effort past `quiet`: stderr may be
         the same closed pipe (`2>&1 | head`), and stdout may be no file descriptor at all (a test runner)."""
         self.quiet = True
-        try:
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, sys.stdout.fileno())  # later plain prints and the exit's flush go nowhere, quietly
-            os.close(devnull)
-        except (OSError, ValueError):
-            pass
+        stdout_to_devnull()
         try:
             print("warning: stdout was closed by its reader; the run goes on without printing progress",
                   file=sys.stderr, flush=True)  # fmt: skip
@@ -40,8 +60,9 @@ class RunConsole(Console):
 
 def make_console(*, quiet: bool = False, stderr: bool = False, outlive_stdout: bool = False) -> Console:
     """A console for this process's stdout (or stderr); wide off a terminal unless COLUMNS says otherwise.
-    `outlive_stdout`: a closed stdout silences it instead of ending the process (`RunConsole`)."""
-    cls = RunConsole if outlive_stdout else Console
+    `outlive_stdout`: a closed stdout silences it instead of ending the process (`RunConsole`); else a closed
+    stdout ends the command with 141 (`CommandConsole`)."""
+    cls = RunConsole if outlive_stdout else CommandConsole
     console = cls(quiet=quiet, stderr=stderr)
     if not console.is_terminal and "COLUMNS" not in os.environ:
         console = cls(quiet=quiet, stderr=stderr, width=OFF_TERMINAL_WIDTH)

@@ -7,6 +7,9 @@
     128+N  stopped by signal N (143 SIGTERM, 130 SIGINT) with nothing saved (no checkpoint.save_interval):
          the shell's code for a death by that signal, since the steps are lost all the same; a warning says so
 
+Every command: 141 (128 + SIGPIPE) when its reader closed stdout early (`moectl ... | head -1`), as a shell
+tool killed by SIGPIPE ends; a `set -o pipefail` script must not read that as "violations" (1).
+
 3 is distinct from 0 so that a job requeued after a preemption is told apart from one that finished, and
 distinct from 1 so that it is not mistaken for a failure (Slurm requeues on any non-zero code if asked).
 
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 from typing import NoReturn
 
@@ -31,6 +35,11 @@ FINISHED = 0
 FAILED = 1
 USAGE = 2
 STOPPED_SAVED = 3
+
+
+def reader_gone() -> int:
+    """The code of a command whose stdout reader left (a closed pipe): 128 + SIGPIPE."""
+    return 128 + signal.SIGPIPE
 
 
 def stopped_unsaved(signum: int) -> int:

@@ -168,7 +168,7 @@ def _train_here(cfg: Config, console: Console, rank: int, world: int, overwrite:
             report_to_launcher(kind, code, e.one_line(), timeout_s=getattr(e, "timeout_s", None))
             if os.environ.get("MOECTL_DEBUG") == "1":
                 traceback.print_exc()
-            elif not launched:  # the launcher prints one line for the whole run
+            if not launched:  # the launcher prints one line for the whole run
                 report(e, f"rank {rank}: " if world > 1 and not e.message.startswith("rank ") else "")
             return code
         except KeyboardInterrupt:  # a second Ctrl-C: abort now, without saving

@@ -124,6 +124,14 @@ def test_unknown_key_exits_2_with_did_you_mean(tmp_path: Path) -> None:
     assert len(r.stderr.strip().splitlines()) == 1 and r.stdout == ""
 
 
+def test_debug_adds_the_traceback_and_keeps_the_line_and_exit_code(tmp_path: Path) -> None:
+    p = tmp_path / "typo.yaml"
+    p.write_text("moe:\n  num_expert: 8\n")
+    r = runner.invoke(app, ["validate-config", str(p)], env={"COLUMNS": "200", "MOECTL_DEBUG": "1"})
+    assert r.exit_code == 2  # as without MOECTL_DEBUG (it was 1: the exception escaped)
+    assert "Traceback" in r.stderr and "error: moe.num_expert" in r.stderr and "fix:" in r.stderr
+
+
 def test_unknown_set_key_exits_2() -> None:
     r = invoke(TINY, "--set", "optimizer.lrr=1e-3")
     assert r.exit_code == 2 and "did you mean 'lr'" in r.stderr

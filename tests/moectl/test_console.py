@@ -1,11 +1,16 @@
-"""The console's closed stdout (moectl/cli/console.py): a run whose pipe reader left goes on, and says so."""
+"""The console's closed stdout (moectl/cli/console.py): a run whose pipe reader left goes on, and says so;
+any other command ends with 141, as a shell tool killed by SIGPIPE does."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+
+REPO = Path(__file__).resolve().parents[2]
 
 SCRIPT = """
 import sys
@@ -19,8 +24,8 @@ print("still running at the end", file=sys.stderr)
 
 @pytest.mark.parametrize("outlive", [True, False])
 def test_a_closed_stdout_silences_the_run_console_instead_of_ending_the_process(outlive: bool) -> None:
-    """`moectl train ... | head`: Rich's default console ends the process with exit code 1 and no word when
-    the reader goes away (the plain console below, which other commands keep); the run's console goes on."""
+    """`moectl train ... | head`: the run's console goes on. Other commands' console ends the process with 141
+    (Rich's default exits 1 with no word, which `pipefail` reads as the command's verdict)."""
     p = subprocess.Popen([sys.executable, "-c", SCRIPT.format(outlive=outlive)], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE)  # fmt: skip
     assert p.stdout is not None and p.stderr is not None
@@ -31,7 +36,19 @@ def test_a_closed_stdout_silences_the_run_console_instead_of_ending_the_process(
     if outlive:
         assert code == 0 and "stdout was closed by its reader" in err and "still running at the end" in err, err
     else:
-        assert code == 1 and "still running at the end" not in err, err
+        assert code == 141 and "still running at the end" not in err and err == "", err
+
+
+def test_validate_config_into_a_closed_pipe_exits_141_not_1() -> None:
+    """`moectl validate-config tiny.yaml | head -1` under `set -o pipefail`: 1 would say "violations"."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before the first line
+    try:
+        r = subprocess.run([sys.executable, "-m", "moectl", "validate-config", str(REPO / "configs" / "tiny.yaml")],
+                           stdout=write_end, stderr=subprocess.PIPE, cwd=REPO, timeout=120)  # fmt: skip
+    finally:
+        os.close(write_end)
+    assert r.returncode == 141 and r.stderr == b"", r.stderr
 
 
 def test_every_command_console_is_wide_off_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
