@@ -10,6 +10,7 @@ known GPU), elapsed time and ETA. `observer_for` picks one of the two for a cons
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from datetime import timedelta
 from typing import Any, Iterator, Union
@@ -130,8 +131,16 @@ class PlainObserver:
         self._print(message)
 
 
+#: past this an ETA is shown in days: timedelta overflows near 1e14 s (`train.train_iters=1e16` crashed the line)
+_CLOCK_MAX_S = 100 * 365 * 86400
+
+
 def _clock(seconds: float) -> str:
-    """`0:02:05` (hours:minutes:seconds)."""
+    """`0:02:05` (hours:minutes:seconds); `1.2e+09 days` past a century; `?` when not a number."""
+    if math.isnan(seconds):
+        return "?"
+    if seconds > _CLOCK_MAX_S:
+        return f"{seconds / 86400:.1e} days"
     return str(timedelta(seconds=round(max(0.0, seconds))))
 
 
