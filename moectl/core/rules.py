@@ -85,6 +85,7 @@ import glob
 import importlib.metadata
 import importlib.util
 import inspect
+import math
 import os
 import re
 import shutil
@@ -710,21 +711,21 @@ def muon_no_fp4_param_gather(c: Context) -> Iterator[_Hit]:
     "optimizer hyperparameters are in range",
 )
 def optimizer_hyperparameters_in_range(c: Context) -> Iterator[_Hit]:
-    """A learning rate <= 0, a beta outside [0, 1), a non-positive epsilon or a negative clip or weight
-    decay is never intended: it diverges, does nothing, or divides by zero. Only the values the chosen
+    """A learning rate <= 0 or infinite, a beta outside [0, 1), a non-positive or infinite epsilon or a
+    negative clip or weight decay is never intended: it diverges, does nothing, or divides by zero. Only the values the chosen
     optimizer reads are checked (Adam's for adam and for Muon's non-matrix params, momentum for Muon)."""
     o = c.cfg.optimizer
     checks: list[tuple[str, float, bool, str]] = [
-        ("lr", o.lr, o.lr > 0, "> 0"),
-        ("min_lr", o.min_lr, o.min_lr >= 0, ">= 0"),
-        ("weight_decay", o.weight_decay, o.weight_decay >= 0, ">= 0"),
+        ("lr", o.lr, 0 < o.lr < math.inf, "> 0 and finite"),
+        ("min_lr", o.min_lr, 0 <= o.min_lr < math.inf, ">= 0 and finite"),
+        ("weight_decay", o.weight_decay, 0 <= o.weight_decay < math.inf, ">= 0 and finite"),
         ("clip_grad", o.clip_grad, o.clip_grad >= 0, ">= 0 (0 disables clipping)"),
     ]
     if o.optimizer in ("adam", "muon"):
         checks += [
             ("adam_beta1", o.adam_beta1, 0 <= o.adam_beta1 < 1, "in [0, 1)"),
             ("adam_beta2", o.adam_beta2, 0 <= o.adam_beta2 < 1, "in [0, 1)"),
-            ("adam_eps", o.adam_eps, o.adam_eps > 0, "> 0"),
+            ("adam_eps", o.adam_eps, 0 < o.adam_eps < math.inf, "> 0 and finite"),
         ]
     if o.optimizer == "muon":
         checks.append(("muon_momentum", o.muon_momentum, 0 <= o.muon_momentum < 1, "in [0, 1)"))

@@ -150,6 +150,8 @@ CASES = [
         [*FP4, "optimizer.optimizer=muon", "mixed_precision.fp4_param_gather=false"],
     ),
     Case("MOE012", ["optimizer.lr=0"], ["optimizer.lr=1e-9"], name="lr"),
+    Case("MOE012", ["optimizer.lr=.inf"], ["optimizer.lr=1e3"], name="lr-inf"),
+    Case("MOE012", ["optimizer.adam_eps=1e400"], ["optimizer.adam_eps=1e-8"], name="eps-inf"),
     Case("MOE012", ["optimizer.adam_beta2=1.0"], ["optimizer.adam_beta2=0.999"], name="beta2"),
     Case("MOE012", ["optimizer.adam_eps=0"], ["optimizer.adam_eps=1e-12"], name="eps"),
     Case("MOE012", ["optimizer.clip_grad=-1"], ["optimizer.clip_grad=0"], name="clip"),
