@@ -7,6 +7,7 @@ Only rank 0 writes or prints.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -51,11 +52,13 @@ class MetricsWriter:
         self.path = run_dir / "metrics.jsonl"
         self.dropped = 0
         self._file = None
+        self._whole = 0
         if jsonl:
             try:
                 if resume_at and self.path.is_file():
                     self.dropped = truncate_after(self.path, resume_at)
                 self._file = open(self.path, "a" if resume_at else "w", encoding="utf-8")
+                self._whole = self._file.tell()  # the size up to the last whole record
             except OSError as e:
                 raise MoectlError(
                     f"{self.path}: cannot write the run's metrics there ({e.strerror or e})",
@@ -76,8 +79,20 @@ class MetricsWriter:
     def write(self, record: dict[str, Any]) -> None:
         """Write one record; `step` is required."""
         if self._file is not None:
-            self._file.write(json.dumps(record) + "\n")
-            self._file.flush()
+            try:
+                self._file.write(json.dumps(record) + "\n")
+                self._file.flush()
+                self._whole = self._file.tell()
+            except OSError as e:  # a full disk, a quota: the run stops here, its last checkpoint intact
+                with contextlib.suppress(OSError):
+                    self._file.close()  # closes the descriptor even when the flush of the rest fails again
+                with contextlib.suppress(OSError):
+                    os.truncate(self.path, self._whole)  # no half record (truncating frees space: it fits)
+                self._file = None
+                raise MoectlError(
+                    f"{self.path}: cannot write the run's metrics ({e.strerror or e})",
+                    "free space on (or fix) run_dir's filesystem, then resume with checkpoint.load",
+                ) from None
         if self._tb is not None:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)):

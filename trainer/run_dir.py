@@ -24,6 +24,7 @@ holds the resolved text: a user's file there would lose its comments and take th
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -92,10 +93,16 @@ class RunDirLock:
                     "wait for it to finish, stop it, or train into another --run-dir",
                 ) from None
             return  # a filesystem without flock (some network mounts): run without the lock
-        f.seek(0)
-        f.truncate()
-        f.write(f"{os.getpid()}\n")
-        f.flush()
+        try:
+            f.seek(0)
+            f.truncate()
+            f.write(f"{os.getpid()}\n")
+            f.flush()
+        except OSError as e:  # a full disk: nothing else the run writes would fit either
+            with contextlib.suppress(OSError):
+                f.close()
+            raise UsageError(f"run_dir {run_dir}: cannot write {LOCK} ({e.strerror or e})",
+                             "free space on its filesystem, or choose another --run-dir") from None  # fmt: skip
         self._file = f
 
     def release(self) -> None:

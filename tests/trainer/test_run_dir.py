@@ -3,11 +3,13 @@ interrupted saves removed (only ours), one run per run_dir, and stops on a signa
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
 import signal
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -15,6 +17,7 @@ from ckpt import list_committed, verify_checkpoint
 from moectl.core.config.load import load_config
 from moectl.core.errors import MoectlError, UsageError
 from trainer.loop import Trainer
+from trainer.metrics import MetricsWriter
 from trainer.observer import SilentObserver
 from trainer.run_dir import RunDirLock
 from trainer.stop import StopSignals
@@ -99,6 +102,49 @@ def test_a_second_run_into_a_run_dir_in_use_is_refused(tmp_path: Path) -> None:
     finally:
         held.release()
     trainer(tmp_path, "train.train_iters=1").run()  # released: the next run goes ahead
+
+
+class _FullDisk:
+    """A file whose every flush fails as on a full filesystem (ENOSPC)."""
+
+    def __init__(self, real: Any) -> None:
+        self.real = real
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+    def flush(self) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def close(self) -> None:
+        self.real.close()
+        self.flush()  # as a buffered file does: the rest cannot be written either
+
+
+def test_a_full_disk_at_the_lock_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real_open = open
+
+    def full_open(path: Any, *a: Any, **kw: Any) -> Any:
+        f = real_open(path, *a, **kw)
+        return _FullDisk(f) if str(path).endswith(".moectl.lock") else f
+
+    monkeypatch.setattr("builtins.open", full_open)
+    with pytest.raises(UsageError, match=r"cannot write \.moectl\.lock \(No space left on device\)") as e:
+        RunDirLock(tmp_path)
+    assert "free space" in e.value.fix
+
+
+def test_a_full_disk_mid_run_stops_it_with_one_line_about_its_metrics(tmp_path: Path) -> None:
+    writer = MetricsWriter(tmp_path)
+    writer.write({"step": 1, "loss": 2.0})
+    writer._file = _FullDisk(writer._file)  # the filesystem fills up
+    writer._file.real.write('{"step": 2, "lo')  # the part of the next record that still fit
+    writer._file.real.flush()
+    with pytest.raises(MoectlError, match=r"metrics\.jsonl: cannot write the run's metrics \(No space left"):
+        writer.write({"step": 2, "loss": 1.9})
+    writer.close()  # nothing left to flush: no second error
+    writer.write({"step": 3, "loss": 1.8})  # the loop's last record after the error: nowhere to go, no raise
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1, "loss": 2.0}\n'  # no half record left
 
 
 @pytest.mark.parametrize("make", ["file", "parent_file", "metrics_folder"])
