@@ -170,3 +170,21 @@ def test_full_shapes_on_the_cpu_say_they_take_long_before_they_start(monkeypatch
     assert "run for a long time on the CPU" in result.output and "--quick" in result.output
     result = CliRunner(env={"COLUMNS": "250"}).invoke(app, ["bench", "grouped-mlp", "--device", "cpu", "--quick"])
     assert isinstance(result.exception, Started) and "long time" not in result.output
+
+
+def test_the_ceiling_on_the_cpu_is_cpu_sized_whatever_the_shapes(monkeypatch):
+    """`--shape 2,16,16,16` on a CPU timed the GPU's dense 8192^3 ceiling first: minutes with nothing printed."""
+    seen = []
+
+    class Started(Exception):
+        pass
+
+    def run(cfg, log):
+        seen.append(cfg.ceiling_size)
+        raise Started
+
+    monkeypatch.setattr(gm, "run", run)
+    for extra in (["--shape", "2,16,16,16"], []):
+        result = CliRunner(env={"COLUMNS": "250"}).invoke(app, ["bench", "grouped-mlp", "--device", "cpu", *extra])
+        assert isinstance(result.exception, Started)
+    assert seen == [1024, 1024] and gm.BenchConfig().ceiling_size == 8192  # the GPU's stays
