@@ -43,8 +43,15 @@ class ConfigError(MoectlError):
 
     exit_code = 2
 
-    def __init__(self, key: str, value: Any, message: str, fix: str | None = None) -> None:
-        super().__init__(f"{key}={_short(value)}: {message}" if key else message, fix)
+    def __init__(self, key: str, value: Any, message: str, fix: str | None = None, *, section: bool = False) -> None:
+        """`section`: `key` names a whole section (a mistyped one): its name says it, its contents do not."""
+        if not key:
+            text = message
+        elif section:
+            text = f"{key} (a section): {message}"
+        else:
+            text = f"{key}={_short(value)}: {message}"
+        super().__init__(text, fix)
         self.key = key
         self.value = value
 

@@ -91,7 +91,8 @@ def _build(cls: type, data: Any, prefix: str, errors: list[ConfigError]) -> Any:
     for key, value in data.items():
         path = f"{prefix}{key}"
         if key not in known:
-            errors.append(ConfigError(path, value, "unknown key", _suggest(str(key), known)))
+            errors.append(ConfigError(path, value, "unknown key", _suggest(str(key), known),
+                                      section=isinstance(value, dict) and not prefix))  # fmt: skip
             continue
         tp = hints[key]
         if is_dataclass(tp):

@@ -96,7 +96,14 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     """Read a YAML config file into a mapping; an empty file is an empty mapping."""
     p = Path(path)
     if not p.is_file():
-        what = "is a folder, not a YAML file" if p.is_dir() else "not found"
+        if p.is_dir():
+            what = "is a folder, not a YAML file"
+        elif p.exists():  # /dev/null, a fifo, a socket
+            what = "is not a regular file"
+        elif p.is_symlink():
+            what = "is a symbolic link that leads nowhere (broken, or a loop)"
+        else:
+            what = "not found"
         raise UsageError(f"config file {str(p)!r} {what}", "pass the path of a YAML config, e.g. configs/tiny.yaml")
     try:
         data = yaml.load(_read_utf8(p), Loader=_Loader)

@@ -237,15 +237,16 @@ def test_a_config_that_is_not_utf8_is_one_line(tmp_path: Path) -> None:
 
 
 def test_every_bad_key_and_value_of_a_file_is_reported_at_once(tmp_path: Path) -> None:
-    """Four mistakes, one round trip: each its own line, in file order; a mistyped section's value is cut short
-    (it used to print the whole section)."""
+    """Four mistakes, one round trip: each its own line, in file order; a mistyped section is named without
+    its contents (it used to print the whole section)."""
     long = ", ".join(str(i) for i in range(40))
     p = write(tmp_path, f"model:\n  hidden_size: sixtyfour\nmoe:\n  router_topk_: 2\noptimizer:\n  lrr: 0.1\n"
                         f"moee:\n  b: [{long}]\n")  # fmt: skip
     with pytest.raises(ConfigError) as err:
         load_config(p)
     lines = err.value.lines()
-    assert [line.split("=")[0] for line in lines] == ["model.hidden_size", "moe.router_topk_", "optimizer.lrr", "moee"]
+    assert [line.split("=")[0] for line in lines[:3]] == ["model.hidden_size", "moe.router_topk_", "optimizer.lrr"]
+    assert lines[3].startswith("moee (a section): unknown key")
     assert "did you mean 'router_topk'" in lines[1] and "did you mean 'lr'" in lines[2]
     assert "did you mean 'moe'" in lines[3] and len(lines[3]) < 160 and "39" not in lines[3]
     assert err.value.exit_code == 2 and "4 config errors" in err.value.one_line()
@@ -257,6 +258,26 @@ def test_every_bad_key_and_value_of_a_file_is_reported_at_once(tmp_path: Path) -
 def test_a_folder_given_as_the_config_says_so(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="is a folder, not a YAML file"):
         load_config(tmp_path)
+
+
+def test_a_device_or_a_looping_link_given_as_the_config_says_which(tmp_path: Path) -> None:
+    """Both said "not found", though /dev/null exists and a link loop is a link."""
+    with pytest.raises(UsageError, match="'/dev/null' is not a regular file"):
+        load_config("/dev/null")
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    with pytest.raises(UsageError, match="is a symbolic link that leads nowhere"):
+        load_config(tmp_path / "a")
+    with pytest.raises(UsageError, match="not found"):
+        load_config(tmp_path / "nothing.yaml")
+
+
+def test_a_mistyped_section_is_named_without_its_contents(tmp_path: Path) -> None:
+    """`mo:` for `moe:` printed the whole section: `mo={'num_experts': 4, ...: unknown key`."""
+    p = write(tmp_path, "mo:\n  num_experts: 4\n  router_topk: 2\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(p)
+    assert err.value.one_line() == "mo (a section): unknown key. fix: did you mean 'moe'?"
 
 
 def test_several_errors_are_the_exceptions_own_text_too(tmp_path: Path) -> None:
