@@ -548,6 +548,11 @@ class Trainer:
                 self.checkpointer.finish()  # raises that save's error, the same on every rank
             self._saved(self.checkpointer.poll(), observer, writer, result, state)
             stopping = agreed.stop and not last
+            if stopping:  # said now: a save (and an eval) can take long after the signal
+                observer.log(f"{stop.signal}: stopping after step {step + 1}"
+                             + ("; saving a checkpoint first" if save_every else "")
+                             + ("; Ctrl-C again aborts without saving" if save_every and stop.signal == "SIGINT"
+                                else ""))  # fmt: skip
             if stopping and writer is not None and not logged:  # so is the step a signal stopped the run at
                 writer.write(record)
             if tc.eval_interval and ((step + 1) % tc.eval_interval == 0 or last):

@@ -173,7 +173,8 @@ def _train_here(cfg: Config, console: Console, rank: int, world: int, overwrite:
             return code
         except KeyboardInterrupt:  # a second Ctrl-C: abort now, without saving
             report_to_launcher(O.STOPPED, exit_codes.stopped_unsaved(signal.SIGINT), signal_name="SIGINT")
-            typer.secho("error: interrupted (second Ctrl-C): stopped without saving", err=True, fg="red")
+            kept = f"; {state.checkpoint} is intact" if state.checkpoint else ""
+            typer.secho(f"error: interrupted (second Ctrl-C): stopped without saving{kept}", err=True, fg="red")
             return exit_codes.stopped_unsaved(signal.SIGINT)
         except Exception as e:  # a bug: keep its traceback (moectl/core/errors.py), tell the launcher in one line
             report_to_launcher(O.CRASH, exit_codes.FAILED, f"{type(e).__name__}: {' '.join(str(e).split())[:300]}")

@@ -195,7 +195,10 @@ def test_sigterm_stops_after_the_step_and_saves_or_warns(tmp_path: Path, save: b
         assert [p.name for p in list_committed(tmp_path / "checkpoints")] == ["step_00000003"]
         assert verify_checkpoint(result.saved) == []
         assert any("stopped cleanly after step 3" in line for line in logged)
+        assert "SIGTERM: stopping after step 3; saving a checkpoint first" in logged  # said before the save
+        assert logged.index("SIGTERM: stopping after step 3; saving a checkpoint first") < len(logged) - 1
     else:
+        assert "SIGTERM: stopping after step 3" in logged
         assert result.saved is None and not (tmp_path / "checkpoints").exists()
         assert any(line.startswith("warning: SIGTERM: stopped after step 3 with nothing saved") for line in logged)
 
