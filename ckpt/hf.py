@@ -510,6 +510,7 @@ def _hf_index(src: Path) -> tuple[dict[str, tuple[torch.dtype, list[int]]], Call
         )
     handles, index, where = {}, {}, {}
     for f in files:
+        _require_readable(src / f)
         try:
             handles[f] = h = safe_open(str(src / f), framework="pt", device="cpu")
         except Exception as e:
@@ -532,6 +533,24 @@ def _hf_index(src: Path) -> tuple[dict[str, tuple[torch.dtype, list[int]]], Call
 
 
 # ---------------------------------------------------------------- small helpers
+
+
+def _require_readable(path: Path) -> None:
+    """A `CheckpointError` naming the OS's reason (errno's text) unless `path` opens for reading.
+
+    safetensors reports every failure to open a file as a FileNotFoundError "No such file or directory" (no
+    errno), so a model file this user may not read was said to be missing; opening it here first gets the truth.
+    """
+    try:
+        with open(path, "rb"):
+            pass
+    except PermissionError as e:  # the model may be fine: the command named what this user cannot read (exit 2)
+        raise CheckpointArgumentError(
+            f"{path}: cannot be read ({e.strerror or e})",
+            "make it readable by this user (chmod a+r, and a+x on its folders), or import a readable copy",
+        ) from None
+    except OSError as e:  # a shard the index lists but the folder lacks, an I/O error: the model is incomplete
+        raise CheckpointError(f"{path}: cannot be read ({e.strerror or e})", "re-download or re-save it") from None
 
 
 def _checkpoint_config(meta: dict[str, Any], path: Path) -> Config:

@@ -1876,8 +1876,11 @@ def data_path_exists(c: Context) -> Iterator[_Hit]:
     d = c.cfg.data
     if d.source not in ("tokens", "megatron", "text") or not d.path:
         return
-    p = Path(d.path)
-    if not (p.exists() or (d.source == "megatron" and Path(f"{d.path}.bin").exists())):
+    try:
+        found = Path(d.path).exists() or (d.source == "megatron" and Path(f"{d.path}.bin").exists())
+    except OSError:  # a folder this user may not search: the data layer names that, with its reason
+        return
+    if not found:
         yield _Hit(
             f"data.path={d.path} does not exist here", "check the path (relative paths are from the working directory)"
         )

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import builtins
+import errno
 import json
+import os
 from pathlib import Path
 
 import pytest
 from moe_ckpt_fixtures import assert_same_tensors, build_model, fake_optimizer, read_all, save_model_checkpoint, tiny_config
 from typer.testing import CliRunner
 
+from ckpt import hf as ckpt_hf
 from ckpt.inspect import tensor_role
 from moectl.cli.app import app
 
@@ -151,6 +155,38 @@ def test_hf_arguments_that_name_nothing_usable_exit_2(ckpt: tuple[Path, dict], t
     assert r.exit_code == 2 and "is a file, not a folder" in r.output and "Traceback" not in r.output
     r = invoke("import-hf", tmp_path, tmp_path / "back")
     assert r.exit_code == 2 and "config.json not found" in r.output
+
+
+def test_import_hf_of_a_model_file_it_may_not_read_says_permission_denied(
+    ckpt: tuple[Path, dict], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It said the file was missing: safetensors reports any failure to open as "No such file or directory".
+    Root reads a mode-000 file, so `open` and `safe_open` are made to fail as they do for an ordinary user."""
+    root, _ = ckpt
+    assert invoke("export-hf", root, tmp_path / "hf", "--format", "mixtral").exit_code == 0
+    model = tmp_path / "hf" / "model.safetensors"
+    real_open, real_safe_open = builtins.open, ckpt_hf.safe_open
+
+    def refused(file: object) -> bool:
+        return isinstance(file, (str, os.PathLike)) and os.path.abspath(file) == str(model)
+
+    def fake_open(file: object, *args: object, **kwargs: object) -> object:
+        if refused(file):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(file))
+        return real_open(file, *args, **kwargs)
+
+    def fake_safe_open(file: str, *args: object, **kwargs: object) -> object:
+        if refused(file):  # safetensors 0.8's words for every failed open, without an errno
+            raise FileNotFoundError(f"No such file or directory: {file}")
+        return real_safe_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", fake_open)
+    monkeypatch.setattr(ckpt_hf, "safe_open", fake_safe_open)
+    r = invoke("import-hf", tmp_path / "hf", tmp_path / "back")
+    assert r.exit_code == 2 and len(r.output.strip().splitlines()) == 1 and "Traceback" not in r.output, r.output
+    assert r.output.startswith(f"error: {model}: cannot be read (Permission denied). fix: make it readable"), r.output
+    assert "No such file" not in r.output and not (tmp_path / "back").exists()
+
 
 @pytest.mark.parametrize("cmd", ["convert", "inspect", "export-hf", "import-hf"])
 def test_every_command_has_examples(cmd: str) -> None:

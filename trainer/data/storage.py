@@ -14,8 +14,12 @@ import ctypes
 import hashlib
 import mmap
 import os
+import stat
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import IO, Any
 
 import torch
 
@@ -50,18 +54,50 @@ def itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
+def unreadable(path: str, err: OSError) -> DataError:
+    """The `DataError` for a data file the OS will not let us stat, open, read or map, naming its reason."""
+    if isinstance(err, PermissionError):
+        fix = "make it readable by this user (chmod a+r, and a+x on its folders), or point data.path at a readable copy"
+    else:
+        fix = "check the file and the disk it is on, or point data.path at a readable copy"
+    return DataError(f"{path}: cannot be read ({err.strerror or err})", fix)
+
+
+def is_data_file(path: str) -> bool:
+    """`os.path.isfile(path)`, except that a path the OS will not let us look at is a `DataError` naming the
+    reason: `isfile` says False for a file in a folder this user may not search, which reads as "no such file"."""
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except (FileNotFoundError, NotADirectoryError, ValueError):  # ValueError: a NUL in the path, as isfile
+        return False
+    except OSError as e:
+        raise unreadable(path, e) from None
+
+
 def require_file(path: str) -> None:
-    """A `DataError` unless `path` is a file (saying whether it is missing or a folder)."""
-    if not os.path.isfile(path):
+    """A `DataError` unless `path` is a file (saying whether it is missing, a folder, or unreadable)."""
+    if not is_data_file(path):
         what = "a folder, not a data file" if os.path.isdir(path) else "no such file"
         raise DataError(f"{path}: {what}", "check data.path (it names one file)")
+
+
+@contextmanager
+def open_data(path: str, *, text: bool = False) -> Iterator[IO[Any]]:
+    """`path` opened for reading, as bytes or as UTF-8 text. Every data file is opened here, so that an `OSError`
+    while opening, reading or mapping it (permission denied, an I/O error) is a `DataError` naming the file and
+    the OS reason, as a missing file is, and never a traceback."""
+    try:
+        with open(path, "r" if text else "rb", encoding="utf-8" if text else None) as f:
+            yield f
+    except OSError as e:
+        raise unreadable(path, e) from None
 
 
 def map_file(path: str, dtype: torch.dtype, *, offset: int = 0, count: int | None = None) -> torch.Tensor:
     """Map `count` items of `dtype` starting at byte `offset` of `path` as a read-only-in-practice 1-D tensor.
 
     `count=None` maps everything after `offset`, which must then be a whole number of items.
-    Raises `DataError` for a missing or empty file or a size that does not fit the dtype.
+    Raises `DataError` for a missing, unreadable or empty file or a size that does not fit the dtype.
     """
     if sys.byteorder != "little":  # pragma: no cover - every supported accelerator host is little-endian
         raise DataError(f"{path}: token files are little-endian and this host is not", "run on a little-endian host")
@@ -83,7 +119,7 @@ def map_file(path: str, dtype: torch.dtype, *, offset: int = 0, count: int | Non
             f"{path}: needs {offset + count * width:,} bytes but the file has {size:,}",
             "the file is truncated or does not match its index/header; rebuild it",
         )
-    with open(path, "rb") as f:
+    with open_data(path) as f:
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
     # The tensor keeps `mapped` alive; the file descriptor is no longer needed once mapped.
     return torch.frombuffer(mapped, dtype=dtype, offset=offset, count=count)

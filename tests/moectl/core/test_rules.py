@@ -12,7 +12,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import pytest
 
@@ -850,6 +850,22 @@ def test_data_path_exists(tmp_path: Path, source: str, name: str, make: str) -> 
     assert [v.severity for v in found] == ["warning"]
     assert found[0].keys["data.path"] == str(tmp_path / name)
     (tmp_path / make).write_bytes(b"\0\0")
+    assert hits(run(sets), "MOE045") == []
+
+
+def test_data_path_in_a_folder_this_user_may_not_search_is_left_to_the_data_layer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Path.exists() raises PermissionError there (Python 3.11): the check ended validate-config in a traceback."""
+    real = Path.exists
+
+    def exists(self: Path, *a: Any, **kw: Any) -> bool:
+        if self.parent == tmp_path / "locked":
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(Path, "exists", exists)
+    sets = ["data.source=tokens", f"data.path={tmp_path / 'locked' / 'x.bin'}", "data.tokenizer=null"]
     assert hits(run(sets), "MOE045") == []
 
 

@@ -23,7 +23,7 @@ import torch
 from moectl.core.errors import DataError
 
 from ..dtype_check import check_plausible, data_dtype
-from ..storage import dtype_name, itemsize, map_file
+from ..storage import dtype_name, is_data_file, itemsize, map_file
 from ..stream import TokenStream
 from .megatron_index import MegatronIndex, prefix_paths, read_index
 
@@ -93,7 +93,7 @@ def load_megatron(path: str, dtype: str | None = None) -> TokenStream:
             f"set data.dtype: {dtype_name(index.dtype)} (or null: the index decides), or rebuild the dataset "
             f"as {dtype}",
         )
-    if not os.path.isfile(bin_path):
+    if not is_data_file(bin_path):
         raise DataError(f"{bin_path}: no such file (its index {idx_path} exists)", "copy the .bin next to the .idx")
     lengths = index.sequence_lengths.to(torch.int64)
     total = int(lengths.sum()) if lengths.numel() else 0

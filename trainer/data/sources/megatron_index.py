@@ -26,7 +26,7 @@ import torch
 
 from moectl.core.errors import DataError
 
-from ..storage import map_file
+from ..storage import is_data_file, map_file, open_data
 
 MAGIC = b"MMIDIDX\x00\x00"
 # Megatron's dtype codes. The float codes exist in the format but cannot hold token ids.
@@ -69,7 +69,7 @@ def prefix_paths(path: str) -> tuple[str, str]:
 
 def _read_header(idx_path: str) -> tuple[int, int, int, int]:
     """`(version, dtype code, sequence count, document count)`; a short file is "truncated", not "bad magic"."""
-    with open(idx_path, "rb") as f:
+    with open_data(idx_path) as f:
         raw = f.read(HEADER.size)
     if raw[: len(MAGIC)] != MAGIC[: len(raw)]:
         raise DataError(
@@ -104,7 +104,7 @@ def _check_size(idx_path: str, n_seq: int, n_doc: int) -> None:
 
 def read_index(idx_path: str) -> MegatronIndex:
     """Parse and check a Megatron `.idx` file; every problem is a `DataError` naming the file."""
-    if not os.path.isfile(idx_path):
+    if not is_data_file(idx_path):
         raise DataError(
             f"{idx_path}: no such file", "data.path is the prefix of a Megatron <prefix>.bin/<prefix>.idx pair"
         )

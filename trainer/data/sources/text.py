@@ -23,7 +23,7 @@ import torch
 
 from moectl.core.errors import DataError
 
-from ..storage import map_file, require_file
+from ..storage import map_file, open_data, require_file
 from ..stream import TokenStream
 
 DOC_SEPARATOR_BYTE = 0
@@ -33,7 +33,7 @@ END_TOKENS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>")
 def read_jsonl_texts(path: str) -> list[str]:
     """The "text" field of every non-blank line of a JSON Lines file."""
     texts = []
-    with open(path, encoding="utf-8") as f:
+    with open_data(path, text=True) as f:
         try:
             for lineno, line in enumerate(f, 1):
                 if not line.strip():
@@ -83,7 +83,7 @@ def _tokenize(texts: list[str], tokenizer: Any) -> tuple[torch.Tensor, str | Non
 def _refuse_utf16_or_32(path: str) -> None:
     """A `.txt` read as bytes must be UTF-8: a UTF-16 or UTF-32 file (told by its byte-order mark) would train
     on its encoding's zero bytes, every other token."""
-    with open(path, "rb") as f:
+    with open_data(path) as f:
         head = f.read(4)
     for bom, name in ((b"\xff\xfe\x00\x00", "UTF-32"), (b"\x00\x00\xfe\xff", "UTF-32"), (b"\xff\xfe", "UTF-16"),
                       (b"\xfe\xff", "UTF-16")):  # fmt: skip
@@ -116,7 +116,7 @@ def load_text(path: str, tokenizer: str | None = None) -> TokenStream:
             notes["documents"] = len(texts)
         else:
             try:
-                with open(path, encoding="utf-8") as f:
+                with open_data(path, text=True) as f:
                     texts = [f.read()]
             except UnicodeDecodeError as e:
                 raise DataError(f"{path}: not UTF-8 ({e.reason})", "re-encode the file as UTF-8") from None

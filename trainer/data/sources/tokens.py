@@ -25,7 +25,7 @@ import torch
 from moectl.core.errors import DataError
 
 from ..dtype_check import check_plausible, data_dtype
-from ..storage import TOKEN_DTYPES, dtype_name, itemsize, map_file
+from ..storage import TOKEN_DTYPES, dtype_name, is_data_file, itemsize, map_file, open_data
 from ..stream import TokenStream
 
 LLMC_HEADER_BYTES = 256 * 4
@@ -43,7 +43,7 @@ def llmc_header(path: str) -> tuple[torch.dtype, int] | None:
     size = os.path.getsize(path)
     if size < 12:
         return None
-    with open(path, "rb") as f:
+    with open_data(path) as f:
         magic, version, count = struct.unpack("<3i", f.read(12))
     if magic not in LLMC_MAGICS:
         return None
@@ -94,7 +94,7 @@ def load_tokens(path: str, dtype: str | None = None) -> TokenStream:
         dtype: `data.dtype` (a key of `DATA_DTYPES`), or None to take it from the header, suffix or default.
     """
     wanted = data_dtype(dtype) if dtype is not None else None
-    if os.path.isfile(path):
+    if is_data_file(path):
         header = llmc_header(path)
         if header is not None:
             found, count = header
