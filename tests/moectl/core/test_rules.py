@@ -24,7 +24,7 @@ from moectl.core.overlap import overlap_policy
 from moectl.core.rules import RETIRED, RULES, Device, Environment, TEInstall, Violation, check, has_errors
 
 REPO = Path(__file__).resolve().parents[3]
-NO_MACHINE = Environment(te=None, device=None)
+NO_MACHINE = Environment(te=None, device=None, cpus=4)
 H100 = Environment(te=None, device=Device("cuda", (9, 0), "torch.cuda: NVIDIA H100"))
 TE_OK = TEInstall("2.20.2", has_pytorch=True)
 
@@ -149,6 +149,9 @@ CASES = [
         [*FP4, "optimizer.optimizer=muon", "mixed_precision.fp4_param_gather=true"],
         [*FP4, "optimizer.optimizer=muon", "mixed_precision.fp4_param_gather=false"],
     ),
+    Case("MOE072", ["train.cpu_threads=5"], ["train.cpu_threads=4"], severity="warning"),
+    Case("MOE072", ["train.cpu_threads=5", "train.device=cpu"], ["train.cpu_threads=4", "train.device=cpu"],
+         name="cpu", severity="warning"),
     Case("MOE012", ["optimizer.lr=0"], ["optimizer.lr=1e-9"], name="lr"),
     Case("MOE012", ["optimizer.lr=.inf"], ["optimizer.lr=1e3"], name="lr-inf"),
     Case("MOE012", ["optimizer.adam_eps=1e400"], ["optimizer.adam_eps=1e-8"], name="eps-inf"),
@@ -867,6 +870,12 @@ def test_data_path_in_a_folder_this_user_may_not_search_is_left_to_the_data_laye
     monkeypatch.setattr(Path, "exists", exists)
     sets = ["data.source=tokens", f"data.path={tmp_path / 'locked' / 'x.bin'}", "data.tokenizer=null"]
     assert hits(run(sets), "MOE045") == []
+
+
+def test_cpu_threads_on_a_gpu_run_are_not_read() -> None:
+    gpu = Environment(te=None, device=Device("cuda", (9, 0), "torch.cuda: NVIDIA H100"), cpus=4)
+    assert hits(run(["train.cpu_threads=5"], env=gpu), "MOE072") == []
+    assert hits(run(["train.cpu_threads=5"], env=Environment(te=None, device=None, cpus=None)), "MOE072") == []
 
 
 def test_data_path_ignored_for_builtin_sources() -> None:
