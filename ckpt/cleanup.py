@@ -55,3 +55,17 @@ def remove_interrupted_saves(root: str | os.PathLike[str]) -> Cleanup:
         else:
             done.removed.append(p)
     return done
+
+
+def undo_new_root(root: str | os.PathLike[str]) -> None:
+    """Undo what a failed or interrupted save into a NEW checkpoints folder left (`ckpt convert`, `import-hf`):
+    its interrupted save (as above: only folders of checkpoint files), then the folder itself if that empties it,
+    so the same command can be run again. A Ctrl-C mid-convert left a checkpoint-sized `.tmp-` folder, and the
+    rerun was refused: "destination already exists"."""
+    root = Path(root)
+    remove_interrupted_saves(root)
+    try:
+        if root.is_dir() and not any(root.iterdir()):
+            root.rmdir()
+    except OSError:
+        pass

@@ -31,11 +31,13 @@ from ckpt.layout import (
     normalize_for_model,
     parse_expert_key,
 )
+from ckpt.cleanup import undo_new_root
 from ckpt.collective import SOLO
+from ckpt.destination import new_destination
 from ckpt.integrity import BackgroundVerify
 from ckpt.reader import Checkpoint, open_checkpoint, refusal
 from ckpt.save import save_checkpoint
-from moectl.core.errors import CheckpointArgumentError, CheckpointError
+from moectl.core.errors import CheckpointError
 
 
 class _Keep:
@@ -187,24 +189,15 @@ def _convert(ck: Checkpoint, dst: Path, layout: str, glu_interleave_size: Option
         return save_checkpoint(root, ck.step, files, converted_meta(meta, layout, dst_i), group=SOLO,
                                precondition=source_intact)
     except BaseException:
-        _remove_if_empty(root)
+        undo_new_root(root)
         raise
 
 
 def _new_root(dst: Path, src_step_dir: Path) -> Path:
-    dst = dst.expanduser()
-    if dst.exists() or dst.is_symlink():
-        raise CheckpointArgumentError(f"destination {dst} already exists", "give a new folder: convert never overwrites")
+    dst = new_destination(dst, "give a new folder: convert never overwrites")
     if src_step_dir.resolve() in dst.resolve().parents:
         raise CheckpointError(f"destination {dst} is inside the source checkpoint {src_step_dir}",
                               "write the converted checkpoint somewhere else")  # fmt: skip
     return dst
 
 
-def _remove_if_empty(root: Path) -> None:
-    """Undo the folder a failed save created, so the same command can be rerun; never touches content."""
-    try:
-        if root.is_dir() and not any(root.iterdir()):
-            root.rmdir()
-    except OSError:
-        pass

@@ -54,7 +54,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ckpt.cleanup import undo_new_root
 from ckpt.convert import FilesOnDemand
+from ckpt.destination import new_destination
 from ckpt.layout import PER_EXPERT, SINGLE_GROUPED, group_expert_keys, normalize_for_model, reinterleave_fc1
 from ckpt.inspect import tensor_role
 from ckpt.reader import open_checkpoint
@@ -299,7 +301,7 @@ def export_hf(
     loads them. Refuses, naming each setting, a model the format cannot express exactly.
     """
     fam = family(format)
-    dst = _new_path(Path(dst))
+    dst = new_destination(Path(dst))
     with open_checkpoint(ckpt_path) as ck:
         cfg = _checkpoint_config(ck.meta, ck.path)
         why = unexportable(cfg, fam)
@@ -412,7 +414,7 @@ def import_hf(
     src = Path(src).expanduser()
     hf = _read_json(src / "config.json")
     fam = family_of(hf, str(src / "config.json"))
-    root = _new_path(Path(dst))
+    root = new_destination(Path(dst))
     cfg = moectl_config(hf, fam, base, _run_keys(root))
     if check_config is not None:  # a config.yaml that `moectl train` refuses would be written otherwise
         check_config(cfg)
@@ -440,8 +442,7 @@ def import_hf(
     try:
         step = save_checkpoint(root, 0, FilesOnDemand(plan, build), meta)  # type: ignore[arg-type]
     except BaseException:
-        if root.is_dir() and not any(root.iterdir()):
-            root.rmdir()
+        undo_new_root(root)
         raise
     (root / "config.yaml").write_text(dump_config(cfg))
     return step
@@ -573,16 +574,3 @@ def _read_json(path: Path) -> dict[str, Any]:
     if not isinstance(obj, dict):
         raise CheckpointError(f"{path}: expected a JSON object", "fix or re-download the file")
     return obj
-
-
-def _new_path(p: Path) -> Path:
-    """A destination that does not exist yet and can be made: its nearest existing ancestor a writable folder
-    (a path under a file ended an export in a traceback after the work was done)."""
-    p = p.expanduser()
-    if p.exists() or p.is_symlink():
-        raise CheckpointArgumentError(f"destination {p} already exists", "give a new folder: nothing is ever overwritten")
-    ancestor = next(a for a in p.absolute().parents if a.exists())
-    if not ancestor.is_dir() or not os.access(ancestor, os.W_OK):
-        why = "is a file, not a folder" if not ancestor.is_dir() else "is not writable"
-        raise CheckpointArgumentError(f"destination {p} cannot be made: {ancestor} {why}", "give a new folder")
-    return p

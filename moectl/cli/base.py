@@ -7,11 +7,13 @@ Doing it per command (rather than around `app()`) keeps it working under Typer's
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import signal
 import traceback
 import warnings
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 import typer
 
@@ -80,15 +82,69 @@ def warn_unknown_variables() -> None:
         typer.secho(f"warning: {line}", err=True, fg="yellow")
 
 
-def command(target: typer.Typer = app, name: str | None = None, **kwargs: Any) -> Callable[[F], F]:
-    """Register `fn` as a command of `target`, with one-line user errors."""
+class Stopped(BaseException):
+    """SIGTERM or SIGHUP during a stoppable command (a BaseException, as KeyboardInterrupt is: cleanups that
+    catch everything still run, and nothing treats it as an ordinary error)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _signals_raise() -> Iterator[None]:
+    """While inside: SIGTERM and SIGHUP raise `Stopped` in the main thread (their default ends the process on
+    the spot, leaving a partial output behind)."""
+
+    def handle(signum: int, frame: Any) -> None:
+        raise Stopped(signum)
+
+    saved = {}
+    for sig in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+        if sig is not None:
+            try:
+                saved[sig] = signal.signal(sig, handle)
+            except ValueError:  # not the main thread (a test runner's worker): the default stays
+                pass
+    try:
+        yield
+    finally:
+        for sig, previous in saved.items():
+            signal.signal(sig, previous)
+
+
+def _name(target: typer.Typer, fn: Callable[..., Any], name: str | None) -> str:
+    """The command as typed: `moectl ckpt convert`."""
+    own = name or fn.__name__.removesuffix("_command").replace("_", "-")
+    group = target.info.name if target is not app else None
+    return " ".join(p for p in ("moectl", group, own) if isinstance(p, str))
+
+
+def command(target: typer.Typer = app, name: str | None = None, stoppable: bool = False,
+            **kwargs: Any) -> Callable[[F], F]:
+    """Register `fn` as a command of `target`, with one-line user errors.
+
+    `stoppable`: SIGTERM and SIGHUP stop the command as Ctrl-C does, by an exception in the main thread (so
+    its cleanup removes a partial output) instead of ending the process where it stands; either way one line
+    says so, and the exit code is 128 + the signal's number. For commands that write: `train` has its own.
+    """
 
     def decorate(fn: F) -> F:
         @functools.wraps(fn)
         def wrapper(*args: Any, **kw: Any) -> Any:
             warn_unknown_variables()
             try:
-                return fn(*args, **kw)
+                if not stoppable:
+                    return fn(*args, **kw)
+                with _signals_raise():
+                    return fn(*args, **kw)
+            except (KeyboardInterrupt, Stopped) as e:
+                if not stoppable:
+                    raise
+                signum = e.signum if isinstance(e, Stopped) else signal.SIGINT
+                typer.secho(f"error: stopped by {signal.Signals(signum).name} before `{_name(target, fn, name)}` finished. "
+                            "fix: run it again; what it had written so far was removed", err=True, fg="red")
+                raise typer.Exit(exit_codes.stopped_unsaved(signum)) from None
             except MoectlError as e:
                 if os.environ.get("MOECTL_DEBUG") == "1":  # the traceback on top: the line and exit code stay
                     traceback.print_exc()

@@ -59,6 +59,7 @@ def _interleave(text: Optional[str]) -> Any:
 @command(
     ckpt_app,
     name="convert",
+    stoppable=True,
     help="Rewrite a checkpoint's expert weights, fp32 masters and optimizer moments in the other layout "
     "(bit-exact both ways). DST is a new checkpoints folder; the step keeps its number."
     + examples(
@@ -156,6 +157,7 @@ def _print_summary(s: Any, console: Console) -> None:
 @command(
     ckpt_app,
     name="export-hf",
+    stoppable=True,
     help="Write a checkpoint's model weights as a Hugging Face model folder (config.json + safetensors) that"
     " transformers loads with from_pretrained. Refuses, naming each setting, what the format cannot express."
     + examples(
@@ -178,6 +180,7 @@ def export_hf_command(
 @command(
     ckpt_app,
     name="import-hf",
+    stoppable=True,
     help="Import a Hugging Face Mixtral or Qwen3-MoE folder (per-expert or transformers-v5 fused experts) as a"
     " moectl checkpoint at step 0 (model weights only), and write DST/config.yaml, the moectl config to train or"
     " validate it with. The architecture comes from SRC/config.json (no moectl config needed); --config and"

@@ -191,3 +191,48 @@ def test_a_damaged_source_is_refused_and_nothing_is_committed(tmp_path: Path, da
     with pytest.raises(CheckpointError, match=rf"refusing to load {src}: .*optim-00000.safetensors"):
         convert_checkpoint(src, tmp_path / "out", "per-expert")
     assert not (tmp_path / "out").exists()
+
+
+def test_an_interrupted_convert_leaves_nothing_and_can_be_run_again(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C mid-convert left `out/step_N.tmp-<hex>` (as large as the checkpoint) and the rerun was refused."""
+    import ckpt.convert as conv
+
+    cfg = tiny_config()
+    state = build_model(cfg).state_dict()
+    src = save_model_checkpoint(tmp_path / "src", cfg, state, fake_optimizer(state))
+    real, calls = conv.normalize_for_model, []
+
+    def interrupted(*a: object, **kw: object) -> object:
+        calls.append(1)
+        if len(calls) == 2:  # the save's folder exists and holds a shard by now
+            assert any(p.name.startswith("step_") and ".tmp-" in p.name for p in (tmp_path / "out").iterdir())
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+
+    monkeypatch.setattr(conv, "normalize_for_model", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        convert_checkpoint(src, tmp_path / "out", "per-expert")
+    assert not (tmp_path / "out").exists()
+    monkeypatch.setattr(conv, "normalize_for_model", real)
+    assert verify_checkpoint(convert_checkpoint(src, tmp_path / "out", "per-expert")) == []
+
+
+def test_a_destination_that_cannot_be_made_is_refused_before_any_work(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Into a read-only folder, convert ran and then failed with a save's error written for training runs."""
+    import ckpt.destination
+    from moectl.core.errors import CheckpointArgumentError
+
+    cfg = tiny_config()
+    src = save_model_checkpoint(tmp_path / "src", cfg, build_model(cfg).state_dict())
+    (tmp_path / "ro").mkdir()
+    (tmp_path / "file").write_text("x")
+    real = ckpt.destination.os.access
+    monkeypatch.setattr(ckpt.destination.os, "access", lambda p, mode: False if Path(p) == tmp_path / "ro" else real(p, mode))
+    with pytest.raises(CheckpointArgumentError, match=rf"destination {tmp_path / 'ro' / 'out'} cannot be made: "
+                                                      rf"{tmp_path / 'ro'} is not writable"):  # fmt: skip
+        convert_checkpoint(src, tmp_path / "ro" / "out", "per-expert")
+    with pytest.raises(CheckpointArgumentError, match=r"file is a file, not a folder"):
+        convert_checkpoint(src, tmp_path / "file" / "out", "per-expert")
+    assert list((tmp_path / "ro").iterdir()) == []

@@ -207,3 +207,26 @@ def test_import_never_loads_pickles(qwen_folder: Path, tmp_path: Path) -> None:
     (tmp_path / "pt" / "pytorch_model.bin").write_bytes(b"\x80\x04not really")
     with pytest.raises(CheckpointError, match=r"holds no \*\.safetensors weights \(pytorch_model\.bin are pickles"):
         import_hf(tmp_path / "pt", tmp_path / "out")
+
+
+def test_an_interrupted_import_leaves_nothing_and_can_be_run_again(qwen_folder: Path, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """As convert: a Ctrl-C during the save left a checkpoint-sized `.tmp-` folder, and the rerun was refused."""
+    import ckpt.hf as hf
+
+    real, calls = hf._from_hf, []
+
+    def interrupted(source: Any, *a: Any, **kw: Any) -> Any:
+        if not source.dry:
+            calls.append(1)
+            if len(calls) == 2:  # the save's folder exists by now
+                assert any(".tmp-" in p.name for p in (tmp_path / "back").iterdir())
+                raise KeyboardInterrupt
+        return real(source, *a, **kw)
+
+    monkeypatch.setattr(hf, "_from_hf", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        import_hf(qwen_folder, tmp_path / "back")
+    assert not (tmp_path / "back").exists()
+    monkeypatch.setattr(hf, "_from_hf", real)
+    assert import_hf(qwen_folder, tmp_path / "back").is_dir()

@@ -44,3 +44,35 @@ def test_help_and_version_exit_0() -> None:
     assert r.returncode == 0 and "Usage" in r.stdout
     r = _run("--version")
     assert r.returncode == 0 and r.stdout.startswith("moectl ")
+
+
+def test_a_signal_inside_a_stoppable_command_raises_where_the_command_can_clean_up() -> None:
+    import os
+    import signal
+
+    from moectl.cli.base import Stopped, _signals_raise
+
+    previous = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(Stopped) as e, _signals_raise():
+        os.kill(os.getpid(), signal.SIGTERM)  # the default would end pytest itself
+    assert e.value.signum == signal.SIGTERM and signal.getsignal(signal.SIGTERM) is previous
+
+
+@pytest.mark.parametrize("raised, code, name", [("term", 143, "SIGTERM"), ("int", 130, "SIGINT")])
+def test_a_stopped_convert_is_one_line_with_the_signals_code(monkeypatch, tmp_path, raised, code, name) -> None:
+    import signal
+
+    from typer.testing import CliRunner
+
+    import ckpt.convert
+    from moectl.cli.app import app
+    from moectl.cli.base import Stopped
+
+    def stopped(*a, **kw):
+        raise Stopped(signal.SIGTERM) if raised == "term" else KeyboardInterrupt
+
+    monkeypatch.setattr(ckpt.convert, "convert_checkpoint", stopped)
+    r = CliRunner().invoke(app, ["ckpt", "convert", str(tmp_path), str(tmp_path / "out"), "--layout", "per-expert"])
+    assert r.exit_code == code, r.output
+    assert r.output.strip() == (f"error: stopped by {name} before `moectl ckpt convert` finished. fix: run it again; "
+                                "what it had written so far was removed")  # fmt: skip
