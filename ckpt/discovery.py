@@ -5,13 +5,17 @@ A step is committed when its folder is named exactly `step_<8 digits>` and holds
 (`.trash-`) and manifest-less folders are never candidates. `latest` is trusted as Megatron trusts its
 tracker file (it is written only after the commit), but if it names a step that is not there the error
 says so instead of silently taking another one. A load path that does not exist is an error, never a
-silent fresh start (Megatron's `exit_on_missing_checkpoint`).
+silent fresh start (Megatron's `exit_on_missing_checkpoint`). Nor is one this user may not read: that is
+`unreadable`'s one line, naming the folder or file and the OS's reason, never a traceback.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 from pathlib import Path
+from typing import Optional
 
 from ckpt import manifest, names
 from moectl.core.errors import CheckpointArgumentError, CheckpointError
@@ -19,17 +23,55 @@ from moectl.core.errors import CheckpointArgumentError, CheckpointError
 _LOAD_FIX = "set checkpoint.load to a step_NNNNNNNN folder or a checkpoints folder, or to null to train from scratch"
 #: the fix for the checkpoint tools (`moectl ckpt ...`), which have no checkpoint.load to set
 TOOL_FIX = "give a step_NNNNNNNN folder or a checkpoints folder (e.g. runs/tiny/checkpoints)"
+_READ_FIX = "make it readable by this user (e.g. chmod -R u+rX on it), or load another checkpoint"
+
+
+def unreadable(path: Path, e: OSError, fix: Optional[str] = None) -> CheckpointArgumentError:
+    """The error for a checkpoint folder or file the OS will not let this user read (exit 2, like a path that does
+    not exist: the checkpoint may be fine, so `ckpt validate` must not call it invalid)."""
+    return CheckpointArgumentError(f"{path} cannot be read: {e.strerror or e}", fix or _READ_FIX)
+
+
+def stat_or_none(path: Path) -> Optional[os.stat_result]:
+    """`path`'s stat, None when there is nothing there; a folder on the way this user may not enter is `unreadable`
+    (naming that folder), never a traceback nor a silent "not there"."""
+    try:
+        return path.stat()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as e:  # stat needs no permission on `path` itself: EACCES is about the folder it is in
+        raise unreadable(path.parent if e.errno == errno.EACCES else path, e) from None
+
+
+def _is_file(path: Path) -> bool:
+    """`path.is_file()`, with `stat_or_none`'s error for a folder on the way this user may not enter."""
+    st = stat_or_none(path)
+    return st is not None and stat.S_ISREG(st.st_mode)
+
+
+def _is_dir(path: Path) -> bool:
+    """`path.is_dir()`, with `stat_or_none`'s error for a folder on the way this user may not enter."""
+    st = stat_or_none(path)
+    return st is not None and stat.S_ISDIR(st.st_mode)
+
+
+def _entries(root: Path) -> list[Path]:
+    """The entries of folder `root`, or `unreadable` when this user may not list it."""
+    try:
+        return list(root.iterdir())
+    except OSError as e:
+        raise unreadable(root, e) from None
 
 
 def list_committed(root: str | os.PathLike[str]) -> list[Path]:
     """The committed step folders under `root`, oldest first (empty if `root` does not exist)."""
     root = Path(root)
-    if not root.is_dir():
+    if not _is_dir(root):
         return []
     found = []
-    for p in root.iterdir():
+    for p in _entries(root):
         step = names.parse_step_dir(p.name)
-        if step is not None and p.is_dir() and manifest.load(p)[0] is not None:
+        if step is not None and _is_dir(p) and manifest.load(p)[0] is not None:
             found.append((step, p))
     return [p for _, p in sorted(found)]
 
@@ -41,11 +83,11 @@ def list_uncommitted(root: str | os.PathLike[str]) -> list[Path]:
     save is running.
     """
     root = Path(root)
-    if not root.is_dir():
+    if not _is_dir(root):
         return []
     out = []
-    for p in sorted(root.iterdir()):
-        if not p.is_dir():
+    for p in sorted(_entries(root)):
+        if not _is_dir(p):
             continue
         if names.TMP_DIR_RE.match(p.name) or names.TRASH_DIR_RE.match(p.name):
             out.append(p)
@@ -57,9 +99,13 @@ def list_uncommitted(root: str | os.PathLike[str]) -> list[Path]:
 def read_latest(root: str | os.PathLike[str]) -> str | None:
     """The folder name `root/latest` holds, or None if there is no `latest` (error if it is garbled)."""
     path = Path(root) / names.LATEST
-    if not path.is_file():
+    if not _is_file(path):
         return None
-    text = path.read_text(encoding="utf-8", errors="replace").strip()
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace").strip()
+    except OSError as e:
+        raise unreadable(path, e, "make it readable by this user (chmod u+r), or delete it to fall back on the newest "
+                                  "committed step") from None  # fmt: skip
     if names.parse_step_dir(text) is None:
         raise CheckpointError(
             f"{path} holds {text[:40]!r}, not a step_NNNNNNNN folder name",
@@ -79,12 +125,12 @@ def find_latest(root: str | os.PathLike[str]) -> Path | None:
         committed = list_committed(root)
         return committed[-1] if committed else None
     target = root / name
-    if not target.is_dir():
+    if not _is_dir(target):
         raise CheckpointError(
             f"{root / names.LATEST} names {name}, which does not exist",
             "point checkpoint.load at an existing step folder, or delete latest to fall back on the newest committed step",
         )
-    if not (target / names.MANIFEST).is_file():
+    if not _is_file(target / names.MANIFEST):
         raise CheckpointError(
             f"{root / names.LATEST} names {name}, which has no manifest.json (never committed)",
             "point checkpoint.load at a committed step folder, or delete latest to fall back on the newest committed step",
@@ -93,9 +139,11 @@ def find_latest(root: str | os.PathLike[str]) -> Path | None:
 
 
 def is_step_dir(path: Path) -> bool:
-    """Whether `path` is a single checkpoint (rather than a folder of them): by its name or its manifest."""
+    """Whether `path` is a single checkpoint (rather than a folder of them): by its name or its manifest.
+
+    Raises CheckpointArgumentError (`unreadable`) when this user may not look inside `path`."""
     return bool(
-        (path / names.MANIFEST).is_file()
+        _is_file(path / names.MANIFEST)
         or names.STEP_DIR_RE.match(path.name)
         or names.TMP_DIR_RE.match(path.name)
     )
@@ -108,12 +156,12 @@ def resolve_load_path(load: str | os.PathLike[str], fix: str = _LOAD_FIX) -> Pat
     `fix` is its fix where the path is wrong (the trainer's, about `checkpoint.load`, or `TOOL_FIX`).
     """
     p = Path(load).expanduser()
-    if not p.exists():
+    if stat_or_none(p) is None:
         raise CheckpointArgumentError(f"checkpoint path {p} does not exist", fix)
-    if not p.is_dir():
+    if not _is_dir(p):
         raise CheckpointArgumentError(f"checkpoint path {p} is a file, not a checkpoint folder", fix)
     if is_step_dir(p):
-        if names.TMP_DIR_RE.match(p.name) or not (p / names.MANIFEST).is_file():
+        if names.TMP_DIR_RE.match(p.name) or not _is_file(p / names.MANIFEST):
             raise CheckpointError(
                 f"{p} is an interrupted save: it has no manifest.json, so it was never committed",
                 "load the checkpoints folder (its latest step) or another committed step_NNNNNNNN folder",
@@ -121,6 +169,7 @@ def resolve_load_path(load: str | os.PathLike[str], fix: str = _LOAD_FIX) -> Pat
         return p
     found = find_latest(p)
     if found is None:
-        hint = f"; it has a checkpoints folder: did you mean {p / 'checkpoints'}?" if (p / "checkpoints").is_dir() else ""
+        sub = p / "checkpoints"
+        hint = f"; it has a checkpoints folder: did you mean {sub}?" if _is_dir(sub) else ""
         raise CheckpointError(f"no committed checkpoint in {p}{hint}", fix)
     return found

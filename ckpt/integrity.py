@@ -22,6 +22,7 @@ slower, not their sum.
 from __future__ import annotations
 
 import os
+import stat
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -30,7 +31,7 @@ from typing import Any, Callable
 from ckpt import manifest, names
 from ckpt import problems as P
 from ckpt.digest import uses_tree
-from ckpt.discovery import TOOL_FIX, is_step_dir, resolve_load_path
+from ckpt.discovery import TOOL_FIX, is_step_dir, resolve_load_path, stat_or_none
 from ckpt.problems import Problem
 from ckpt.seal import seal_problem
 from ckpt.shard_io import hash_file, io_threads, range_jobs
@@ -45,11 +46,13 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> list[Problem]:
     """All problems of the checkpoint at `path` (empty list: it is intact).
 
     `path` is a step folder (committed or not, so an interrupted save can be inspected) or a checkpoints
-    folder (then the step `latest` names). Raises CheckpointArgumentError only if `path` is neither.
+    folder (then the step `latest` names). Raises CheckpointArgumentError only if `path` is neither, or this
+    user may not read the folders that say which it is (`ckpt.discovery.unreadable`).
     """
     p = Path(path).expanduser()
-    if not p.is_dir():
-        raise CheckpointArgumentError(f"checkpoint path {p} {'is not a folder' if p.exists() else 'does not exist'}",
+    st = stat_or_none(p)
+    if st is None or not stat.S_ISDIR(st.st_mode):
+        raise CheckpointArgumentError(f"checkpoint path {p} {'is not a folder' if st else 'does not exist'}",
                                       TOOL_FIX)  # fmt: skip
     step_dir = p if is_step_dir(p) else resolve_load_path(p, TOOL_FIX)
     found: list[Problem] = []
@@ -146,7 +149,11 @@ def _in_parallel(fn: Callable[..., list[Problem]], args: list[tuple[Any, ...]]) 
 
 def _unexpected_files(step_dir: Path, listed: dict[str, Any], manifest_ok: bool) -> list[Problem]:
     out = []
-    for entry in sorted(step_dir.iterdir()):
+    try:
+        entries = sorted(step_dir.iterdir())
+    except OSError as e:  # enterable but not listable: its stray files cannot be looked for
+        return [Problem(P.UNREADABLE, None, None, f"the folder cannot be listed: {e.strerror or e}")]
+    for entry in entries:
         name = entry.name
         if name == names.MANIFEST or name in listed:
             continue

@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import json
 import re
+import stat
 from importlib import metadata as _md
 from pathlib import Path
 from typing import Any
 
 from ckpt import names
 from ckpt import problems as P
+from ckpt.config_fit import config_misfits
 from ckpt.digest import TREE, TREE_FROM_VERSION
 from ckpt.problems import Problem
 from ckpt.seal import DIGEST_KEY, SEALED_FROM_VERSION, seal
@@ -49,6 +51,8 @@ META_REQUIRED = (
 # carried through training and convert so export writes them back. scaling: delayed fp8 scaling's amax
 # windows (trainer/checkpointing/scaling_state.py), so a resumed fp8 run quantizes as the saved one would.
 META_OPTIONAL = ("train_state", "hf", "scaling")
+# The counters of train_state that a resume reads; its other keys are carried through unchecked.
+TRAIN_STATE_COUNTERS = ("step", "optimizer_step")
 _OWN_KEYS = ("format", "format_version", "step", "writer", "files", "tensors")
 _SHA_RE = re.compile(r"^[0-9a-f]{64}$")
 _TORCH_DTYPES = frozenset(TORCH_NAME.values())
@@ -74,6 +78,10 @@ def check_meta(meta: Any) -> list[str]:
     for k in ("config", "recipe", "sampler", "rng", "probe", "train_state", "hf", "scaling"):
         if k in meta and not isinstance(meta[k], dict):
             errs.append(f"meta {k} must be a dict, got {type(meta[k]).__name__}")
+    state = meta.get("train_state")
+    for k in TRAIN_STATE_COUNTERS if isinstance(state, dict) else ():
+        if k in state and not _uint(state[k]):  # a resume counts on them: refuse here, not in int() there
+            errs.append(f"meta train_state.{k} must be a non-negative int, got {state[k]!r}")
     world = meta.get("world")
     if "world" in meta:
         if not isinstance(world, dict):
@@ -138,7 +146,13 @@ def dumps(manifest: dict[str, Any]) -> bytes:
 def load(step_dir: Path) -> tuple[dict[str, Any] | None, list[Problem]]:
     """Read and check `step_dir/manifest.json`: (the manifest, or None if unusable; its problems)."""
     path = step_dir / names.MANIFEST
-    if not path.is_file():
+    try:
+        present = stat.S_ISREG(path.stat().st_mode)
+    except (FileNotFoundError, NotADirectoryError):
+        present = False
+    except OSError as e:  # a folder this user may not enter (EACCES): unreadable, not uncommitted
+        return None, [Problem(P.UNREADABLE, None, None, f"the folder cannot be read: {e.strerror or e}")]
+    if not present:
         return None, [Problem(P.INCOMPLETE, names.MANIFEST, None,
                               "missing: the save never committed (manifest.json is written last)")]  # fmt: skip
     try:
@@ -157,7 +171,8 @@ def _refuse_constant(name: str) -> Any:
 
 
 def check(obj: Any, folder_step: int | None) -> list[str]:
-    """Everything wrong with a parsed manifest (schema, version, step vs folder name)."""
+    """Everything wrong with a parsed manifest (schema, version, step vs folder name, a recorded config that does
+    not describe the recorded tensor shapes: `ckpt.config_fit`)."""
     if not isinstance(obj, dict):
         return ["is not a JSON object"]
     if obj.get("format") != FORMAT:
@@ -185,6 +200,8 @@ def check(obj: Any, folder_step: int | None) -> list[str]:
     errs += check_meta({k: obj[k] for k in META_REQUIRED + META_OPTIONAL if k in obj})
     errs += _check_files(obj.get("files"))
     errs += _check_tensors(obj.get("tensors"), obj.get("files"))
+    if not errs:  # its shapes are known good: does the recorded config describe them?
+        errs += config_misfits(obj.get("config"), obj.get("tensors"))
     return errs
 
 

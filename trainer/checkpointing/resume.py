@@ -12,9 +12,9 @@ from torch import nn
 from ckpt.logical import (
     STATE_SUFFIX, carried_meta, check_architecture, is_model_only, localize, read_logical, restore_rng,
 )  # fmt: skip
-from ckpt.reader import open_checkpoint
+from ckpt.reader import Checkpoint, open_checkpoint
 from moectl.core.config.schema import Config
-from moectl.core.errors import CheckpointError
+from moectl.core.errors import CheckpointError, ConfigError
 from trainer.checkpointing.scaling_state import restore_scaling
 from trainer.parallel.groups import ParallelState
 from trainer.engine.protocol import Engine
@@ -40,16 +40,21 @@ def load_training_checkpoint(path: str | Path, cfg: Config, model: nn.Module, en
     - `no_load_optim` alone: masters from the checkpoint's model weights (what Megatron does), fresh moments.
     A model-only checkpoint (no optimizer tensors at all: `import-hf` writes those) loads as with
     `no_load_optim`, since there is nothing else to load; asking for its masters is still an error.
+    Optimizer state saved by another optimizer than `cfg`'s is refused (`check_optimizer`), never dropped or
+    half-loaded: `no_load_optim` starts the config's optimizer fresh from the checkpoint's weights.
     `verify=False` skips hashing the files (the manifest and its seal are still checked): only for a caller
     that verifies them itself and discards this load if they fail (`ckpt validate` does, alongside).
     """
     ck = open_checkpoint(path, verify=verify)
     check_architecture(ck.meta.get("config", {}), cfg)
-    local_names = {n for n, _ in model.named_parameters()}
-    logical = read_logical(ck, cfg, wanted=local_names)
-    tensors = localize(logical, pstate.ep if pstate is not None else None, cfg.moe.num_experts, local_names)
     ccfg = cfg.checkpoint
     load_optim = not ccfg.no_load_optim and not is_model_only(ck)
+    if load_optim:
+        check_optimizer(ck, cfg)
+    local = dict(model.named_parameters())
+    local_names = set(local)
+    logical = read_logical(ck, cfg, wanted=local_names)
+    tensors = localize(logical, pstate.ep if pstate is not None else None, cfg.moe.num_experts, local_names)
     masters_from_ckpt = load_optim or ccfg.load_main_params_from_ckpt
     params: dict[str, dict[str, torch.Tensor]] = {}
     missing = []
@@ -73,6 +78,7 @@ def load_training_checkpoint(path: str | Path, cfg: Config, model: nn.Module, en
                 else:
                     entry[key] = t
         params[name] = entry
+        _check_shapes(ck.path, name, entry, tuple(local[name].shape), masters_from_ckpt)
     if missing:
         raise CheckpointError(
             f"checkpoint {ck.path} lacks {len(missing)} tensor(s) this model needs: {', '.join(missing[:5])}"
@@ -87,6 +93,42 @@ def load_training_checkpoint(path: str | Path, cfg: Config, model: nn.Module, en
     restore_rng(ck.meta)
     return Restored(step=ck.step, consumed_samples=int(ck.meta.get("consumed_samples", 0)), path=ck.path,
                     optimizer_state=load_optim, carried=carried_meta(ck.meta))
+
+
+def saved_optimizer(ck: Checkpoint) -> Optional[str]:
+    """The optimizer the checkpoint's run used, per its recorded config (None when it records none)."""
+    opt = ck.meta.get("config", {}).get("optimizer")
+    name = opt.get("optimizer") if isinstance(opt, dict) else None
+    return name if isinstance(name, str) else None
+
+
+def check_optimizer(ck: Checkpoint, cfg: Config) -> None:
+    """Refuse to load the optimizer state of a checkpoint saved by another optimizer than `cfg`'s: its moments do
+    not fit (or, for sgd, would be dropped without a word)."""
+    saved, wanted = saved_optimizer(ck), cfg.optimizer.optimizer
+    if saved is None or saved == wanted:
+        return
+    raise ConfigError(
+        "optimizer.optimizer", wanted,
+        f"checkpoint {ck.path} holds the state of optimizer {saved}, not {wanted}: it cannot resume {wanted}",
+        f"set checkpoint.no_load_optim=true to start {wanted} fresh from the checkpoint's weights, or "
+        f"optimizer.optimizer={saved} to resume the checkpoint's optimizer",
+    )
+
+
+def _check_shapes(ck_path: Path, name: str, entry: dict[str, torch.Tensor], shape: tuple[int, ...],
+                  masters_from_ckpt: bool) -> None:
+    """Refuse, naming the tensor, a checkpoint tensor whose shape is not its param's (`check_architecture` passed,
+    so the checkpoint's recorded config describes this model: its tensors contradict that config)."""
+    for key, t in entry.items():
+        if tuple(t.shape) != shape:
+            saved = name + (STATE_SUFFIX[key] if key != "master" or masters_from_ckpt else "")
+            raise CheckpointError(
+                f"checkpoint {ck_path} tensor {saved!r} is {list(t.shape)}, but its recorded config builds {name} as "
+                f"{list(shape)}: the config does not describe the saved tensors",
+                f"its manifest.json's config was changed after the save (or written wrong); load another step, or "
+                f"compare its config with its tensors: `moectl ckpt inspect {ck_path}`",
+            )
 
 
 def load_model_weights(weights: dict[str, torch.Tensor], cfg: Config, model: nn.Module, engine: Engine,
