@@ -104,8 +104,8 @@ def inspect_command(
 
     try:
         summary = inspect_checkpoint(ckpt, verify=verify)
-    except MoectlError as e:  # unreadable (a damaged manifest): a --json reader still gets JSON, saying so
-        if json_ and e.exit_code == 1:
+    except MoectlError as e:  # unreadable (damaged, missing, not ours to read): a --json reader still gets JSON
+        if json_:
             typer.echo(json.dumps({"path": str(ckpt), "readable": False, "problems": [e.one_line()]}, indent=2))
         raise
     if json_:

@@ -10,6 +10,7 @@ that uses a real chmod runs only as another user.
 from __future__ import annotations
 
 import errno
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -128,7 +129,13 @@ def test_ckpt_commands_say_it_in_one_line_exit_2(
     deny(monkeypatch, root / target)
     r = runner.invoke(app, args, env={"COLUMNS": "200", "MOECTL_DEBUG": ""})
     assert r.exit_code == 2, r.output
-    line = _one_error_line(r)
+    if command == "inspect --json":  # JSON on stdout for its reader, the line on stderr for a person
+        out = json.loads(r.stdout)
+        assert out["readable"] is False and f"{root / named} cannot be read" in out["problems"][0]
+        line = r.stderr.strip()
+        assert len(line.splitlines()) == 1 and line.startswith("error: ") and "Traceback" not in r.output
+    else:
+        line = _one_error_line(r)
     assert f"{root / named} cannot be read: Permission denied" in line and "fix:" in line
     assert not (tmp_path / "out").exists()
 

@@ -88,6 +88,8 @@ def test_inspect_json_of_a_damaged_manifest_is_still_json(ckpt: tuple[Path, dict
     assert r.exit_code == 1
     s = json.loads(r.stdout)
     assert s["readable"] is False and len(s["problems"]) == 1 and "manifest.json: not valid JSON" in s["problems"][0]
+    r = invoke("inspect", root / "step_00000099", "--json")  # no such folder: exit 2, and still JSON
+    assert r.exit_code == 2 and json.loads(r.stdout)["readable"] is False
 
 
 def test_inspect_verify_exits_1_on_a_flipped_byte(ckpt: tuple[Path, dict]) -> None:
