@@ -167,6 +167,9 @@ def _restore_and_prove(report: ValidationReport, path: str | Path, config_for: O
             warnings.simplefilter("ignore", UserWarning)
             trainer = Trainer(cfg, SilentObserver(), verify_checkpoint=False, before_load=_compile_probe)
     except ConfigError as e:
+        if e.key == "optimizer.optimizer":  # another optimizer asked for: the command's fault, not the checkpoint's
+            raise UsageError(e.message, "validate with the checkpoint's own optimizer (drop that --set), or add "
+                                        "--set checkpoint.no_load_optim=true to check its weights only") from None
         if not e.key.startswith("parallel."):
             report.add(Check("restore", "-", False, e.one_line()))
             return note, ck.path

@@ -93,19 +93,26 @@ class Stopped(BaseException):
 
 @contextlib.contextmanager
 def _signals_raise() -> Iterator[None]:
-    """While inside: SIGTERM and SIGHUP raise `Stopped` in the main thread (their default ends the process on
-    the spot, leaving a partial output behind)."""
+    """While inside: the first SIGINT, SIGTERM or SIGHUP raises (KeyboardInterrupt, `Stopped`) in the main thread,
+    where the command's cleanup runs (the default of the last two ends the process on the spot, leaving a partial
+    output behind); from then on all three are ignored, so a second one cannot cut the cleanup short. A signal
+    already ignored (`nohup`'s SIGHUP) stays ignored."""
+    watched = [s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s is not None]
+    saved: dict[int, Any] = {}
 
     def handle(signum: int, frame: Any) -> None:
+        for sig in saved:
+            signal.signal(sig, signal.SIG_IGN)
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
         raise Stopped(signum)
 
-    saved = {}
-    for sig in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
-        if sig is not None:
-            try:
+    for sig in watched:
+        try:
+            if signal.getsignal(sig) is not signal.SIG_IGN:
                 saved[sig] = signal.signal(sig, handle)
-            except ValueError:  # not the main thread (a test runner's worker): the default stays
-                pass
+        except ValueError:  # not the main thread (a test runner's worker): the defaults stay
+            pass
     try:
         yield
     finally:
@@ -125,8 +132,9 @@ def command(target: typer.Typer = app, name: str | None = None, stoppable: bool 
     """Register `fn` as a command of `target`, with one-line user errors.
 
     `stoppable`: SIGTERM and SIGHUP stop the command as Ctrl-C does, by an exception in the main thread (so
-    its cleanup removes a partial output) instead of ending the process where it stands; either way one line
-    says so, and the exit code is 128 + the signal's number. For commands that write: `train` has its own.
+    its cleanup removes a partial output) instead of ending the process where it stands; a second signal
+    cannot interrupt that cleanup (`_signals_raise`). One line says so, and the exit code is 128 + the
+    signal's number. For commands that write: `train` has its own.
     """
 
     def decorate(fn: F) -> F:
@@ -142,8 +150,9 @@ def command(target: typer.Typer = app, name: str | None = None, stoppable: bool 
                 if not stoppable:
                     raise
                 signum = e.signum if isinstance(e, Stopped) else signal.SIGINT
-                typer.secho(f"error: stopped by {signal.Signals(signum).name} before `{_name(target, fn, name)}` finished. "
-                            "fix: run it again; what it had written so far was removed", err=True, fg="red")
+                what = f"{signal.Signals(signum).name} before `{_name(target, fn, name)}` finished"
+                typer.secho(f"error: stopped by {what}; an unfinished output is removed. fix: run it again (a "
+                            "destination that exists now was complete)", err=True, fg="red")  # fmt: skip
                 raise typer.Exit(exit_codes.stopped_unsaved(signum)) from None
             except MoectlError as e:
                 if os.environ.get("MOECTL_DEBUG") == "1":  # the traceback on top: the line and exit code stay

@@ -116,7 +116,8 @@ def train_command(
     world = int(os.environ["WORLD_SIZE"]) if torchrun else nproc_per_node
     rank = int(os.environ.get("RANK", "0")) if torchrun else 0
     console = make_console(quiet=rank != 0, outlive_stdout=True)
-    refuse_on_rule_errors(cfg, world, make_console(quiet=rank != 0 or O.outcome_dir() is not None))
+    # the run's kind of console: a reader that closed stdout must not end the run before it starts
+    refuse_on_rule_errors(cfg, world, make_console(quiet=rank != 0 or O.outcome_dir() is not None, outlive_stdout=True))
     from trainer.run_dir import check_config_not_replaced
 
     check_config_not_replaced(config, cfg)

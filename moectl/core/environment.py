@@ -16,7 +16,7 @@ _NS_TILES = "tile config override w,s,k[,n] of a Newton-Schulz kernel (the sweep
 
 ENV: dict[str, str] = {
     # user-facing
-    "MOECTL_DEBUG": "=1 shows Python tracebacks and torchrun's own logs instead of one-line errors",
+    "MOECTL_DEBUG": "=1 adds Python tracebacks above the one-line errors, and shows torchrun's own logs",
     "MOECTL_CACHE_DIR": "where built corpus streams are cached (else $XDG_CACHE_HOME/moectl, else ~/.cache/moectl)",
     "MOECTL_CKPT_THREADS": "threads for a checkpoint's I/O and hashing (else this process's share of the CPUs)",
     "MOECTL_COMPILE_BACKEND": "the torch.compile backend of train.compile (default inductor)",

@@ -2,7 +2,7 @@
 
 Every failure that is the user's to fix (a config, a flag, a data file, a checkpoint) is a `MoectlError`.
 The CLI prints it as one line, `error: <what>. fix: <how>`, and exits with the error's `exit_code`;
-`MOECTL_DEBUG=1` shows the traceback instead. Anything else is a bug and keeps its traceback.
+`MOECTL_DEBUG=1` prints the traceback above that line. Anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations

@@ -1908,7 +1908,7 @@ def cpu_threads_fit(c: Context) -> Iterator[_Hit]:
     2-CPU machine ran the tiny model at 174 tokens/s instead of about 30,000 (a user trial). Only CPU runs read
     the key; a run on a GPU ignores it."""
     threads, cpus = c.cfg.train.cpu_threads, c.env.cpus
-    if threads is None or cpus is None or threads <= cpus:
+    if threads is None or cpus is None or threads <= cpus or c.cfg.train.device == "cuda":
         return
     if c.device is not None and c.device.kind != "cpu":
         return

@@ -27,12 +27,18 @@ def _hangs(rank: int, world_size: int) -> None:
     time.sleep(600)
 
 
-def _rank1_aborts(rank: int, world_size: int, marker: str, every_time: bool) -> int:
-    """Rank 1 dies of SIGABRT (as glibc does on a corrupted heap): on the first spawn only, or every time."""
+def _rank1_aborts(rank: int, world_size: int, marker: str, every_time: bool, then: str = "return") -> int:
+    """Rank 1 dies of SIGABRT (as glibc does on a corrupted heap): on the first spawn only, or every time. Then the
+    ranks return, or meet in a barrier (where rank 0 alone meets gloo's "Connection reset by peer" if rank 1 died),
+    or rank 0 fails on its own."""
     print(f"rank {rank} says hello", file=sys.stderr, flush=True)
     if rank == 1 and (every_time or not os.path.exists(marker)):
         Path(marker).touch()
         os.abort()
+    if then == "barrier":
+        dist.barrier()
+    if rank == 0 and then == "raise":
+        raise ValueError("rank 0's own failure")
     return rank
 
 
@@ -80,3 +86,23 @@ def test_a_native_crash_in_the_second_spawn_fails_the_test(tmp_path: Path) -> No
     assert "rank 1 exited with code -6 without a result" in str(err.value)
     assert sum(issubclass(w.category, NativeCrashWarning) for w in seen) == 1  # one retry, no more
 
+
+
+@pytest.mark.slow
+def test_a_crash_whose_peer_lost_it_in_a_collective_is_retried(tmp_path: Path) -> None:
+    """The CI case: rank 1 aborts, rank 0 fails in gloo with the lost peer (or hangs and is killed)."""
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        out = run_distributed(_rank1_aborts, world_size=2, timeout=60, marker=str(tmp_path / "m"), every_time=False,
+                              then="barrier")  # fmt: skip
+    assert out == [0, 1] and sum(issubclass(w.category, NativeCrashWarning) for w in seen) == 1
+
+
+@pytest.mark.slow
+def test_a_crash_beside_another_ranks_own_failure_is_not_retried(tmp_path: Path) -> None:
+    with warnings.catch_warnings(record=True) as seen, pytest.raises(AssertionError) as err:
+        warnings.simplefilter("always")
+        run_distributed(_rank1_aborts, world_size=2, timeout=60, marker=str(tmp_path / "m"), every_time=False,
+                        then="raise")  # fmt: skip
+    assert "ValueError: rank 0's own failure" in str(err.value)
+    assert not [w for w in seen if issubclass(w.category, NativeCrashWarning)]

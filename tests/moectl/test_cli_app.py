@@ -53,9 +53,32 @@ def test_a_signal_inside_a_stoppable_command_raises_where_the_command_can_clean_
     from moectl.cli.base import Stopped, _signals_raise
 
     previous = signal.getsignal(signal.SIGTERM)
+    cleaned = False
     with pytest.raises(Stopped) as e, _signals_raise():
-        os.kill(os.getpid(), signal.SIGTERM)  # the default would end pytest itself
-    assert e.value.signum == signal.SIGTERM and signal.getsignal(signal.SIGTERM) is previous
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)  # the default would end pytest itself
+        except Stopped:
+            os.kill(os.getpid(), signal.SIGTERM)  # a second one during the cleanup is ignored: it runs to its end
+            os.kill(os.getpid(), signal.SIGINT)
+            cleaned = True
+            raise
+    assert cleaned and e.value.signum == signal.SIGTERM and signal.getsignal(signal.SIGTERM) is previous
+
+
+def test_a_signal_ignored_before_a_stoppable_command_stays_ignored() -> None:
+    """`nohup moectl ckpt convert ...`: a hang-up used to leave it running; it must not stop it now."""
+    import os
+    import signal
+
+    from moectl.cli.base import _signals_raise
+
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with _signals_raise():
+            os.kill(os.getpid(), signal.SIGHUP)  # nothing happens
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, previous)
 
 
 @pytest.mark.parametrize("raised, code, name", [("term", 143, "SIGTERM"), ("int", 130, "SIGINT")])
@@ -74,5 +97,5 @@ def test_a_stopped_convert_is_one_line_with_the_signals_code(monkeypatch, tmp_pa
     monkeypatch.setattr(ckpt.convert, "convert_checkpoint", stopped)
     r = CliRunner().invoke(app, ["ckpt", "convert", str(tmp_path), str(tmp_path / "out"), "--layout", "per-expert"])
     assert r.exit_code == code, r.output
-    assert r.output.strip() == (f"error: stopped by {name} before `moectl ckpt convert` finished. fix: run it again; "
-                                "what it had written so far was removed")  # fmt: skip
+    assert r.output.strip() == (f"error: stopped by {name} before `moectl ckpt convert` finished; an unfinished "
+                                "output is removed. fix: run it again (a destination that exists now was complete)")

@@ -62,6 +62,19 @@ def test_a_layout_that_does_not_fit_this_world_is_bad_usage_not_invalid(ckpt_dir
     assert "--set parallel.expert_model_parallel_size=N, N one of [1]" in err.value.one_line()
 
 
+def test_another_optimizer_asked_for_is_bad_usage_not_invalid(ckpt_dir):
+    """`--set optimizer.optimizer=sgd` on an Adam checkpoint said "invalid" (exit 1) of a valid checkpoint; with
+    no_load_optim its weights are checked and pass."""
+    from moectl.core.errors import UsageError
+
+    with pytest.raises(UsageError) as err:
+        validate_checkpoint(ckpt_dir, overridden(["optimizer.optimizer=sgd"]))
+    assert err.value.exit_code == 2 and "holds the state of optimizer adam, not sgd" in err.value.one_line()
+    assert "checkpoint.no_load_optim=true" in err.value.one_line()
+    report = validate_checkpoint(ckpt_dir, overridden(["optimizer.optimizer=muon", "checkpoint.no_load_optim=true"]))
+    assert report.ok, report.failures()
+
+
 def test_the_ep_hint_names_torchruns_world_before_the_rendezvous(ckpt_dir, monkeypatch):
     """Under torchrun the size check runs before the process group exists: the choices are WORLD_SIZE's."""
     from moectl.core.errors import UsageError

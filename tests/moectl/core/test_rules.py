@@ -876,6 +876,8 @@ def test_cpu_threads_on_a_gpu_run_are_not_read() -> None:
     gpu = Environment(te=None, device=Device("cuda", (9, 0), "torch.cuda: NVIDIA H100"), cpus=4)
     assert hits(run(["train.cpu_threads=5"], env=gpu), "MOE072") == []
     assert hits(run(["train.cpu_threads=5"], env=Environment(te=None, device=None, cpus=None)), "MOE072") == []
+    # a config for a GPU machine, checked where none is visible
+    assert hits(run(["train.cpu_threads=5", "train.device=cuda"]), "MOE072") == []
 
 
 def test_data_path_ignored_for_builtin_sources() -> None:
