@@ -39,8 +39,17 @@ def stat_or_none(path: Path) -> Optional[os.stat_result]:
         return path.stat()
     except (FileNotFoundError, NotADirectoryError):
         return None
-    except OSError as e:  # stat needs no permission on `path` itself: EACCES is about the folder it is in
-        raise unreadable(path.parent if e.errno == errno.EACCES else path, e) from None
+    except OSError as e:  # stat needs no permission on `path` itself: EACCES is about a folder on the way
+        raise unreadable(_blocking_folder(path) if e.errno == errno.EACCES else path, e) from None
+
+
+def _blocking_folder(path: Path) -> Path:
+    """The outermost folder on the way to `path` that this user may not enter (the one a chmod must fix: naming
+    the innermost sent the user to a folder that was fine), else `path`'s own folder."""
+    for folder in reversed(path.parents):  # outermost first, as the path was given
+        if str(folder) not in ("", ".") and not os.access(folder, os.X_OK):
+            return folder
+    return path.parent
 
 
 def _is_file(path: Path) -> bool:

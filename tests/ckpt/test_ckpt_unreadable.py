@@ -62,9 +62,17 @@ def deny(monkeypatch: pytest.MonkeyPatch, target: Path) -> None:
             refuse(self)
         return open_(self, *a, **k)
 
+    access = os.access
+
+    def guarded_access(p: Any, mode: int, *a: Any, **k: Any) -> bool:
+        if is_dir and (Path(p).absolute() == target or refused(p)):  # no search (x) on it, nothing reachable below
+            return False
+        return access(p, mode, *a, **k)
+
     monkeypatch.setattr(Path, "stat", guarded_stat)
     monkeypatch.setattr(Path, "iterdir", guarded_iterdir)
     monkeypatch.setattr(Path, "open", guarded_open)
+    monkeypatch.setattr(os, "access", guarded_access)
 
 
 @pytest.fixture()
@@ -99,6 +107,14 @@ def test_an_unreadable_latest_or_step_folder_is_an_argument_error_naming_it(
         assert e.value.exit_code == 2
         line = e.value.one_line()
         assert f"{root / named} cannot be read: Permission denied. fix: make it readable by this user" in line, line
+
+
+def test_an_unenterable_folder_further_out_is_the_one_named(monkeypatch: pytest.MonkeyPatch, root: Path) -> None:
+    """A folder above the checkpoints one (`home/`) was denied, and the error sent the user to `home/runs`."""
+    deny(monkeypatch, root.parent.parent)  # two levels out: the folder holding the checkpoints' own folder
+    with pytest.raises(CheckpointArgumentError) as e:
+        open_checkpoint(root, verify=False)
+    assert e.value.one_line().startswith(f"{root.parent.parent.absolute()} cannot be read: Permission denied"), e.value
 
 
 def test_a_step_folder_given_directly_names_itself(monkeypatch: pytest.MonkeyPatch, root: Path) -> None:
