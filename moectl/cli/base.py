@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator, TypeVar
 import typer
 
 from moectl.cli import exit_codes
-from moectl.cli.console import stdout_to_devnull
+from moectl.cli.console import stdout_reader_gone, stdout_to_devnull
 from moectl.core.environment import says_it_once, unknown_variables
 from moectl.core.errors import MoectlError
 
@@ -159,7 +159,10 @@ def command(target: typer.Typer = app, name: str | None = None, stoppable: bool 
                     traceback.print_exc()
                 report(e)
                 raise typer.Exit(e.exit_code) from None
-            except BrokenPipeError:  # the reader left (`| head`): click would exit 1, the code of "violations"
+            except BrokenPipeError as e:
+                if not stdout_reader_gone():  # another pipe broke (a child process's): a failure to see, which
+                    raise RuntimeError(f"a pipe broke: {e}") from e  # click would turn into a silent exit 1
+                # the reader left (`| head`): click would exit 1, the code of "violations"
                 stdout_to_devnull()
                 raise typer.Exit(exit_codes.reader_gone()) from None
 

@@ -9,6 +9,7 @@ on a wide enough screen. `COLUMNS`, when set, still wins (Rich reads it), for an
 from __future__ import annotations
 
 import os
+import select
 import sys
 
 from rich.console import Console
@@ -16,6 +17,16 @@ from rich.console import Console
 from moectl.cli import exit_codes
 
 OFF_TERMINAL_WIDTH = 4096
+
+
+def stdout_reader_gone() -> bool:
+    """Whether stdout is a pipe whose reader has closed it (poll reports an error on its write end)."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(ev & (select.POLLERR | select.POLLHUP) for _, ev in poller.poll(0))
+    except (OSError, ValueError, AttributeError):  # no real fd (a test runner's stream), or no poll
+        return False
 
 
 def stdout_to_devnull() -> None:

@@ -70,3 +70,30 @@ def test_every_command_console_is_wide_off_a_terminal(monkeypatch: pytest.Monkey
                                    "--set", "data.source=synthetic", "--flag", "optimizer.lr=1e-3", "--steps", "1"])
     assert res.exit_code == 1, res.output  # the lr differs
     assert "grad norm OFF" in res.output
+
+
+def test_a_plain_echo_into_a_closed_pipe_exits_141_and_another_broken_pipe_is_an_error(tmp_path: Path,
+                                                                                       monkeypatch) -> None:
+    """typer.echo (not Rich) meets the closed pipe too: `ckpt inspect --json` prints its JSON that way. A broken
+    pipe that is not stdout's (a child process's) is not a reader leaving: it surfaces."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        r = subprocess.run([sys.executable, "-m", "moectl", "ckpt", "inspect", str(tmp_path / "none"), "--json"],
+                           stdout=write_end, stderr=subprocess.PIPE, cwd=REPO, timeout=120)  # fmt: skip
+    finally:
+        os.close(write_end)
+    assert r.returncode == 141 and b"Traceback" not in r.stderr, r.stderr
+
+    from typer.testing import CliRunner
+
+    import ckpt.inspect
+    from moectl.cli.app import app
+
+    def broken(*a, **kw):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(ckpt.inspect, "inspect_checkpoint", broken)
+    result = CliRunner().invoke(app, ["ckpt", "inspect", str(tmp_path)])
+    assert isinstance(result.exception, RuntimeError) and "a pipe broke" in str(result.exception)
+    assert isinstance(result.exception.__cause__, BrokenPipeError) and result.exit_code != 141
