@@ -164,7 +164,7 @@ def compare_tensor(off: torch.Tensor, on: torch.Tensor, rtol: Optional[float]) -
     if n == 0:
         return "equal values in other bits (signed zeros or NaN payloads)"
     rel = diff / scale if scale else math.inf
-    return f"max |diff| {diff:.3e} (relative to max |off| {rel:.3e}), {n} of {off.numel()} elements"
+    return f"max |diff| {diff:.3e} (max |off| {scale:.3e}, relative {rel:.3e}), {n} of {off.numel()} elements"
 
 
 def kind_of(name: str) -> str:

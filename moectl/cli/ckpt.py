@@ -169,7 +169,10 @@ def _print_summary(s: Any, console: Console) -> None:
 def export_hf_command(
     ckpt: CkptArg,
     dst: NewDirArg,
-    format: Annotated[HFFormat, typer.Option("--format", help="HF architecture to write.", show_default=False)],
+    format: Annotated[HFFormat, typer.Option("--format", show_default=False,
+                                             help="HF architecture to write; the run's config must match it "
+                                                  "(mixtral: moe.router_norm_topk_prob=true; qwen3-moe: "
+                                                  "model.qk_layernorm=true; refusals name each setting).")],
 ) -> None:
     from ckpt.hf import export_hf
 

@@ -54,6 +54,9 @@ def test_scalar_and_tensor_rules():
     b = torch.tensor([1e-9, 4.0])
     c = torch.tensor([2e-9, 4.0])  # near zero, a large relative but tiny absolute change
     assert compare_tensor(b, c, 1e-6) is None and "1 of 2 elements" in compare_tensor(b, c, None)
+    # the magnitude is named as one, and the ratio as the ratio (it printed the ratio as "max |off|")
+    assert "max |diff| 1.000e+00 (max |off| 4.000e+00, relative 2.500e-01)" in compare_tensor(
+        torch.tensor([4.0, 1.0]), torch.tensor([4.0, 2.0]), None)
     assert compare_tensor(b, torch.tensor([1e-9, 4.1]), 1e-3) is not None
     assert compare_tensor(b, torch.zeros(3), 1.0).startswith("shape")
 

@@ -93,6 +93,10 @@ def open_data(path: str, *, text: bool = False) -> Iterator[IO[Any]]:
         raise unreadable(path, e) from None
 
 
+#: the token dtypes `data.dtype` names, with their widths (trainer/data/dtype_check.py DATA_DTYPES)
+_DTYPE_WIDTHS = (("uint8", 1), ("uint16", 2), ("int32", 4), ("uint32", 4))
+
+
 def map_file(path: str, dtype: torch.dtype, *, offset: int = 0, count: int | None = None) -> torch.Tensor:
     """Map `count` items of `dtype` starting at byte `offset` of `path` as a read-only-in-practice 1-D tensor.
 
@@ -106,10 +110,12 @@ def map_file(path: str, dtype: torch.dtype, *, offset: int = 0, count: int | Non
     width = itemsize(dtype)
     if count is None:
         if (size - offset) % width:
+            whole = [name for name, w in _DTYPE_WIDTHS if (size - offset) % w == 0]  # uint8 always
             raise DataError(
                 f"{path}: {size - offset:,} bytes of tokens is not a whole number of {dtype_name(dtype)} values "
                 f"({width} bytes each)",
-                "check the token dtype the file was written with (data.dtype; see trainer/data/sources/tokens.py)",
+                f"set data.dtype to the dtype the file was written with (whole at this size: {', '.join(whole)}; "
+                f"e.g. --set data.dtype={whole[-1]}), or rebuild a truncated file",
             )
         count = (size - offset) // width
     if count <= 0:

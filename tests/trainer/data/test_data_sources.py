@@ -52,8 +52,10 @@ def test_tokens_llmc_header(tmp_path: Path, magic: int, version: int, code: str)
 def test_tokens_odd_size_is_an_error_naming_the_file(tmp_path: Path) -> None:
     path = tmp_path / "odd.bin"
     path.write_bytes(b"\x01\x00\x02")
-    with pytest.raises(DataError, match="odd.bin.*whole number of uint16"):
+    with pytest.raises(DataError, match="odd.bin.*whole number of uint16") as e:
         load_tokens(str(path))
+    # the fix names the flag and the dtypes that fit (it pointed at a source file)
+    assert "(whole at this size: uint8; e.g. --set data.dtype=uint8)" in e.value.fix and ".py" not in e.value.fix
 
 
 # --- megatron -----------------------------------------------------------------------------------------
