@@ -39,6 +39,7 @@ from ckpt.layout import SINGLE_GROUPED, normalize_for_model
 from ckpt.logical import STATE_SUFFIX, flatten_state, globalize
 from moectl.core.config.schema import Config
 from moectl.core.errors import ConfigError
+from moectl.core.params import count_params
 from trainer.loop import Trainer
 from trainer.observer import SilentObserver
 
@@ -239,6 +240,19 @@ class _Run:
             self._rng = _rng_state()
 
 
+def _same_parameters(off_cfg: Config, on_cfg: Config, flags: Optional[list[str]]) -> None:
+    """Refuse, before anything is built, flags that change the model's parameters (`moe.num_experts=8` ran both
+    models and reported "different" at step 1's loss): parity compares one model run two ways. The counts by kind
+    (torch-free) tell it; the expert layout, dtypes and top-k leave them alone."""
+    counts = [asdict(count_params(c.model, c.moe)) for c in (off_cfg, on_cfg)]
+    changed = [f"{kind.replace('_', ' ')} {counts[0][kind]:,} off, {counts[1][kind]:,} on" for kind in counts[0]
+               if kind != "topk_fraction" and counts[0][kind] != counts[1][kind]]  # fmt: skip
+    if changed:
+        raise ConfigError("--flag", " ".join(flags or []), f"changes the model's parameters ({'; '.join(changed)})",
+                          "parity compares one model run two ways: flag what keeps the parameters (layouts, "
+                          "precision, overlap, backends, kernels), or compare the two configs' losses instead")
+
+
 def _rng_state() -> dict[str, Any]:
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():
@@ -277,6 +291,7 @@ def run_parity(off_cfg: Config, on_cfg: Config, steps: int, *, flags: Optional[l
     """
     if rtol is not None and not (rtol >= 0 and math.isfinite(rtol)):
         raise ConfigError("--rtol", rtol, "must be a finite number >= 0", "pass e.g. --rtol 1e-6, or omit it for bitwise")
+    _same_parameters(off_cfg, on_cfg, flags)
     runs = [_Run(prepare(off_cfg, steps)), _Run(prepare(on_cfg, steps))]
     report = ParityReport(list(flags or []), steps, rtol)
     for step in range(steps):

@@ -38,6 +38,25 @@ def test_a_tolerance_accepts_what_bitwise_rejects():
     assert run_parity(off, on, 2, rtol=1e-4).equal
 
 
+def test_flags_that_change_the_parameters_are_refused_before_anything_runs(monkeypatch):
+    import trainer.parity as parity
+
+    monkeypatch.setattr(parity, "_Run", None)  # nothing may be built
+    with pytest.raises(ConfigError) as err:
+        run_parity(cfg(), cfg("moe.num_experts=8"), 1, flags=["moe.num_experts=8"])
+    line = err.value.one_line()
+    assert line.startswith("--flag='moe.num_experts=8': changes the model's parameters (") and "expert weights" in line
+    assert "router" in line and "parity compares one model run two ways" in line
+
+
+def test_flags_that_keep_the_parameters_pass_that_check():
+    from trainer.parity import _same_parameters
+
+    for flag in ("moe.single_grouped_weight=false", "mixed_precision.bf16=true", "moe.router_topk=1",
+                 "moe.backend=loop", "parallel.overlap_grad_reduce=true"):
+        _same_parameters(cfg(), cfg(flag), [flag])
+
+
 def test_steps_beyond_the_schedule_are_refused():
     with pytest.raises(ConfigError, match="train.train_iters=3"):
         run_parity(cfg(), cfg(), 4)
