@@ -32,6 +32,9 @@ def _rank1_aborts(rank: int, world_size: int, marker: str, every_time: bool, the
     ranks return, or meet in a barrier (where rank 0 alone meets gloo's "Connection reset by peer" if rank 1 died),
     or rank 0 fails on its own."""
     print(f"rank {rank} says hello", file=sys.stderr, flush=True)
+    # Both ranks finish connecting first: a rank that returned at once could close its side while the other was
+    # still in gloo's connectFullMesh ("Connection closed by peer" in init_process_group, once in a full run).
+    dist.barrier()
     if rank == 1 and (every_time or not os.path.exists(marker)):
         Path(marker).touch()
         os.abort()
