@@ -511,10 +511,10 @@ def _hf_index(src: Path) -> tuple[dict[str, tuple[torch.dtype, list[int]]], Call
         )
     handles, index, where = {}, {}, {}
     for f in files:
-        _require_readable(src / f)
         try:
             handles[f] = h = safe_open(str(src / f), framework="pt", device="cpu")
         except Exception as e:
+            _require_readable(src / f)  # an OS refusal says so; else the file opens and is no safetensors
             raise CheckpointError(f"{src / f}: not a readable safetensors file ({e})",
                                   "re-download or re-save it") from None  # fmt: skip
         for name in h.keys():
@@ -540,7 +540,8 @@ def _require_readable(path: Path) -> None:
     """A `CheckpointError` naming the OS's reason (errno's text) unless `path` opens for reading.
 
     safetensors reports every failure to open a file as a FileNotFoundError "No such file or directory" (no
-    errno), so a model file this user may not read was said to be missing; opening it here first gets the truth.
+    errno), so a model file this user may not read was said to be missing; opening it here, once safe_open has
+    failed, gets the truth.
     """
     try:
         with open(path, "rb"):

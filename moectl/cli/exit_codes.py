@@ -38,8 +38,8 @@ STOPPED_SAVED = 3
 
 
 def reader_gone() -> int:
-    """The code of a command whose stdout reader left (a closed pipe): 128 + SIGPIPE."""
-    return 128 + signal.SIGPIPE
+    """The code of a command whose stdout reader left (a closed pipe): 128 + SIGPIPE, as for any signal."""
+    return stopped_unsaved(signal.SIGPIPE)
 
 
 def stopped_unsaved(signum: int) -> int:
