@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moectl.core.facts import QKV_ROWS_ATTR, QkvRows
 from trainer.linear import Linear
 from trainer.norm import RMSNorm, rms_norm
 from trainer.precision import Recipe
@@ -48,6 +49,9 @@ class SelfAttention(nn.Module):
         lin = dict(bias=False, dtype=dtype, recipe=recipe, gradient_accumulation_fusion=gradient_accumulation_fusion)
         self.linear_qkv = Linear(hidden_size, qkv_rows, **lin)  # type: ignore[arg-type]
         self.linear_proj = Linear(num_heads * self.head_dim, hidden_size, **lin)  # type: ignore[arg-type]
+        # three linear maps in Megatron's per-group rows (Muon orthogonalises them apart, as Megatron does)
+        rows = QkvRows(num_groups, num_heads // num_groups * self.head_dim, self.head_dim)
+        setattr(self.linear_qkv.weight, QKV_ROWS_ATTR, rows)
         self.q_layernorm = RMSNorm(self.head_dim, norm_epsilon, dtype=dtype) if qk_layernorm else None
         self.k_layernorm = RMSNorm(self.head_dim, norm_epsilon, dtype=dtype) if qk_layernorm else None
 

@@ -9,8 +9,8 @@ masters into the bf16 params. Two rows differ only in the Newton-Schulz dtype (b
 fp32, the CPU default and the earlier GPU one); a part row times Muon's update alone (bf16).
 
 Muon's step is compute-bound (Newton-Schulz GEMMs), so its rows carry a FLOP rate, not a bandwidth floor:
-`ns_flops` per step (`muon.ns_flops` over every matrix Muon steps, fc1's gate and up halves apart under
-the default `optimizer.muon_split_glu`) divided by the row's time, the whole step's time for the step rows
+`ns_flops` per step (`muon.ns_flops` over every matrix Muon steps, fc1's gate and up halves and QKV's query,
+key and value parts apart under the default `optimizer.muon_split_glu` and `muon_split_qkv`) divided by the row's time, the whole step's time for the step rows
 (a lower bound on the GEMMs' own rate). `ns_flops` counts the standard chain's products; where the bf16 rows
 run the Gram form (`optimizer.muon_ns_method: auto` on the Triton GEMMs, long side >= 2x the short one)
 fewer FLOPs are done, so their rate is the chain-equivalent one.
@@ -70,7 +70,8 @@ def ns_flops_per_step(muon: Any) -> int:
     """Newton-Schulz FLOPs of one step of `muon` (a `LayerWiseMuon`): every matrix it steps."""
     from trainer.optim.muon import ns_flops
 
-    return sum(ns_flops(m.ns_shape, muon.cfg.muon_ns_steps) for s in muon.shards for m in s.matrices)
+    return sum(ns_flops(shape, muon.cfg.muon_ns_steps) for s in muon.shards for m in s.matrices
+               for shape in m.ns_shapes)
 
 
 def muon_rows(ms: dict[str, float], t_torch: float, flops: int) -> tuple[list[dict[str, Any]], list[str]]:

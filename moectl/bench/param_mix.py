@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moectl.core.facts import GLU_ROWS_ATTR, GluRows
+from moectl.core.facts import GLU_ROWS_ATTR, QKV_ROWS_ATTR, GluRows, QkvRows
 
 
 @dataclass(frozen=True)
@@ -139,6 +139,9 @@ def build_params(shape: MixShape, device: torch.device, dtype: torch.dtype, seed
             p.expert_parallel = True  # type: ignore[attr-defined]
         if name.endswith(".linear_fc1.weight"):
             setattr(p, GLU_ROWS_ATTR, GluRows())  # SwiGLU [gate; up] rows (Muon splits them by default)
+        if name.endswith(".linear_qkv.weight"):  # Megatron's per-group rows (Muon splits them by default)
+            hd = shape.hidden // shape.heads
+            setattr(p, QKV_ROWS_ATTR, QkvRows(shape.kv_heads, shape.heads // shape.kv_heads * hd, hd))
         _attach(root, name, p)
     return root
 

@@ -88,6 +88,32 @@ class GluRows:
     interleave: Optional[int] = None
 
 
+#: the attribute a fused QKV weight parameter carries (a `QkvRows`), set where attention builds it and read by
+#: what treats its query, key and value rows as three linear maps (Muon with `optimizer.muon_split_qkv`)
+QKV_ROWS_ATTR = "qkv_rows"
+
+
+@dataclass(frozen=True)
+class QkvRows:
+    """How the rows of a fused QKV weight `[G * (q + 2 kv), in]` hold its three maps, Megatron-Core's layout:
+    per query group (G of them) `q` query rows (the group's heads times the head dim), then `kv` key rows, then
+    `kv` value rows."""
+
+    groups: int
+    q: int
+    kv: int
+
+    @property
+    def parts(self) -> tuple[tuple[int, int], ...]:
+        """The (first row, end row) of the query, key and value rows inside one group's block."""
+        return (0, self.q), (self.q, self.q + self.kv), (self.q + self.kv, self.q + 2 * self.kv)
+
+    @property
+    def group_rows(self) -> int:
+        """Rows per query group: `q + 2 kv`."""
+        return self.q + 2 * self.kv
+
+
 # --- device-dependent defaults ------------------------------------------------------------------------
 # `device_kind` is "cuda" or "cpu" (a torch.device's `type`; the rules pass what `train.device` says).
 

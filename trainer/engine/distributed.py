@@ -47,8 +47,8 @@ class DistributedEngine:
         parallel_cfg = dataclasses.replace(parallel_cfg, overlap_grad_reduce=grad, overlap_param_gather=gather)
         muon = optimizer_cfg.optimizer == "muon"
         # Muon: matrices tagged "muon" in layer-wise buffers (whole matrices per rank), the rest "adam".
-        options = (muon_model_options(parallel_cfg.use_distributed_optimizer, optimizer_cfg.muon_split_glu)
-                   if muon else {})
+        options = (muon_model_options(parallel_cfg.use_distributed_optimizer, optimizer_cfg.muon_split_glu,
+                                      optimizer_cfg.muon_split_qkv) if muon else {})
         self.dmodel = DistributedModel(model, parallel_cfg, pstate, storage=storage, **options)
         self.dmodel.broadcast_params()
         self.optimizer: DistributedOptimizer | ChainedOptimizer = (

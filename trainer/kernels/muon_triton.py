@@ -20,10 +20,19 @@ written back: nothing reads a Muon grad after the step). Not bitwise the torch p
 accumulated in another (fixed) order and kept in fp32 where `vector_norm` of a bf16 batch rounds the norm to bf16
 (tested within a stated tolerance, tests/trainer/kernels/test_muon_triton.py).
 
+The fp32 tensors (grad, momentum, master, and the published param) may also be row-block views instead of
+contiguous: `[G, r, n]` blocks of whole rows, as `muon.qkv_parts` cuts a fused QKV weight into its query, key
+and value parts across the query groups. Each program then reads and writes those tensors at its block's place
+in the view (`_block_table`: BLOCK-element blocks, so each r x n row block must be whole blocks) and the batch
+slot, whose rows the blocks stack into, in order: one launch per part, the same per-element math.
+
 Imported lazily on CUDA only; importing it needs Triton.
 """
 
 from __future__ import annotations
+
+from functools import lru_cache
+from typing import Optional
 
 import torch
 import triton
@@ -38,6 +47,45 @@ def fits(slice_elems: int) -> bool:
     return slice_elems % BLOCK == 0
 
 
+def _block_table(t: torch.Tensor) -> Optional[torch.Tensor]:
+    """Where each BLOCK-element block of a row-block view `t` (`[..., r, n]`, rows contiguous) starts, in blocks
+    from `t`'s first element, in `t`'s element order: an int64 table on `t`'s device; None for a contiguous `t`
+    (block b at b). Refuses a layout whose blocks are not whole rows of whole row blocks."""
+    if t.is_contiguous():
+        return None
+    return _table(tuple(t.shape), tuple(t.stride()), t.device)
+
+
+@lru_cache(maxsize=None)
+def _table(shape: tuple[int, ...], stride: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    *lead, r, n = shape
+    if len(shape) < 3 or stride[-1] != 1 or stride[-2] != n or (r * n) % BLOCK or any(s % BLOCK for s in stride[:-2]):
+        raise ValueError(f"Muon's fused kernels take contiguous tensors or whole-block row-block views, got shape "
+                         f"{shape} strides {stride}")
+    per = r * n // BLOCK
+    starts = torch.zeros((), dtype=torch.int64)
+    for size, step in zip(lead, stride[:-2]):
+        starts = (starts.unsqueeze(-1) + torch.arange(size) * (step // BLOCK)).flatten()
+    return (starts.unsqueeze(-1) + torch.arange(per)).flatten().to(device)
+
+
+def takes(t: torch.Tensor) -> bool:
+    """Whether the fused kernels take `t` as a grad, momentum, master or published param: contiguous, or a
+    row-block view of whole blocks."""
+    try:
+        _block_table(t)
+    except ValueError:
+        return False
+    return True
+
+
+def _same_layout(kernel: str, t: torch.Tensor, other: torch.Tensor) -> None:
+    """`other` (a momentum, a published param) is laid out as `t`, so one block table serves both."""
+    if other.shape != t.shape or (not (t.is_contiguous() and other.is_contiguous()) and other.stride() != t.stride()):
+        raise ValueError(f"Muon's fused {kernel}: {tuple(other.shape)} strides {other.stride()} is not laid out as "
+                         f"{tuple(t.shape)} strides {t.stride()}")
+
+
 @triton.jit
 def _lerp(a, b, w):
     """torch's lerp: a + w (b - a) for w < 0.5, else b - (b - a)(1 - w) (exact at both ends)."""
@@ -47,18 +95,22 @@ def _lerp(a, b, w):
 
 
 @triton.jit
-def _blend_kernel(g_ptr, m_ptr, out_ptr, partial_ptr, block0, coef, coef_ptr, skip_ptr, beta, NESTEROV: tl.constexpr,
-                  COEF_ON_DEVICE: tl.constexpr, SKIP: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+def _blend_kernel(g_ptr, m_ptr, out_ptr, partial_ptr, table_ptr, block0, coef, coef_ptr, skip_ptr, beta,
+                  NESTEROV: tl.constexpr, COEF_ON_DEVICE: tl.constexpr, SKIP: tl.constexpr, TABLE: tl.constexpr,
+                  BLOCK: tl.constexpr):  # fmt: skip
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    src = offs  # grad and momentum: the block's place in a row-block view, else the slot's
+    if TABLE:
+        src = tl.load(table_ptr + pid) * BLOCK + tl.arange(0, BLOCK)
     if COEF_ON_DEVICE:
         coef = tl.load(coef_ptr)
-    g = tl.load(g_ptr + offs).to(tl.float32) * coef
-    m = _lerp(tl.load(m_ptr + offs), g, 1.0 - beta)
+    g = tl.load(g_ptr + src).to(tl.float32) * coef
+    m = _lerp(tl.load(m_ptr + src), g, 1.0 - beta)
     if SKIP:  # a non-finite step: the momentum stays as it was (the blend is computed, and never applied)
-        tl.store(m_ptr + offs, m, mask=(offs >= 0) & (tl.load(skip_ptr) == 0.0))
+        tl.store(m_ptr + src, m, mask=(src >= 0) & (tl.load(skip_ptr) == 0.0))
     else:
-        tl.store(m_ptr + offs, m)
+        tl.store(m_ptr + src, m)
     u = m
     if NESTEROV:
         u = _lerp(g, m, beta)
@@ -78,31 +130,37 @@ def _normalize_kernel(x_ptr, sumsq_ptr, eps, SLICE: tl.constexpr, BLOCK: tl.cons
 
 
 @triton.jit
-def _apply_kernel(p_ptr, o_ptr, q_ptr, skip_ptr, decay, alpha, PUBLISH: tl.constexpr, SKIP: tl.constexpr,
-                  BLOCK: tl.constexpr):  # fmt: skip
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    keep = offs >= 0
+def _apply_kernel(p_ptr, o_ptr, q_ptr, skip_ptr, table_ptr, decay, alpha, PUBLISH: tl.constexpr, SKIP: tl.constexpr,
+                  TABLE: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    dst = offs  # master and param: the block's place in a row-block view, else the update's
+    if TABLE:
+        dst = tl.load(table_ptr + pid) * BLOCK + tl.arange(0, BLOCK)
+    keep = dst >= 0
     if SKIP:  # a non-finite step: the master and the param stay as they were
         keep = keep & (tl.load(skip_ptr) == 0.0)
-    p = tl.load(p_ptr + offs) * decay
+    p = tl.load(p_ptr + dst) * decay
     p = p + alpha * tl.load(o_ptr + offs).to(tl.float32)
-    tl.store(p_ptr + offs, p, mask=keep)
+    tl.store(p_ptr + dst, p, mask=keep)
     if PUBLISH:  # round to nearest even, as staging's `copy_` casts
-        tl.store(q_ptr + offs, p.to(q_ptr.dtype.element_ty), mask=keep)
+        tl.store(q_ptr + dst, p.to(q_ptr.dtype.element_ty), mask=keep)
 
 
 def blend_(grad: torch.Tensor, momentum: torch.Tensor, out: torch.Tensor, partials: torch.Tensor, first_block: int,
            *, coef: float | torch.Tensor, beta: float, nesterov: bool, skip: torch.Tensor | None = None) -> None:
     """`momentum.lerp_(grad * coef, 1 - beta)`; `out` = the Nesterov blend (or the momentum) in its dtype;
     `partials[first_block + b]` = the sum of squares of block b of `out` (BLOCK elements; `slice_sums` turns
-    them into per-slice sums). All contiguous, of one element count that is whole slices of `out`'s trailing
-    `[m, n]` (`fits`).
+    them into per-slice sums). Of one element count that is whole slices of `out`'s trailing `[m, n]` (`fits`);
+    `out` contiguous, grad and momentum contiguous or both one row-block view (the module docstring).
 
     The device verdict (`grad_norm.GradVerdict`) may stay on the device: `coef` an fp32 scalar tensor read by
     the kernel, `skip` an fp32 scalar (`found_inf`) that, when 1, leaves the momentum unwritten."""
     n, slice_elems = out.numel(), out.shape[-2] * out.shape[-1]
-    if not (grad.is_contiguous() and momentum.is_contiguous() and out.is_contiguous()):
-        raise ValueError("Muon's fused blend needs contiguous grad, momentum and output")
+    if not out.is_contiguous():
+        raise ValueError("Muon's fused blend needs a contiguous output")
+    table = _block_table(grad)  # grad and momentum contiguous, or one row-block layout
+    _same_layout("blend", grad, momentum)
     if grad.numel() != n or momentum.numel() != n or momentum.dtype != torch.float32 or not fits(slice_elems):
         raise ValueError(f"Muon's fused blend: {grad.numel()}/{momentum.numel()}/{n} elements, slices of {slice_elems}")
     if partials.dtype != torch.float32 or first_block + n // BLOCK > partials.numel():
@@ -111,10 +169,10 @@ def blend_(grad: torch.Tensor, momentum: torch.Tensor, out: torch.Tensor, partia
     _check_scalar("blend", "coef", coef if on_device else None, out.device)
     _check_scalar("blend", "skip", skip, out.device)
     coef_ptr = coef if on_device else partials  # not read unless COEF_ON_DEVICE
-    _blend_kernel[(n // BLOCK,)](grad, momentum, out, partials, first_block, 1.0 if on_device else coef, coef_ptr,
-                                 partials if skip is None else skip, beta, NESTEROV=nesterov,
-                                 COEF_ON_DEVICE=on_device, SKIP=skip is not None, BLOCK=BLOCK,
-                                 num_warps=8)  # fmt: skip
+    _blend_kernel[(n // BLOCK,)](grad, momentum, out, partials, partials if table is None else table, first_block,
+                                 1.0 if on_device else coef, coef_ptr, partials if skip is None else skip, beta,
+                                 NESTEROV=nesterov, COEF_ON_DEVICE=on_device, SKIP=skip is not None,
+                                 TABLE=table is not None, BLOCK=BLOCK, num_warps=8)  # fmt: skip
 
 
 def _check_scalar(kernel: str, name: str, t: torch.Tensor | None, device: torch.device) -> None:
@@ -138,15 +196,17 @@ def normalize_(X: torch.Tensor, sumsq: torch.Tensor, eps: float) -> None:
 
 def apply_(master: torch.Tensor, ortho: torch.Tensor, *, decay: float, alpha: float,
            publish: torch.Tensor | None = None, skip: torch.Tensor | None = None) -> None:
-    """`master = master * decay + alpha * ortho` in place (fp32 master, contiguous, whole blocks); `publish`
-    (contiguous, master's element count): also receives the new master cast to its dtype. `skip` (one fp32
+    """`master = master * decay + alpha * ortho` in place (fp32 master, contiguous or a row-block view, whole
+    blocks; `ortho` contiguous); `publish` (laid out as the master): also receives the new master cast to its dtype. `skip` (one fp32
     element on the device, `found_inf`): when 1, neither the master nor `publish` is written."""
     n = master.numel()
-    if not (master.is_contiguous() and ortho.is_contiguous()) or ortho.numel() != n or n % BLOCK:
+    if not ortho.is_contiguous() or ortho.numel() != n or n % BLOCK:
         raise ValueError(f"Muon's fused apply: master {tuple(master.shape)}, update {tuple(ortho.shape)}")
-    if publish is not None and (not publish.is_contiguous() or publish.numel() != n):
-        raise ValueError(f"Muon's fused apply: master {tuple(master.shape)}, published {tuple(publish.shape)}")
+    table = _block_table(master)  # master and publish contiguous, or one row-block layout
+    if publish is not None:
+        _same_layout("apply", master, publish)
     _check_scalar("apply", "skip", skip, master.device)
     _apply_kernel[(n // BLOCK,)](master, ortho, master if publish is None else publish,
-                                 master if skip is None else skip, decay, alpha, PUBLISH=publish is not None,
-                                 SKIP=skip is not None, BLOCK=BLOCK, num_warps=8)  # fmt: skip
+                                 master if skip is None else skip, master if table is None else table, decay, alpha,
+                                 PUBLISH=publish is not None, SKIP=skip is not None, TABLE=table is not None,
+                                 BLOCK=BLOCK, num_warps=8)  # fmt: skip

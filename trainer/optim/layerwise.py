@@ -12,7 +12,9 @@ machinery does the distribution:
 - update: each rank runs `muon_batch.muon_step_` over the fp32 masters (+ momentum) of all the matrices
   it owns: one batched Newton-Schulz per group of same-shaped matrices, in `optimizer.muon_compute_dtype`
   (`muon.resolve_compute_dtype`: bf16 on sm80+ GPUs, fp32 on CPU); with `optimizer.muon_split_glu` a gated
-  fc1 weight (`muon_routing.glu_rows`) counts as its gate and up halves, in the plan's cost as in the step;
+  fc1 weight (`muon_routing.glu_rows`) counts as its gate and up halves, and with `optimizer.muon_split_qkv`
+  a fused QKV weight (`muon_routing.qkv_rows`) as its query, key and value parts, in the plan's cost as in
+  the step;
 - params: each owned group is staged (masters -> this rank's shard of the param buffer, through the
   buffer's `ParamStorage`, so low-precision storage can quantize there) and all-gathered now, or lazily
   by the next forward's pre-hooks with `overlap_param_gather`. Where staging is a plain cast copy (bf16
@@ -45,13 +47,13 @@ from typing import Iterator, Literal, Optional
 import torch
 
 from moectl.core.config.schema import OptimizerConfig
-from moectl.core.facts import GluRows
+from moectl.core.facts import GluRows, QkvRows
 from trainer.distributed.bucket import Bucket
 from trainer.distributed.ddp import DistributedModel
 from trainer.optim.grad_norm import GradVerdict
-from trainer.optim.muon import glu_split_shape, resolve_compute_dtype
-from trainer.optim.muon_batch import MuonMatrix, muon_step_
-from trainer.optim.muon_routing import MUON_TAG, split_glu_rows
+from trainer.optim.muon import resolve_compute_dtype
+from trainer.optim.muon_batch import MuonMatrix, muon_step_, qkv_matrices
+from trainer.optim.muon_routing import MUON_TAG, ns_shapes, split_glu_rows, split_qkv_rows
 from trainer.optim.sharded_base import Segment, ShardBase, ShardedOptimizerBase
 from trainer.switches import switched_off
 
@@ -63,7 +65,8 @@ DEVICE_VERDICT_ENV = "MOECTL_MUON_DEVICE_VERDICT"
 class _Matrix:
     """One owned run of whole matrices: elements [lo, hi) of its shard (shard-local) hold the param's flat
     [param_lo, param_hi) (the whole param, or whole expert slices of a spread `[E, out, in]` weight).
-    `glu`: the row layout of a gated fc1 weight orthogonalised as gate and up halves, else None."""
+    `glu`: the row layout of a gated fc1 weight orthogonalised as gate and up halves, `qkv` that of a fused QKV
+    weight orthogonalised as its query, key and value parts, else None."""
 
     name: str
     param: torch.nn.Parameter
@@ -72,6 +75,7 @@ class _Matrix:
     param_lo: int
     param_hi: int
     glu: Optional[GluRows] = None
+    qkv: Optional[QkvRows] = None
 
     @property
     def shape(self) -> torch.Size:
@@ -82,9 +86,9 @@ class _Matrix:
         return torch.Size(((self.param_hi - self.param_lo) // (m * n), m, n))
 
     @property
-    def ns_shape(self) -> torch.Size:
-        """What Newton-Schulz sees: `shape`, or `[*lead, 2, F, in]` for gate and up halves."""
-        return self.shape if self.glu is None else glu_split_shape(self.shape)
+    def ns_shapes(self) -> list[torch.Size]:
+        """What Newton-Schulz sees (`muon_routing.ns_shapes`): `[shape]`, gate and up halves, or the QKV parts."""
+        return ns_shapes(self.shape, self.glu, self.qkv)
 
     @property
     def slices(self) -> tuple[int, int]:
@@ -150,7 +154,8 @@ class LayerWiseMuon(ShardedOptimizerBase):
                     "needs whole matrices; build the DistributedModel with layouts={tag: plan_layerwise_buffer}"
                 )
             shard.matrices.append(_Matrix(name, pc.param, pc.bucket_lo - lo, pc.bucket_hi - lo, pc.param_lo,
-                                          pc.param_hi, split_glu_rows(pc.param, self.cfg.muon_split_glu)))
+                                          pc.param_hi, split_glu_rows(pc.param, self.cfg.muon_split_glu),
+                                          split_qkv_rows(pc.param, self.cfg.muon_split_qkv)))
         return shard
 
     # ---------------------------------------------------------------- ownership
@@ -195,8 +200,11 @@ class LayerWiseMuon(ShardedOptimizerBase):
                 shape = m.shape
                 grad = s.bucket.grad_data[s.lo + m.lo:s.lo + m.hi].view(shape)
                 publish = None if target is None else target[m.lo:m.hi].view(shape)
-                matrices.append(MuonMatrix(s.master[m.lo:m.hi].view(shape), grad,
-                                           s.momentum_buffer[m.lo:m.hi].view(shape), m.glu, publish))
+                master, momentum = s.master[m.lo:m.hi].view(shape), s.momentum_buffer[m.lo:m.hi].view(shape)
+                if m.qkv is not None:
+                    matrices += qkv_matrices(master, grad, momentum, m.qkv, publish)
+                else:
+                    matrices.append(MuonMatrix(master, grad, momentum, m.glu, publish))
             s.published = target is not None  # every matrix of the shard; its padding never changes
         muon_step_(matrices, lr=lr, momentum=self.cfg.muon_momentum, nesterov=self.cfg.muon_nesterov,
                    ns_steps=self.cfg.muon_ns_steps, weight_decay=self.cfg.weight_decay,

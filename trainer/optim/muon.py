@@ -55,7 +55,8 @@ A = X X^T and X's next value is at most ~1.2 in size and B's at most |b| + |c| <
 Gated fc1 weights (`optimizer.muon_split_glu`, default on): the `2F` rows of a SwiGLU/GeGLU fc1 `[2F, in]`
 are two linear maps, gate and up, stored together; split, each `[F, in]` half is orthogonalised alone and
 scaled by its own Moonlight factor `0.2 * sqrt(max(F, in))`, as Megatron-Core orthogonalises the q, k and v
-parts of a fused QKV weight apart (`muon_split_qkv`, on by default there; it has no such split for fc1).
+parts of a fused QKV weight apart (`muon_split_qkv`, on by default there, and here: `qkv_parts`, each part's
+rows of every query group stacked; Megatron has no such split for fc1).
 `glu_split_shape` is the shape Newton-Schulz then sees (`[*lead, 2, F, in]`: every function here reads
 trailing matrices, so `ns_cost`, `ns_flops` and `muon_lr_scale` take it as is) and `glu_halves` the rows
 in that order (a view; with `moe.glu_interleave_size` I a strided one that gathers the `[g(I), u(I), ...]`
@@ -75,6 +76,7 @@ from typing import Optional
 
 import torch
 
+from moectl.core.facts import QkvRows
 from trainer.optim.muon_gram import iterate_gram, symm_torch
 from trainer.switches import switched_off
 
@@ -281,6 +283,23 @@ def glu_halves(t: torch.Tensor, interleave: Optional[int]) -> torch.Tensor:
     if rows % 2 or i <= 0 or f % i:
         raise ValueError(f"gated fc1 rows {rows} do not split into gate/up blocks of {interleave}")
     return t.unflatten(-2, (f // i, 2, i)).transpose(-4, -3)
+
+
+def qkv_parts(t: torch.Tensor, rows: QkvRows) -> list[torch.Tensor]:
+    """The query, key and value rows of a fused QKV tensor `[G (q + 2 kv), n]` as three `[G, r, n]` views (r = q,
+    kv, kv): each the part's row block of every query group, in group order. Newton-Schulz sees a part as the
+    `[G r, n]` matrix these blocks stack into (`qkv_split_shapes`), as Megatron-Core splits it."""
+    if t.dim() != 2 or t.size(0) != rows.groups * rows.group_rows:
+        raise ValueError(f"a fused QKV weight of {rows.groups} groups of {rows.group_rows} rows, got {tuple(t.shape)}")
+    blocks = t.view(rows.groups, rows.group_rows, t.size(1))
+    return [blocks[:, lo:hi] for lo, hi in rows.parts]
+
+
+def qkv_split_shapes(shape: torch.Size | tuple[int, ...], rows: QkvRows) -> list[torch.Size]:
+    """The shapes Newton-Schulz sees for the query, key and value parts of a fused QKV weight of `shape`."""
+    if len(shape) != 2 or shape[0] != rows.groups * rows.group_rows:
+        raise ValueError(f"a fused QKV weight of {rows.groups} groups of {rows.group_rows} rows, got {tuple(shape)}")
+    return [torch.Size((rows.groups * (hi - lo), shape[1])) for lo, hi in rows.parts]
 
 
 def ns_cost(shape: torch.Size | tuple[int, ...]) -> int:

@@ -31,6 +31,13 @@ whole weight is gathered into the slot (one copy) and the result scattered back 
 (one copy). Momentum, weight decay and update run on the whole weight either way, so each half gets the
 bits the existing single-matrix iteration gives it alone (CPU, tested).
 
+A fused QKV weight given with its row layout (`optimizer.muon_split_qkv`) is three matrices, its query, key and
+value parts (`qkv_matrices`): each a `MuonMatrix` of `[G, r, n]` row-block views of the weight's tensors
+(`stacked`: one part's rows of every query group), which Newton-Schulz sees as one `[G r, n]` matrix in the batch
+of every other matrix of that shape (a query part `[D, D]` joins the output projections). The blend writes the
+blocks into the slot in order and the update reads them back from it, in place on the weight (the fused kernels
+through a block table, `kernels/muon_triton.py`): no copy.
+
 A batch holds at most `MAX_BATCH_ELEMENTS` elements (a larger single matrix goes alone): the iteration
 keeps about four batch-sized tensors alive (X, the Gram matrices A and B, the next X; the Gram form of a
 `[m, 2m]` batch about five: six `[m, m]` matrices), and batching gains nothing once one GEMM fills the device
@@ -44,10 +51,10 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
-from moectl.core.facts import GluRows
+from moectl.core.facts import GluRows, QkvRows
 from trainer.kernels import has_triton
 from trainer.optim.grad_norm import clipped
-from trainer.optim.muon import glu_halves, glu_split_shape, muon_lr_scale, orthogonalize_
+from trainer.optim.muon import glu_halves, glu_split_shape, muon_lr_scale, orthogonalize_, qkv_parts
 from trainer.streams import side_stream
 from trainer.switches import switched_off
 
@@ -62,23 +69,32 @@ class MuonMatrix:
     and momentum, all of one shape:
     `[m, n]`, or `[k, m, n]` for k expert slices. `glu`: the row layout of a gated fc1 weight to
     orthogonalise as gate and up halves (None: as it is). `publish`: where the updated master goes, cast
-    (the param's range of a bf16 param buffer: the update writes it, so staging need not copy it), or None."""
+    (the param's range of a bf16 param buffer: the update writes it, so staging need not copy it), or None.
+    `stacked`: the tensors are `[G, r, n]` row blocks of one weight (a part of a fused QKV weight,
+    `qkv_matrices`) that Newton-Schulz sees stacked as one `[G r, n]` matrix."""
 
     master: torch.Tensor
     grad: torch.Tensor
     momentum: torch.Tensor
     glu: Optional[GluRows] = None
     publish: Optional[torch.Tensor] = None
+    stacked: bool = False
 
     def __post_init__(self) -> None:
         if self.glu is not None:
             glu_halves(self.master, self.glu.interleave)  # refuses rows that are no gate/up blocks
+        if self.stacked and (self.glu is not None or self.master.dim() != 3):
+            raise ValueError(f"stacked row blocks are one [G, r, n] part, got {tuple(self.master.shape)}")
         if self.publish is not None and self.publish.shape != self.master.shape:
             raise ValueError(f"published param {tuple(self.publish.shape)} != master {tuple(self.master.shape)}")
 
     @property
     def shape(self) -> torch.Size:
-        """What Newton-Schulz sees: the master's shape, or `[*lead, 2, F, n]` for gate and up halves."""
+        """What Newton-Schulz sees: the master's shape, `[*lead, 2, F, n]` for gate and up halves, `[G r, n]`
+        for stacked row blocks."""
+        if self.stacked:
+            g, r, n = self.master.shape
+            return torch.Size((g * r, n))
         return self.master.shape if self.glu is None else glu_split_shape(self.master.shape)
 
     @property
@@ -91,6 +107,15 @@ class MuonMatrix:
     def gathers(self) -> bool:
         """Whether the batch slot is not the master's rows in order (interleaved gate/up blocks)."""
         return self.glu is not None and self.glu.interleave is not None
+
+
+def qkv_matrices(master: torch.Tensor, grad: torch.Tensor, momentum: torch.Tensor, rows: QkvRows,
+                 publish: Optional[torch.Tensor] = None) -> list[MuonMatrix]:
+    """The query, key and value parts of a fused QKV weight's tensors (`[G (q + 2 kv), n]` each, Megatron's
+    per-group rows) as three stacked `MuonMatrix` (`muon.qkv_parts`): Muon orthogonalises each part alone."""
+    parts = [qkv_parts(t, rows) for t in (master, grad, momentum)]
+    published = qkv_parts(publish, rows) if publish is not None else [None] * 3
+    return [MuonMatrix(m, g, b, publish=p, stacked=True) for m, g, b, p in zip(*parts, published)]
 
 
 def batches(matrices: Sequence[MuonMatrix], max_elements: int = MAX_BATCH_ELEMENTS) -> Iterator[list[MuonMatrix]]:
@@ -119,15 +144,16 @@ def _kernels() -> Any:
 
 def fused_elementwise(run: Sequence[MuonMatrix], compute_dtype: torch.dtype) -> bool:
     """Whether `run`'s elementwise work goes through `kernels/muon_triton` (CUDA with Triton, a low-precision
-    iteration, no gathered gate/up halves, contiguous tensors whose slices tile into the kernels' blocks)."""
+    iteration, no gathered gate/up halves, tensors contiguous or stacked row blocks, whose slices tile into the
+    kernels' blocks)."""
     if compute_dtype == torch.float32 or run[0].master.device.type != "cuda" or not has_triton():
         return False
+    kernels = _kernels()
     for mat in run:
-        if mat.gathers or not _kernels().fits(mat.shape[-2] * mat.shape[-1]):
+        if mat.gathers or not kernels.fits(mat.shape[-2] * mat.shape[-1]):
             return False
-        if not all(t.is_contiguous() for t in (mat.master, mat.grad, mat.momentum)):
-            return False
-        if mat.publish is not None and not mat.publish.is_contiguous():
+        tensors = (mat.master, mat.grad, mat.momentum) + ((mat.publish,) if mat.publish is not None else ())
+        if not all(kernels.takes(t) for t in tensors):  # contiguous, or stacked row blocks of whole blocks
             return False
     return True
 

@@ -158,3 +158,68 @@ def test_blend_and_apply_read_the_verdict_on_the_device() -> None:
     assert all(torch.equal(a, b) for a, b in zip(ref, apply(zero)))
     skipped = apply(one)
     assert not torch.equal(ref[0], p) and torch.equal(skipped[0], p) and torch.equal(skipped[1], p.bfloat16())
+
+
+# --- row-block views: the query, key and value parts of a fused QKV weight (optimizer.muon_split_qkv) ---------
+@gpu
+@needs_kernels
+def test_blend_and_apply_on_row_block_views_are_the_contiguous_bits() -> None:
+    """The kernels on `[G, r, n]` row-block views of `[G, R, n]` tensors give, in those rows, exactly the bits
+    they give on contiguous copies of the blocks, and leave every other row of the tensors untouched."""
+    from trainer.kernels import muon_triton
+
+    G, R, n = 4, 6 * 128, 256
+    g, m, p = torch.randn(3, G, R, n, device="cuda").unbind(0)
+    for lo, hi in ((0, 4 * 128), (4 * 128, 5 * 128), (5 * 128, R)):  # Megatron's q, k, v rows of each group
+        whole_m = m.clone()
+        gv, mv, pv = g[:, lo:hi], whole_m[:, lo:hi], p.clone()[:, lo:hi]
+        assert not gv.is_contiguous() and muon_triton.takes(gv)
+        mc, pc = mv.contiguous(), pv.contiguous()
+        out_v, out_c = (torch.empty(G * (hi - lo), n, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+        blocks = out_v.numel() // muon_triton.BLOCK
+        part_v, part_c = torch.zeros(blocks, device="cuda"), torch.zeros(blocks, device="cuda")
+        muon_triton.blend_(gv, mv, out_v, part_v, 0, coef=0.37, beta=0.9, nesterov=True)
+        muon_triton.blend_(gv.contiguous(), mc, out_c, part_c, 0, coef=0.37, beta=0.9, nesterov=True)
+        assert torch.equal(out_v, out_c) and torch.equal(part_v, part_c) and torch.equal(mv, mc)
+        others = torch.ones(R, dtype=torch.bool)
+        others[lo:hi] = False
+        assert torch.equal(whole_m.view(G, R, n)[:, others], m[:, others])  # the other parts' rows: untouched
+        pub_c = torch.zeros_like(pc, dtype=torch.bfloat16)
+        pub_whole = torch.zeros(G, R, n, dtype=torch.bfloat16, device="cuda")
+        pub_v = pub_whole[:, lo:hi]
+        muon_triton.apply_(pv, out_v, decay=0.99, alpha=-0.1, publish=pub_v)
+        muon_triton.apply_(pc, out_c, decay=0.99, alpha=-0.1, publish=pub_c)
+        assert torch.equal(pv, pc) and torch.equal(pub_v, pub_c)
+        assert float(pub_whole[:, others].abs().max()) == 0.0
+    with pytest.raises(ValueError, match="whole-block row-block views"):
+        muon_triton.blend_(g[:, :, :128], m[:, :, :128], torch.empty(G * R, 128, dtype=torch.bfloat16, device="cuda"),
+                           torch.zeros(G * R * 128 // muon_triton.BLOCK, device="cuda"), 0, coef=1.0, beta=0.9,
+                           nesterov=True)  # fmt: skip
+
+
+@gpu
+@needs_kernels
+def test_fused_qkv_step_is_the_step_of_its_parts_as_contiguous_matrices(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fused QKV weight split (`qkv_matrices`, row-block views on the fused kernels) steps bitwise as its query,
+    key and value parts copied out as contiguous matrices do, and within the bf16 tolerance of the fp32 step."""
+    from moectl.core.facts import QkvRows
+    from trainer.optim.muon import qkv_parts
+
+    rows, n = QkvRows(4, 4 * 128, 128), 2048  # the reference model's attention: [3072, 2048]
+    gen = torch.Generator().manual_seed(5)
+    p, g, b = (torch.randn(rows.groups * rows.group_rows, n, generator=gen).cuda() for _ in range(3))
+    hp = dict(lr=0.02, momentum=0.95, nesterov=True, ns_steps=5, weight_decay=0.1, grad_scale=0.5)
+    split = muon_batch.qkv_matrices(p.clone(), g.clone(), b.clone(), rows)
+    assert fused_elementwise(split[:1], torch.bfloat16) and fused_elementwise(split[1:], torch.bfloat16)
+    parts = [MuonMatrix(*(qkv_parts(t, rows)[i].reshape(-1, n).clone() for t in (p, g, b))) for i in range(3)]
+    muon_step_(split, compute_dtype=torch.bfloat16, **hp)  # type: ignore[arg-type]
+    muon_step_(parts, compute_dtype=torch.bfloat16, **hp)  # type: ignore[arg-type]
+    for s, c in zip(split, parts):
+        assert torch.equal(s.master.reshape(-1, n), c.master) and torch.equal(s.momentum.reshape(-1, n), c.momentum)
+    ref32 = muon_batch.qkv_matrices(p.clone(), g.clone(), b.clone(), rows)
+    monkeypatch.setattr(muon_batch, "fused_elementwise", lambda run, dtype: False)
+    muon_step_(ref32, compute_dtype=torch.float32, **hp)  # type: ignore[arg-type]
+    whole = torch.cat([s.master for s in split], dim=1).reshape(p.shape)
+    whole32 = torch.cat([s.master for s in ref32], dim=1).reshape(p.shape)
+    d, d32 = whole - p, whole32 - p
+    assert float((d - d32).norm() / d32.norm()) <= RANDOM_TOL

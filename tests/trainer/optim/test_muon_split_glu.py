@@ -30,7 +30,7 @@ from moectl.core.facts import GLU_ROWS_ATTR, GluRows  # noqa: E402
 from trainer.optim.layerwise_layout import plan_layerwise_buffer, shard_loads, shape_cost  # noqa: E402
 from trainer.optim.muon import glu_split_shape, muon_update_, newton_schulz, ns_cost, ns_flops  # noqa: E402
 from trainer.optim.muon_batch import MuonMatrix, batches, muon_step_  # noqa: E402
-from trainer.optim.muon_routing import glu_rows, muon_cost, muon_ns_shape, split_glu_rows  # noqa: E402
+from trainer.optim.muon_routing import glu_rows, muon_cost, muon_ns_shapes, split_glu_rows  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # small GEMMs, and one thread keeps elementwise ops alike
 
@@ -199,7 +199,7 @@ def test_the_model_marks_gated_fc1_weights_only() -> None:
     p = nn.Parameter(torch.zeros(3, 8, 4))
     setattr(p, GLU_ROWS_ATTR, GluRows())
     assert split_glu_rows(p, True) == GluRows() and split_glu_rows(p, False) is None
-    assert muon_ns_shape(p, True) == (3, 2, 4, 4) and muon_ns_shape(p, False) == (3, 8, 4)
+    assert muon_ns_shapes(p, True, True) == [(3, 2, 4, 4)] and muon_ns_shapes(p, False, True) == [(3, 8, 4)]
     setattr(p, GLU_ROWS_ATTR, 4)
     with pytest.raises(TypeError, match="GluRows"):
         glu_rows(p)
