@@ -25,7 +25,7 @@ Any other param of more than 2 dims is refused rather than silently given to Ada
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional
+from typing import Any, Optional, TypeVar
 
 import torch
 
@@ -34,6 +34,8 @@ from moectl.core.facts import GLU_ROWS_ATTR, QKV_ROWS_ATTR, GluRows, QkvRows
 from trainer.distributed.ddp import DEFAULT_OPTIMIZER_TAG, is_expert_param
 from trainer.optim.layerwise_layout import CostFn, plan_layerwise_buffer
 from trainer.optim.muon import glu_split_shape, ns_cost, qkv_split_shapes
+
+Rows = TypeVar("Rows", GluRows, QkvRows)
 
 MUON_TAG = "muon"
 ADAM_TAG = DEFAULT_OPTIMIZER_TAG
@@ -61,12 +63,17 @@ def muon_tag(name: str, param: torch.nn.Parameter) -> str:
     return MUON_TAG if is_muon_param(name, param) else ADAM_TAG
 
 
+def _marked(param: torch.nn.Parameter, attr: str, kind: type[Rows]) -> Optional[Rows]:
+    """The row layout the model set on `param` as `attr` (a `kind`), None where it set none."""
+    rows = getattr(param, attr, None)
+    if rows is not None and not isinstance(rows, kind):
+        raise TypeError(f"a param's {attr} must be a {kind.__name__}, got {rows!r}")
+    return rows
+
+
 def glu_rows(param: torch.nn.Parameter) -> Optional[GluRows]:
     """The gate/up row layout of a gated fc1 weight (set by the model), None for any other param."""
-    rows = getattr(param, GLU_ROWS_ATTR, None)
-    if rows is not None and not isinstance(rows, GluRows):
-        raise TypeError(f"a param's {GLU_ROWS_ATTR} must be a GluRows, got {rows!r}")
-    return rows
+    return _marked(param, GLU_ROWS_ATTR, GluRows)
 
 
 def split_glu_rows(param: torch.nn.Parameter, split_glu: bool) -> Optional[GluRows]:
@@ -76,10 +83,7 @@ def split_glu_rows(param: torch.nn.Parameter, split_glu: bool) -> Optional[GluRo
 
 def qkv_rows(param: torch.nn.Parameter) -> Optional[QkvRows]:
     """The per-group query/key/value row layout of a fused QKV weight (set by the model), None for any other."""
-    rows = getattr(param, QKV_ROWS_ATTR, None)
-    if rows is not None and not isinstance(rows, QkvRows):
-        raise TypeError(f"a param's {QKV_ROWS_ATTR} must be a QkvRows, got {rows!r}")
-    return rows
+    return _marked(param, QKV_ROWS_ATTR, QkvRows)
 
 
 def split_qkv_rows(param: torch.nn.Parameter, split_qkv: bool) -> Optional[QkvRows]:
