@@ -197,8 +197,9 @@ def normalize_(X: torch.Tensor, sumsq: torch.Tensor, eps: float) -> None:
 def apply_(master: torch.Tensor, ortho: torch.Tensor, *, decay: float, alpha: float,
            publish: torch.Tensor | None = None, skip: torch.Tensor | None = None) -> None:
     """`master = master * decay + alpha * ortho` in place (fp32 master, contiguous or a row-block view, whole
-    blocks; `ortho` contiguous); `publish` (laid out as the master): also receives the new master cast to its dtype. `skip` (one fp32
-    element on the device, `found_inf`): when 1, neither the master nor `publish` is written."""
+    blocks; `ortho` contiguous); `publish` (laid out as the master): also receives the new master cast to its
+    dtype. `skip` (one fp32 element on the device, `found_inf`): when 1, neither the master nor `publish` is
+    written."""
     n = master.numel()
     if not ortho.is_contiguous() or ortho.numel() != n or n % BLOCK:
         raise ValueError(f"Muon's fused apply: master {tuple(master.shape)}, update {tuple(ortho.shape)}")

@@ -131,12 +131,11 @@ def test_verdict_on_the_device_steps_alike_and_a_skipped_step_changes_nothing() 
     host = qkv_matrices(p.clone(), g.clone(), buf.clone(), rows)
     dev = qkv_matrices(p.clone(), g.clone(), buf.clone(), rows)
     skipped = qkv_matrices(p.clone(), g.clone(), buf.clone(), rows)
-    muon_step_(host, nesterov=True, compute_dtype=torch.float32, grad_scale=0.5, **HP)  # type: ignore[arg-type]
-    muon_step_(dev, nesterov=True, compute_dtype=torch.float32, grad_scale=torch.tensor(0.5),  # type: ignore[arg-type]
-               found_inf=torch.tensor(0.0), **HP)
-    muon_step_(skipped, nesterov=True, compute_dtype=torch.float32, grad_scale=torch.tensor(0.5),  # type: ignore[arg-type]
-               found_inf=torch.tensor(1.0), **HP)
-    for a, b, c in zip(host, dev, skipped):
+    kw: dict = dict(nesterov=True, compute_dtype=torch.float32, **HP)
+    muon_step_(host, grad_scale=0.5, **kw)
+    muon_step_(dev, grad_scale=torch.tensor(0.5), found_inf=torch.tensor(0.0), **kw)
+    muon_step_(skipped, grad_scale=torch.tensor(0.5), found_inf=torch.tensor(1.0), **kw)
+    for a, b in zip(host, dev):
         assert torch.equal(a.master, b.master) and torch.equal(a.momentum, b.momentum)
     base = qkv_matrices(p, g, buf, rows)
     for s, b in zip(skipped, base):
