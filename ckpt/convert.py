@@ -33,7 +33,7 @@ from ckpt.layout import (
 )
 from ckpt.cleanup import undo_new_root
 from ckpt.collective import SOLO
-from ckpt.destination import new_destination
+from ckpt.destination import new_destination, raise_write_failure
 from ckpt.integrity import BackgroundVerify
 from ckpt.reader import Checkpoint, open_checkpoint, refusal
 from ckpt.save import save_checkpoint
@@ -188,16 +188,13 @@ def _convert(ck: Checkpoint, dst: Path, layout: str, glu_interleave_size: Option
     try:
         return save_checkpoint(root, ck.step, files, converted_meta(meta, layout, dst_i), group=SOLO,
                                precondition=source_intact)
-    except BaseException:
+    except BaseException as e:
         undo_new_root(root)
+        raise_write_failure("the converted checkpoint", root, e)  # the OS refused a write: one line
         raise
 
 
 def _new_root(dst: Path, src_step_dir: Path) -> Path:
-    dst = new_destination(dst, "give a new folder: convert never overwrites")
-    if src_step_dir.resolve() in dst.resolve().parents:
-        raise CheckpointError(f"destination {dst} is inside the source checkpoint {src_step_dir}",
-                              "write the converted checkpoint somewhere else")  # fmt: skip
-    return dst
+    return new_destination(dst, "give a new folder: convert never overwrites", source=src_step_dir)
 
 

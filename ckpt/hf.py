@@ -56,7 +56,7 @@ from safetensors.torch import save_file
 
 from ckpt.cleanup import undo_new_root
 from ckpt.convert import FilesOnDemand
-from ckpt.destination import new_destination
+from ckpt.destination import new_destination, raise_write_failure
 from ckpt.layout import PER_EXPERT, SINGLE_GROUPED, group_expert_keys, normalize_for_model, reinterleave_fc1
 from ckpt.inspect import tensor_role
 from ckpt.reader import open_checkpoint
@@ -301,8 +301,8 @@ def export_hf(
     loads them. Refuses, naming each setting, a model the format cannot express exactly.
     """
     fam = family(format)
-    dst = new_destination(Path(dst))
     with open_checkpoint(ckpt_path) as ck:
+        dst = new_destination(Path(dst), source=ck.path)
         cfg = _checkpoint_config(ck.meta, ck.path)
         why = unexportable(cfg, fam)
         if why:
@@ -322,8 +322,8 @@ def export_hf(
         dry.raise_problems(f"the checkpoint does not match its own config as a {fam.format} model")
         src = _Source(str(ck.path), index, ck.read, dry=False)
         tmp = dst.parent / f".{dst.name}.tmp-{secrets.token_hex(4)}"
-        tmp.mkdir(parents=True)
         try:
+            tmp.mkdir(parents=True)
             writer = _ShardWriter(tmp, max_shard_bytes)
             for u in d.units():
                 writer.add(_to_hf(src, d, fam, interleave, u))
@@ -334,8 +334,9 @@ def export_hf(
             generation = generation_config(written, ck.meta.get("hf"))
             (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
             os.rename(tmp, dst)
-        except BaseException:
+        except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
+            raise_write_failure("the export", dst, e)  # the OS refused a write: one line
             raise
     return dst
 
@@ -441,8 +442,9 @@ def import_hf(
     }  # fmt: skip
     try:
         step = save_checkpoint(root, 0, FilesOnDemand(plan, build), meta)  # type: ignore[arg-type]
-    except BaseException:
+    except BaseException as e:
         undo_new_root(root)
+        raise_write_failure("the imported checkpoint", root, e)  # the OS refused a write: one line
         raise
     (root / "config.yaml").write_text(dump_config(cfg))
     return step

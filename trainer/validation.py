@@ -185,6 +185,8 @@ def _restore_and_prove(report: ValidationReport, path: str | Path, config_for: O
         raise UsageError(f"{e.message}: the checkpoint's recorded layout does not fit this world",
                          f"{change} (the checkpoint restores into any layout), or run ckpt validate under torchrun "
                          "with the saved world size") from None  # fmt: skip
+    except UsageError:  # the user's --set/--config refused (`moectl.cli.ckpt`): the command's fault (exit 2)
+        raise
     except MoectlError as e:
         report.add(Check("restore", "-", False, e.one_line()))
         return note, ck.path

@@ -8,9 +8,10 @@ the checkpoint modules) happen inside the commands so `moectl --help` stays fast
 from __future__ import annotations
 
 import json
+import os
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any, Callable, Optional
 
 import typer
 from rich import box
@@ -229,6 +230,30 @@ def import_hf_command(
     console.print(f"config: {out.parent / 'config.yaml'} (moectl train / ckpt validate --config)", highlight=False)
 
 
+def _ruled(resolve: Callable[[dict[str, Any]], Any]) -> Callable[[dict[str, Any]], Any]:
+    """`resolve` (the checkpoint's config with the user's --config/--set), refused with the rule errors `train`
+    would print for it at this world size (exit 2: the command's fault, not the checkpoint's). Rules about this
+    machine's GPU are left out: validate restores wherever it runs."""
+
+    def checked(saved: dict[str, Any]) -> Any:
+        from moectl.cli.validate import print_violations
+        from moectl.core.rules import MACHINE_KEYS, Environment, check
+
+        cfg = resolve(saved)
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        errors = [v for v in check(cfg, world_size=world, env=Environment(te=None, device=None))
+                  if v.severity == "error" and not set(MACHINE_KEYS) & set(v.keys)]
+        if errors:
+            if int(os.environ.get("RANK", "0")) == 0:
+                print_violations(errors, make_console(), lines=True)
+            raise UsageError(f"the config to validate with breaks {len(errors)} rule(s) "
+                             f"({', '.join(v.rule for v in errors)}); not validating",
+                             "fix each --set/--config value above, or drop it to validate with the checkpoint's own")
+        return cfg
+
+    return checked
+
+
 @command(
     ckpt_app,
     name="validate",
@@ -251,14 +276,16 @@ def validate_command(
     set_: SetOpt = None,
     show_passed: Annotated[bool, typer.Option("--all", help="List passing tensors too, not only failures.")] = False,
 ) -> None:
-    import os
-
     from moectl.core.config.load import load_config, overridden
     from trainer.validation import merge_ranks, validate_checkpoint
 
     overrides = list(set_ or [])
     given = None if config is None else load_config(config, overrides)  # a bad --config fails here, in one line
-    report = merge_ranks(validate_checkpoint(path, overridden(overrides) if given is None else lambda saved: given))
+    resolve = overridden(overrides) if given is None else lambda saved: given
+    if given is not None or overrides:  # the user's config: train's rules first (a --set router_topk=9 was a traceback)
+        report = merge_ranks(validate_checkpoint(path, _ruled(resolve)))
+    else:
+        report = merge_ranks(validate_checkpoint(path, resolve))
     if int(os.environ.get("RANK", "0")) != 0:
         raise typer.Exit(0 if report.ok else 1)
     console = make_console()

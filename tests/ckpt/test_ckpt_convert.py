@@ -3,7 +3,9 @@ moments; the converted tensors load into a model of the new layout; interleave 3
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -228,10 +230,16 @@ def test_a_destination_that_cannot_be_made_is_refused_before_any_work(tmp_path: 
     src = save_model_checkpoint(tmp_path / "src", cfg, build_model(cfg).state_dict())
     (tmp_path / "ro").mkdir()
     (tmp_path / "file").write_text("x")
-    real = ckpt.destination.os.access
-    monkeypatch.setattr(ckpt.destination.os, "access", lambda p, mode: False if Path(p) == tmp_path / "ro" else real(p, mode))
+    real = ckpt.destination.tempfile.mkdtemp
+
+    def mkdtemp(prefix: str, dir: Path) -> str:  # the OS refusing as it refuses a user without write permission
+        if Path(dir) == tmp_path / "ro":
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+        return real(prefix=prefix, dir=dir)
+
+    monkeypatch.setattr(ckpt.destination.tempfile, "mkdtemp", mkdtemp)
     with pytest.raises(CheckpointArgumentError, match=rf"destination {tmp_path / 'ro' / 'out'} cannot be made: "
-                                                      rf"{tmp_path / 'ro'} is not writable"):  # fmt: skip
+                                                      rf"{tmp_path / 'ro'} is not writable \(Permission denied\)"):  # fmt: skip
         convert_checkpoint(src, tmp_path / "ro" / "out", "per-expert")
     with pytest.raises(CheckpointArgumentError, match=r"file is a file, not a folder"):
         convert_checkpoint(src, tmp_path / "file" / "out", "per-expert")

@@ -6,6 +6,7 @@ import builtins
 import errno
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -194,3 +195,16 @@ def test_import_hf_of_a_model_file_it_may_not_read_says_permission_denied(
 def test_every_command_has_examples(cmd: str) -> None:
     r = invoke(cmd, "--help")
     assert r.exit_code == 0 and "Examples:" in r.stdout and f"moectl ckpt {cmd}" in r.stdout
+
+
+def test_validate_refuses_a_set_that_breaks_a_rule_with_the_rule_not_a_traceback(ckpt: tuple[Path, dict]) -> None:
+    """`--set moe.router_topk=9` was a ValueError traceback from the router, `train.micro_batch_size=0` a
+    ZeroDivisionError: train's rules run on the config to validate with first (exit 2: the command's fault)."""
+    root, _ = ckpt
+    for setting, rule in (("moe.router_topk=9", "MOE018"), ("train.micro_batch_size=0", "MOE041")):
+        r = invoke("validate", root, "--set", setting)
+        assert r.exit_code == 2, r.output
+        lines = r.output.strip().splitlines()
+        assert "Traceback" not in r.output and f"error: {rule} " in r.output
+        assert re.match(rf"error: the config to validate with breaks \d rule\(s\) \(.*{rule}.*\); not validating",
+                        lines[-1]), lines[-1]
