@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -51,6 +52,7 @@ def load_training_checkpoint(path: str | Path, cfg: Config, model: nn.Module, en
     load_optim = not ccfg.no_load_optim and not is_model_only(ck)
     if load_optim:
         check_optimizer(ck, cfg)
+        warn_changed_muon_splits(ck, cfg)
     local = dict(model.named_parameters())
     local_names = set(local)
     logical = read_logical(ck, cfg, wanted=local_names)
@@ -114,6 +116,29 @@ def check_optimizer(ck: Checkpoint, cfg: Config) -> None:
         f"set checkpoint.no_load_optim=true to start {wanted} fresh from the checkpoint's weights, or "
         f"optimizer.optimizer={saved} to resume the checkpoint's optimizer",
     )
+
+
+#: Muon options that change its update, introduced after checkpoints existed: absent from a recorded config, the
+#: saved run had the behaviour the option's `false` keeps
+MUON_SPLITS = ("muon_split_glu", "muon_split_qkv")
+
+
+def warn_changed_muon_splits(ck: Checkpoint, cfg: Config) -> None:
+    """Warn when a Muon run resumes with another `optimizer.muon_split_*` than the checkpoint's run trained with
+    (a checkpoint saved before the option existed trained with it off): the momentum loads as saved, but the
+    orthogonalised updates of those weights change from what the saved run would have done next."""
+    if cfg.optimizer.optimizer != "muon" or saved_optimizer(ck) not in (None, "muon"):
+        return
+    recorded = ck.meta.get("config", {}).get("optimizer")
+    recorded = recorded if isinstance(recorded, dict) else {}
+    for key in MUON_SPLITS:
+        saved, now = recorded.get(key, False), getattr(cfg.optimizer, key)
+        if saved != now:
+            when = "" if key in recorded else " (it was saved before the option existed)"
+            warnings.warn(f"checkpoint {ck.path} trained with optimizer.{key}={str(saved).lower()}{when}; this run "
+                          f"resumes with {str(now).lower()}, so Muon's updates of those weights change from the saved "
+                          f"run's: set optimizer.{key}={str(saved).lower()} to continue as it trained",
+                          UserWarning, stacklevel=2)
 
 
 def _check_shapes(ck_path: Path, name: str, entry: dict[str, torch.Tensor], shape: tuple[int, ...],

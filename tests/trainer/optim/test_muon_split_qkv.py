@@ -246,3 +246,40 @@ def test_trainer_split_on_vs_off(tmp_path: Path) -> None:
     assert on_losses == off_losses  # the same first forward
     for n in on:
         assert torch.equal(on[n], off[n]) != n.endswith("linear_qkv.weight"), n
+
+
+# --- resuming across the option ------------------------------------------------------------------------
+def test_resuming_with_another_split_than_the_checkpoint_trained_with_warns() -> None:
+    """A user trial resumed a Muon checkpoint saved before this option existed (QKV whole) and got other losses
+    than the old code with no word; a checkpoint that records the other value is the same case."""
+    from types import SimpleNamespace
+
+    from moectl.core.config.load import load_config
+    from trainer.checkpointing.resume import warn_changed_muon_splits
+
+    def ck(optimizer: dict) -> SimpleNamespace:
+        return SimpleNamespace(meta={"config": {"optimizer": optimizer}}, path=Path("/ck/step_00000004"))
+
+    muon = load_config(None, ["optimizer.optimizer=muon"])
+    with pytest.warns(UserWarning, match=r"trained with optimizer.muon_split_qkv=false \(it was saved before the "
+                                         r"option existed\); this run resumes with true.*set optimizer.muon_split_qkv"
+                                         r"=false to continue as it trained"):
+        warn_changed_muon_splits(ck({"optimizer": "muon", "muon_split_glu": True}), muon)  # type: ignore[arg-type]
+    off = load_config(None, ["optimizer.optimizer=muon", "optimizer.muon_split_qkv=false"])
+    with pytest.warns(UserWarning, match=r"muon_split_qkv=true; this run resumes with false"):
+        warn_changed_muon_splits(ck({"optimizer": "muon", "muon_split_glu": True, "muon_split_qkv": True}),
+                                 off)  # type: ignore[arg-type]
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same options, or not a Muon run: nothing to say
+        warn_changed_muon_splits(ck({"optimizer": "muon", "muon_split_glu": True, "muon_split_qkv": True}),
+                                 muon)  # type: ignore[arg-type]
+        warn_changed_muon_splits(ck({"optimizer": "adam"}), load_config(None, []))  # type: ignore[arg-type]
+
+
+def test_the_loop_warns_when_it_resumes_muon_with_the_split_switched(tmp_path: Path) -> None:
+    trainer(tmp_path, "train.train_iters=2", "checkpoint.save_interval=2").run()
+    with pytest.warns(UserWarning, match="optimizer.muon_split_qkv=true; this run resumes with false"):
+        trainer(tmp_path, "train.train_iters=3", "optimizer.muon_split_qkv=false",
+                f"checkpoint.load={tmp_path / 'checkpoints'}").run()
