@@ -249,6 +249,20 @@ def _prove_tensors(report: ValidationReport, ck: Checkpoint, cfg: Config, traine
             continue
         ok = _equal(p, entry["master"].to(p.dtype))  # on the device: no host copies
         report.add(Check("param", name, ok, "" if ok else f"param != master cast to {p.dtype}"))
+        _prove_saved_weight(report, name, expected.get(name), entry["master"])
+
+
+def _prove_saved_weight(report: ValidationReport, name: str, saved: Optional[torch.Tensor],
+                        master: torch.Tensor) -> None:
+    """The checkpoint's model weight is its master cast to the weight's dtype. The live param is rebuilt from the
+    master, so the "param" row cannot see a model file that disagrees with the masters (a user trial scaled one
+    weight in the file and resealed it: valid, and export-hf wrote the scaled weight); an expert the probe
+    batch never routes to would not move the probe loss either."""
+    if saved is None:
+        report.add(Check("weight", name, False, "missing from the checkpoint"))
+        return
+    ok = _equal(master, saved) if saved.dtype == torch.float32 else _equal(master.to(saved.dtype), saved)
+    report.add(Check("weight", name, ok, "" if ok else f"checkpoint weight != its master cast to {saved.dtype}"))
 
 
 def _equal(live: torch.Tensor, saved: torch.Tensor) -> bool:

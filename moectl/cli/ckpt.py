@@ -259,7 +259,8 @@ def _ruled(resolve: Callable[[dict[str, Any]], Any]) -> Callable[[dict[str, Any]
     name="validate",
     help="Prove a checkpoint restores: integrity (sha256, headers, tensor set), then restore into a live model "
     "and optimizer built from its own config (or --config/--set: other layout, other world size under torchrun), "
-    "then check every fp32 master and moment bit for bit, every param against its master, and the probe loss. "
+    "then check every fp32 master and moment bit for bit, every param and every saved weight against its "
+    "master, and the probe loss. "
     "Exit 0 valid, 1 invalid, 2 bad usage (a path that does not exist, a bad --set, a saved layout this world "
     "cannot take)."
     + examples(

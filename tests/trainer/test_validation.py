@@ -39,10 +39,10 @@ def stages(report):
 def test_good_checkpoint_passes_every_stage(ckpt_dir):
     report = validate_checkpoint(ckpt_dir)
     assert report.ok, report.failures()
-    assert stages(report) == {"integrity", "restore", "master", "moment", "param", "probe"}
+    assert stages(report) == {"integrity", "restore", "master", "moment", "param", "weight", "probe"}
     probe = [c for c in report.checks if c.stage == "probe"][0]
     assert "bitwise" in probe.detail
-    assert report.counts["master"] == report.counts["param"] > 10
+    assert report.counts["master"] == report.counts["param"] == report.counts["weight"] > 10
 
 
 def test_passes_into_the_other_layout(ckpt_dir):
@@ -119,13 +119,13 @@ def test_flipped_byte_fails_integrity_naming_the_file(ckpt_dir, tmp_path):
     assert "restore" not in stages(report)
 
 
-def test_master_edited_with_its_hashes_updated_is_caught_by_the_probe(ckpt_dir, tmp_path):
-    d = _copy(ckpt_dir, tmp_path / "step_00000003")
+def _edit_and_forge(d, name, sealed=True):
+    """Scale tensor `name` of step folder `d` by 1.5 (plausible-looking, wrong) and forge every hash of its
+    file so integrity passes; `sealed`: the manifest's own digest too. Returns the edited manifest."""
     manifest = json.loads((d / "manifest.json").read_text())
-    name = "decoder.layers.0.self_attention.linear_qkv.weight.main_param"
     fname = manifest["tensors"][name]["file"]
     tensors = load_file(d / fname)
-    tensors[name] = tensors[name] * 1.5  # a plausible-looking, wrong master
+    tensors[name] = tensors[name] * 1.5
     data = save(tensors, metadata={"format": "pt"})
     (d / fname).write_bytes(data)
     # Forge every hash so integrity passes: only the probe can tell.
@@ -138,14 +138,31 @@ def test_master_edited_with_its_hashes_updated_is_caught_by_the_probe(ckpt_dir, 
     spans = sorted((info["data_offsets"], t) for t, info in header.items() if t != "__metadata__")
     tree = tree_digest(hashlib.sha256(data[: 8 + n]).hexdigest(), (manifest["tensors"][t]["sha256"] for _, t in spans))
     manifest["files"][fname].update(sha256=tree, size=len(data))  # the file's digest (format 3, ckpt/digest.py)
-    (d / "manifest.json").write_text(json.dumps(manifest))
+    (d / "manifest.json").write_text(json.dumps(seal(manifest) if sealed else manifest))
+    return manifest
+
+
+def test_master_edited_with_its_hashes_updated_is_caught_by_the_probe(ckpt_dir, tmp_path):
+    d = _copy(ckpt_dir, tmp_path / "step_00000003")
+    name = "decoder.layers.0.self_attention.linear_qkv.weight"
+    _edit_and_forge(d, name + ".main_param", sealed=False)
     # The manifest's own digest (ckpt/seal.py) notices the edited hashes...
     assert {c.stage for c in validate_checkpoint(d).failures()} == {"integrity"}
-    # ...so forge it as well: now only the probe can tell.
-    (d / "manifest.json").write_text(json.dumps(seal(manifest)))
+    # ...so forge it as well: now the probe and the saved weight (no longer the master's cast) tell.
+    _edit_and_forge(_copy(ckpt_dir, tmp_path / "b" / "step_00000003"), name + ".main_param")
+    report = validate_checkpoint(tmp_path / "b" / "step_00000003")
+    assert {(c.stage, c.name) for c in report.failures()} == {("probe", "-"), ("weight", name)}, report.failures()
+
+
+def test_a_model_weight_edited_with_its_hashes_updated_fails_the_weight_check(ckpt_dir, tmp_path):
+    """The live params are rebuilt from the masters, so the "param" rows and the probe never see the model file:
+    a user trial scaled one weight there, resealed, and validate said valid (export-hf then wrote it)."""
+    d = _copy(ckpt_dir, tmp_path / "step_00000003")
+    name = "decoder.layers.0.mlp.experts.linear_fc2.weight"
+    _edit_and_forge(d, name)
     report = validate_checkpoint(d)
-    failed = {c.stage for c in report.failures()}
-    assert failed == {"probe"}, report.failures()
+    assert [(c.stage, c.name) for c in report.failures()] == [("weight", name)], report.failures()
+    assert "checkpoint weight != its master cast to torch.float32" in report.failures()[0].detail
 
 
 def test_no_load_optim_is_honoured_and_the_weights_are_checked(ckpt_dir):
