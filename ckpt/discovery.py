@@ -164,6 +164,8 @@ def resolve_load_path(load: str | os.PathLike[str], fix: str = _LOAD_FIX) -> Pat
     Raises CheckpointError when `load` does not exist, is an uncommitted save, or holds no committed step;
     `fix` is its fix where the path is wrong (the trainer's, about `checkpoint.load`, or `TOOL_FIX`).
     """
+    if not str(load).strip():
+        raise CheckpointArgumentError("the checkpoint path is empty", fix)
     p = Path(load).expanduser()
     if stat_or_none(p) is None:
         raise CheckpointArgumentError(f"checkpoint path {p} does not exist", fix)
@@ -180,5 +182,8 @@ def resolve_load_path(load: str | os.PathLike[str], fix: str = _LOAD_FIX) -> Pat
     if found is None:
         sub = p / "checkpoints"
         hint = f"; it has a checkpoints folder: did you mean {sub}?" if _is_dir(sub) else ""
-        raise CheckpointError(f"no committed checkpoint in {p}{hint}", fix)
+        if not hint and _is_file(p / "config.json") and any(p.glob("*.safetensors")):
+            hint = "; it looks like a Hugging Face model folder: make a checkpoint of it with moectl ckpt import-hf"
+        where = f"the current folder ({p.absolute()})" if str(p) == "." else str(p)  # an empty argument, too
+        raise CheckpointError(f"no committed checkpoint in {where}{hint}", fix)
     return found

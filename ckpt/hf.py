@@ -566,11 +566,20 @@ def _checkpoint_config(meta: dict[str, Any], path: Path) -> Config:
                               "export with the moectl version that wrote the checkpoint") from None  # fmt: skip
 
 
+def _what_it_is(src: Path) -> str:
+    """Why `src` has no config.json, where it can be told: a file, or a moectl checkpoint (which needs no import)."""
+    if src.is_file():
+        return f": {src} is a file, not a model folder"
+    if (src / "manifest.json").is_file() or (src / "latest").is_file():
+        return f": {src} is a moectl checkpoint, which train and the ckpt commands load as it is (no import)"
+    return ""
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     try:
         obj = json.loads(path.read_text())
     except (FileNotFoundError, NotADirectoryError):  # the source named nothing usable: the command's fault (exit 2)
-        raise CheckpointArgumentError(f"{path} not found",
+        raise CheckpointArgumentError(f"{path} not found{_what_it_is(path.parent)}",
                                       "give an HF model folder (config.json + *.safetensors)") from None  # fmt: skip
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path}: cannot be read as JSON ({e})", "fix or re-download the file") from None

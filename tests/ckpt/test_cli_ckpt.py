@@ -208,3 +208,25 @@ def test_validate_refuses_a_set_that_breaks_a_rule_with_the_rule_not_a_traceback
         assert "Traceback" not in r.output and f"error: {rule} " in r.output
         assert re.match(rf"error: the config to validate with breaks \d rule\(s\) \(.*{rule}.*\); not validating",
                         lines[-1]), lines[-1]
+
+
+def test_a_wrong_kind_of_folder_is_named_with_the_command_that_takes_it(ckpt: tuple[Path, dict], tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A user trial: an empty path said "no committed checkpoint in." (no path), an HF folder given as a checkpoint
+    did not suggest import-hf, and import-hf given a moectl checkpoint or a .safetensors file said only that
+    config.json is not there."""
+    root, _ = ckpt
+    monkeypatch.chdir(tmp_path)
+    r = invoke("inspect", "")
+    assert r.exit_code == 1 and f"no committed checkpoint in the current folder ({tmp_path})" in r.output
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    (hf / "model.safetensors").write_bytes(b"")
+    r = invoke("inspect", hf)
+    assert "it looks like a Hugging Face model folder: make a checkpoint of it with moectl ckpt import-hf" in r.output
+    r = invoke("import-hf", root, tmp_path / "out")
+    assert r.exit_code == 2 and f"{root} is a moectl checkpoint, which train and the ckpt commands load" in r.output
+    r = invoke("import-hf", hf / "model.safetensors", tmp_path / "out")
+    assert r.exit_code == 2 and "model.safetensors is a file, not a model folder" in r.output
+    assert len(r.output.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
