@@ -30,7 +30,8 @@ whose grads' per-expert sum synced with the host; it no longer does), MOE067 (mo
 MOE069 (hardware: `train.device=cuda` checked against a CPU), MOE070 (optimizer: SGD runs on one process, with
 fp32 params and autograd weight grads), MOE071 (moe: `defer_expert_wgrad` changes nothing off the fused fp32
 wgrad accumulation or with one micro-batch per step), MOE072 (train: `train.cpu_threads` at most the CPUs this
-process may use, on a CPU run).
+process may use, on a CPU run), MOE073 (train: `train.seed` within the generator's 64 bits), MOE074
+(checkpoint: `checkpoint.load` is not an empty string).
 
 Environment rules (Transformer Engine, device, CPUs) probe lazily and cheaply: TE is looked up through
 `importlib.util.find_spec` and package metadata, never imported; torch is imported only when a GPU
@@ -1914,6 +1915,31 @@ def cpu_threads_fit(c: Context) -> Iterator[_Hit]:
         return
     yield _Hit(f"train.cpu_threads={threads} is more than the {cpus} CPUs this process may use",
                f"set train.cpu_threads to at most {cpus} (null: OMP_NUM_THREADS, else 1)")  # fmt: skip
+
+
+#: torch's generator takes a seed in [-2^63, 2^64)
+SEED_RANGE = (-(2**63), 2**64 - 1)
+
+
+@rule("MOE073", "train", "error", ["train.seed"], "train.seed fits the random generator")
+def seed_fits(c: Context) -> Iterator[_Hit]:
+    """torch's generator takes a 64-bit seed: `train.seed=18446744073709551616` (2^64) passed validate-config,
+    then every rank died in `torch.manual_seed` with "Overflow when unpacking long long" (a user trial)."""
+    lo, hi = SEED_RANGE
+    seed = c.cfg.train.seed
+    if not lo <= seed <= hi:
+        yield _Hit(f"train.seed={seed} is outside the generator's range [-2^63, 2^64 - 1]",
+                   "set train.seed to a smaller integer (any value there is as good a seed)")
+
+
+@rule("MOE074", "checkpoint", "error", ["checkpoint.load"], "checkpoint.load names a checkpoint")
+def load_named(c: Context) -> Iterator[_Hit]:
+    """An empty `checkpoint.load` (an unset variable in `--set checkpoint.load=$CK`, say) trained from scratch
+    without a word; null is how a config says "start fresh"."""
+    load = c.cfg.checkpoint.load
+    if load is not None and not str(load).strip():
+        yield _Hit(f"checkpoint.load={load!r} is empty",
+                   "set checkpoint.load to a checkpoints folder or a step folder, or null to start fresh")
 
 
 @rule("MOE046", "data", "warning", ["data.tokenizer", "data.source"], "data.tokenizer is used only by the text source")
