@@ -74,10 +74,12 @@ def launch_local(nproc_per_node: int, moectl_args: list[str]) -> int:
     return 0
 
 
-def launch_train(nproc_per_node: int, moectl_args: list[str], cpu_threads: Optional[int] = None) -> Verdict:
+def launch_train(nproc_per_node: int, moectl_args: list[str], cpu_threads: Optional[int] = None,
+                 saves: bool = False) -> Verdict:
     """Run `python -m moectl train ...` in `nproc_per_node` local processes; returns the run's verdict.
 
-    `cpu_threads`: OMP_NUM_THREADS for each worker (None: leave it to torchrun, e.g. on a GPU run).
+    `cpu_threads`: OMP_NUM_THREADS for each worker (None: leave it to torchrun, e.g. on a GPU run). `saves`:
+    whether the run saves checkpoints (the verdict's fix for a run that ended with none).
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -106,7 +108,7 @@ def launch_train(nproc_per_node: int, moectl_args: list[str], cpu_threads: Optio
         finally:
             del os.environ[OUTCOME_DIR_ENV]
             del os.environ[LAUNCHED_ENV]
-        return verdict(nproc_per_node, read_outcomes(Path(reports)), exits, launcher_signal)
+        return verdict(nproc_per_node, read_outcomes(Path(reports)), exits, launcher_signal, saves)
 
 
 def reexec_args() -> list[str]:

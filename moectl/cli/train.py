@@ -122,7 +122,8 @@ def train_command(
 
     check_config_not_replaced(config, cfg)
     if nproc_per_node > 1 and not torchrun:
-        result = launch_train(nproc_per_node, reexec_args(), _launcher_threads(cfg))
+        result = launch_train(nproc_per_node, reexec_args(), _launcher_threads(cfg),
+                              saves=cfg.checkpoint.save_interval is not None)
         if result.line:
             typer.secho(f"error: {result.line}", err=True, fg="red")
         raise typer.Exit(result.code)

@@ -6,12 +6,14 @@ The cause is named in this order:
    with its signal or exit code, and - when the others timed out waiting for it - as hung;
 3. otherwise the first report of a lost peer or a timeout.
 A run where every rank finished is 0; where every rank stopped on a signal, their common code (3 after a
-save, 128 + N without one: moectl/cli/exit_codes.py). A failed run's line ends with the checkpoint to
+save, 128 + N without one: moectl/cli/exit_codes.py), and so is a run the launcher's signal ended during
+start-up, whatever report its ranks had time to write (a scheduler's early pre-emption is no crash). A failed run's line ends with the checkpoint to
 resume from, or says that nothing was saved.
 """
 
 from __future__ import annotations
 
+import signal
 from dataclasses import dataclass
 from typing import Optional
 
@@ -43,9 +45,11 @@ def _during(step: Optional[int]) -> str:
     return f"during step {step}" if step is not None else "before the first step"
 
 
-def _resume_hint(outcomes: dict[int, O.Outcome]) -> str:
+def _resume_hint(outcomes: dict[int, O.Outcome], saves: bool) -> str:
     ckpt = next((o.checkpoint for _, o in sorted(outcomes.items()) if o.checkpoint), None)
     if ckpt is None:
+        if saves:  # set, and no save was reached (or none committed) before the end
+            return "no checkpoint was saved before it ended; run it again"
         return "nothing was saved (set checkpoint.save_interval to make a run resumable)"
     parent = ckpt.rsplit("/", 1)[0] if "/" in ckpt else ckpt
     return f"resume from {ckpt} with --set checkpoint.load={parent}"
@@ -61,8 +65,9 @@ def _how_it_ended(rank: int, exits: dict[int, Exit]) -> str:
 
 
 def verdict(world_size: int, outcomes: dict[int, O.Outcome], exits: dict[int, Exit],
-            launcher_signal: Optional[str] = None) -> Verdict:
-    """The verdict on a run of `world_size` ranks (see the module docstring)."""
+            launcher_signal: Optional[str] = None, saves: bool = False) -> Verdict:
+    """The verdict on a run of `world_size` ranks (see the module docstring). `saves`: whether the run's config
+    saves checkpoints (`checkpoint.save_interval` set), for the fix of a run that ended with none."""
     own = [r for r, o in sorted(outcomes.items()) if o.kind in (O.ERROR, O.CRASH)]
     if own:
         first = outcomes[own[0]]
@@ -83,16 +88,20 @@ def verdict(world_size: int, outcomes: dict[int, O.Outcome], exits: dict[int, Ex
             cause = (f"rank {m} hung {_during(step)}: {_ranks(timed_out)} timed out{waited} waiting for it in a "
                      f"collective, then it {how}")
         elif launcher_signal and all(o.kind == O.STOPPED for o in outcomes.values()):
+            if step is None:  # asked to stop while starting: what was asked for happened, nothing to resume
+                return Verdict(exit_codes.stopped_unsaved(signal.Signals[launcher_signal]),
+                               f"stopped by {launcher_signal} during start-up, before the first step: nothing was "
+                               "trained or saved")  # fmt: skip
             cause = f"rank {m} did not stop within the shutdown timeout after {launcher_signal} and {how}"
         else:
             seen = f" ({_ranks(lost)} lost it in a collective)" if lost else ""
             cause = f"rank {m} {how} {_during(step)}{seen}"
         others = f"; so did {_ranks(missing[1:])}" if len(missing) > 1 else ""
-        return Verdict(exit_codes.FAILED, f"{cause}{others}. fix: {_resume_hint(outcomes)}")
+        return Verdict(exit_codes.FAILED, f"{cause}{others}. fix: {_resume_hint(outcomes, saves)}")
     kinds = {o.kind for o in outcomes.values()}
     if kinds <= {O.FINISHED}:
         return Verdict(exit_codes.FINISHED, None)
     if kinds <= {O.FINISHED, O.STOPPED}:
         return Verdict(max(o.exit_code for o in outcomes.values()), None)
     r, o = next((r, o) for r, o in sorted(outcomes.items()) if o.kind in (O.TIMEOUT, O.PEER_LOST, O.PEER_FAILED))
-    return Verdict(exit_codes.FAILED, f"{o.message.split('. fix:')[0]}. fix: {_resume_hint(outcomes)}")
+    return Verdict(exit_codes.FAILED, f"{o.message.split('. fix:')[0]}. fix: {_resume_hint(outcomes, saves)}")

@@ -65,3 +65,27 @@ def test_a_crash_on_one_rank_is_named_with_its_exception() -> None:
     crash = o(1, O.CRASH, 1, message="ValueError: shapes do not match")
     v = verdict(2, {0: o(0, O.PEER_LOST, 1, message="rank 0 lost a peer"), 1: crash}, {1: Exit(1), 0: Exit(1)})
     assert (v.code, v.line) == (1, "rank 1, step 14: ValueError: shapes do not match")
+
+
+def test_the_launchers_signal_during_start_up_is_a_stop_not_a_failure() -> None:
+    """A user trial: SIGTERM 2-4 s after `--nproc-per-node 2` started ended both ranks before either reported;
+    the verdict said "rank 0 did not stop within the shutdown timeout" (0.5 s after the signal) and exit 1, a
+    crash to a scheduler. Asked to stop during start-up and stopped: 128 + N, nothing trained or saved."""
+    for sig, code in (("SIGTERM", 143), ("SIGINT", 130), ("SIGHUP", 129)):
+        v = verdict(2, {}, {}, launcher_signal=sig)
+        assert v.code == code
+        assert v.line == f"stopped by {sig} during start-up, before the first step: nothing was trained or saved"
+    early = {0: o(0, O.STOPPED, 143, step=None, signal="SIGTERM")}  # one rank had time to report, one did not
+    assert verdict(2, early, {}, launcher_signal="SIGTERM").code == 143
+    assert verdict(2, {}, {}).code == 1  # no signal from the launcher: ranks that vanished did fail
+
+
+def test_the_fix_of_a_run_that_ended_unsaved_follows_its_config() -> None:
+    """With checkpoint.save_interval set, "set checkpoint.save_interval" was wrong advice (the same trial)."""
+    stopped = {0: o(0, O.STOPPED, 143, step=1)}
+    v = verdict(2, stopped, {1: Exit(-9, "SIGKILL")}, launcher_signal="SIGINT", saves=True)
+    assert v.code == 1 and v.line is not None
+    assert v.line.endswith("fix: no checkpoint was saved before it ended; run it again")
+    v = verdict(2, stopped, {1: Exit(-9, "SIGKILL")}, launcher_signal="SIGINT")
+    assert v.line is not None and v.line.endswith("fix: nothing was saved (set checkpoint.save_interval to make a "
+                                                  "run resumable)")
