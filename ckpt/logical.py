@@ -235,18 +235,42 @@ def carried_meta(meta: dict[str, Any]) -> dict[str, Any]:
 
 
 def check_architecture(saved: dict[str, Any], cfg: Config) -> None:
-    """Refuse a checkpoint whose model cannot have these shapes, naming every differing key."""
+    """Refuse a checkpoint whose model cannot have these shapes, naming every differing key (in YAML's words).
+    `num_query_groups` and `kv_channels` compare resolved (null is the heads, and hidden / heads): a config that
+    writes out the value null stands for is the same model (a user trial's resume was refused over it)."""
     diffs = []
+    resolved = _resolved_attention(saved.get("model", {}))
     for section, keys in ARCH_KEYS.items():
         for key in keys:
             a, b = saved.get(section, {}).get(key), getattr(getattr(cfg, section), key)
+            if section == "model" and key in resolved and a != b:
+                if resolved[key] == (cfg.model.kv_heads if key == "num_query_groups" else cfg.model.head_dim):
+                    continue
             if a != b:
-                diffs.append(f"{section}.{key}: checkpoint {a!r}, config {b!r}")
+                diffs.append(f"{section}.{key}: checkpoint {_yaml(a)}, config {_yaml(b)}")
     if diffs:
         raise CheckpointError(
             "the checkpoint's model does not match the config: " + "; ".join(diffs),
             "load it with its own config (moectl ckpt inspect shows it), or fix these keys",
         )
+
+
+def _resolved_attention(model: dict[str, Any]) -> dict[str, Any]:
+    """A recorded model section's key/value heads and head dim, null resolved as the config resolves it."""
+    heads, hidden = model.get("num_attention_heads"), model.get("hidden_size")
+    if not isinstance(heads, int) or not isinstance(hidden, int) or heads <= 0:
+        return {}
+    return {"num_query_groups": model.get("num_query_groups") or heads,
+            "kv_channels": model.get("kv_channels") or hidden // heads}
+
+
+def _yaml(value: Any) -> str:
+    """`value` as a config file writes it: null, true/false, numbers and strings as they are."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value)
 
 
 def read_logical(ck: Checkpoint, cfg: Config, wanted: Optional[set[str]] = None) -> dict[str, torch.Tensor]:

@@ -76,6 +76,23 @@ def test_load_refuses_another_architecture_naming_the_keys(tmp_path):
                 "checkpoint.load=" + str(tmp_path / "checkpoints"))
 
 
+def test_null_attention_sizes_and_their_values_written_out_are_one_model(tmp_path):
+    """A user trial: resuming with `model.kv_channels` written out as the value null stands for was refused
+    ("kv_channels: checkpoint None, config 16"); so was num_query_groups null against the heads. They resolve
+    alike now; a real difference is still named, in YAML's words."""
+    from ckpt.logical import check_architecture
+    from moectl.core.config.load import load_config
+
+    base = ["model.hidden_size=32", "model.num_attention_heads=2"]
+    saved = load_config(None, [*base, "model.num_query_groups=null", "model.kv_channels=null"])
+    saved_dict = {"model": vars(saved.model).copy(), "moe": vars(saved.moe).copy()}
+    check_architecture(saved_dict, load_config(None, [*base, "model.num_query_groups=2", "model.kv_channels=16"]))
+    with pytest.raises(CheckpointError, match=r"model.kv_channels: checkpoint null, config 8"):
+        check_architecture(saved_dict, load_config(None, [*base, "model.kv_channels=8"]))
+    with pytest.raises(CheckpointError, match=r"model.qk_layernorm: checkpoint false, config true"):
+        check_architecture(saved_dict, load_config(None, [*base, "model.qk_layernorm=true"]))
+
+
 def test_missing_load_path_is_an_error_not_a_random_init(tmp_path):
     with pytest.raises(CheckpointError):
         trainer(tmp_path, "train.train_iters=2", "checkpoint.load=" + str(tmp_path / "nope"))
