@@ -138,11 +138,13 @@ def check_metrics_file(run_dir: Path, *, resuming: bool, overwrite: bool) -> Non
         return
     steps = metric_records(path)
     span = f"steps {min(steps)}-{max(steps)}" if steps else "unreadable records"
+    # the resume is advice only where that run left a checkpoint to resume from (a user trial: junk there got it)
+    resume = (f"resume that run with --set checkpoint.load={run_dir / 'checkpoints'}, "
+              if list_committed(run_dir / "checkpoints") else "")
     raise UsageError(
         f"run_dir {run_dir} holds another run's {METRICS} ({len(steps)} records, {span}); a fresh run would "
         "replace it",
-        f"resume that run with --set checkpoint.load={run_dir / 'checkpoints'}, train into another --run-dir, "
-        "or pass --overwrite to replace its metrics and config.yaml",
+        f"{resume}train into another --run-dir, or pass --overwrite to replace its metrics and config.yaml",
     )
 
 

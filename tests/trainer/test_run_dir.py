@@ -40,16 +40,26 @@ def records(run_dir: Path) -> list[dict]:
 
 
 def test_a_fresh_run_refuses_another_runs_metrics_unless_overwrite(tmp_path: Path) -> None:
-    trainer(tmp_path, "train.train_iters=2").run()
+    trainer(tmp_path, "train.train_iters=2", "checkpoint.save_interval=2").run()
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
     with pytest.raises(UsageError) as e:
         trainer(tmp_path, "train.train_iters=3", "optimizer.lr=1e-4").run()
-    assert "holds another run's metrics.jsonl (2 records, steps 1-2)" in e.value.message
-    assert "--overwrite" in e.value.fix and "checkpoint.load=" in e.value.fix
+    assert "holds another run's metrics.jsonl (" in e.value.message and "-2); a fresh run" in e.value.message
+    assert "--overwrite" in e.value.fix and f"checkpoint.load={tmp_path / 'checkpoints'}" in e.value.fix
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == before  # nothing touched
     trainer(tmp_path, "train.train_iters=3", "optimizer.lr=1e-4").run(overwrite=True)
     assert [r["step"] for r in records(tmp_path)] == [1, 2, 3]
     assert "lr: 0.0001" in (tmp_path / "config.yaml").read_text()
+
+
+def test_resuming_is_advised_only_where_there_is_a_checkpoint(tmp_path: Path) -> None:
+    """A user trial: junk in metrics.jsonl of an otherwise empty run_dir got "resume that run with --set
+    checkpoint.load=<run_dir>/checkpoints", a folder that did not exist."""
+    (tmp_path / "metrics.jsonl").write_text("junk\n")
+    with pytest.raises(UsageError) as e:
+        trainer(tmp_path, "train.train_iters=2").run()
+    assert "(0 records, unreadable records)" in e.value.message
+    assert "checkpoint.load" not in e.value.fix and e.value.fix.startswith("train into another --run-dir")
 
 
 def test_a_resume_cuts_metrics_back_to_its_step_before_appending(tmp_path: Path) -> None:
