@@ -197,7 +197,8 @@ def _train_here(cfg: Config, console: Console, rank: int, world: int, overwrite:
         last = f", final loss {result.losses[-1]:.4f}" if result.losses else ""
         ev = f", eval loss {result.eval_losses[-1][1]:.4f}" if result.eval_losses else ""
         color = "green" if code in (exit_codes.FINISHED, exit_codes.STOPPED_SAVED) else "yellow"
-        console.print(f"[{color}]{how}[/]: {result.steps} steps{last}{ev}; metrics in "
+        steps = f"{result.steps} step" + ("" if result.steps == 1 else "s")
+        console.print(f"[{color}]{how}[/]: {steps}{last}{ev}; metrics in "
                       f"{Path(cfg.run_dir) / 'metrics.jsonl'}")  # fmt: skip
     sys.stdout.flush()
     return code
