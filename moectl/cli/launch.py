@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
-from moectl.cli.outcome import OUTCOME_DIR_ENV, read_outcomes
+from moectl.cli.outcome import OUTCOME_DIR_ENV, read_outcomes, read_started
 from moectl.cli.verdict import Exit, Verdict, verdict
 from moectl.core.environment import LAUNCHED_ENV
 
@@ -108,7 +108,8 @@ def launch_train(nproc_per_node: int, moectl_args: list[str], cpu_threads: Optio
         finally:
             del os.environ[OUTCOME_DIR_ENV]
             del os.environ[LAUNCHED_ENV]
-        return verdict(nproc_per_node, read_outcomes(Path(reports)), exits, launcher_signal, saves)
+        return verdict(nproc_per_node, read_outcomes(Path(reports)), exits, launcher_signal, saves,
+                       read_started(Path(reports)))
 
 
 def reexec_args() -> list[str]:

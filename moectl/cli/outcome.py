@@ -64,6 +64,23 @@ def write_outcome(outcome: Outcome) -> None:
         pass
 
 
+def mark_started(rank: int) -> None:
+    """Leave `started<rank>` for the launcher when this rank's first step begins (never raises): the verdict's
+    evidence that a run a signal ended had got past start-up, since a rank killed there writes no report."""
+    d = outcome_dir()
+    if d is None:
+        return
+    try:
+        (d / f"started{rank}").touch()
+    except OSError:
+        pass
+
+
+def read_started(d: Path) -> set[int]:
+    """The ranks that began a step (`mark_started`)."""
+    return {int(p.name.removeprefix("started")) for p in d.glob("started*") if p.name[7:].isdigit()}
+
+
 def read_outcomes(d: Path) -> dict[int, Outcome]:
     """Every rank's report in `d` (ranks that wrote none are absent)."""
     out: dict[int, Outcome] = {}

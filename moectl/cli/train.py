@@ -14,7 +14,7 @@ import signal
 import sys
 import traceback
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -133,6 +133,19 @@ def train_command(
     raise typer.Exit(code)
 
 
+def _start_marking_state(rank: int) -> Any:
+    """A `RunState` that tells the launcher when its first step begins (`outcome.mark_started`)."""
+    from trainer.run_state import RunState
+
+    class StartMarking(RunState):
+        def __setattr__(self, name: str, value: Any) -> None:
+            if name == "step" and value is not None and getattr(self, "step", None) is None:
+                O.mark_started(rank)
+            super().__setattr__(name, value)
+
+    return StartMarking()
+
+
 def _train_here(cfg: Config, console: Console, rank: int, world: int, overwrite: bool) -> int:
     """Train on this process and return its exit code, reporting to a launcher when one asked.
 
@@ -145,8 +158,8 @@ def _train_here(cfg: Config, console: Console, rank: int, world: int, overwrite:
     from trainer.run_state import RunState
     from trainer.stop import StopSignals
 
-    state = RunState()
     launched = O.outcome_dir() is not None
+    state = _start_marking_state(rank) if launched else RunState()
 
     def report_to_launcher(kind: str, code: int, message: str = "", signal_name: str | None = None,
                            timeout_s: float | None = None) -> None:

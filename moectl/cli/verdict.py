@@ -65,9 +65,12 @@ def _how_it_ended(rank: int, exits: dict[int, Exit]) -> str:
 
 
 def verdict(world_size: int, outcomes: dict[int, O.Outcome], exits: dict[int, Exit],
-            launcher_signal: Optional[str] = None, saves: bool = False) -> Verdict:
+            launcher_signal: Optional[str] = None, saves: bool = False,
+            started: frozenset[int] | set[int] = frozenset()) -> Verdict:
     """The verdict on a run of `world_size` ranks (see the module docstring). `saves`: whether the run's config
-    saves checkpoints (`checkpoint.save_interval` set), for the fix of a run that ended with none."""
+    saves checkpoints (`checkpoint.save_interval` set), for the fix of a run that ended with none. `started`: the
+    ranks that began a step (`outcome.mark_started`): with none, a run the launcher's signal ended was still
+    starting; a killed rank writes no report, so a run hung at step 5000 and then signalled leaves a mark."""
     own = [r for r, o in sorted(outcomes.items()) if o.kind in (O.ERROR, O.CRASH)]
     if own:
         first = outcomes[own[0]]
@@ -88,7 +91,7 @@ def verdict(world_size: int, outcomes: dict[int, O.Outcome], exits: dict[int, Ex
             cause = (f"rank {m} hung {_during(step)}: {_ranks(timed_out)} timed out{waited} waiting for it in a "
                      f"collective, then it {how}")
         elif launcher_signal and all(o.kind == O.STOPPED for o in outcomes.values()):
-            if step is None:  # asked to stop while starting: what was asked for happened, nothing to resume
+            if step is None and not started:  # asked to stop while starting: it did, and there is nothing to resume
                 return Verdict(exit_codes.stopped_unsaved(signal.Signals[launcher_signal]),
                                f"stopped by {launcher_signal} during start-up, before the first step: nothing was "
                                "trained or saved")  # fmt: skip

@@ -78,6 +78,22 @@ def test_the_launchers_signal_during_start_up_is_a_stop_not_a_failure() -> None:
     early = {0: o(0, O.STOPPED, 143, step=None, signal="SIGTERM")}  # one rank had time to report, one did not
     assert verdict(2, early, {}, launcher_signal="SIGTERM").code == 143
     assert verdict(2, {}, {}).code == 1  # no signal from the launcher: ranks that vanished did fail
+    # a run that had begun a step (hung at step 5000, say) and was then signalled and killed reports nothing
+    # either: its start marks keep it a failure, named as before
+    v = verdict(2, {}, {}, launcher_signal="SIGTERM", started={0, 1})
+    assert v.code == 1 and v.line is not None and v.line.startswith("rank 0 did not stop within the shutdown timeout")
+
+
+def test_a_launched_rank_marks_the_start_of_its_first_step(tmp_path, monkeypatch) -> None:
+    from moectl.cli.train import _start_marking_state
+
+    monkeypatch.setenv(O.OUTCOME_DIR_ENV, str(tmp_path))
+    state = _start_marking_state(1)
+    state.checkpoint = None
+    assert O.read_started(tmp_path) == set()
+    state.step = 1
+    state.step = 2
+    assert O.read_started(tmp_path) == {1} and [p.name for p in tmp_path.iterdir()] == ["started1"]
 
 
 def test_the_fix_of_a_run_that_ended_unsaved_follows_its_config() -> None:
