@@ -4,6 +4,7 @@ one line naming the destination and the OS's reason (`write_failure`)."""
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import tempfile
@@ -42,23 +43,34 @@ def new_destination(p: Path, fix: str = "give a new folder: nothing is ever over
     return p
 
 
+#: the OS's refusals of a write that only the destination's disk explains (a read of the source failing with
+#: EIO, say, is the source's problem and keeps its own error)
+DISK_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}
+
+
 def raise_write_failure(what: str, dst: Path, e: BaseException) -> None:
-    """Raise one line for a tool's write into `dst` that the OS refused after the checks (a full disk, an I/O
-    error): what, where, the OS's reason. Returns for any other failure (the caller re-raises it). The caller
-    has removed what it wrote. A one-process save (`save_checkpoint`) reports rank 0's error as text, an OS one
-    with its errno; safetensors wraps the OS's message in its own error."""
+    """Raise one line for a tool's write into `dst` that its disk refused after the checks (full, over quota,
+    read-only): what, where, the OS's reason. Returns for any other failure (the caller re-raises it). The
+    caller has removed what it wrote. A one-process save (`save_checkpoint`) reports rank 0's error as text, an
+    OS one with its errno; safetensors wraps the OS's error code and message in its own error."""
     if isinstance(e, CheckpointSaveError):
         reason = e.failures.get(0, "")
-        if e.committed or "[Errno" not in reason:
+        code = re.search(r"\[Errno (\d+)\]", reason)
+        if e.committed or code is None or int(code.group(1)) not in DISK_FULL:
             return
     elif isinstance(e, OSError):
+        if e.errno not in DISK_FULL:
+            return
         reason = e.strerror or str(e)
     elif type(e).__name__ == "SafetensorError":
+        code = re.search(r"code: (\d+)", str(e))
+        if code is None or int(code.group(1)) not in DISK_FULL:
+            return
         reason = _safetensors_reason(str(e))
     else:
         return
-    raise CheckpointError(f"writing {what} {dst} failed: {reason}",
-                          "make room on that disk or give a destination on another one; nothing was left behind") from None
+    fix = "make room on that disk or give a destination on another one; nothing was left behind"
+    raise CheckpointError(f"writing {what} {dst} failed: {reason}", fix) from None
 
 
 def _safetensors_reason(text: str) -> str:

@@ -10,10 +10,10 @@ fp32, the CPU default and the earlier GPU one); a part row times Muon's update a
 
 Muon's step is compute-bound (Newton-Schulz GEMMs), so its rows carry a FLOP rate, not a bandwidth floor:
 `ns_flops` per step (`muon.ns_flops` over every matrix Muon steps, fc1's gate and up halves and QKV's query,
-key and value parts apart under the default `optimizer.muon_split_glu` and `muon_split_qkv`) divided by the row's time, the whole step's time for the step rows
-(a lower bound on the GEMMs' own rate). `ns_flops` counts the standard chain's products; where the bf16 rows
-run the Gram form (`optimizer.muon_ns_method: auto` on the Triton GEMMs, long side >= 2x the short one)
-fewer FLOPs are done, so their rate is the chain-equivalent one.
+key and value parts apart under the default `optimizer.muon_split_glu` and `muon_split_qkv`) divided by the
+row's time, the whole step's time for the step rows (a lower bound on the GEMMs' own rate). `ns_flops` counts
+the standard chain's products; where the bf16 rows run the Gram form (`optimizer.muon_ns_method: auto` on the
+Triton GEMMs, long side >= 2x the short one) fewer FLOPs are done, so their rate is the chain-equivalent one.
 """
 
 from __future__ import annotations

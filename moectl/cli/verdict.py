@@ -7,8 +7,9 @@ The cause is named in this order:
 3. otherwise the first report of a lost peer or a timeout.
 A run where every rank finished is 0; where every rank stopped on a signal, their common code (3 after a
 save, 128 + N without one: moectl/cli/exit_codes.py), and so is a run the launcher's signal ended during
-start-up, whatever report its ranks had time to write (a scheduler's early pre-emption is no crash). A failed run's line ends with the checkpoint to
-resume from, or says that nothing was saved.
+start-up (no rank began a step), whatever report its ranks had time to write: a scheduler's early
+pre-emption is no crash. A failed run's line ends with the checkpoint to resume from, or says that nothing
+was saved.
 """
 
 from __future__ import annotations

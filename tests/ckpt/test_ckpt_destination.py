@@ -7,6 +7,8 @@ folder as `step_00000020` stopped that run later when it saved step 20."""
 
 from __future__ import annotations
 
+import errno
+import os
 import shutil
 from pathlib import Path
 
@@ -48,19 +50,22 @@ def test_convert_and_export_refuse_the_source_and_its_checkpoints_folder(tmp_pat
 
 def test_the_run_folder_around_it_and_a_lone_step_folder_s_siblings_are_fine(tmp_path: Path) -> None:
     src = _source(tmp_path)
-    out = convert_checkpoint(src, tmp_path / "run" / "per-expert", "per-expert")  # beside checkpoints/: no save goes there
+    # beside checkpoints/: no save goes there
+    out = convert_checkpoint(src, tmp_path / "run" / "per-expert", "per-expert")
     assert verify_checkpoint(out) == []
     lone = tmp_path / "lone" / src.name  # a step folder copied out of its checkpoints folder: no latest beside it
     shutil.copytree(src, lone)
     assert verify_checkpoint(convert_checkpoint(lone, tmp_path / "lone" / "converted", "per-expert")) == []
 
 
-@pytest.mark.skipif(not Path("/sys/kernel").is_dir(), reason="needs sysfs")
+@pytest.mark.skipif(not Path("/sys/kernel").is_dir() or os.geteuid() != 0,
+                    reason="needs sysfs, and root: the permission bits already refuse /sys to anyone else")
 def test_a_folder_the_os_refuses_even_to_root_is_refused_up_front(tmp_path: Path) -> None:
     """The permission bits said /sys was writable to root; the OS refuses the folder: convert ran, then failed
     with a save's error written for training runs (exit 1). Now the OS is asked first (exit 2)."""
     src = _source(tmp_path)
-    with pytest.raises(CheckpointArgumentError, match=r"destination /sys/moectl-test cannot be made: /sys is not writable"):
+    with pytest.raises(CheckpointArgumentError,
+                       match=r"destination /sys/moectl-test cannot be made: /sys is not writable"):
         convert_checkpoint(src, Path("/sys/moectl-test"), "per-expert")
     assert verify_checkpoint(src) == []
 
@@ -92,6 +97,13 @@ def test_a_full_disk_mid_write_is_one_line_and_leaves_nothing(tmp_path: Path, mo
 
     monkeypatch.setattr(ckpt.hf, "save_file", full)
     with pytest.raises(CheckpointError, match=r"writing the export .*hf failed: No space left on device$"):
+        export_hf(src, tmp_path / "hf", "qwen3-moe")
+
+    def broken(*args: object, **kwargs: object) -> None:  # not the disk being full: not blamed on the destination
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(ckpt.hf, "save_file", broken)
+    with pytest.raises(OSError, match="Input/output error"):
         export_hf(src, tmp_path / "hf", "qwen3-moe")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # no half-written export, no temporary folder
     assert verify_checkpoint(src) == []
