@@ -232,17 +232,26 @@ def import_hf_command(
 
 def _ruled(resolve: Callable[[dict[str, Any]], Any]) -> Callable[[dict[str, Any]], Any]:
     """`resolve` (the checkpoint's config with the user's --config/--set), refused with the rule errors `train`
-    would print for it at this world size (exit 2: the command's fault, not the checkpoint's). Rules about this
-    machine's GPU are left out: validate restores wherever it runs."""
+    would print for it at this world size that the checkpoint's own config does not raise too (exit 2: the
+    command's fault, not the checkpoint's). Those it raises itself (a saved ep=2 checked in one process, an
+    empty `checkpoint.load` an older run recorded) are validate's own business: it restores with its own
+    load path and says which layout fits this world. Rules about this machine's GPU are left out."""
 
     def checked(saved: dict[str, Any]) -> Any:
+        import copy
+
         from moectl.cli.validate import print_violations
+        from moectl.core.config import config_from_dict
         from moectl.core.rules import MACHINE_KEYS, Environment, check
 
+        def errors_of(c: Any) -> list[Any]:
+            world = int(os.environ.get("WORLD_SIZE", "1"))
+            return [v for v in check(c, world_size=world, env=Environment(te=None, device=None))
+                    if v.severity == "error" and not set(MACHINE_KEYS) & set(v.keys)]
+
+        own = {(v.rule, v.message) for v in errors_of(config_from_dict(copy.deepcopy(saved)))}
         cfg = resolve(saved)
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        errors = [v for v in check(cfg, world_size=world, env=Environment(te=None, device=None))
-                  if v.severity == "error" and not set(MACHINE_KEYS) & set(v.keys)]
+        errors = [v for v in errors_of(cfg) if (v.rule, v.message) not in own]
         if errors:
             if int(os.environ.get("RANK", "0")) == 0:
                 print_violations(errors, make_console(), lines=True)

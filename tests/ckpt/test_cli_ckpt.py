@@ -230,3 +230,20 @@ def test_a_wrong_kind_of_folder_is_named_with_the_command_that_takes_it(ckpt: tu
     r = invoke("import-hf", hf / "model.safetensors", tmp_path / "out")
     assert r.exit_code == 2 and "model.safetensors is a file, not a model folder" in r.output
     assert len(r.output.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
+def test_validate_refuses_only_what_the_override_breaks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review of the rule check: a saved ep=2 config checked in one process (MOE029) or an empty load path an
+    older run recorded (MOE074) break rules of their own; validate handles those itself (the ep hint, its own
+    load path), so a harmless --set must not turn them into a refusal. What the --set breaks still refuses."""
+    from moectl.cli.ckpt import _ruled
+    from moectl.core.config import config_to_dict
+    from moectl.core.errors import UsageError
+    from moectl.core.config.load import load_config, overridden
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    saved = config_to_dict(load_config(None, ["parallel.expert_model_parallel_size=2", "checkpoint.load=''"]))
+    cfg = _ruled(overridden(["train.log_interval=5"]))(saved)
+    assert cfg.train.log_interval == 5 and cfg.parallel.expert_model_parallel_size == 2
+    with pytest.raises(UsageError, match=r"breaks 1 rule\(s\) \(MOE018\)"):
+        _ruled(overridden(["moe.router_topk=9"]))(saved)
