@@ -15,6 +15,7 @@ from ckpt.logical import (
 )  # fmt: skip
 from ckpt.reader import Checkpoint, open_checkpoint
 from moectl.core.config.schema import Config
+from moectl.core.facts import GLU_ROWS_ATTR, QKV_ROWS_ATTR
 from moectl.core.errors import CheckpointError, ConfigError
 from trainer.checkpointing.scaling_state import restore_scaling
 from trainer.parallel.groups import ParallelState
@@ -52,7 +53,7 @@ def load_training_checkpoint(path: str | Path, cfg: Config, model: nn.Module, en
     load_optim = not ccfg.no_load_optim and not is_model_only(ck)
     if load_optim:
         check_optimizer(ck, cfg)
-        warn_changed_muon_splits(ck, cfg)
+        warn_changed_muon_splits(ck, cfg, model)
     local = dict(model.named_parameters())
     local_names = set(local)
     logical = read_logical(ck, cfg, wanted=local_names)
@@ -120,19 +121,24 @@ def check_optimizer(ck: Checkpoint, cfg: Config) -> None:
 
 #: Muon options that change its update, introduced after checkpoints existed: absent from a recorded config, the
 #: saved run had the behaviour the option's `false` keeps
-MUON_SPLITS = ("muon_split_glu", "muon_split_qkv")
+MUON_SPLITS = {"muon_split_glu": GLU_ROWS_ATTR, "muon_split_qkv": QKV_ROWS_ATTR}  # the option: its weights' mark
 
 
-def warn_changed_muon_splits(ck: Checkpoint, cfg: Config) -> None:
-    """Warn when a Muon run resumes with another `optimizer.muon_split_*` than the checkpoint's run trained with
-    (a checkpoint saved before the option existed trained with it off): the momentum loads as saved, but the
-    orthogonalised updates of those weights change from what the saved run would have done next."""
+def warn_changed_muon_splits(ck: Checkpoint, cfg: Config, model: Optional[nn.Module] = None) -> None:
+    """Warn (on rank 0) when a Muon run resumes with another `optimizer.muon_split_*` than the checkpoint's run
+    trained with (a checkpoint saved before the option existed trained with it off): the momentum loads as
+    saved, but the orthogonalised updates of those weights change from what the saved run would have done next.
+    Only for a split `model` has weights of (a model without gated fc1 splits nothing by `muon_split_glu`)."""
     if cfg.optimizer.optimizer != "muon" or saved_optimizer(ck) not in (None, "muon"):
+        return
+    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
         return
     recorded = ck.meta.get("config", {}).get("optimizer")
     recorded = recorded if isinstance(recorded, dict) else {}
-    for key in MUON_SPLITS:
+    for key, attr in MUON_SPLITS.items():
         saved, now = recorded.get(key, False), getattr(cfg.optimizer, key)
+        if model is not None and not any(getattr(p, attr, None) is not None for p in model.parameters()):
+            continue
         if saved != now:
             when = "" if key in recorded else " (it was saved before the option existed)"
             warnings.warn(f"checkpoint {ck.path} trained with optimizer.{key}={str(saved).lower()}{when}; this run "

@@ -276,6 +276,13 @@ def test_resuming_with_another_split_than_the_checkpoint_trained_with_warns() ->
         warn_changed_muon_splits(ck({"optimizer": "muon", "muon_split_glu": True, "muon_split_qkv": True}),
                                  muon)  # type: ignore[arg-type]
         warn_changed_muon_splits(ck({"optimizer": "adam"}), load_config(None, []))  # type: ignore[arg-type]
+        # a model with no fused QKV weight: the split changes nothing there, so nothing is said
+        warn_changed_muon_splits(ck({"optimizer": "muon", "muon_split_glu": True}), muon,  # type: ignore[arg-type]
+                                 nn.Linear(4, 4))
+    marked = nn.Linear(4, 4)
+    setattr(marked.weight, QKV_ROWS_ATTR, QkvRows(1, 2, 1))
+    with pytest.warns(UserWarning, match="muon_split_qkv=false"):
+        warn_changed_muon_splits(ck({"optimizer": "muon", "muon_split_glu": True}), muon, marked)  # type: ignore[arg-type]
 
 
 def test_the_loop_warns_when_it_resumes_muon_with_the_split_switched(tmp_path: Path) -> None:
