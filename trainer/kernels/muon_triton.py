@@ -20,23 +20,23 @@ written back: nothing reads a Muon grad after the step). Not bitwise the torch p
 accumulated in another (fixed) order and kept in fp32 where `vector_norm` of a bf16 batch rounds the norm to bf16
 (tested within a stated tolerance, tests/trainer/kernels/test_muon_triton.py).
 
-The fp32 tensors (grad, momentum, master, and the published param) may also be row-block views instead of
-contiguous: `[G, r, n]` blocks of whole rows, as `muon.qkv_parts` cuts a fused QKV weight into its query, key
-and value parts across the query groups. Each program then reads and writes those tensors at its block's place
-in the view (`_block_table`: BLOCK-element blocks, so each r x n row block must be whole blocks) and the batch
-slot, whose rows the blocks stack into, in order: one launch per part, the same per-element math.
+The grad, the momentum and the master (fp32) and the published param (bf16) may also be row-block views
+instead of contiguous: `[G, r, n]` blocks of whole rows, as `muon.qkv_parts` cuts a fused QKV weight into its
+query, key and value parts across the query groups. Each program then reads and writes those tensors at its
+block's place in the view (`kernels/block_table.py`: BLOCK-element blocks, so each r x n row block must be
+whole blocks) and the batch slot, whose rows the blocks stack into, in order: one launch per part, the same
+per-element math.
 
 Imported lazily on CUDA only; importing it needs Triton.
 """
 
 from __future__ import annotations
 
-from functools import lru_cache
-from typing import Optional
-
 import torch
 import triton
 import triton.language as tl
+
+from trainer.kernels import block_table
 
 BLOCK = 4096  # elements per program: every slice of the shipped shapes is a multiple (checked by `fits`)
 # Offsets are int64 throughout: one grouped expert weight may hold more than 2^31 elements (256 x 7168 x 2048).
@@ -47,43 +47,10 @@ def fits(slice_elems: int) -> bool:
     return slice_elems % BLOCK == 0
 
 
-def _block_table(t: torch.Tensor) -> Optional[torch.Tensor]:
-    """Where each BLOCK-element block of a row-block view `t` (`[..., r, n]`, rows contiguous) starts, in blocks
-    from `t`'s first element, in `t`'s element order: an int64 table on `t`'s device; None for a contiguous `t`
-    (block b at b). Refuses a layout whose blocks are not whole rows of whole row blocks."""
-    if t.is_contiguous():
-        return None
-    return _table(tuple(t.shape), tuple(t.stride()), t.device)
-
-
-@lru_cache(maxsize=None)
-def _table(shape: tuple[int, ...], stride: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    *lead, r, n = shape
-    if len(shape) < 3 or stride[-1] != 1 or stride[-2] != n or (r * n) % BLOCK or any(s % BLOCK for s in stride[:-2]):
-        raise ValueError(f"Muon's fused kernels take contiguous tensors or whole-block row-block views, got shape "
-                         f"{shape} strides {stride}")
-    per = r * n // BLOCK
-    starts = torch.zeros((), dtype=torch.int64)
-    for size, step in zip(lead, stride[:-2]):
-        starts = (starts.unsqueeze(-1) + torch.arange(size) * (step // BLOCK)).flatten()
-    return (starts.unsqueeze(-1) + torch.arange(per)).flatten().to(device)
-
-
 def takes(t: torch.Tensor) -> bool:
     """Whether the fused kernels take `t` as a grad, momentum, master or published param: contiguous, or a
-    row-block view of whole blocks."""
-    try:
-        _block_table(t)
-    except ValueError:
-        return False
-    return True
-
-
-def _same_layout(kernel: str, t: torch.Tensor, other: torch.Tensor) -> None:
-    """`other` (a momentum, a published param) is laid out as `t`, so one block table serves both."""
-    if other.shape != t.shape or (not (t.is_contiguous() and other.is_contiguous()) and other.stride() != t.stride()):
-        raise ValueError(f"Muon's fused {kernel}: {tuple(other.shape)} strides {other.stride()} is not laid out as "
-                         f"{tuple(t.shape)} strides {t.stride()}")
+    row-block view of whole blocks (`block_table`)."""
+    return block_table.takes(t, BLOCK)
 
 
 @triton.jit
@@ -159,8 +126,8 @@ def blend_(grad: torch.Tensor, momentum: torch.Tensor, out: torch.Tensor, partia
     n, slice_elems = out.numel(), out.shape[-2] * out.shape[-1]
     if not out.is_contiguous():
         raise ValueError("Muon's fused blend needs a contiguous output")
-    table = _block_table(grad)  # grad and momentum contiguous, or one row-block layout
-    _same_layout("blend", grad, momentum)
+    table = block_table.block_table(grad, BLOCK)  # grad and momentum contiguous, or one row-block layout
+    block_table.same_layout("blend", grad, momentum)
     if grad.numel() != n or momentum.numel() != n or momentum.dtype != torch.float32 or not fits(slice_elems):
         raise ValueError(f"Muon's fused blend: {grad.numel()}/{momentum.numel()}/{n} elements, slices of {slice_elems}")
     if partials.dtype != torch.float32 or first_block + n // BLOCK > partials.numel():
@@ -203,9 +170,9 @@ def apply_(master: torch.Tensor, ortho: torch.Tensor, *, decay: float, alpha: fl
     n = master.numel()
     if not ortho.is_contiguous() or ortho.numel() != n or n % BLOCK:
         raise ValueError(f"Muon's fused apply: master {tuple(master.shape)}, update {tuple(ortho.shape)}")
-    table = _block_table(master)  # master and publish contiguous, or one row-block layout
+    table = block_table.block_table(master, BLOCK)  # master and publish contiguous, or one row-block layout
     if publish is not None:
-        _same_layout("apply", master, publish)
+        block_table.same_layout("apply", master, publish)
     _check_scalar("apply", "skip", skip, master.device)
     _apply_kernel[(n // BLOCK,)](master, ortho, master if publish is None else publish,
                                  master if skip is None else skip, master if table is None else table, decay, alpha,

@@ -104,7 +104,8 @@ def muon_ns_shapes(param: torch.nn.Parameter, split_glu: bool, split_qkv: bool) 
     return ns_shapes(param.shape, split_glu_rows(param, split_glu), split_qkv_rows(param, split_qkv))
 
 
-def muon_cost(split_glu: bool, split_qkv: bool = OptimizerConfig().muon_split_qkv) -> CostFn:
+def muon_cost(split_glu: bool = OptimizerConfig().muon_split_glu,
+              split_qkv: bool = OptimizerConfig().muon_split_qkv) -> CostFn:
     """The layer-wise plan's cost of a param: `ns_cost` of what Muon orthogonalises (`muon_ns_shapes`)."""
     return lambda param: sum(ns_cost(s) for s in muon_ns_shapes(param, split_glu, split_qkv))
 
