@@ -241,6 +241,7 @@ def _prove_tensors(report: ValidationReport, ck: Checkpoint, cfg: Config, traine
             else:
                 report.add(Check(stage, name + suffix, True))
         p = params[name].detach()
+        _prove_saved_weight(report, name, expected.get(name), entry["master"])
         storage = quantized_storage_of(params[name])
         if storage is not None:  # fp8/fp4 param gather: the live weight is the recipe's quantization of it
             ok = storage.matches_master(params[name], entry["master"])
@@ -249,7 +250,6 @@ def _prove_tensors(report: ValidationReport, ck: Checkpoint, cfg: Config, traine
             continue
         ok = _equal(p, entry["master"].to(p.dtype))  # on the device: no host copies
         report.add(Check("param", name, ok, "" if ok else f"param != master cast to {p.dtype}"))
-        _prove_saved_weight(report, name, expected.get(name), entry["master"])
 
 
 def _prove_saved_weight(report: ValidationReport, name: str, saved: Optional[torch.Tensor],

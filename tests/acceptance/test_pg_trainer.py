@@ -78,6 +78,8 @@ def test_trainer_param_gather_checkpoint_validate_resume(tmp_path: Path, recipe:
     assert report.ok, report.failures()
     checked = [c for c in report.checks if c.stage == "param" and c.name in quantized]
     assert len(checked) == len(quantized) and all(c.ok for c in checked)
+    saved = [c for c in report.checks if c.stage == "weight" and c.name in quantized]  # the bf16 cast saved for them
+    assert len(saved) == len(quantized) and all(c.ok for c in saved)
 
     resumed = trainer(tmp_path / "on", *rec, *GATHER, "train.train_iters=4",
                       "checkpoint.load=" + str(tmp_path / "on" / "checkpoints" / "step_00000002"))  # fmt: skip
