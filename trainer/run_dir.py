@@ -36,7 +36,7 @@ from ckpt.cleanup import remove_interrupted_saves
 from ckpt.discovery import list_committed
 from ckpt.integrity import quick_problem
 from moectl.core.config import Config, dump_config
-from moectl.core.errors import MoectlError, UsageError
+from moectl.core.errors import UsageError
 
 METRICS = "metrics.jsonl"
 LOCK = ".moectl.lock"
@@ -87,8 +87,8 @@ class RunDirLock:
             f.seek(0)
             holder = f.read().strip() or "unknown"
             f.close()
-            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise MoectlError(
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):  # nothing trained: a usage error (2)
+                raise UsageError(
                     f"run_dir {run_dir} is in use by another moectl train (pid {holder})",
                     "wait for it to finish, stop it, or train into another --run-dir",
                 ) from None

@@ -108,8 +108,10 @@ def test_a_second_run_into_a_run_dir_in_use_is_refused(tmp_path: Path) -> None:
     tmp_path.mkdir(exist_ok=True)
     held = RunDirLock(tmp_path)
     try:
-        with pytest.raises(MoectlError, match=rf"run_dir {tmp_path} is in use by another moectl train \(pid {os.getpid()}\)"):
+        with pytest.raises(UsageError, match=rf"run_dir {tmp_path} is in use by another moectl train "
+                                             rf"\(pid {os.getpid()}\)") as e:  # fmt: skip
             trainer(tmp_path, "train.train_iters=1").run()
+        assert e.value.exit_code == 2  # nothing was trained: usage, as every other refusal at start (a user trial)
     finally:
         held.release()
     trainer(tmp_path, "train.train_iters=1").run()  # released: the next run goes ahead
