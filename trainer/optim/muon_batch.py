@@ -36,7 +36,7 @@ value parts (`qkv_matrices`): each a `MuonMatrix` of `[G, r, n]` row-block views
 (`stacked`: one part's rows of every query group), which Newton-Schulz sees as one `[G r, n]` matrix in the batch
 of every other matrix of that shape (a query part `[D, D]` joins the output projections). The blend writes the
 blocks into the slot in order and the update reads them back from it, in place on the weight (the fused kernels
-through a block table, `kernels/muon_triton.py`): no copy.
+through a table of block offsets, `kernels/block_table.py`): no copy.
 
 A batch holds at most `MAX_BATCH_ELEMENTS` elements (a larger single matrix goes alone): the iteration
 keeps about four batch-sized tensors alive (X, the Gram matrices A and B, the next X; the Gram form of a
