@@ -15,7 +15,7 @@ later additions: MOE048 (precision: which recipes and optimizers low-precision p
 MOE049 (precision: fp8_fast_accum_backward needs an fp8 recipe with native GEMMs), MOE050 (retired: it
 warned that `train.cuda_graph` was not captured; it is now), MOE051 and MOE052
 (data: `data.dtype` / `data.path` / `data.eval_path` only where the source reads them; an eval_path that is the
-training file), MOE053 (optimizer: `muon_compute_dtype` and `muon_ns_method` are read only by Muon), MOE054
+training file), MOE053 (optimizer: the `muon_*` keys are read only by Muon), MOE054
 (hardware: bf16 Newton-Schulz needs sm80+), MOE055 (compile: `train.compile=regional` on the CPU needs the C++
 compiler inductor builds with), MOE056 (hardware: the per-rank memory estimate fits the GPU memory given
 with `--gpu-memory`), MOE057 (parallel: `parallel.distributed_timeout_minutes` is positive), MOE058-060
@@ -100,7 +100,7 @@ from typing import Any, Callable, Iterator, Literal, Mapping, Optional, Sequence
 from moectl.core import hardware
 from moectl.core.arith import round_up
 from moectl.core.facts import GATED_ACTIVATIONS, RECIPE_ALIGN, expert_capacity, fuses_wgrad, resolved_expert_backend
-from moectl.core.config.schema import Config
+from moectl.core.config.schema import Config, OptimizerConfig
 from moectl.core.gpu_memory import GpuMemory
 from moectl.core.overlap import overlap_policy
 from moectl.core.summary import human_bytes, memory
@@ -2099,25 +2099,33 @@ def eval_path_is_not_training_data(c: Context) -> Iterator[_Hit]:
         )
 
 
+#: the keys only Muon reads (`optimizer.muon_*`)
+MUON_KEYS = ("muon_momentum", "muon_nesterov", "muon_ns_steps", "muon_compute_dtype", "muon_ns_method",
+             "muon_split_glu", "muon_split_qkv")
+
+
 @rule(
     "MOE053",
     "optimizer",
     "warning",
-    ["optimizer.muon_compute_dtype", "optimizer.muon_ns_method", "optimizer.optimizer"],
-    "optimizer.muon_compute_dtype and muon_ns_method are read only by Muon",
+    [*(f"optimizer.{k}" for k in MUON_KEYS), "optimizer.optimizer"],
+    "optimizer.muon_* keys are read only by Muon",
 )
-def muon_compute_dtype_only_for_muon(c: Context) -> Iterator[_Hit]:
-    """Only Muon runs a Newton-Schulz iteration; AdamW and SGD never read its dtype or its method, so a value
-    chosen for them is silently ignored, which usually means the optimizer is not the one intended."""
+def muon_keys_only_for_muon(c: Context) -> Iterator[_Hit]:
+    """Only Muon reads its momentum, Newton-Schulz iteration (steps, dtype, method) and splits; AdamW and SGD
+    never do, so a value chosen for them is silently ignored, which usually means the optimizer is not the one
+    intended (a user trial set muon_ns_steps=0 under adam: "valid", then refused once it switched to Muon).
+    Their ranges are checked where Muon reads them (MOE012, MOE041)."""
     o = c.cfg.optimizer
     if o.optimizer == "muon":
         return
-    for key, value in (("muon_compute_dtype", o.muon_compute_dtype), ("muon_ns_method", o.muon_ns_method)):
-        if value != "auto":
-            yield _Hit(
-                f"optimizer.{key}={value} is ignored by optimizer.optimizer={o.optimizer}",
-                f"set optimizer.optimizer=muon, or optimizer.{key}=auto",
-            )
+    defaults = OptimizerConfig()
+    for key in MUON_KEYS:
+        value, default = getattr(o, key), getattr(defaults, key)
+        if value != default:
+            yield _Hit(f"optimizer.{key}={fmt(value)} is ignored by optimizer.optimizer={o.optimizer}",
+                       f"set optimizer.optimizer=muon, or drop optimizer.{key} (default {fmt(default)})",
+                       keys=(f"optimizer.{key}", "optimizer.optimizer"))
 
 
 @rule(

@@ -639,6 +639,9 @@ CASES = [
         severity="warning",
         name="ns-method",
     ),
+    Case("MOE053", ["optimizer.muon_ns_steps=3"], ["optimizer.muon_ns_steps=5"], severity="warning", name="ns-steps"),
+    Case("MOE053", ["optimizer.muon_split_qkv=false"], ["optimizer.muon_split_qkv=false", "optimizer.optimizer=muon"],
+         severity="warning", name="split-qkv"),
     Case(
         "MOE054",
         ["optimizer.optimizer=muon", "optimizer.muon_compute_dtype=bfloat16"],
