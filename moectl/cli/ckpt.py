@@ -232,16 +232,18 @@ def import_hf_command(
 
 def _ruled(resolve: Callable[[dict[str, Any]], Any]) -> Callable[[dict[str, Any]], Any]:
     """`resolve` (the checkpoint's config with the user's --config/--set), refused with the rule errors `train`
-    would print for it at this world size that the checkpoint's own config does not raise too (exit 2: the
-    command's fault, not the checkpoint's). Those it raises itself (a saved ep=2 checked in one process, an
+    would print for it at this world size that the checkpoint's own config does not raise too, or with a model
+    other than the saved one (exit 2: the command's fault, not the checkpoint's). Those it raises itself (a saved ep=2 checked in one process, an
     empty `checkpoint.load` an older run recorded) are validate's own business: it restores with its own
     load path and says which layout fits this world. Rules about this machine's GPU are left out."""
 
     def checked(saved: dict[str, Any]) -> Any:
         import copy
 
+        from ckpt.logical import check_architecture
         from moectl.cli.validate import print_violations
         from moectl.core.config import config_from_dict
+        from moectl.core.errors import CheckpointError
         from moectl.core.rules import MACHINE_KEYS, Environment, check
 
         def errors_of(c: Any) -> list[Any]:
@@ -249,8 +251,14 @@ def _ruled(resolve: Callable[[dict[str, Any]], Any]) -> Callable[[dict[str, Any]
             return [v for v in check(c, world_size=world, env=Environment(te=None, device=None))
                     if v.severity == "error" and not set(MACHINE_KEYS) & set(v.keys)]
 
-        own = {(v.rule, v.message) for v in errors_of(config_from_dict(copy.deepcopy(saved)))}
+        recorded = copy.deepcopy(saved)  # `resolve` applies the overrides to the dict it is given
+        own = {(v.rule, v.message) for v in errors_of(config_from_dict(copy.deepcopy(recorded)))}
         cfg = resolve(saved)
+        try:  # another model than the one saved: the override's fault, not the checkpoint's ("invalid" before)
+            check_architecture(recorded, cfg)
+        except CheckpointError as e:
+            raise UsageError(f"{e.message}, because of --set/--config", "drop the keys named: validate restores "
+                             "the checkpoint's own model (in another expert layout or world size, if asked)") from None
         errors = [v for v in errors_of(cfg) if (v.rule, v.message) not in own]
         if errors:
             if int(os.environ.get("RANK", "0")) == 0:

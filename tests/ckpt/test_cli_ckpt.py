@@ -236,14 +236,21 @@ def test_validate_refuses_only_what_the_override_breaks(monkeypatch: pytest.Monk
     """Review of the rule check: a saved ep=2 config checked in one process (MOE029) or an empty load path an
     older run recorded (MOE074) break rules of their own; validate handles those itself (the ep hint, its own
     load path), so a harmless --set must not turn them into a refusal. What the --set breaks still refuses."""
+    import copy
+
     from moectl.cli.ckpt import _ruled
     from moectl.core.config import config_to_dict
     from moectl.core.errors import UsageError
     from moectl.core.config.load import load_config, overridden
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    saved = config_to_dict(load_config(None, ["parallel.expert_model_parallel_size=2", "checkpoint.load=''"]))
-    cfg = _ruled(overridden(["train.log_interval=5"]))(saved)
+    saved = config_to_dict(load_config(None, ["parallel.expert_model_parallel_size=2", "checkpoint.load=''",
+                                              "moe.num_experts=4", "moe.router_topk=2"]))
+    cfg = _ruled(overridden(["train.log_interval=5"]))(copy.deepcopy(saved))
     assert cfg.train.log_interval == 5 and cfg.parallel.expert_model_parallel_size == 2
     with pytest.raises(UsageError, match=r"breaks 1 rule\(s\) \(MOE018\)"):
-        _ruled(overridden(["moe.router_topk=9"]))(saved)
+        _ruled(overridden(["moe.router_topk=9"]))(copy.deepcopy(saved))
+    # another model than the saved one: usage (it said "invalid", exit 1, blaming the checkpoint)
+    with pytest.raises(UsageError, match=r"moe.num_experts: checkpoint 4, config 8, because of --set/--config"):
+        _ruled(overridden(["moe.num_experts=8"]))(copy.deepcopy(saved))
+    assert _ruled(overridden(["moe.single_grouped_weight=false"]))(copy.deepcopy(saved)).moe.single_grouped_weight is False
