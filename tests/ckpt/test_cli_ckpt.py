@@ -253,4 +253,5 @@ def test_validate_refuses_only_what_the_override_breaks(monkeypatch: pytest.Monk
     # another model than the saved one: usage (it said "invalid", exit 1, blaming the checkpoint)
     with pytest.raises(UsageError, match=r"moe.num_experts: checkpoint 4, config 8, because of --set/--config"):
         _ruled(overridden(["moe.num_experts=8"]))(copy.deepcopy(saved))
-    assert _ruled(overridden(["moe.single_grouped_weight=false"]))(copy.deepcopy(saved)).moe.single_grouped_weight is False
+    other_layout = _ruled(overridden(["moe.single_grouped_weight=false"]))(copy.deepcopy(saved))
+    assert other_layout.moe.single_grouped_weight is False  # a layout is no other model
