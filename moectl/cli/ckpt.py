@@ -233,9 +233,10 @@ def import_hf_command(
 def _ruled(resolve: Callable[[dict[str, Any]], Any]) -> Callable[[dict[str, Any]], Any]:
     """`resolve` (the checkpoint's config with the user's --config/--set), refused with the rule errors `train`
     would print for it at this world size that the checkpoint's own config does not raise too, or with a model
-    other than the saved one (exit 2: the command's fault, not the checkpoint's). Those it raises itself (a saved ep=2 checked in one process, an
-    empty `checkpoint.load` an older run recorded) are validate's own business: it restores with its own
-    load path and says which layout fits this world. Rules about this machine's GPU are left out."""
+    other than the saved one (exit 2: the command's fault, not the checkpoint's). Those the saved config raises
+    itself (a saved ep=2 checked in one process, an empty `checkpoint.load` an older run recorded) are
+    validate's own business: it restores with its own load path and says which layout fits this world. Rules
+    about this machine (`rules.check_elsewhere`) are left out."""
 
     def checked(saved: dict[str, Any]) -> Any:
         import copy
@@ -244,12 +245,10 @@ def _ruled(resolve: Callable[[dict[str, Any]], Any]) -> Callable[[dict[str, Any]
         from moectl.cli.validate import print_violations
         from moectl.core.config import config_from_dict
         from moectl.core.errors import CheckpointError
-        from moectl.core.rules import MACHINE_KEYS, Environment, check
+        from moectl.core.rules import check_elsewhere
 
         def errors_of(c: Any) -> list[Any]:
-            world = int(os.environ.get("WORLD_SIZE", "1"))
-            return [v for v in check(c, world_size=world, env=Environment(te=None, device=None))
-                    if v.severity == "error" and not set(MACHINE_KEYS) & set(v.keys)]
+            return [v for v in check_elsewhere(c, int(os.environ.get("WORLD_SIZE", "1"))) if v.severity == "error"]
 
         recorded = copy.deepcopy(saved)  # `resolve` applies the overrides to the dict it is given
         own = {(v.rule, v.message) for v in errors_of(config_from_dict(copy.deepcopy(recorded)))}
@@ -301,9 +300,8 @@ def validate_command(
     given = None if config is None else load_config(config, overrides)  # a bad --config fails here, in one line
     resolve = overridden(overrides) if given is None else lambda saved: given
     if given is not None or overrides:  # the user's config: train's rules first (a --set router_topk=9 was a traceback)
-        report = merge_ranks(validate_checkpoint(path, _ruled(resolve)))
-    else:
-        report = merge_ranks(validate_checkpoint(path, resolve))
+        resolve = _ruled(resolve)
+    report = merge_ranks(validate_checkpoint(path, resolve))
     if int(os.environ.get("RANK", "0")) != 0:
         raise typer.Exit(0 if report.ok else 1)
     console = make_console()

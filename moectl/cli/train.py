@@ -56,13 +56,9 @@ def refuse_on_rule_errors(cfg: Config, world_size: int, console: Console, refusa
     is an error. `this_machine=False`: the config is for another machine (import-hf writes one to train
     elsewhere), so the rules about this one's GPU and Transformer Engine are left to `train` there."""
     from moectl.cli.validate import print_violations
-    from moectl.core.rules import MACHINE_KEYS, Environment, check
+    from moectl.core.rules import check, check_elsewhere
 
-    if this_machine:
-        violations = check(cfg, world_size=world_size)
-    else:
-        violations = [v for v in check(cfg, world_size=world_size, env=Environment(te=None, device=None))
-                      if not set(MACHINE_KEYS) & set(v.keys)]
+    violations = check(cfg, world_size=world_size) if this_machine else check_elsewhere(cfg, world_size)
     errors = [v for v in violations if v.severity == "error"]
     if violations:  # a table on a terminal, a line each in a log (a run's output usually lands in one)
         print_violations(violations, console, lines=not console.is_terminal)

@@ -93,7 +93,7 @@ import re
 import shutil
 import subprocess
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Callable, Iterator, Literal, Mapping, Optional, Sequence
 
@@ -446,6 +446,13 @@ def check(
     return out
 
 
+def check_elsewhere(cfg: Config, world_size: Optional[int] = None) -> list[Violation]:
+    """`check` without the rules about the machine it runs on (its GPU, Transformer Engine, CPUs): for a config
+    that trains elsewhere (`ckpt import-hf` writes one) or a checkpoint restored wherever `ckpt validate` runs."""
+    violations = check(cfg, world_size=world_size, env=Environment(te=None, device=None))
+    return [v for v in violations if not set(MACHINE_KEYS) & set(v.keys)]
+
+
 def has_errors(violations: Sequence[Violation]) -> bool:
     """Whether any violation is an error (warnings never make a config invalid)."""
     return any(v.severity == "error" for v in violations)
@@ -728,8 +735,9 @@ def muon_no_fp4_param_gather(c: Context) -> Iterator[_Hit]:
 )
 def optimizer_hyperparameters_in_range(c: Context) -> Iterator[_Hit]:
     """A learning rate <= 0 or infinite, a beta outside [0, 1), a non-positive or infinite epsilon or a
-    negative clip or weight decay is never intended: it diverges, does nothing, or divides by zero. Only the values the chosen
-    optimizer reads are checked (Adam's for adam and for Muon's non-matrix params, momentum for Muon)."""
+    negative clip or weight decay is never intended: it diverges, does nothing, or divides by zero. Only the
+    values the chosen optimizer reads are checked (Adam's for adam and for Muon's non-matrix params, momentum
+    for Muon)."""
     o = c.cfg.optimizer
     checks: list[tuple[str, float, bool, str]] = [
         ("lr", o.lr, 0 < o.lr < math.inf, "> 0 and finite"),
@@ -2099,9 +2107,8 @@ def eval_path_is_not_training_data(c: Context) -> Iterator[_Hit]:
         )
 
 
-#: the keys only Muon reads (`optimizer.muon_*`)
-MUON_KEYS = ("muon_momentum", "muon_nesterov", "muon_ns_steps", "muon_compute_dtype", "muon_ns_method",
-             "muon_split_glu", "muon_split_qkv")
+#: the keys only Muon reads: every `optimizer.muon_*` the schema has
+MUON_KEYS = tuple(f.name for f in fields(OptimizerConfig) if f.name.startswith("muon_"))
 
 
 @rule(
