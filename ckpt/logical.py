@@ -32,6 +32,7 @@ from ckpt.reader import Checkpoint, open_checkpoint
 from moectl.core.config import config_to_dict
 from moectl.core.config.schema import Config
 from moectl.core.errors import CheckpointError
+from moectl.core.rules import fmt
 
 STATE_SUFFIX = {"master": ".main_param", "exp_avg": ".exp_avg", "exp_avg_sq": ".exp_avg_sq",
                 "momentum_buffer": ".momentum_buffer"}
@@ -247,7 +248,7 @@ def check_architecture(saved: dict[str, Any], cfg: Config) -> None:
                 if resolved[key] == (cfg.model.kv_heads if key == "num_query_groups" else cfg.model.head_dim):
                     continue
             if a != b:
-                diffs.append(f"{section}.{key}: checkpoint {_yaml(a)}, config {_yaml(b)}")
+                diffs.append(f"{section}.{key}: checkpoint {fmt(a)}, config {fmt(b)}")
     if diffs:
         raise CheckpointError(
             "the checkpoint's model does not match the config: " + "; ".join(diffs),
@@ -262,15 +263,6 @@ def _resolved_attention(model: dict[str, Any]) -> dict[str, Any]:
         return {}
     return {"num_query_groups": model.get("num_query_groups") or heads,
             "kv_channels": model.get("kv_channels") or hidden // heads}
-
-
-def _yaml(value: Any) -> str:
-    """`value` as a config file writes it: null, true/false, numbers and strings as they are."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return str(value).lower()
-    return str(value)
 
 
 def read_logical(ck: Checkpoint, cfg: Config, wanted: Optional[set[str]] = None) -> dict[str, torch.Tensor]:

@@ -17,6 +17,7 @@ from ckpt.reader import Checkpoint, open_checkpoint
 from moectl.core.config.schema import Config
 from moectl.core.facts import GLU_ROWS_ATTR, QKV_ROWS_ATTR
 from moectl.core.errors import CheckpointError, ConfigError
+from moectl.core.rules import fmt
 from trainer.checkpointing.scaling_state import restore_scaling
 from trainer.parallel.groups import ParallelState
 from trainer.engine.protocol import Engine
@@ -98,10 +99,15 @@ def load_training_checkpoint(path: str | Path, cfg: Config, model: nn.Module, en
                     optimizer_state=load_optim, carried=carried_meta(ck.meta))
 
 
+def _recorded_optimizer(ck: Checkpoint) -> dict[str, Any]:
+    """The checkpoint's recorded `optimizer` config section ({} when it records none)."""
+    opt = ck.meta.get("config", {}).get("optimizer")
+    return opt if isinstance(opt, dict) else {}
+
+
 def saved_optimizer(ck: Checkpoint) -> Optional[str]:
     """The optimizer the checkpoint's run used, per its recorded config (None when it records none)."""
-    opt = ck.meta.get("config", {}).get("optimizer")
-    name = opt.get("optimizer") if isinstance(opt, dict) else None
+    name = _recorded_optimizer(ck).get("optimizer")
     return name if isinstance(name, str) else None
 
 
@@ -133,18 +139,16 @@ def warn_changed_muon_splits(ck: Checkpoint, cfg: Config, model: Optional[nn.Mod
         return
     if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
         return
-    recorded = ck.meta.get("config", {}).get("optimizer")
-    recorded = recorded if isinstance(recorded, dict) else {}
+    recorded = _recorded_optimizer(ck)
     for key, attr in MUON_SPLITS.items():
         saved, now = recorded.get(key, False), getattr(cfg.optimizer, key)
         if model is not None and not any(getattr(p, attr, None) is not None for p in model.parameters()):
             continue
         if saved != now:
             when = "" if key in recorded else " (it was saved before the option existed)"
-            warnings.warn(f"checkpoint {ck.path} trained with optimizer.{key}={str(saved).lower()}{when}; this run "
-                          f"resumes with {str(now).lower()}, so Muon's updates of those weights change from the saved "
-                          f"run's: set optimizer.{key}={str(saved).lower()} to continue as it trained",
-                          UserWarning, stacklevel=2)
+            warnings.warn(f"checkpoint {ck.path} trained with optimizer.{key}={fmt(saved)}{when}; this run resumes "
+                          f"with {fmt(now)}, so Muon's updates of those weights change from the saved run's: set "
+                          f"optimizer.{key}={fmt(saved)} to continue as it trained", UserWarning, stacklevel=2)
 
 
 def _check_shapes(ck_path: Path, name: str, entry: dict[str, torch.Tensor], shape: tuple[int, ...],
