@@ -951,6 +951,16 @@ def test_a_non_positive_expert_count_is_reported_once_not_as_a_topk_range(expert
     assert hits(found, "MOE041") and not hits(found, "MOE018")
 
 
+@pytest.mark.parametrize("iters", [0, -5])
+def test_an_invalid_train_iters_is_reported_once_not_as_a_short_warmup(iters: int) -> None:
+    """MOE015 (warmup >= train_iters) added a warning to MOE041's error about train_iters itself: the user
+    fixing the warmup would not have fixed anything. A valid but short run still gets it."""
+    found = run([f"train.train_iters={iters}", "optimizer.lr_warmup_iters=10"], world=1)
+    assert [next(iter(v.keys)) for v in hits(found, "MOE041")] == ["train.train_iters"]
+    assert not hits(found, "MOE015")
+    assert hits(run(["train.train_iters=1", "optimizer.lr_warmup_iters=10"], world=1), "MOE015")
+
+
 def test_world_size_zero_is_reported_not_a_crash() -> None:
     found = run([], world=0)
     assert [(v.rule, v.keys["world_size"]) for v in found] == [("MOE029", 0)]
