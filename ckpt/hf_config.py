@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from moectl.core.config import Config, config_from_dict
-from moectl.core.errors import CheckpointError
+from moectl.core.errors import CheckpointArgumentError, CheckpointError
 
 
 @dataclass(frozen=True)
@@ -260,13 +260,14 @@ def moectl_fields(hf: dict[str, Any], fam: Family) -> tuple[dict[str, Any], dict
 def moectl_config(hf: dict[str, Any], fam: Family, base: Optional[dict[str, Any]] = None,
                   defaults: Optional[dict[str, Any]] = None) -> Config:
     """The moectl config of an import: the user's `base` (plain data, `--set` applied) with the fields
-    config.json fixes (a contradiction is an error naming every key) and, where the user set nothing, the
-    ones it suggests and `defaults` (`{"section.key" or top-level key: value}`)."""
+    config.json fixes (a contradiction is a CheckpointArgumentError naming every key: the user's config is
+    wrong, not the model) and, where the user set nothing, the ones it suggests and `defaults`
+    (`{"section.key" or top-level key: value}`)."""
     fixed, suggested = moectl_fields(hf, fam)
     if isinstance(fixed["model.vocab_size"], int) and fixed["model.vocab_size"] < 256:
         suggested["data.source"] = "synthetic"  # the default corpus feeds bytes (ids to 255): it would not fit
     raw = copy.deepcopy(base or {})
-    clash = []
+    clash: dict[str, str] = {}  # dotted key -> the user's value and config.json's
     for dotted, value in {**suggested, **(defaults or {}), **fixed}.items():
         section, key = dotted.split(".") if "." in dotted else ("", dotted)
         sec = (raw.get(section) or {}) if section else raw
@@ -275,16 +276,16 @@ def moectl_config(hf: dict[str, Any], fam: Family, base: Optional[dict[str, Any]
         if key in sec and dotted not in fixed:
             continue  # the user's choice wins over a suggestion
         if key in sec and sec[key] != value:
-            clash.append(f"{dotted}={sec[key]!r} (the HF model has {value!r})")
+            clash[dotted] = f"{dotted}={sec[key]!r} (the HF model has {value!r})"
         if section:
             raw[section] = {**sec, key: value}
         else:
             raw[key] = value
-    if clash:
-        raise CheckpointError(
-            "the config contradicts the HF model: " + "; ".join(clash),
-            "drop those keys from --config/--set (import-hf takes the architecture from config.json and "
-            "needs no --config)",
+    if clash:  # the user's --set/--config, not the model, is wrong: usage (exit 2), as validate's --set is
+        raise CheckpointArgumentError(
+            "the config contradicts the HF model: " + "; ".join(clash.values()),
+            f"drop {' and '.join(clash)} from --set/--config (import-hf takes the architecture from config.json "
+            "and needs no --config)",
         )
     return config_from_dict(raw)
 

@@ -18,7 +18,7 @@ from ckpt import open_checkpoint
 from ckpt.hf import export_hf, import_hf
 from moectl.core.config import Config
 from moectl.core.config.load import apply_overrides
-from moectl.core.errors import CheckpointError
+from moectl.core.errors import CheckpointArgumentError, CheckpointError
 
 MIXTRAL = {"model": {"rotary_base": 5000.0}, "moe": {"router_norm_topk_prob": True, "glu_interleave_size": 32,
                                                       "single_grouped_weight": False}}  # fmt: skip
@@ -181,8 +181,9 @@ def test_import_names_missing_unexpected_and_misshaped_tensors(qwen_folder: Path
 
 
 def test_import_config_may_not_contradict_the_architecture(qwen_folder: Path, tmp_path: Path) -> None:
-    with pytest.raises(CheckpointError, match=r"model\.hidden_size=64 \(the HF model has 32\)"):
+    with pytest.raises(CheckpointArgumentError, match=r"model\.hidden_size=64 \(the HF model has 32\)") as err:
         import_hf(qwen_folder, tmp_path / "out", base=apply_overrides({}, ["model.hidden_size=64", "train.seed=7"]))
+    assert err.value.exit_code == 2 and "drop model.hidden_size from --set/--config" in err.value.one_line()
     out = import_hf(qwen_folder, tmp_path / "ok", base=apply_overrides({}, ["train.seed=7", "moe.single_grouped_weight=false"]))
     with open_checkpoint(out) as ck:
         assert ck.meta["config"]["train"]["seed"] == 7 and ck.meta["expert_layout"] == "per-expert"

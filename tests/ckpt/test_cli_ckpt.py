@@ -129,8 +129,11 @@ def test_export_and_import_hf(ckpt: tuple[Path, dict], tmp_path: Path) -> None:
     r = invoke("export-hf", root, tmp_path / "hf", "--format", "mixtral")
     assert r.exit_code == 0, r.output
     assert (tmp_path / "hf" / "config.json").is_file()
+    # a --set that contradicts config.json is the command's fault, not the model's: usage (it was exit 1)
     r = invoke("import-hf", tmp_path / "hf", tmp_path / "back", "--set", "model.num_layers=3")
-    assert r.exit_code == 1 and "model.num_layers=3 (the HF model has 2)" in r.output
+    assert r.exit_code == 2 and len(r.output.strip().splitlines()) == 1 and "Traceback" not in r.output, r.output
+    assert "model.num_layers=3 (the HF model has 2)" in r.output
+    assert "fix: drop model.num_layers from --set/--config" in r.output
     r = invoke("import-hf", tmp_path / "hf", tmp_path / "back", "--set", "train.train_iters=-5")
     assert r.exit_code == 2 and "MOE041" in r.output and "nothing imported" in r.output  # train would refuse it
     assert not (tmp_path / "back").exists()
