@@ -14,16 +14,37 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 from ckpt import manifest, names
 from moectl.core.errors import CheckpointArgumentError, CheckpointError
 
-_LOAD_FIX = "set checkpoint.load to a step_NNNNNNNN folder or a checkpoints folder, or to null to train from scratch"
-#: the fix for the checkpoint tools (`moectl ckpt ...`), which have no checkpoint.load to set
-TOOL_FIX = "give a step_NNNNNNNN folder or a checkpoints folder (e.g. runs/tiny/checkpoints)"
 _READ_FIX = "make it readable by this user (e.g. chmod -R u+rX on it), or load another checkpoint"
+
+
+@dataclass(frozen=True)
+class Advice:
+    """How the user of a command gives it a checkpoint, for the fixes of the errors about the one given:
+    `train`'s user sets `checkpoint.load`, the checkpoint tools' (`moectl ckpt ...`) pass a PATH argument.
+    The errors themselves are worded once, here; only the advice differs by command."""
+
+    fix: str  #: the fix of a path that names nothing usable
+    use: str  #: how to give another one, `{}` standing for it
+
+    def to_use(self, what: str) -> str:
+        """The advice to give `what` instead (a path, or a description of one)."""
+        return self.use.format(what)
+
+
+#: the trainer's (the default): what to set checkpoint.load to
+LOAD_ADVICE = Advice(
+    "set checkpoint.load to a step_NNNNNNNN folder or a checkpoints folder, or to null to train from scratch",
+    "point checkpoint.load at {}",
+)
+#: the checkpoint tools' (`moectl ckpt ...`), which have no checkpoint.load to set: what to pass them
+TOOL_ADVICE = Advice("give a step_NNNNNNNN folder or a checkpoints folder (e.g. runs/tiny/checkpoints)", "pass {}")
 
 
 def unreadable(path: Path, e: OSError, fix: Optional[str] = None) -> CheckpointArgumentError:
@@ -123,10 +144,11 @@ def read_latest(root: str | os.PathLike[str]) -> str | None:
     return text
 
 
-def find_latest(root: str | os.PathLike[str]) -> Path | None:
+def find_latest(root: str | os.PathLike[str], advice: Advice = LOAD_ADVICE) -> Path | None:
     """The step folder to resume from: the one `latest` names, else the newest committed one, else None.
 
-    Raises CheckpointError if `latest` names a folder that is missing or has no manifest.json.
+    Raises CheckpointError if `latest` names a folder that is missing or has no manifest.json; its fix is
+    `advice`'s way of giving another step (the trainer's, or `TOOL_ADVICE`).
     """
     root = Path(root)
     name = read_latest(root)
@@ -135,16 +157,16 @@ def find_latest(root: str | os.PathLike[str]) -> Path | None:
         return committed[-1] if committed else None
     target = root / name
     if not _is_dir(target):
-        raise CheckpointError(
-            f"{root / names.LATEST} names {name}, which does not exist",
-            "point checkpoint.load at an existing step folder, or delete latest to fall back on the newest committed step",
-        )
-    if not _is_file(target / names.MANIFEST):
-        raise CheckpointError(
-            f"{root / names.LATEST} names {name}, which has no manifest.json (never committed)",
-            "point checkpoint.load at a committed step folder, or delete latest to fall back on the newest committed step",
-        )
-    return target
+        why, other = "does not exist", "an existing step folder"
+    elif not _is_file(target / names.MANIFEST):
+        why, other = "has no manifest.json (never committed)", "a committed step folder"
+    else:
+        return target
+    committed = list_committed(root)  # a step that does load, to name (latest's own is not among them)
+    if committed:
+        other = f"a step folder such as {committed[-1]}"
+    raise CheckpointError(f"{root / names.LATEST} names {name}, which {why}",
+                          f"{advice.to_use(other)}, or delete latest to fall back on the newest committed step")
 
 
 def is_step_dir(path: Path) -> bool:
@@ -158,12 +180,13 @@ def is_step_dir(path: Path) -> bool:
     )
 
 
-def resolve_load_path(load: str | os.PathLike[str], fix: str = _LOAD_FIX) -> Path:
+def resolve_load_path(load: str | os.PathLike[str], advice: Advice = LOAD_ADVICE) -> Path:
     """The committed step folder that `load` means: itself if it is a step folder, else its latest step.
 
     Raises CheckpointError when `load` does not exist, is an uncommitted save, or holds no committed step;
-    `fix` is its fix where the path is wrong (the trainer's, about `checkpoint.load`, or `TOOL_FIX`).
+    `advice` words the fixes where the path is wrong (the trainer's, about `checkpoint.load`, or `TOOL_ADVICE`).
     """
+    fix = advice.fix
     if not str(load).strip():
         raise CheckpointArgumentError("the checkpoint path is empty", fix)
     p = Path(load).expanduser()
@@ -178,7 +201,7 @@ def resolve_load_path(load: str | os.PathLike[str], fix: str = _LOAD_FIX) -> Pat
                 "load the checkpoints folder (its latest step) or another committed step_NNNNNNNN folder",
             )
         return p
-    found = find_latest(p)
+    found = find_latest(p, advice)
     if found is None:
         sub = p / "checkpoints"
         hint = f"; it has a checkpoints folder: did you mean {sub}?" if _is_dir(sub) else ""

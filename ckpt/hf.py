@@ -57,7 +57,7 @@ from safetensors.torch import save_file
 from ckpt.cleanup import undo_new_root
 from ckpt.convert import FilesOnDemand
 from ckpt.destination import new_destination, raise_write_failure
-from ckpt.discovery import TOOL_FIX, resolve_load_path
+from ckpt.discovery import TOOL_ADVICE, resolve_load_path
 from ckpt.layout import PER_EXPERT, SINGLE_GROUPED, group_expert_keys, normalize_for_model, reinterleave_fc1
 from ckpt.inspect import tensor_role
 from ckpt.reader import open_checkpoint
@@ -302,7 +302,7 @@ def export_hf(
     loads them. Refuses, naming each setting, a model the format cannot express exactly.
     """
     fam = family(format)
-    dst = new_destination(Path(dst), source=resolve_load_path(ckpt_path, TOOL_FIX))  # before hashing the source
+    dst = new_destination(Path(dst), source=resolve_load_path(ckpt_path, TOOL_ADVICE))  # before hashing the source
     with open_checkpoint(ckpt_path) as ck:
         cfg = _checkpoint_config(ck.meta, ck.path)
         why = unexportable(cfg, fam)

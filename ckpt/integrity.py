@@ -31,7 +31,7 @@ from typing import Any, Callable
 from ckpt import manifest, names
 from ckpt import problems as P
 from ckpt.digest import uses_tree
-from ckpt.discovery import TOOL_FIX, is_step_dir, resolve_load_path, stat_or_none
+from ckpt.discovery import TOOL_ADVICE, is_step_dir, resolve_load_path, stat_or_none
 from ckpt.problems import Problem
 from ckpt.seal import seal_problem
 from ckpt.shard_io import hash_file, io_threads, range_jobs
@@ -53,8 +53,8 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> list[Problem]:
     st = stat_or_none(p)
     if st is None or not stat.S_ISDIR(st.st_mode):
         raise CheckpointArgumentError(f"checkpoint path {p} {'is not a folder' if st else 'does not exist'}",
-                                      TOOL_FIX)  # fmt: skip
-    step_dir = p if is_step_dir(p) else resolve_load_path(p, TOOL_FIX)
+                                      TOOL_ADVICE.fix)  # fmt: skip
+    step_dir = p if is_step_dir(p) else resolve_load_path(p, TOOL_ADVICE)
     found: list[Problem] = []
     if names.TMP_DIR_RE.match(step_dir.name):
         found.append(Problem(P.INCOMPLETE, None, None, f"{step_dir.name} is an unfinished save (never committed)"))

@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 
 from ckpt import manifest
-from ckpt.discovery import TOOL_FIX, resolve_load_path
+from ckpt.discovery import TOOL_ADVICE, resolve_load_path
 from ckpt.integrity import verify_checkpoint
 from ckpt.manifest import META_OPTIONAL, META_REQUIRED
 from ckpt.problems import MANIFEST, Problem
@@ -143,7 +143,7 @@ def open_checkpoint(path: str | os.PathLike[str], verify: bool = True) -> Checkp
     dtype and shape (for tools that read a few tensors of a large checkpoint whose integrity they verify
     otherwise). A format 1 manifest, which has no digest, loads with a warning (ckpt/seal.py).
     """
-    step_dir = resolve_load_path(path, TOOL_FIX)  # the trainer resolves checkpoint.load itself, with its own fix
+    step_dir = resolve_load_path(path, TOOL_ADVICE)  # the trainer resolves checkpoint.load itself, with its own advice
     m, problems = manifest.load(step_dir)
     if verify:
         problems = verify_checkpoint(step_dir)

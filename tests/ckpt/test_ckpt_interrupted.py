@@ -104,11 +104,14 @@ def test_latest_is_trusted_and_a_bad_latest_is_a_clear_error(tmp_path: Path) -> 
     (tmp_path / "latest").write_text("step_00000005\n")  # e.g. a crash between the rename and `latest`
     assert resolve_load_path(tmp_path) == tmp_path / "step_00000005"
     (tmp_path / "latest").write_text("step_00000099\n")
-    with pytest.raises(CheckpointError, match="names step_00000099, which does not exist"):
+    with pytest.raises(CheckpointError, match="names step_00000099, which does not exist") as err:
         resolve_load_path(tmp_path)
+    assert "fix: point checkpoint.load at " in err.value.one_line()  # the trainer's words, by default
     (tmp_path / "step_00000099").mkdir()
-    with pytest.raises(CheckpointError, match="which has no manifest.json"):
+    with pytest.raises(CheckpointError, match="which has no manifest.json") as err:
         open_checkpoint(tmp_path)
+    # the tools' own words (they take a path argument), naming a step that loads
+    assert f"fix: pass a step folder such as {tmp_path / 'step_00000010'}, or delete latest" in err.value.one_line()
     (tmp_path / "latest").write_text("garbage")
     with pytest.raises(CheckpointError, match="holds 'garbage', not a step_NNNNNNNN folder name"):
         find_latest(tmp_path)

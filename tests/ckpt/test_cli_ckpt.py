@@ -235,6 +235,27 @@ def test_a_wrong_kind_of_folder_is_named_with_the_command_that_takes_it(ckpt: tu
     assert len(r.output.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("cmd", ["inspect", "validate", "convert", "export-hf"])
+def test_a_bad_latest_is_explained_in_the_words_of_the_command_that_met_it(
+    cmd: str, ckpt: tuple[Path, dict], tmp_path: Path
+) -> None:
+    """From a user trial: a `latest` naming a missing or uncommitted step told `ckpt inspect` to "point
+    checkpoint.load at" a step folder; the tools take a PATH argument, so they say which one to pass."""
+    root, _ = ckpt
+    extra = {"convert": ["--layout", "per-expert"], "export-hf": ["--format", "mixtral"]}.get(cmd)
+    args = [root, tmp_path / "out", *extra] if extra else [root]
+    good = root / "step_00000007"
+    (root / "latest").write_text("step_00000099\n")
+    for said in ("names step_00000099, which does not exist", "names step_00000099, which has no manifest.json"):
+        if "manifest" in said:
+            (root / "step_00000099").mkdir()  # an uncommitted save
+        r = invoke(cmd, *args)
+        assert r.exit_code == 1 and len(r.output.strip().splitlines()) == 1, r.output
+        assert said in r.output and "checkpoint.load" not in r.output, r.output
+        assert f"fix: pass a step folder such as {good}, or delete latest" in r.output, r.output
+    assert not (tmp_path / "out").exists()
+
+
 def test_validate_refuses_only_what_the_override_breaks(monkeypatch: pytest.MonkeyPatch) -> None:
     """Review of the rule check: a saved ep=2 config checked in one process (MOE029) or an empty load path an
     older run recorded (MOE074) break rules of their own; validate handles those itself (the ep hint, its own
