@@ -203,10 +203,32 @@ def resolve_load_path(load: str | os.PathLike[str], advice: Advice = LOAD_ADVICE
         return p
     found = find_latest(p, advice)
     if found is None:
-        sub = p / "checkpoints"
-        hint = f"; it has a checkpoints folder: did you mean {sub}?" if _is_dir(sub) else ""
-        if not hint and _is_file(p / "config.json") and any(p.glob("*.safetensors")):
-            hint = "; it looks like a Hugging Face model folder: make a checkpoint of it with moectl ckpt import-hf"
         where = f"the current folder ({p.absolute()})" if str(p) == "." else str(p)  # an empty argument, too
+        sub = p / "checkpoints"
+        if _is_dir(sub):
+            raise _run_folder(where, sub, advice)
+        hint = ""
+        if _is_file(p / "config.json") and any(p.glob("*.safetensors")):
+            hint = "; it looks like a Hugging Face model folder: make a checkpoint of it with moectl ckpt import-hf"
         raise CheckpointError(f"no committed checkpoint in {where}{hint}", fix)
     return found
+
+
+def _run_folder(run: str, sub: Path, advice: Advice) -> CheckpointArgumentError:
+    """The error for a run folder (train's run_dir, named `run`, holding `sub`, its checkpoints folder) given as a
+    checkpoint.
+
+    The path is wrong, not a checkpoint (exit 2, as for a file given there): the fix names what to give instead,
+    `sub` and the step it resolves to, or that step itself when `sub`'s `latest` is broken."""
+    try:
+        step = find_latest(sub, advice)
+        target = f"{sub} (its latest step, {step.name})" if step is not None else None
+    except CheckpointArgumentError:  # this user may not read it: that error names what to make readable
+        raise
+    except CheckpointError:  # a broken `latest`: `sub` would not load, the newest committed step still does
+        committed = list_committed(sub)
+        target = str(committed[-1]) if committed else None
+    if target is None:
+        return CheckpointArgumentError(f"{run} is a run folder, not a checkpoint, and {sub} holds no committed step",
+                                       advice.fix)  # fmt: skip
+    return CheckpointArgumentError(f"{run} is a run folder, not a checkpoint", advice.to_use(target))

@@ -24,7 +24,7 @@ from ckpt import (
 )
 from ckpt import problems as P
 from ckpt.faults import InjectedCrash
-from moectl.core.errors import CheckpointError
+from moectl.core.errors import CheckpointArgumentError, CheckpointError
 
 THREE_FILES = {
     "model-00000.safetensors": {"a": torch.ones(3)},
@@ -121,14 +121,38 @@ def test_a_wrong_load_path_is_an_error_never_a_fresh_start(tmp_path: Path) -> No
     with pytest.raises(CheckpointError, match="does not exist") as err:
         resolve_load_path(tmp_path / "nope")
     assert "or to null to train from scratch" in err.value.one_line()
-    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
-    with pytest.raises(CheckpointError, match="did you mean .*checkpoints"):
-        resolve_load_path(tmp_path / "run")
+    run, sub = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    sub.mkdir(parents=True)
+    with pytest.raises(CheckpointArgumentError, match=f"{run} is a run folder, not a checkpoint, and {sub} holds no "
+                                                      "committed step"):  # fmt: skip
+        resolve_load_path(run)
     (tmp_path / "file").write_text("x")
     with pytest.raises(CheckpointError, match="is a file"):
         open_checkpoint(tmp_path / "file")
-    save_simple(tmp_path / "run" / "checkpoints", 3)
-    assert resolve_load_path(tmp_path / "run" / "checkpoints" / "step_00000003").name == "step_00000003"
+    save_simple(sub, 3)
+    assert resolve_load_path(sub / "step_00000003").name == "step_00000003"
+
+
+def test_a_run_folder_given_as_a_checkpoint_is_usage_naming_the_checkpoint_to_give(tmp_path: Path) -> None:
+    """A user trial: train's run_dir given as a checkpoint exited 1 (a bad checkpoint), a file there 2. It is the
+    path's fault: exit 2, naming the checkpoints folder and the step it resolves to, in the caller's words."""
+    run, sub = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    save_simple(sub, 2)
+    save_simple(sub, 4)
+    (run / "metrics.jsonl").write_text("{}\n")
+    with pytest.raises(CheckpointArgumentError) as err:
+        resolve_load_path(run)
+    assert err.value.exit_code == 2
+    assert err.value.one_line() == (f"{run} is a run folder, not a checkpoint. "
+                                    f"fix: point checkpoint.load at {sub} (its latest step, step_00000004)")
+    for call in (open_checkpoint, verify_checkpoint):  # the tools' words
+        with pytest.raises(CheckpointArgumentError) as err:
+            call(run)
+        assert err.value.one_line().endswith(f"fix: pass {sub} (its latest step, step_00000004)")
+    (sub / "latest").write_text("step_00000099\n")  # a broken latest: the newest committed step, by itself
+    with pytest.raises(CheckpointArgumentError) as err:
+        resolve_load_path(run)
+    assert err.value.one_line().endswith(f"fix: point checkpoint.load at {sub / 'step_00000004'}")
 
 
 def test_the_checkpoint_tools_say_their_own_fix_not_the_trainers(tmp_path: Path) -> None:

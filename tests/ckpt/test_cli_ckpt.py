@@ -256,6 +256,26 @@ def test_a_bad_latest_is_explained_in_the_words_of_the_command_that_met_it(
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("cmd", ["inspect", "validate", "convert", "export-hf"])
+def test_a_run_folder_given_as_a_checkpoint_exits_2_naming_the_one_to_pass(
+    cmd: str, ckpt: tuple[Path, dict], tmp_path: Path
+) -> None:
+    """A user trial: a run folder (train's run_dir: checkpoints/, metrics.jsonl, ...) given as the checkpoint
+    exited 1, as a bad checkpoint does, where a file exits 2."""
+    import shutil
+
+    root, _ = ckpt
+    run = tmp_path / "myrun"
+    shutil.copytree(root, run / "checkpoints")
+    (run / "metrics.jsonl").write_text("{}\n")
+    extra = {"convert": ["--layout", "per-expert"], "export-hf": ["--format", "mixtral"]}.get(cmd)
+    r = invoke(cmd, *([run, tmp_path / "out", *extra] if extra else [run]))
+    assert r.exit_code == 2 and len(r.output.strip().splitlines()) == 1 and "Traceback" not in r.output, r.output
+    assert r.output.strip() == (f"error: {run} is a run folder, not a checkpoint. "
+                                f"fix: pass {run / 'checkpoints'} (its latest step, step_00000007)")
+    assert not (tmp_path / "out").exists()
+
+
 def test_validate_refuses_only_what_the_override_breaks(monkeypatch: pytest.MonkeyPatch) -> None:
     """Review of the rule check: a saved ep=2 config checked in one process (MOE029) or an empty load path an
     older run recorded (MOE074) break rules of their own; validate handles those itself (the ep hint, its own

@@ -121,6 +121,21 @@ def test_a_resume_with_nothing_left_to_train_says_so(tmp_path):
     assert res.exit_code == 0 and "nothing to train (raise train.train_iters" in res.output, res.output
 
 
+def test_a_run_folder_as_checkpoint_load_is_bad_usage_naming_its_checkpoints(tmp_path):
+    """A user trial: checkpoint.load at a run folder (not its checkpoints folder) exited 1 (failed); a file there
+    exited 2. Both are the config's fault: refused with exit 2, naming what to point checkpoint.load at."""
+    run = tmp_path / "r"
+    res = runner.invoke(app, ["train", "configs/tiny.yaml", *SMALL, "--run-dir", str(run),
+                              "--set", "checkpoint.save_interval=2"])  # fmt: skip
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(app, ["train", "configs/tiny.yaml", *SMALL, "--run-dir", str(tmp_path / "next"),
+                              "--set", f"checkpoint.load={run}"])  # fmt: skip
+    assert res.exit_code == 2, res.output
+    assert _one_error_line(res) == (f"error: {run} is a run folder, not a checkpoint. "
+                                    f"fix: point checkpoint.load at {run / 'checkpoints'} (its latest step, "
+                                    "step_00000002)")
+
+
 def test_a_fresh_saving_run_into_another_runs_checkpoints_is_bad_usage(tmp_path):
     """Refused before training like the other run_dir refusals, so with their exit code (2), not 1 (failed)."""
     run = ["train", "configs/tiny.yaml", *SMALL, "--run-dir", str(tmp_path / "r"), "--set", "checkpoint.save_interval=2"]
