@@ -183,8 +183,9 @@ def is_step_dir(path: Path) -> bool:
 def resolve_load_path(load: str | os.PathLike[str], advice: Advice = LOAD_ADVICE) -> Path:
     """The committed step folder that `load` means: itself if it is a step folder, else its latest step.
 
-    Raises CheckpointError when `load` does not exist, is an uncommitted save, or holds no committed step;
-    `advice` words the fixes where the path is wrong (the trainer's, about `checkpoint.load`, or `TOOL_ADVICE`).
+    Raises CheckpointError when `load` does not exist, is an uncommitted save, or holds no committed step (a
+    CheckpointArgumentError, exit 2, where the path itself is wrong: missing, a file, a run folder); `advice`
+    words the fixes where the path is wrong (the trainer's, about `checkpoint.load`, or `TOOL_ADVICE`).
     """
     fix = advice.fix
     if not str(load).strip():

@@ -92,8 +92,9 @@ class CheckpointError(MoectlError):
 
 
 class CheckpointArgumentError(CheckpointError):
-    """A checkpoint argument that names nothing usable: a path that does not exist or is a file, a destination
-    that already does, an option value no checkpoint can take. The command's fault, not a checkpoint's (exit 2:
-    to a script, exit 1 of `ckpt validate` means a bad checkpoint)."""
+    """A checkpoint argument that names nothing usable: a path that does not exist, is a file or a run folder, a
+    destination that already does, an option value no checkpoint can take, an import's --set that contradicts the
+    model. The command's fault, not a checkpoint's (exit 2: to a script, exit 1 of `ckpt validate` means a bad
+    checkpoint)."""
 
     exit_code = 2
