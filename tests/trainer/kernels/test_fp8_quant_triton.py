@@ -357,22 +357,32 @@ def _mlp_problem():  # type: ignore[no-untyped-def]
 
 @gpu
 def test_fast_accum_fp8_expert_mlp_agrees_with_emulation(monkeypatch):  # type: ignore[no-untyped-def]
-    """The fused fp8 MLP with fast-accumulating backward GEMMs (all six `_scaled_grouped_mm` calls with
-    use_fast_accum=True) against the exact emulation of the same recipe, and against bf16."""
+    """The fused fp8 MLP with fast-accumulating backward GEMMs (all six grouped GEMMs on `_scaled_grouped_mm`
+    with use_fast_accum=True) against the exact emulation of the same recipe, and against bf16. With the
+    default split accumulation the backward is precise: the two data grads on moectl's precise Triton kernel
+    (the faster precise one at these widths, `fp8_grouped_mm_triton.preferred`), the two weight grads on torch's."""
+    from trainer.kernels import fp8_grouped_mm_triton
+
     x, w1, w2, probs, counts = _mlp_problem()
-    seen: list[bool] = []
-    real = torch._scaled_grouped_mm
+    seen: list[tuple[str, bool]] = []
+    real, real_triton = torch._scaled_grouped_mm, fp8_grouped_mm_triton.fp8_grouped_mm
 
     def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
-        seen.append(bool(kwargs.get("use_fast_accum")))
+        seen.append(("torch", bool(kwargs.get("use_fast_accum"))))
         return real(*args, **kwargs)
 
+    def spy_triton(*args, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append(("triton", bool(kwargs.get("fast_accum"))))
+        return real_triton(*args, **kwargs)
+
     monkeypatch.setattr(torch, "_scaled_grouped_mm", spy)
+    monkeypatch.setattr(fp8_grouped_mm_triton, "fp8_grouped_mm", spy_triton)
     fast = _fused_mlp(TensorwiseRecipe(emulate="never", fast_accum_backward=True), x, w1, w2, probs, counts)
-    assert seen == [True] * 6, seen
+    assert seen == [("torch", True)] * 6, seen
     seen.clear()
     split = _fused_mlp(TensorwiseRecipe(emulate="never"), x, w1, w2, probs, counts)
-    assert seen == [True, True, False, False, False, False], seen  # fprop fast, backward split (the default)
+    assert seen[:2] == [("torch", True)] * 2, seen  # fprop fast
+    assert sorted(seen[2:]) == [("torch", False)] * 2 + [("triton", False)] * 2, seen  # backward precise
     emulated = _fused_mlp(TensorwiseRecipe(emulate="always"), x, w1, w2, probs, counts)
     for name, a, s, e in zip(("y", "dx", "dw1", "dw2", "dprobs"), fast, split, emulated):
         assert torch.isfinite(a).all(), name
