@@ -28,6 +28,7 @@ import contextlib
 import errno
 import json
 import os
+import stat
 from pathlib import Path
 from typing import IO
 
@@ -45,16 +46,37 @@ CONFIG = "config.yaml"
 CONFIG_HEADER = "# the resolved config of the run in this folder, written by moectl train (each run rewrites it)\n"
 
 
+def _what_is(path: Path) -> str:
+    """What `path` is, when it is not a folder: "a file", "a character device" (/dev/null), "a named pipe
+    (FIFO)", "a socket", ..."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:  # a symbolic link to nothing
+        return "a broken symbolic link" if path.is_symlink() else "not a folder"
+    for test, what in ((stat.S_ISREG, "a file"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a named pipe (FIFO)"),
+                       (stat.S_ISSOCK, "a socket")):  # fmt: skip
+        if test(mode):
+            return what
+    return "not a folder"
+
+
 def create_run_dir(path: Path) -> None:
     """`mkdir -p path`, as a one-line `UsageError` naming the reason when that is impossible."""
     fix = "choose another --run-dir (or set run_dir in the config)"
     try:
         path.mkdir(parents=True, exist_ok=True)
     except FileExistsError:
-        raise UsageError(f"run_dir {path} cannot be created: a file is in the way", f"remove that file, or {fix}") from None
+        what = _what_is(path)
+        if what == "a file":  # a stray file of the user's: removing it is theirs to choose
+            raise UsageError(f"run_dir {path} cannot be created: a file is in the way",
+                             f"remove that file, or {fix}") from None  # fmt: skip
+        # /dev/null, a FIFO, a socket: never advise deleting one (a user trial: "remove that file" for /dev/null)
+        raise UsageError(f"run_dir {path} exists and is not a directory: it is {what}", fix) from None
     except NotADirectoryError:
         parent = next((p for p in path.parents if p.exists() and not p.is_dir()), path.parent)
-        raise UsageError(f"run_dir {path} cannot be created: {parent} is a file, not a folder", fix) from None
+        raise UsageError(f"run_dir {path} cannot be created: {parent} is {_what_is(parent)}, not a folder",
+                         fix) from None  # fmt: skip
     except PermissionError as e:
         raise UsageError(f"run_dir {path} cannot be created: {e.strerror or 'permission denied'}", fix) from None
     except OSError as e:

@@ -49,6 +49,7 @@ def test_run_dir_problems_are_one_line_and_exit_2(tmp_path):
         str(tmp_path / "afile"): "a file is in the way",
         str(tmp_path / "afile" / "run"): "is a file, not a folder",
         "/proc/moectl-test/run": "this filesystem does not allow creating it",
+        "/dev/null": "run_dir /dev/null exists and is not a directory: it is a character device. fix: choose another",
         str(tmp_path / "m"): "metrics.jsonl is a folder",
     }
     for run_dir, words in cases.items():

@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ from moectl.core.errors import MoectlError, UsageError
 from trainer.loop import Trainer
 from trainer.metrics import MetricsWriter
 from trainer.observer import SilentObserver
-from trainer.run_dir import RunDirLock
+from trainer.run_dir import RunDirLock, create_run_dir
 from trainer.stop import StopSignals
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -176,6 +177,34 @@ def test_a_run_dir_that_cannot_be_used_is_one_line(tmp_path: Path, make: str) ->
     with pytest.raises(UsageError) as e:
         trainer(target, "train.train_iters=1").run()
     assert words in e.value.one_line() and "\n" not in e.value.one_line()
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo") or not Path("/dev/null").exists(), reason="POSIX special files")
+@pytest.mark.parametrize("kind", ["devnull", "fifo", "socket", "devnull_parent"])
+def test_a_run_dir_that_is_a_device_fifo_or_socket_is_never_to_be_removed(tmp_path: Path, kind: str) -> None:
+    """A user trial: `--run-dir /dev/null` said "remove that file". Such a path is named for what it is, and the
+    fix is another --run-dir; only a regular file in the way keeps "remove that file"."""
+    fix = "choose another --run-dir (or set run_dir in the config)"
+    if kind == "devnull":
+        target, what = Path("/dev/null"), "a character device"
+    elif kind == "fifo":
+        target, what = tmp_path / "fifo", "a named pipe (FIFO)"
+        os.mkfifo(target)
+    elif kind == "socket":
+        target, what = tmp_path / "sock", "a socket"
+        sock = socket.socket(socket.AF_UNIX)
+        sock.bind(str(target))
+        sock.close()  # the name stays
+    else:
+        target = Path("/dev/null/run")
+    with pytest.raises(UsageError) as e:
+        create_run_dir(target)
+    if kind == "devnull_parent":
+        assert e.value.one_line() == (f"run_dir {target} cannot be created: /dev/null is a character device, not a "
+                                      f"folder. fix: {fix}")  # fmt: skip
+    else:
+        assert e.value.one_line() == f"run_dir {target} exists and is not a directory: it is {what}. fix: {fix}"
+    assert "remove" not in e.value.one_line()
 
 
 def _signal_at(t: Trainer, step: int, sig: int) -> None:
