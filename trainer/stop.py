@@ -8,6 +8,9 @@ records the signal; the loop checks it after each step, saves, and returns. The 
 ranks (`agreed`): a signal that reached one rank stops every rank after the same step, or the others would
 wait for it in the next step's collectives until the timeout.
 
+The first signal is acknowledged at once, in one line (`acknowledgement`), by the process the CLI asks to
+(rank 0): a step can take minutes, and a Ctrl-C that nothing answers until it ends looks ignored.
+
 A second SIGINT aborts at once (KeyboardInterrupt), unless it comes within `REPEAT_GRACE_S` of the
 first: a launcher forwards the terminal's Ctrl-C to its workers, so each worker sees one Ctrl-C twice.
 """
@@ -17,7 +20,7 @@ from __future__ import annotations
 import signal
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -30,12 +33,17 @@ class StopSignals:
 
     Entering again (nested, e.g. the CLI around the loop) keeps what was recorded: the loop honours a
     signal that came while the model was being built.
+
+    `announce`: called from the handler with the first signal's `acknowledgement` line (rank 0's log); `saves`:
+    whether the run will save when it stops, for that line.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, announce: Callable[[str], None] | None = None, saves: bool = False) -> None:
         self.signal: str | None = None
         self._first_at = 0.0
         self._previous: list[dict[int, Any]] = []
+        self._announce = announce
+        self._saves = saves
 
     def __enter__(self) -> "StopSignals":
         saved: dict[int, Any] = {}
@@ -54,6 +62,11 @@ class StopSignals:
             return
         self.signal = signal.Signals(signum).name
         self._first_at = time.monotonic()
+        if self._announce is not None:
+            try:
+                self._announce(acknowledgement(self.signal, self._saves))
+            except Exception:  # noqa: BLE001 - saying so must never break the run (a closed or busy stdout)
+                pass
 
     def __exit__(self, *exc: Any) -> None:
         for sig, handler in self._previous.pop().items():
@@ -87,6 +100,17 @@ class StopSignals:
             self.signal = signal.Signals(got).name
             self._first_at = time.monotonic()
         return StepAgreement(got != 0, failed != 0)
+
+
+def acknowledgement(signal_name: str, saves: bool) -> str:
+    """The line said as soon as the first stop signal arrives: what the run will do, and for a Ctrl-C how
+    to abort instead."""
+    again = signal_name == "SIGINT"
+    if saves:
+        return (f"received {signal_name}: stopping after the current step and saving a checkpoint"
+                + (" (Ctrl-C again to abort without saving)" if again else ""))  # fmt: skip
+    return (f"received {signal_name}: stopping after the current step; nothing will be saved "
+            f"(checkpoint.save_interval is not set{'; Ctrl-C again to abort at once' if again else ''})")
 
 
 @dataclass(frozen=True)

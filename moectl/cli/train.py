@@ -156,6 +156,8 @@ def _train_here(cfg: Config, console: Console, rank: int, world: int, overwrite:
 
     launched = O.outcome_dir() is not None
     state = _start_marking_state(rank) if launched else RunState()
+    saves = bool(cfg.checkpoint.save_interval)
+    observer = observer_for(console, cfg.train.log_interval)
 
     def report_to_launcher(kind: str, code: int, message: str = "", signal_name: str | None = None,
                            timeout_s: float | None = None) -> None:
@@ -164,10 +166,10 @@ def _train_here(cfg: Config, console: Console, rank: int, world: int, overwrite:
                                   signal=signal_name, timeout_s=timeout_s))  # fmt: skip
 
     # Entered before the model is built: a SIGTERM during start-up stops the run at its first step boundary.
-    with StopSignals() as stop:
+    # Rank 0 says at once what a signal will do; the step in flight can take long.
+    with StopSignals(announce=observer.log if rank == 0 else None, saves=saves) as stop:
         try:
-            result = train(cfg, observer_for(console, cfg.train.log_interval), stop=stop, overwrite=overwrite,
-                           state=state)  # fmt: skip
+            result = train(cfg, observer, stop=stop, overwrite=overwrite, state=state)
         except MoectlError as e:
             if isinstance(e, CollectiveFailure):
                 kind = O.TIMEOUT if e.kind == "timeout" else O.PEER_LOST

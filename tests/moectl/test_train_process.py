@@ -137,6 +137,8 @@ def test_sigterm_to_the_job_saves_on_both_ranks_and_exits_3(tmp_path: Path) -> N
     assert verify_checkpoint(saved) == []
     assert f"SIGTERM: stopped cleanly after step {last}; resume with --set checkpoint.load=" in out
     assert f"stopped by SIGTERM: {last} steps" in out
+    # said as the signal came, by rank 0 only
+    assert out.splitlines().count("received SIGTERM: stopping after the current step and saving a checkpoint") == 1
 
 
 def test_a_stopped_rank_is_reported_as_hung(tmp_path: Path) -> None:
@@ -245,8 +247,11 @@ def test_one_process_stopped_by_a_signal_exits_with_the_documented_code(tmp_path
     if save:
         assert f"{name}: stopped cleanly after step" in out and (tmp_path / "checkpoints" / "latest").is_file()
         assert verify_checkpoint(tmp_path / "checkpoints") == []
+        assert f"received {name}: stopping after the current step and saving a checkpoint" in out.splitlines()
     else:
         assert f"warning: {name}: stopped after step" in out and "with nothing saved" in out
+        assert (f"received {name}: stopping after the current step; nothing will be saved (checkpoint.save_interval "
+                "is not set)") in out.splitlines()  # fmt: skip
 
 
 def test_a_run_dir_refused_on_rank_0_stops_both_ranks_in_one_line(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ import pytest
 
 from dist_helpers import run_distributed
 from trainer.parallel.failures import CollectiveFailure, collective_failure
-from trainer.stop import REPEAT_GRACE_S, StopSignals
+from trainer.stop import REPEAT_GRACE_S, StopSignals, acknowledgement
 from trainer.threads import choose_cpu_threads
 
 GLOO_LOST = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
@@ -46,6 +46,29 @@ def test_a_repeated_sigint_within_the_grace_is_the_launcher_forwarding_it() -> N
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(0.1)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+
+
+def test_the_first_signal_is_acknowledged_at_once_in_one_line() -> None:
+    """A step can take minutes: the handler itself says what the signal will do (once), not the step's end."""
+    said: list[str] = []
+    with StopSignals(announce=said.append, saves=True) as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGINT)  # within the grace: nothing more said, no abort
+        assert stop.signal == "SIGTERM"
+    assert said == ["received SIGTERM: stopping after the current step and saving a checkpoint"]
+    assert acknowledgement("SIGINT", saves=True) == (
+        "received SIGINT: stopping after the current step and saving a checkpoint (Ctrl-C again to abort without "
+        "saving)")  # fmt: skip
+    assert acknowledgement("SIGINT", saves=False) == (
+        "received SIGINT: stopping after the current step; nothing will be saved (checkpoint.save_interval is not "
+        "set; Ctrl-C again to abort at once)")  # fmt: skip
+
+    def broken(line: str) -> None:
+        raise BrokenPipeError  # stdout's reader has gone: the stop must still be recorded
+
+    with StopSignals(announce=broken) as stop:
+        os.kill(os.getpid(), signal.SIGHUP)
+        assert stop.signal == "SIGHUP"
 
 
 def test_the_thread_rule() -> None:
