@@ -479,6 +479,14 @@ class Trainer:
                 # The model holds the last update's params when run() returns (an overlapped gather is
                 # otherwise left to a next forward that never comes); every rank got here together.
                 self.engine.sync_params_for_eval()
+        except KeyboardInterrupt:
+            # A second Ctrl-C: out now, without waiting for a save in flight; the process ends before it commits,
+            # as a kill would end it (an uncommitted `.tmp-` folder, removed by the next run). A background save
+            # that has committed meanwhile is the last good checkpoint.
+            committed = self.checkpointer.committed()
+            if committed is not None:
+                state.checkpoint = committed
+            raise
         except Exception as e:
             # The run waits for a save in flight before it ends: it may still commit, and the error then
             # names it as the checkpoint to resume from.

@@ -11,12 +11,18 @@ wait for it in the next step's collectives until the timeout.
 The first signal is acknowledged at once, in one line (`acknowledgement`), by the process the CLI asks to
 (rank 0): a step can take minutes, and a Ctrl-C that nothing answers until it ends looks ignored.
 
-A second SIGINT aborts at once (KeyboardInterrupt), unless it comes within `REPEAT_GRACE_S` of the
-first: a launcher forwards the terminal's Ctrl-C to its workers, so each worker sees one Ctrl-C twice.
+A second SIGINT aborts at once (KeyboardInterrupt): the CLI ends the process without saving. A process in a
+terminal's foreground group whose parent forwards the Ctrl-C to it too (torchrun's agent did, before torch
+started each worker in a session of its own; any wrapper that forwards signals) sees one press twice, so
+there a SIGINT within `REPEAT_GRACE_S` of the first is taken as the same press. A process that leads its own
+session has no terminal to hear a Ctrl-C from (torch's elastic `SubprocessHandler` starts every worker so:
+`start_new_session`), and moectl's launcher forwards each press once, so every SIGINT such a worker gets is a
+press of its own. Which case holds is checked when `StopSignals` is made, not assumed of a torch version.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from dataclasses import dataclass
@@ -35,15 +41,18 @@ class StopSignals:
     signal that came while the model was being built.
 
     `announce`: called from the handler with the first signal's `acknowledgement` line (rank 0's log); `saves`:
-    whether the run will save when it stops, for that line.
+    whether the run will save when it stops, for that line. `repeat_grace_s`: how long a repeated SIGINT is
+    the same press (default: `REPEAT_GRACE_S`, or 0 in a process that leads its own session).
     """
 
-    def __init__(self, announce: Callable[[str], None] | None = None, saves: bool = False) -> None:
+    def __init__(self, announce: Callable[[str], None] | None = None, saves: bool = False,
+                 repeat_grace_s: float | None = None) -> None:
         self.signal: str | None = None
         self._first_at = 0.0
         self._previous: list[dict[int, Any]] = []
         self._announce = announce
         self._saves = saves
+        self.repeat_grace_s = repeat_grace_s if repeat_grace_s is not None else _repeat_grace_s()
 
     def __enter__(self) -> "StopSignals":
         saved: dict[int, Any] = {}
@@ -57,7 +66,7 @@ class StopSignals:
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.signal is not None:
-            if signum == signal.SIGINT and time.monotonic() - self._first_at > REPEAT_GRACE_S:
+            if signum == signal.SIGINT and time.monotonic() - self._first_at >= self.repeat_grace_s:
                 raise KeyboardInterrupt
             return
         self.signal = signal.Signals(signum).name
@@ -111,6 +120,15 @@ def acknowledgement(signal_name: str, saves: bool) -> str:
                 + (" (Ctrl-C again to abort without saving)" if again else ""))  # fmt: skip
     return (f"received {signal_name}: stopping after the current step; nothing will be saved "
             f"(checkpoint.save_interval is not set{'; Ctrl-C again to abort at once' if again else ''})")
+
+
+def _repeat_grace_s() -> float:
+    """0 in a process that leads its own session (no terminal reaches it, so each SIGINT is one press),
+    else `REPEAT_GRACE_S`."""
+    try:
+        return 0.0 if os.getsid(0) == os.getpid() else REPEAT_GRACE_S
+    except (AttributeError, OSError):  # no sessions here (Windows): keep the grace
+        return REPEAT_GRACE_S
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,8 @@
     2    bad usage or config (a data source that cannot be read at start-up included): nothing was trained
     3    stopped by a signal (SIGTERM, SIGINT) after saving a checkpoint: resume with checkpoint.load
     128+N  stopped by signal N (143 SIGTERM, 130 SIGINT) with nothing saved (no checkpoint.save_interval):
-         the shell's code for a death by that signal, since the steps are lost all the same; a warning says so
+         the shell's code for a death by that signal, since the steps are lost all the same; a warning says so.
+         130 too for a second Ctrl-C, which aborts at once without saving (one line names the last checkpoint)
 
 Every command: 141 (128 + SIGPIPE) when its reader closed stdout early (`moectl ... | head -1`), as a shell
 tool killed by SIGPIPE ends; a `set -o pipefail` script must not read that as "violations" (1).

@@ -13,21 +13,26 @@ What this launcher adds around torchrun (issue 18):
   agent's 25-50 line traceback and error table (both still shown with `MOECTL_DEBUG=1`);
 - SIGTERM/SIGINT/SIGHUP to the launcher reach the workers through the agent, which then gives them torchrun's
   shutdown timeout (`TORCH_ELASTIC_SHUTDOWN_TIMEOUT`, default 30 s, as Slurm's KillWait) to finish the
-  step and save before it kills them;
+  step and save before it kills them; a second Ctrl-C is forwarded to every worker as a SIGINT, which aborts
+  the run without saving (`_LauncherSignals`);
 - the workers' CPU threads are chosen by the trainer's rule (trainer/threads.py) and passed as
   OMP_NUM_THREADS, unless the user set it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import os
+import signal
 import sys
 import tempfile
 from pathlib import Path
-from typing import Optional
+from types import FrameType
+from typing import Any, Optional
 
-from moectl.cli.outcome import OUTCOME_DIR_ENV, read_outcomes, read_started
+from moectl.cli.outcome import OUTCOME_DIR_ENV, read_outcomes, read_pids, read_started
 from moectl.cli.verdict import Exit, Verdict, verdict
 from moectl.core.environment import LAUNCHED_ENV
 
@@ -74,6 +79,66 @@ def launch_local(nproc_per_node: int, moectl_args: list[str]) -> int:
     return 0
 
 
+class _LauncherSignals:
+    """The launcher's SIGINT, SIGTERM and SIGHUP while the workers run (entered around torchrun's `run`).
+
+    The first goes the way torchrun's own handler sends it: raised as its `SignalException`, on which the agent
+    forwards it to every worker and waits up to its shutdown timeout for them to stop and save. torchrun's
+    handler raised again on a second Ctrl-C, out of that wait, and the agent's clean-up then sent the workers
+    SIGTERM, which a stopping worker takes as the same request: the second Ctrl-C never reached them, and they
+    saved and exited 3. Here a later SIGINT is sent on as it is to each worker that has not reported (their ids:
+    `outcome.mark_pid`), where it aborts the run, and the agent goes on waiting for them. A later SIGTERM or
+    SIGHUP changes nothing, as on a worker. The workers lead their own sessions, so a terminal's Ctrl-C reaches
+    only this process: each press reaches a worker once.
+
+    torchrun must leave these three signals to this handler (`ARGS`); a torch whose launcher has no
+    `--signals-to-handle` takes them over when it starts the workers, and a second Ctrl-C there is lost as before.
+    """
+
+    #: torchrun's own handling, for the signals this class does not take (its default: all four)
+    ARGS = ["--signals-to-handle=SIGQUIT"]
+
+    def __init__(self, reports: Path) -> None:
+        self.reports = reports
+        self.received: Optional[signal.Signals] = None
+        self._previous: dict[int, Any] = {}
+
+    @staticmethod
+    def supported() -> bool:
+        """Whether this torch's launcher can be told which signals to leave alone (`ARGS`)."""
+        from torch.distributed.launcher.api import LaunchConfig
+
+        return "signals_to_handle" in {f.name for f in dataclasses.fields(LaunchConfig)}
+
+    def __enter__(self) -> "_LauncherSignals":
+        for sig in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+            if sig is not None:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+
+        sig = signal.Signals(signum)
+        if self.received is None:
+            self.received = sig
+            raise SignalException(f"Process {os.getpid()} got signal: {sig}", sigval=sig)
+        if sig != signal.SIGINT:
+            return
+        for pid in read_pids(self.reports).values():
+            try:
+                os.killpg(pid, sig)  # as torch sends it: to the worker's whole process group
+            except ProcessLookupError:
+                try:
+                    os.kill(pid, sig)  # a worker that does not lead a process group
+                except ProcessLookupError:  # it has just ended
+                    pass
+
+
 def launch_train(nproc_per_node: int, moectl_args: list[str], cpu_threads: Optional[int] = None,
                  saves: bool = False) -> Verdict:
     """Run `python -m moectl train ...` in `nproc_per_node` local processes; returns the run's verdict.
@@ -91,13 +156,17 @@ def launch_train(nproc_per_node: int, moectl_args: list[str], cpu_threads: Optio
     with tempfile.TemporaryDirectory(prefix="moectl-outcome-") as reports:
         os.environ[OUTCOME_DIR_ENV] = reports
         os.environ[LAUNCHED_ENV] = "1"  # the workers leave this process's notices to it
+        own = _LauncherSignals.supported()  # else torchrun's handler, which loses a second Ctrl-C
         args = get_args_parser().parse_args(
-            ["--standalone", f"--nproc-per-node={nproc_per_node}", "--module", "moectl", *moectl_args]
-        )
+            [*(_LauncherSignals.ARGS if own else []), "--standalone", f"--nproc-per-node={nproc_per_node}",
+             "--module", "moectl", *moectl_args]
+        )  # fmt: skip
         exits: dict[int, Exit] = {}
         launcher_signal = None
+        signals = _LauncherSignals(Path(reports)) if own else contextlib.nullcontext()
         try:
-            run(args)
+            with signals:
+                run(args)
         except ChildFailedError as e:
             for rank, f in e.failures.items():
                 exits[int(rank)] = Exit(f.exitcode, f.signal_name() if f.exitcode < 0 else None)

@@ -4,7 +4,8 @@ torchrun's agent knows only exit codes, and prints a 25-50 line traceback for an
 The launcher (moectl/cli/launch.py) sets `MOECTL_OUTCOME_DIR` for its workers; each worker writes
 `rank<N>.json` there as it ends, and the launcher turns the reports, together with the codes and signals
 torchrun collected, into one line for the whole run. A rank that was killed writes nothing: its absence,
-and what the others saw (a lost peer, a timeout), is what names it.
+and what the others saw (a lost peer, a timeout), is what names it. Each worker also leaves `started<N>`
+when its first step begins and `pid<N>` as it starts (the launcher sends a second Ctrl-C to that process).
 
 Written atomically (temp file + rename), so a reader never sees half a report.
 """
@@ -22,6 +23,7 @@ OUTCOME_DIR_ENV = "MOECTL_OUTCOME_DIR"
 # kinds of an ended rank
 FINISHED = "finished"
 STOPPED = "stopped"  # by a signal
+ABORTED = "aborted"  # by a second Ctrl-C: nothing saved after the step it was in
 ERROR = "error"  # its own MoectlError (bad config, data, checkpoint, non-finite loss)
 CRASH = "crash"  # an unexpected exception: a bug, with its traceback on stderr
 TIMEOUT = "timeout"  # a collective timed out waiting for another rank
@@ -74,6 +76,35 @@ def mark_started(rank: int) -> None:
         (d / f"started{rank}").touch()
     except OSError:
         pass
+
+
+def mark_pid(rank: int) -> None:
+    """Leave `pid<rank>` (this process's id) for the launcher, which forwards a second Ctrl-C to each worker
+    itself (`moectl.cli.launch`); never raises."""
+    d = outcome_dir()
+    if d is None:
+        return
+    tmp = d / f".pid{rank}.tmp"
+    try:
+        tmp.write_text(str(os.getpid()), encoding="utf-8")
+        os.replace(tmp, d / f"pid{rank}")
+    except OSError:
+        pass
+
+
+def read_pids(d: Path) -> dict[int, int]:
+    """Each worker's process id by rank (`mark_pid`), for those that have not reported how they ended: a
+    reported rank is ending or gone, and its id may be another process's by now."""
+    out: dict[int, int] = {}
+    for p in d.glob("pid*"):
+        rank = p.name.removeprefix("pid")
+        if not rank.isdigit() or (d / f"rank{rank}.json").exists():
+            continue
+        try:
+            out[int(rank)] = int(p.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+    return out
 
 
 def read_started(d: Path) -> set[int]:

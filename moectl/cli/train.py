@@ -1,9 +1,10 @@
 """`moectl train CONFIG`: check the config against every rule, then train (or launch N processes).
 
 How a run ends is the exit code (moectl/cli/exit_codes.py): 0 finished, 1 failed, 2 bad usage or config,
-3 stopped by a signal after saving, 128+N stopped by signal N with nothing saved. A rank of a multi-rank
-run prints its error as one line (prefixed with its rank); under this CLI's own launcher it reports to
-the launcher instead (moectl/cli/outcome.py), which prints one line for the whole run.
+3 stopped by a signal after saving, 128+N stopped by signal N with nothing saved (130 also: aborted by a
+second Ctrl-C). A rank of a multi-rank run prints its error as one line (prefixed with its rank); under this
+CLI's own launcher it reports to the launcher instead (moectl/cli/outcome.py), which prints one line for the
+whole run.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from moectl.cli import outcome as O
 from moectl.cli.base import app, command, report
 from moectl.cli.console import make_console
 from moectl.cli.options import ConfigArg, NprocOpt, RunDirOpt, SetOpt, examples
+from moectl.cli.verdict import aborted_line
 from moectl.core.config.load import load_config
 from moectl.core.config.schema import Config
 from moectl.core.errors import ConfigError, DataError, MoectlError
@@ -46,7 +48,8 @@ HELP = (
     "latest checkpoint to train.train_iters). A fresh run refuses a run_dir holding another run's metrics "
     "unless --overwrite.\n\n"
     "Exit codes: 0 finished, 1 failed, 2 bad usage or config, 3 stopped by SIGTERM/SIGINT/SIGHUP after saving "
-    "(resume it), 128+N stopped by signal N with nothing saved."
+    "(resume it), 128+N stopped by signal N with nothing saved. A second Ctrl-C aborts at once without saving "
+    "(130)."
 )
 
 
@@ -146,7 +149,8 @@ def _train_here(cfg: Config, console: Console, rank: int, world: int, overwrite:
     """Train on this process and return its exit code, reporting to a launcher when one asked.
 
     Never raises: errors are printed here (one line; a bug's traceback as Python would print it), so a
-    multi-rank worker can end through `exit_codes.end_process` whatever happened.
+    multi-rank worker can end through `exit_codes.end_process` whatever happened. A run aborted by a second
+    Ctrl-C does not return: it ends the process here, with 130 (one process too).
     """
     from moectl.cli.progress import observer_for
     from trainer.loop import train
@@ -156,6 +160,8 @@ def _train_here(cfg: Config, console: Console, rank: int, world: int, overwrite:
 
     launched = O.outcome_dir() is not None
     state = _start_marking_state(rank) if launched else RunState()
+    if launched:
+        O.mark_pid(rank)  # the launcher forwards a second Ctrl-C to this process itself
     saves = bool(cfg.checkpoint.save_interval)
     observer = observer_for(console, cfg.train.log_interval)
 
@@ -185,10 +191,15 @@ def _train_here(cfg: Config, console: Console, rank: int, world: int, overwrite:
                 report(e, f"rank {rank}: " if world > 1 and not e.message.startswith("rank ") else "")
             return code
         except KeyboardInterrupt:  # a second Ctrl-C: abort now, without saving
-            report_to_launcher(O.STOPPED, exit_codes.stopped_unsaved(signal.SIGINT), signal_name="SIGINT")
-            kept = f"; {state.checkpoint} is intact" if state.checkpoint else ""
-            typer.secho(f"error: interrupted (second Ctrl-C): stopped without saving{kept}", err=True, fg="red")
-            return exit_codes.stopped_unsaved(signal.SIGINT)
+            code = exit_codes.stopped_unsaved(signal.SIGINT)
+            ckpt = str(state.checkpoint) if state.checkpoint else None
+            report_to_launcher(O.ABORTED, code, signal_name="SIGINT")
+            if not launched:  # the launcher prints one line for the whole run
+                where = f"rank {rank}: " if world > 1 else ""
+                typer.secho(f"error: {where}{aborted_line(state.step, ckpt, saves)}", err=True, fg="red")
+            # Ended here, as a multi-rank worker always ends: a background save still in flight must not go on
+            # to commit while the interpreter finalizes, after this line named the checkpoint before it.
+            exit_codes.end_process(code)
         except Exception as e:  # a bug: keep its traceback (moectl/core/errors.py), tell the launcher in one line
             report_to_launcher(O.CRASH, exit_codes.FAILED, f"{type(e).__name__}: {' '.join(str(e).split())[:300]}")
             traceback.print_exc()

@@ -2,9 +2,11 @@
 
 The cause is named in this order:
 1. a rank that failed on its own (a `MoectlError`, or a crash): its own line, with its exit code;
-2. a rank that ended without a report (killed, aborted, or hung and then ended by the launcher): named
+2. a run a second Ctrl-C aborted: 130 and one line naming the last good checkpoint (a rank that saw another
+   abort a moment before it, as a lost peer, is that abort's consequence, not a failure);
+3. a rank that ended without a report (killed, aborted, or hung and then ended by the launcher): named
    with its signal or exit code, and - when the others timed out waiting for it - as hung;
-3. otherwise the first report of a lost peer or a timeout.
+4. otherwise the first report of a lost peer or a timeout.
 A run where every rank finished is 0; where every rank stopped on a signal, their common code (3 after a
 save, 128 + N without one: moectl/cli/exit_codes.py), and so is a run the launcher's signal ended during
 start-up (no rank began a step), whatever report its ranks had time to write: a scheduler's early
@@ -56,6 +58,17 @@ def _resume_hint(outcomes: dict[int, O.Outcome], saves: bool) -> str:
     return f"resume from {ckpt} with --set checkpoint.load={parent}"
 
 
+def aborted_line(step: Optional[int], checkpoint: Optional[str], saves: bool) -> str:
+    """The one line of a run a second Ctrl-C aborted in `step`: which checkpoint is the last good one (what
+    `latest` names) and how to resume from it, or that there is none."""
+    head = f"aborted by a second Ctrl-C {_during(step)}, without saving"
+    if checkpoint is None:
+        return f"{head}; " + ("no checkpoint was saved" if saves else
+                              "nothing was saved (checkpoint.save_interval is not set)")  # fmt: skip
+    parent = checkpoint.rsplit("/", 1)[0] if "/" in checkpoint else checkpoint
+    return f"{head}; the last good checkpoint is {checkpoint}: resume with --set checkpoint.load={parent}"
+
+
 def _how_it_ended(rank: int, exits: dict[int, Exit]) -> str:
     e = exits.get(rank)
     if e is None:
@@ -81,6 +94,9 @@ def verdict(world_size: int, outcomes: dict[int, O.Outcome], exits: dict[int, Ex
     missing = [r for r in range(world_size) if r not in outcomes]
     steps = [o.step for o in outcomes.values() if o.step is not None]
     step = max(steps) if steps else None
+    if any(o.kind == O.ABORTED for o in outcomes.values()):
+        ckpt = next((o.checkpoint for _, o in sorted(outcomes.items()) if o.checkpoint), None)
+        return Verdict(exit_codes.stopped_unsaved(signal.SIGINT), aborted_line(step, ckpt, saves))
     if missing:
         timed_out = sorted(r for r, o in outcomes.items() if o.kind == O.TIMEOUT)
         lost = sorted(r for r, o in outcomes.items() if o.kind == O.PEER_LOST)

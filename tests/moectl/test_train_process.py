@@ -15,6 +15,8 @@ PYTHONPATH so the launcher's workers import it too):
   process each) train to the same losses as one agent with two processes; both exit 0.
 - Piped to a file: one plain line per `train.log_interval` steps, and nothing wrapped.
 - One process stopped by SIGTERM: 3 after a save, 143 (128 + 15) and a warning with nothing saved.
+- A second Ctrl-C (SIGINT to the launcher's process group, as a terminal sends it) aborts both ranks at
+  once: exit 130, one line naming the last good checkpoint, `latest` unchanged; one process likewise.
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ from typing import Callable
 
 import pytest
 
-from ckpt import verify_checkpoint
+from ckpt import list_committed, verify_checkpoint
 from cli_helpers import TINY, cli_env
+from trainer.stop import REPEAT_GRACE_S
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")]
 
@@ -280,3 +283,102 @@ def test_a_run_piped_into_a_reader_that_leaves_finishes(tmp_path: Path, both: bo
         p.kill()
     assert code == 0
     assert [r["step"] for r in _records(tmp_path) if "loss" in r] == list(range(1, 41))
+
+
+ACK_SAVING = ("received SIGINT: stopping after the current step and saving a checkpoint (Ctrl-C again to abort "
+              "without saving)")  # fmt: skip
+
+
+def _start_logged(cmd: list[str], out: Path, *, env: dict[str, str] | None = None,
+                  own_session: bool = True) -> subprocess.Popen:
+    """`cmd` with stdout to the file `out` (read while it runs) and stderr piped. `own_session`: in a process
+    group of its own, so that `os.killpg(p.pid, ...)` is what a terminal's Ctrl-C sends to a foreground job."""
+    with open(out, "w") as f:
+        return subprocess.Popen(cmd, env=env or cli_env(), stdout=f, stderr=subprocess.PIPE, text=True,
+                                start_new_session=own_session)  # fmt: skip
+
+
+def _printed(out: Path, line: str) -> bool:
+    return out.is_file() and line in out.read_text().splitlines()
+
+
+def test_a_second_ctrl_c_aborts_both_ranks_at_once_keeping_the_last_checkpoint(tmp_path: Path) -> None:
+    """A user trial: under --nproc-per-node 2 the second Ctrl-C was lost (the launcher's agent sent the workers
+    SIGTERM instead); the step ran on, saved a new checkpoint, and the run exited 3. Each step here takes seconds
+    (1024 micro-batches a rank), so both presses land in step 2, after step 1's checkpoint has committed."""
+    run_dir, out = tmp_path / "run", tmp_path / "out.log"
+    cmd = _train(run_dir, "train.train_iters=2000", "checkpoint.save_interval=1", "train.global_batch_size=8192")
+    p = _start_logged(cmd, out)
+    try:
+        _wait_for(lambda: (run_dir / "checkpoints" / "latest").exists(), p, "no checkpoint committed", 180)
+        os.killpg(p.pid, signal.SIGINT)  # a terminal's Ctrl-C: the launcher's group (each worker has its own)
+        _wait_for(lambda: _printed(out, ACK_SAVING), p, "the first Ctrl-C was not acknowledged during the step")
+        recorded = len([r for r in _records(run_dir) if "loss" in r])
+        t0 = time.monotonic()
+        os.killpg(p.pid, signal.SIGINT)
+        _, err = p.communicate(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert p.returncode == 130, (out.read_text()[-2000:], err)
+    ckpts = run_dir / "checkpoints"
+    assert _error_lines(err) == [
+        f"error: aborted by a second Ctrl-C during step 2, without saving; the last good checkpoint is "
+        f"{ckpts / 'step_00000001'}: resume with --set checkpoint.load={ckpts}"
+    ], err
+    assert took < 20, took  # at once, not after the step and a save (each step takes seconds)
+    assert recorded == 1 and [r["step"] for r in _records(run_dir) if "loss" in r] == [1]  # step 2 never ended
+    assert (ckpts / "latest").read_text().strip() == "step_00000001"
+    assert [c.name for c in list_committed(ckpts)] == ["step_00000001"] and verify_checkpoint(ckpts) == []
+    assert out.read_text().splitlines().count(ACK_SAVING) == 1  # rank 0 only, once
+
+
+def test_a_second_ctrl_c_during_the_stop_save_aborts_with_nothing_committed(tmp_path: Path) -> None:
+    """The first Ctrl-C's save never gets to commit (`MOECTL_CKPT_FAIL`: rank 0 stalls before the manifest); a
+    second Ctrl-C while the ranks wait for it ends the run at once, with no checkpoint and no `latest`."""
+    run_dir, out = tmp_path / "run", tmp_path / "out.log"
+    cmd = _train(run_dir, "train.train_iters=2000", "checkpoint.save_interval=1000")
+    p = _start_logged(cmd, out, env=cli_env(MOECTL_CKPT_FAIL="0:before_manifest:stall"))
+    try:
+        _wait_for_steps(p, run_dir, 2)
+        os.killpg(p.pid, signal.SIGINT)
+        _wait_for(lambda: "; saving a checkpoint first; Ctrl-C again aborts without saving" in out.read_text(), p,
+                  "the run did not start its stop save")  # fmt: skip
+        time.sleep(0.5)  # into the stalled commit
+        os.killpg(p.pid, signal.SIGINT)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert p.returncode == 130, (out.read_text()[-2000:], err)
+    (line,) = _error_lines(err)
+    assert line.startswith("error: aborted by a second Ctrl-C during step ") and line.endswith(
+        ", without saving; no checkpoint was saved"), line  # fmt: skip
+    assert not (run_dir / "checkpoints" / "latest").exists() and list_committed(run_dir / "checkpoints") == []
+
+
+def test_one_process_aborted_by_a_second_ctrl_c_names_its_last_checkpoint(tmp_path: Path) -> None:
+    """One process in a terminal's session (not its own): a second press more than `REPEAT_GRACE_S` after the
+    first aborts, as before; the line now names the checkpoint committed in the background during the step (it
+    said nothing of it: the save had not been reported yet)."""
+    run_dir, out = tmp_path / "run", tmp_path / "out.log"
+    cmd = _train(run_dir, "train.train_iters=2000", "checkpoint.save_interval=1", "train.global_batch_size=8192",
+                 nproc=1)  # fmt: skip
+    p = _start_logged(cmd, out, own_session=False)
+    try:
+        _wait_for(lambda: (run_dir / "checkpoints" / "latest").exists(), p, "no checkpoint committed", 180)
+        p.send_signal(signal.SIGINT)
+        _wait_for(lambda: _printed(out, ACK_SAVING), p, "the first Ctrl-C was not acknowledged during the step")
+        time.sleep(REPEAT_GRACE_S + 0.5)
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == 130, (out.read_text()[-2000:], err)
+    ckpts = run_dir / "checkpoints"
+    assert _error_lines(err) == [
+        f"error: aborted by a second Ctrl-C during step 2, without saving; the last good checkpoint is "
+        f"{ckpts / 'step_00000001'}: resume with --set checkpoint.load={ckpts}"
+    ], err
+    assert (ckpts / "latest").read_text().strip() == "step_00000001" and verify_checkpoint(ckpts) == []

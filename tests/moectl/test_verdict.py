@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from moectl.cli import outcome as O
-from moectl.cli.verdict import Exit, verdict
+from moectl.cli.verdict import Exit, aborted_line, verdict
 
 CKPT = "runs/x/checkpoints/step_00000010"
 
@@ -105,3 +105,28 @@ def test_the_fix_of_a_run_that_ended_unsaved_follows_its_config() -> None:
     v = verdict(2, stopped, {1: Exit(-9, "SIGKILL")}, launcher_signal="SIGINT")
     assert v.line is not None and v.line.endswith("fix: nothing was saved (set checkpoint.save_interval to make a "
                                                   "run resumable)")
+
+
+def test_a_run_a_second_ctrl_c_aborted_is_130_naming_the_last_good_checkpoint() -> None:
+    """Ranks abort a moment apart: one may see the other gone first. The abort is the cause, not a lost peer."""
+    aborted = {0: o(0, O.ABORTED, 130, step=15, checkpoint=CKPT, signal="SIGINT"),
+               1: o(1, O.PEER_LOST, 1, step=15, message="rank 1 lost a peer during step 15")}  # fmt: skip
+    v = verdict(2, aborted, {}, launcher_signal="SIGINT", saves=True)
+    assert (v.code, v.line) == (130, f"aborted by a second Ctrl-C during step 15, without saving; the last good "
+                                     f"checkpoint is {CKPT}: resume with --set checkpoint.load=runs/x/checkpoints")
+    v = verdict(2, {r: o(r, O.ABORTED, 130, step=2) for r in range(2)}, {}, launcher_signal="SIGINT", saves=True)
+    assert (v.code, v.line) == (130, "aborted by a second Ctrl-C during step 2, without saving; no checkpoint was "
+                                     "saved")
+    assert aborted_line(None, None, saves=False) == ("aborted by a second Ctrl-C before the first step, without "
+                                                     "saving; nothing was saved (checkpoint.save_interval is not set)")
+
+
+def test_a_launched_rank_leaves_its_pid_until_it_reports(tmp_path, monkeypatch) -> None:
+    """The launcher forwards a second Ctrl-C to these pids; a rank that reported is ending, and is left alone."""
+    import os
+
+    monkeypatch.setenv(O.OUTCOME_DIR_ENV, str(tmp_path))
+    O.mark_pid(1)
+    assert O.read_pids(tmp_path) == {1: os.getpid()}
+    O.write_outcome(o(1, O.ABORTED, 130))
+    assert O.read_pids(tmp_path) == {}

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -37,9 +39,9 @@ def test_backend_texts_become_one_line_failures_naming_rank_and_step() -> None:
 
 
 def test_a_repeated_sigint_within_the_grace_is_the_launcher_forwarding_it() -> None:
-    with StopSignals() as stop:
+    with StopSignals(repeat_grace_s=REPEAT_GRACE_S) as stop:  # a process in a terminal's session
         os.kill(os.getpid(), signal.SIGINT)
-        os.kill(os.getpid(), signal.SIGINT)  # the agent forwards the terminal's Ctrl-C: not an abort
+        os.kill(os.getpid(), signal.SIGINT)  # a parent forwards the terminal's Ctrl-C: not an abort
         assert stop.signal == "SIGINT"
         stop._first_at -= REPEAT_GRACE_S + 1  # a deliberate second Ctrl-C, later
         with pytest.raises(KeyboardInterrupt):
@@ -48,10 +50,26 @@ def test_a_repeated_sigint_within_the_grace_is_the_launcher_forwarding_it() -> N
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
 
 
+def test_a_process_leading_its_own_session_aborts_on_any_second_sigint() -> None:
+    """torchrun's workers lead their own sessions: no terminal reaches them, and the launcher forwards each
+    Ctrl-C once, so a second SIGINT a moment after the first is a second press (it was taken for the first)."""
+    with StopSignals(repeat_grace_s=0.0) as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.signal == "SIGINT"
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.1)
+    code = "from trainer.stop import StopSignals; print(StopSignals().repeat_grace_s)"
+    for own_session, grace in ((True, "0.0"), (False, str(REPEAT_GRACE_S))):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                             start_new_session=own_session)  # fmt: skip
+        assert out.stdout.strip() == grace, (own_session, out.stderr)
+
+
 def test_the_first_signal_is_acknowledged_at_once_in_one_line() -> None:
     """A step can take minutes: the handler itself says what the signal will do (once), not the step's end."""
     said: list[str] = []
-    with StopSignals(announce=said.append, saves=True) as stop:
+    with StopSignals(announce=said.append, saves=True, repeat_grace_s=REPEAT_GRACE_S) as stop:
         os.kill(os.getpid(), signal.SIGTERM)
         os.kill(os.getpid(), signal.SIGINT)  # within the grace: nothing more said, no abort
         assert stop.signal == "SIGTERM"

@@ -198,6 +198,12 @@ class RunCheckpointer:
             if on_disk is not None and _step(on_disk) > (_step(self.last_committed) if self.last_committed else -1):
                 self.last_committed = on_disk
 
+    def committed(self) -> Path | None:
+        """The newest checkpoint this run committed, counting a background save that has committed but not
+        been reported yet; never waits for one in flight, and never raises (for a run being aborted)."""
+        self.poll()
+        return self.last_committed
+
     def close(self) -> None:
         """Free the host buffers (nothing may be in flight: after `finish` or `abandon`)."""
         if self._writer is not None:
