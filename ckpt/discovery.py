@@ -180,6 +180,21 @@ def is_step_dir(path: Path) -> bool:
     )
 
 
+def checkpoint_folder(load: str | os.PathLike[str], advice: Advice = LOAD_ADVICE) -> Path:
+    """`load` as the existing folder it names, else a CheckpointArgumentError (exit 2) saying it is empty, does not
+    exist or is a file: the one wording of every command that takes a checkpoint (`ckpt validate` said "is not a
+    folder" where the others said "is a file, not a checkpoint folder"); `advice` words the fix."""
+    if not str(load).strip():
+        raise CheckpointArgumentError("the checkpoint path is empty", advice.fix)
+    p = Path(load).expanduser()
+    st = stat_or_none(p)
+    if st is None:
+        raise CheckpointArgumentError(f"checkpoint path {p} does not exist", advice.fix)
+    if not stat.S_ISDIR(st.st_mode):
+        raise CheckpointArgumentError(f"checkpoint path {p} is a file, not a checkpoint folder", advice.fix)
+    return p
+
+
 def resolve_load_path(load: str | os.PathLike[str], advice: Advice = LOAD_ADVICE) -> Path:
     """The committed step folder that `load` means: itself if it is a step folder, else its latest step.
 
@@ -188,13 +203,7 @@ def resolve_load_path(load: str | os.PathLike[str], advice: Advice = LOAD_ADVICE
     words the fixes where the path is wrong (the trainer's, about `checkpoint.load`, or `TOOL_ADVICE`).
     """
     fix = advice.fix
-    if not str(load).strip():
-        raise CheckpointArgumentError("the checkpoint path is empty", fix)
-    p = Path(load).expanduser()
-    if stat_or_none(p) is None:
-        raise CheckpointArgumentError(f"checkpoint path {p} does not exist", fix)
-    if not _is_dir(p):
-        raise CheckpointArgumentError(f"checkpoint path {p} is a file, not a checkpoint folder", fix)
+    p = checkpoint_folder(load, advice)
     if is_step_dir(p):
         if names.TMP_DIR_RE.match(p.name) or not _is_file(p / names.MANIFEST):
             raise CheckpointError(

@@ -22,7 +22,6 @@ slower, not their sum.
 from __future__ import annotations
 
 import os
-import stat
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -31,13 +30,12 @@ from typing import Any, Callable
 from ckpt import manifest, names
 from ckpt import problems as P
 from ckpt.digest import uses_tree
-from ckpt.discovery import TOOL_ADVICE, is_step_dir, resolve_load_path, stat_or_none
+from ckpt.discovery import TOOL_ADVICE, checkpoint_folder, is_step_dir, resolve_load_path
 from ckpt.problems import Problem
 from ckpt.seal import seal_problem
 from ckpt.shard_io import hash_file, io_threads, range_jobs
 from ckpt.st_header import TORCH_NAME, Header, read_header
 from ckpt.verify_tree import hash_jobs, pieces, tree_problems
-from moectl.core.errors import CheckpointArgumentError
 
 _PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".pkl", ".pickle", ".ckpt", ".distcp")
 
@@ -49,11 +47,7 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> list[Problem]:
     folder (then the step `latest` names). Raises CheckpointArgumentError only if `path` is neither, or this
     user may not read the folders that say which it is (`ckpt.discovery.unreadable`).
     """
-    p = Path(path).expanduser()
-    st = stat_or_none(p)
-    if st is None or not stat.S_ISDIR(st.st_mode):
-        raise CheckpointArgumentError(f"checkpoint path {p} {'is not a folder' if st else 'does not exist'}",
-                                      TOOL_ADVICE.fix)  # fmt: skip
+    p = checkpoint_folder(path, TOOL_ADVICE)  # missing or a file: worded as every other command words it
     step_dir = p if is_step_dir(p) else resolve_load_path(p, TOOL_ADVICE)
     found: list[Problem] = []
     if names.TMP_DIR_RE.match(step_dir.name):

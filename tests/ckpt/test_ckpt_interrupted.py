@@ -165,3 +165,16 @@ def test_the_checkpoint_tools_say_their_own_fix_not_the_trainers(tmp_path: Path)
     with pytest.raises(CheckpointError, match="no committed checkpoint") as err:
         open_checkpoint(tmp_path)
     assert "checkpoint.load" not in err.value.one_line()
+
+
+def test_a_file_given_as_a_checkpoint_is_worded_once(tmp_path: Path) -> None:
+    """verify_checkpoint (`ckpt validate`) said "checkpoint path F is not a folder", the rest "is a file, not a
+    checkpoint folder": one helper words it for all, exit 2, with the caller's fix."""
+    (tmp_path / "file").write_text("x")
+    lines = set()
+    for call in (open_checkpoint, verify_checkpoint, resolve_load_path):
+        with pytest.raises(CheckpointArgumentError) as err:
+            call(tmp_path / "file")
+        assert err.value.exit_code == 2
+        lines.add(err.value.message)
+    assert lines == {f"checkpoint path {tmp_path / 'file'} is a file, not a checkpoint folder"}

@@ -276,6 +276,20 @@ def test_a_run_folder_given_as_a_checkpoint_exits_2_naming_the_one_to_pass(
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("cmd", ["inspect", "validate", "convert", "export-hf"])
+def test_a_file_given_as_the_checkpoint_is_one_line_worded_alike_by_every_command(cmd: str, tmp_path: Path) -> None:
+    """`ckpt validate` said "checkpoint path F is not a folder" where inspect, convert and export-hf said "is a file,
+    not a checkpoint folder": one wording (`ckpt.discovery.checkpoint_folder`), exit 2 everywhere."""
+    afile = tmp_path / "model.safetensors"
+    afile.write_bytes(b"x")
+    extra = {"convert": ["--layout", "per-expert"], "export-hf": ["--format", "mixtral"]}.get(cmd)
+    r = invoke(cmd, *([afile, tmp_path / "out", *extra] if extra else [afile]))
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    assert r.output.strip() == (f"error: checkpoint path {afile} is a file, not a checkpoint folder. "
+                                "fix: give a step_NNNNNNNN folder or a checkpoints folder (e.g. runs/tiny/checkpoints)")
+    assert not (tmp_path / "out").exists()
+
+
 def test_validate_refuses_only_what_the_override_breaks(monkeypatch: pytest.MonkeyPatch) -> None:
     """Review of the rule check: a saved ep=2 config checked in one process (MOE029) or an empty load path an
     older run recorded (MOE074) break rules of their own; validate handles those itself (the ep hint, its own
