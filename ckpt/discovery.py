@@ -199,8 +199,15 @@ def resolve_load_path(load: str | os.PathLike[str], advice: Advice = LOAD_ADVICE
     """The committed step folder that `load` means: itself if it is a step folder, else its latest step.
 
     Raises CheckpointError when `load` does not exist, is an uncommitted save, or holds no committed step (a
-    CheckpointArgumentError, exit 2, where the path itself is wrong: missing, a file, a run folder); `advice`
-    words the fixes where the path is wrong (the trainer's, about `checkpoint.load`, or `TOOL_ADVICE`).
+    CheckpointArgumentError, exit 2, where the path itself is wrong: missing, a file, a run folder, a Hugging
+    Face model folder or any other folder that is no checkpoints folder); `advice` words the fixes where the path
+    is wrong (the trainer's, about `checkpoint.load`, or `TOOL_ADVICE`).
+
+    A folder without a committed step is a checkpoints folder, and its error a real state (exit 1, like a bad
+    checkpoint: `ckpt validate` finds nothing valid there), when it holds a step_NNNNNNNN, `.tmp-` or `.trash-`
+    folder (a save that never committed) or is named `checkpoints` (a run's, emptied of its interrupted saves
+    when the run restarted, or of a first save that failed cleanly). A `latest` never gets here: it names a step,
+    or `find_latest` says what is wrong with it.
     """
     fix = advice.fix
     p = checkpoint_folder(load, advice)
@@ -217,11 +224,25 @@ def resolve_load_path(load: str | os.PathLike[str], advice: Advice = LOAD_ADVICE
         sub = p / "checkpoints"
         if _is_dir(sub):
             raise _run_folder(where, sub, advice)
-        hint = ""
+        pending = list_uncommitted(p)
+        if pending or p.name == "checkpoints":  # a run's checkpoints folder before its first commit: a real state
+            raise CheckpointError(f"no committed checkpoint in {where}: no step was committed yet{_saves(pending)}",
+                                  fix)  # fmt: skip
         if _is_file(p / "config.json") and any(p.glob("*.safetensors")):
-            hint = "; it looks like a Hugging Face model folder: make a checkpoint of it with moectl ckpt import-hf"
-        raise CheckpointError(f"no committed checkpoint in {where}{hint}", fix)
+            hint = "it looks like a Hugging Face model folder: make a checkpoint of it with moectl ckpt import-hf"
+        else:
+            hint = "it is not a checkpoints folder (no step_NNNNNNNN folder in it)"
+        raise CheckpointArgumentError(f"no committed checkpoint in {where}; {hint}", fix)  # the path is wrong: usage
     return found
+
+
+def _saves(pending: list[Path]) -> str:
+    """` (uncommitted: A, B and 2 more)` for the uncommitted folders of a checkpoints folder (saves interrupted,
+    or still in flight), or ""."""
+    if not pending:
+        return ""
+    shown = ", ".join(p.name for p in pending[:2]) + (f" and {len(pending) - 2} more" if len(pending) > 2 else "")
+    return f" (uncommitted: {shown})"
 
 
 def _run_folder(run: str, sub: Path, advice: Advice) -> CheckpointArgumentError:

@@ -44,8 +44,10 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> list[Problem]:
     """All problems of the checkpoint at `path` (empty list: it is intact).
 
     `path` is a step folder (committed or not, so an interrupted save can be inspected) or a checkpoints
-    folder (then the step `latest` names). Raises CheckpointArgumentError only if `path` is neither, or this
-    user may not read the folders that say which it is (`ckpt.discovery.unreadable`).
+    folder (then the step `latest` names). Raises CheckpointArgumentError (exit 2) if `path` is neither (a file,
+    a run folder, a Hugging Face model folder, ...), or this user may not read the folders that say which it is
+    (`ckpt.discovery.unreadable`); a CheckpointError (exit 1) for a checkpoints folder that names no committed step
+    (`ckpt.discovery.resolve_load_path`).
     """
     p = checkpoint_folder(path, TOOL_ADVICE)  # missing or a file: worded as every other command words it
     step_dir = p if is_step_dir(p) else resolve_load_path(p, TOOL_ADVICE)

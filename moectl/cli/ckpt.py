@@ -277,8 +277,9 @@ def _ruled(resolve: Callable[[dict[str, Any]], Any]) -> Callable[[dict[str, Any]
     "and optimizer built from its own config (or --config/--set: other layout, other world size under torchrun), "
     "then check every fp32 master and moment bit for bit, every param and every saved weight against its "
     "master, and the probe loss. "
-    "Exit 0 valid, 1 invalid, 2 bad usage (a path that does not exist or is a run folder, a bad --set, a saved "
-    "layout this world cannot take)."
+    "Exit 0 valid, 1 invalid (a checkpoints folder with no step committed yet too), 2 bad usage (a path that does "
+    "not exist or is no checkpoint: a file, a run folder, a Hugging Face model folder, a folder with no step folder "
+    "in it; a bad --set, a saved layout this world cannot take)."
     + examples(
         "moectl ckpt validate runs/tiny/checkpoints",
         "moectl ckpt validate runs/tiny/checkpoints/step_00000150 --set moe.single_grouped_weight=false",

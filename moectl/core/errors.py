@@ -92,9 +92,10 @@ class CheckpointError(MoectlError):
 
 
 class CheckpointArgumentError(CheckpointError):
-    """A checkpoint argument that names nothing usable: a path that does not exist, is a file or a run folder, a
-    destination that already does, an option value no checkpoint can take, an import's --set that contradicts the
-    model. The command's fault, not a checkpoint's (exit 2: to a script, exit 1 of `ckpt validate` means a bad
-    checkpoint)."""
+    """A checkpoint argument that names nothing usable: a path that does not exist, is a file, a run folder or any
+    other folder that is no checkpoints folder (a Hugging Face model folder, an empty one), a destination that
+    already does, an option value no checkpoint can take, an import's --set that contradicts the model. The
+    command's fault, not a checkpoint's (exit 2: to a script, exit 1 of `ckpt validate` means a bad checkpoint,
+    a checkpoints folder with no step committed yet included)."""
 
     exit_code = 2

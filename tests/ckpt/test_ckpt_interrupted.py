@@ -178,3 +178,36 @@ def test_a_file_given_as_a_checkpoint_is_worded_once(tmp_path: Path) -> None:
         assert err.value.exit_code == 2
         lines.add(err.value.message)
     assert lines == {f"checkpoint path {tmp_path / 'file'} is a file, not a checkpoint folder"}
+
+
+def test_a_folder_without_a_committed_step_is_usage_unless_it_is_a_checkpoints_folder(tmp_path: Path) -> None:
+    """A user trial: an HF model folder or any folder that is no checkpoints folder exited 1, what a bad
+    checkpoint gets. The path is wrong there (exit 2); a checkpoints folder whose run committed nothing yet
+    (step_N/.tmp-/.trash- folders in it, or named `checkpoints`) is a real state and stays exit 1, saying so."""
+    hf, other = tmp_path / "hf", tmp_path / "other"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    (hf / "model-00001-of-00002.safetensors").write_bytes(b"")
+    other.mkdir()
+    (other / "notes.txt").write_text("hi")
+    for folder, said in ((hf, "it looks like a Hugging Face model folder"), (other, "it is not a checkpoints folder")):
+        for call in (resolve_load_path, open_checkpoint, verify_checkpoint):
+            with pytest.raises(CheckpointArgumentError, match=f"no committed checkpoint in {folder}; {said}") as err:
+                call(folder)
+            assert err.value.exit_code == 2
+    with pytest.raises(CheckpointArgumentError) as err:
+        resolve_load_path(other)  # the trainer's fix
+    assert err.value.one_line().endswith("fix: set checkpoint.load to a step_NNNNNNNN folder or a checkpoints folder, "
+                                         "or to null to train from scratch")
+    for name in ("step_00000002.tmp-ab12", "step_00000004.trash-cd34", "step_00000006"):  # none committed
+        (other / name).mkdir()
+    for call in (resolve_load_path, open_checkpoint, verify_checkpoint):
+        with pytest.raises(CheckpointError) as err:
+            call(other)
+        assert not isinstance(err.value, CheckpointArgumentError) and err.value.exit_code == 1
+        assert err.value.message == (f"no committed checkpoint in {other}: no step was committed yet (uncommitted: "
+                                     "step_00000002.tmp-ab12, step_00000004.trash-cd34 and 1 more)")
+    (tmp_path / "checkpoints").mkdir()  # a run's, emptied (its interrupted saves removed when it restarted)
+    with pytest.raises(CheckpointError) as err:
+        resolve_load_path(tmp_path / "checkpoints")
+    assert err.value.exit_code == 1 and err.value.message.endswith(": no step was committed yet")

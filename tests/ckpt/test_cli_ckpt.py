@@ -8,6 +8,7 @@ import json
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 from moe_ckpt_fixtures import assert_same_tensors, build_model, fake_optimizer, read_all, save_model_checkpoint, tiny_config
@@ -220,14 +221,15 @@ def test_a_wrong_kind_of_folder_is_named_with_the_command_that_takes_it(ckpt: tu
     config.json is not there."""
     root, _ = ckpt
     monkeypatch.chdir(tmp_path)
-    r = invoke("inspect", "")
-    assert r.exit_code == 1 and f"no committed checkpoint in the current folder ({tmp_path})" in r.output
+    r = invoke("inspect", "")  # not a checkpoints folder: the path is wrong (exit 2, it was 1)
+    assert r.exit_code == 2 and f"no committed checkpoint in the current folder ({tmp_path})" in r.output
     hf = tmp_path / "hf"
     hf.mkdir()
     (hf / "config.json").write_text("{}")
     (hf / "model.safetensors").write_bytes(b"")
     r = invoke("inspect", hf)
     assert "it looks like a Hugging Face model folder: make a checkpoint of it with moectl ckpt import-hf" in r.output
+    assert r.exit_code == 2, r.output
     r = invoke("import-hf", root, tmp_path / "out")
     assert r.exit_code == 2 and f"{root} is a moectl checkpoint, which train and the ckpt commands load" in r.output
     r = invoke("import-hf", hf / "model.safetensors", tmp_path / "out")
@@ -287,6 +289,46 @@ def test_a_file_given_as_the_checkpoint_is_one_line_worded_alike_by_every_comman
     assert r.exit_code == 2 and "Traceback" not in r.output, r.output
     assert r.output.strip() == (f"error: checkpoint path {afile} is a file, not a checkpoint folder. "
                                 "fix: give a step_NNNNNNNN folder or a checkpoints folder (e.g. runs/tiny/checkpoints)")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("cmd", ["inspect", "validate", "convert", "export-hf"])
+def test_a_folder_that_is_no_checkpoints_folder_exits_2_one_without_a_commit_yet_1(
+    cmd: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A user trial: an HF model folder, an empty folder or "" (the current folder) given as the checkpoint exited 1,
+    which to a script means a bad checkpoint; the path is wrong: exit 2, the same one line. A checkpoints folder
+    whose run has committed no step yet (its saves interrupted, or emptied) is a real state: exit 1, saying so."""
+    extra = {"convert": ["--layout", "per-expert"], "export-hf": ["--format", "mixtral"]}.get(cmd)
+
+    def run(path: object) -> Any:
+        return invoke(cmd, *([path, tmp_path / "out", *extra] if extra else [path]))
+
+    fix = ". fix: give a step_NNNNNNNN folder or a checkpoints folder (e.g. runs/tiny/checkpoints)"
+    hf, empty = tmp_path / "hf", tmp_path / "empty"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    (hf / "model.safetensors").write_bytes(b"")
+    empty.mkdir()
+    monkeypatch.chdir(empty)
+    for path, said in (
+        (hf, f"no committed checkpoint in {hf}; it looks like a Hugging Face model folder: make a checkpoint of it "
+             "with moectl ckpt import-hf"),
+        (empty, f"no committed checkpoint in {empty}; it is not a checkpoints folder (no step_NNNNNNNN folder in it)"),
+        ("", f"no committed checkpoint in the current folder ({empty}); it is not a checkpoints folder (no "
+             "step_NNNNNNNN folder in it)"),
+    ):  # fmt: skip
+        r = run(path)
+        assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+        assert r.output.strip() == f"error: {said}{fix}"
+    ck = tmp_path / "checkpoints"
+    (ck / "step_00000002.tmp-ab12").mkdir(parents=True)  # a run killed in its first save
+    for saves in (" (uncommitted: step_00000002.tmp-ab12)", ""):
+        r = run(ck)
+        assert r.exit_code == 1 and "Traceback" not in r.output, r.output
+        assert r.output.strip() == f"error: no committed checkpoint in {ck}: no step was committed yet{saves}{fix}"
+        if saves:
+            (ck / "step_00000002.tmp-ab12").rmdir()  # then restarted, which removed it: still that run's folder
     assert not (tmp_path / "out").exists()
 
 

@@ -137,6 +137,28 @@ def test_a_run_folder_as_checkpoint_load_is_bad_usage_naming_its_checkpoints(tmp
                                     "step_00000002)")
 
 
+def test_checkpoint_load_at_a_folder_that_is_no_checkpoints_folder_is_bad_usage(tmp_path):
+    """A user trial: checkpoint.load at an HF model folder or an empty folder exited 1 (failed), as a bad
+    checkpoint; the config names the wrong folder: exit 2. A checkpoints folder with nothing committed yet is 1."""
+    hf, empty = tmp_path / "hf", tmp_path / "empty"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    (hf / "model.safetensors").write_bytes(b"")
+    empty.mkdir()
+    fix = ("fix: set checkpoint.load to a step_NNNNNNNN folder or a checkpoints folder, or to null to train from "
+           "scratch")
+    for load, said in ((hf, "it looks like a Hugging Face model folder"), (empty, "it is not a checkpoints folder")):
+        res = runner.invoke(app, ["train", "configs/tiny.yaml", *SMALL, "--run-dir", str(tmp_path / "next"),
+                                  "--set", f"checkpoint.load={load}"])  # fmt: skip
+        assert res.exit_code == 2, res.output
+        line = _one_error_line(res)
+        assert f"no committed checkpoint in {load}; {said}" in line and line.endswith(fix), line
+    (tmp_path / "checkpoints" / "step_00000002.tmp-ab12").mkdir(parents=True)
+    res = runner.invoke(app, ["train", "configs/tiny.yaml", *SMALL, "--run-dir", str(tmp_path / "next"),
+                              "--set", f"checkpoint.load={tmp_path / 'checkpoints'}"])  # fmt: skip
+    assert res.exit_code == 1 and "no step was committed yet" in _one_error_line(res), res.output
+
+
 def test_a_fresh_saving_run_into_another_runs_checkpoints_is_bad_usage(tmp_path):
     """Refused before training like the other run_dir refusals, so with their exit code (2), not 1 (failed)."""
     run = ["train", "configs/tiny.yaml", *SMALL, "--run-dir", str(tmp_path / "r"), "--set", "checkpoint.save_interval=2"]
