@@ -842,9 +842,10 @@ def min_lr_not_above_lr(c: Context) -> Iterator[_Hit]:
 )
 def warmup_before_decay_end(c: Context) -> Iterator[_Hit]:
     """With an explicit lr_decay_iters the decay phase is lr_decay_iters - lr_warmup_iters steps long;
-    zero or negative leaves the schedule undefined (Megatron asserts warmup < decay steps too)."""
+    zero or negative leaves the schedule undefined (Megatron asserts warmup < decay steps too). An
+    lr_decay_iters below 1 is MOE041's error alone: the warmup is not what needs fixing there."""
     o = c.cfg.optimizer
-    if o.lr_decay_style != "constant" and o.lr_decay_iters is not None and o.lr_warmup_iters >= o.lr_decay_iters:
+    if o.lr_decay_style != "constant" and o.lr_decay_iters is not None and 1 <= o.lr_decay_iters <= o.lr_warmup_iters:
         yield _Hit(
             f"optimizer.lr_warmup_iters={o.lr_warmup_iters} is not below optimizer.lr_decay_iters={o.lr_decay_iters}",
             "make optimizer.lr_warmup_iters smaller than optimizer.lr_decay_iters",

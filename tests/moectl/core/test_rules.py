@@ -961,6 +961,17 @@ def test_an_invalid_train_iters_is_reported_once_not_as_a_short_warmup(iters: in
     assert hits(run(["train.train_iters=1", "optimizer.lr_warmup_iters=10"], world=1), "MOE015")
 
 
+@pytest.mark.parametrize("decay", [0, -5])
+def test_an_invalid_lr_decay_iters_is_reported_once_not_as_a_long_warmup(decay: int) -> None:
+    """MOE014 (warmup not below lr_decay_iters) added an error to MOE041's about lr_decay_iters itself, whose fix
+    (shorten the warmup) fixes nothing. A valid lr_decay_iters at or below the warmup still gets it."""
+    for warmup in (0, 10):
+        found = run([f"optimizer.lr_decay_iters={decay}", f"optimizer.lr_warmup_iters={warmup}"], world=1)
+        assert [next(iter(v.keys)) for v in hits(found, "MOE041")] == ["optimizer.lr_decay_iters"]
+        assert not hits(found, "MOE014")
+    assert hits(run(["optimizer.lr_decay_iters=1", "optimizer.lr_warmup_iters=1"], world=1), "MOE014")
+
+
 def test_world_size_zero_is_reported_not_a_crash() -> None:
     found = run([], world=0)
     assert [(v.rule, v.keys["world_size"]) for v in found] == [("MOE029", 0)]
