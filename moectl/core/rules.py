@@ -824,9 +824,11 @@ def defer_expert_wgrad_applies(c: Context) -> Iterator[_Hit]:
 @rule("MOE013", "optimizer", "error", ["optimizer.min_lr", "optimizer.lr", "optimizer.lr_decay_style"], "min_lr <= lr")
 def min_lr_not_above_lr(c: Context) -> Iterator[_Hit]:
     """The schedule decays from lr to min_lr; a min_lr above the peak makes the "decay" an increase,
-    which is always a typo (often a missing minus sign in an exponent). Constant schedules ignore min_lr."""
+    which is always a typo (often a missing minus sign in an exponent). Constant schedules ignore min_lr.
+    An lr or min_lr out of its own range (<= 0, negative, infinite) is MOE012's error alone: lowering min_lr
+    below a negative lr is not the fix."""
     o = c.cfg.optimizer
-    if o.lr_decay_style != "constant" and o.min_lr > o.lr:
+    if o.lr_decay_style != "constant" and 0 < o.lr < o.min_lr < math.inf:
         yield _Hit(
             f"optimizer.min_lr={fmt(o.min_lr)} is above optimizer.lr={fmt(o.lr)}",
             "set optimizer.min_lr <= optimizer.lr (e.g. lr / 10)",

@@ -972,6 +972,18 @@ def test_an_invalid_lr_decay_iters_is_reported_once_not_as_a_long_warmup(decay: 
     assert hits(run(["optimizer.lr_decay_iters=1", "optimizer.lr_warmup_iters=1"], world=1), "MOE014")
 
 
+@pytest.mark.parametrize("sets, bad", [(["optimizer.lr=-1e-3"], "lr"), (["optimizer.lr=0"], "lr"),
+                                       (["optimizer.min_lr=.inf"], "min_lr"),
+                                       (["optimizer.lr=-1e-3", "optimizer.min_lr=-1e-4"], "lr")])  # fmt: skip
+def test_an_invalid_lr_is_reported_once_not_as_a_min_lr_above_it(sets: list[str], bad: str) -> None:
+    """MOE013 (min_lr above lr) added an error to MOE012's about a negative lr (min_lr 0 is "above" it) or an
+    infinite min_lr: its fix (lower min_lr) fixes nothing. A valid min_lr above a valid lr still gets it."""
+    found = run(sets, world=1)
+    assert f"optimizer.{bad}" in {next(iter(v.keys)) for v in hits(found, "MOE012")}
+    assert not hits(found, "MOE013")
+    assert hits(run(["optimizer.lr=1e-3", "optimizer.min_lr=1e300"], world=1), "MOE013")
+
+
 def test_world_size_zero_is_reported_not_a_crash() -> None:
     found = run([], world=0)
     assert [(v.rule, v.keys["world_size"]) for v in found] == [("MOE029", 0)]
