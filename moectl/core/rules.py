@@ -1487,6 +1487,13 @@ def dynamic_ep_exchange_runs_eagerly(c: Context) -> Iterator[_Hit]:
     )
 
 
+def _capacity_inputs_valid(c: Context) -> bool:
+    """Whether every value an expert's capacity is computed from is in its own range (else another rule's error)."""
+    m, t = c.cfg.moe, c.cfg.train
+    return (m.num_experts >= 1 and 1 <= m.router_topk <= m.num_experts and m.capacity_factor is not None
+            and m.capacity_factor > 0 and t.micro_batch_size >= 1 and c.cfg.model.seq_length >= 1)  # fmt: skip
+
+
 @rule(
     "MOE067",
     "moe",
@@ -1505,7 +1512,10 @@ def ep_overlap_chunks_needs_static_alltoall(c: Context) -> Iterator[_Hit]:
     behind the one backward all-to-all instead, nor with the delayed fp8 recipe, whose amax history assumes
     one quantization per operand and micro-batch (chunks would record n). The chunk count must also divide
     each expert's capacity, ceil(capacity_factor * T * topk / E) for the T = micro_batch_size * seq_length
-    tokens of a rank's micro-batch (the dispatcher checks it again at its first forward)."""
+    tokens of a rank's micro-batch (the dispatcher checks it again at its first forward). A value this
+    reads that is out of its own range (an ep or a count below 1, a capacity_factor <= 0, a router_topk
+    outside 1..num_experts) is that value's rule's error alone (MOE041, MOE023, MOE018): no capacity is
+    computed from it (num_experts 0 divided by zero here)."""
     m, ep = c.cfg.moe, c.cfg.parallel.expert_model_parallel_size
     n = m.ep_overlap_chunks
     if n < 1:
@@ -1513,7 +1523,7 @@ def ep_overlap_chunks_needs_static_alltoall(c: Context) -> Iterator[_Hit]:
         return
     if n == 1:
         return
-    if ep <= 1:
+    if ep == 1:
         yield _Hit(f"moe.ep_overlap_chunks={n} with parallel.expert_model_parallel_size={ep}: no all-to-all to overlap",
                    "set moe.ep_overlap_chunks=1, or use expert parallelism")  # fmt: skip
     if not padded_alltoall(c.cfg):
@@ -1523,10 +1533,10 @@ def ep_overlap_chunks_needs_static_alltoall(c: Context) -> Iterator[_Hit]:
             "set those (e.g. moe.capacity_factor=1.0 and moe.pad_expert_input_to_capacity=true), or "
             "moe.ep_overlap_chunks=1",
         )
-    elif ep > 1:
+    elif ep > 1 and _capacity_inputs_valid(c):
         tokens = c.cfg.train.micro_batch_size * c.cfg.model.seq_length
         cap = expert_capacity(m.capacity_factor, tokens, m.router_topk, m.num_experts)
-        if m.num_experts > 0 and cap % n:
+        if cap % n:
             yield _Hit(f"moe.ep_overlap_chunks={n} must divide each expert's capacity, {cap} rows (capacity_factor "
                        f"{m.capacity_factor} x {tokens} tokens x topk {m.router_topk} / {m.num_experts} experts)",
                        f"choose a divisor of {cap}, or moe.ep_overlap_chunks=1")  # fmt: skip

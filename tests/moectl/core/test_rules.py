@@ -984,6 +984,24 @@ def test_an_invalid_lr_is_reported_once_not_as_a_min_lr_above_it(sets: list[str]
     assert hits(run(["optimizer.lr=1e-3", "optimizer.min_lr=1e300"], world=1), "MOE013")
 
 
+OVERLAP = ["parallel.expert_model_parallel_size=2", "moe.ep_overlap_chunks=3", *DROP_AND_PAD]
+
+
+@pytest.mark.parametrize("bad, owner", [
+    ("moe.num_experts=0", "MOE041"), ("moe.num_experts=-4", "MOE041"), ("train.micro_batch_size=-1", "MOE041"),
+    ("model.seq_length=-1", "MOE041"), ("moe.router_topk=-1", "MOE018"), ("moe.capacity_factor=-1.0", "MOE023"),
+    ("parallel.expert_model_parallel_size=0", "MOE041"),
+])  # fmt: skip
+def test_an_invalid_value_is_reported_once_not_as_an_ep_overlap_problem(bad: str, owner: str) -> None:
+    """MOE067 computed each expert's capacity from values other rules refuse: num_experts=0 was a ZeroDivisionError
+    (a traceback from validate-config and train), a negative count or capacity_factor a "capacity of -80 rows"
+    to divide, an ep of 0 "no all-to-all to overlap". Those are the value's own rule's errors alone; a valid
+    config whose capacity the chunk count does not divide (320 rows, 3 chunks) still gets MOE067."""
+    found = run([*OVERLAP, bad], world=2)
+    assert hits(found, owner) and not hits(found, "MOE067"), found
+    assert "must divide each expert's capacity, 320 rows" in hits(run(OVERLAP, world=2), "MOE067")[0].message
+
+
 def test_world_size_zero_is_reported_not_a_crash() -> None:
     found = run([], world=0)
     assert [(v.rule, v.keys["world_size"]) for v in found] == [("MOE029", 0)]
