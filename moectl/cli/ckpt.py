@@ -1,8 +1,12 @@
 """`moectl ckpt ...`: inspect, convert, export-hf and import-hf (validate joins them here).
 
 One function per command, each a thin shell over `ckpt.*` (which holds the logic and is tested without
-the CLI). Errors are `CheckpointError`s: one line and exit code 1 through `command`. Heavy imports (torch,
-the checkpoint modules) happen inside the commands so `moectl --help` stays fast.
+the CLI). Errors are `MoectlError`s, printed by `command` as one line and ending the command with the error's
+own exit code: 1 for a `CheckpointError` (a bad checkpoint, or a checkpoints folder with no step committed yet:
+exit 1 of `ckpt validate` means that to a script), 2 for the command's own fault, a `CheckpointArgumentError`
+(a path that does not exist or is no checkpoint, a destination that exists, an option value no checkpoint
+can take) or a `UsageError`/`ConfigError` (a bad flag, --config or --set). Heavy imports (torch, the
+checkpoint modules) happen inside the commands so `moectl --help` stays fast.
 """
 
 from __future__ import annotations

@@ -332,6 +332,24 @@ def test_a_folder_that_is_no_checkpoints_folder_exits_2_one_without_a_commit_yet
     assert not (tmp_path / "out").exists()
 
 
+def test_the_module_docstring_gives_each_error_its_own_exit_code(ckpt: tuple[Path, dict], tmp_path: Path) -> None:
+    """moectl/cli/ckpt.py said its errors were "exit code 1 through `command`"; a CheckpointArgumentError (a path
+    that does not exist, a run folder, an existing destination) exits 2. The docstring says so, and is true."""
+    from moectl.cli import ckpt as cli_ckpt
+    from moectl.core.errors import CheckpointArgumentError, CheckpointError, ConfigError, UsageError
+
+    doc = " ".join((cli_ckpt.__doc__ or "").split())
+    assert "exit code 1 through" not in doc
+    assert f"{CheckpointError.exit_code} for a `CheckpointError`" in doc and CheckpointError.exit_code == 1
+    assert f"{CheckpointArgumentError.exit_code} for the command's own fault, a `CheckpointArgumentError`" in doc
+    assert CheckpointArgumentError.exit_code == UsageError.exit_code == ConfigError.exit_code == 2
+    root, _ = ckpt
+    assert invoke("inspect", tmp_path / "nope").exit_code == 2  # CheckpointArgumentError
+    assert invoke("convert", root, root, "--layout", "per-expert").exit_code == 2  # an existing destination
+    (root / "latest").write_text("step_00000099\n")
+    assert invoke("inspect", root).exit_code == 1  # CheckpointError: a bad checkpoints folder
+
+
 def test_validate_refuses_only_what_the_override_breaks(monkeypatch: pytest.MonkeyPatch) -> None:
     """Review of the rule check: a saved ep=2 config checked in one process (MOE029) or an empty load path an
     older run recorded (MOE074) break rules of their own; validate handles those itself (the ep hint, its own
