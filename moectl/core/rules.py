@@ -1906,22 +1906,52 @@ def data_path_required(c: Context) -> Iterator[_Hit]:
         yield _Hit(f"data.source={d.source} needs data.path, got null", f"set data.path to {hint}")
 
 
-@rule("MOE045", "data", "warning", ["data.source", "data.path"], "data.path exists")
+@rule("MOE045", "data", "warning", ["data.source", "data.path", "data.eval_path"],
+      "data.path and data.eval_path name files that exist")  # fmt: skip
 def data_path_exists(c: Context) -> Iterator[_Hit]:
     """A missing data file is caught here rather than after the job is scheduled. A warning, not an error:
-    configs are often validated on a machine other than the one that has the data. For the megatron
-    source, data.path is a prefix and `<prefix>.bin` is looked for."""
+    configs are often validated on a machine other than the one that has the data. Paths are read as the data
+    loader reads them: `~` expanded, a folder is not a data file, and for the megatron source data.path is a
+    prefix (or either file of the pair) whose `<prefix>.idx` and `<prefix>.bin` must both exist. A user trial
+    found `data.path=~/x.bin` warned as missing (train read it), and a folder, or a Megatron prefix with no
+    `.idx`, or a missing data.eval_path, said "valid" for a config that train then refused."""
     d = c.cfg.data
-    if d.source not in ("tokens", "megatron", "text") or not d.path:
+    if d.source not in ("tokens", "megatron", "text"):
         return
-    try:
-        found = Path(d.path).exists() or (d.source == "megatron" and Path(f"{d.path}.bin").exists())
-    except OSError:  # a folder this user may not search: the data layer names that, with its reason
-        return
-    if not found:
-        yield _Hit(
-            f"data.path={d.path} does not exist here", "check the path (relative paths are from the working directory)"
-        )
+    for key, value in (("data.path", d.path), ("data.eval_path", d.eval_path)):
+        if not value:
+            continue
+        try:
+            problem = _data_file_problem(d.source, value)
+        except OSError:  # a folder this user may not search: the data layer names that, with its reason
+            continue
+        if problem is not None:
+            what, fix = problem
+            yield _Hit(f"{key}={value} {what}", fix, keys=("data.source", key))
+
+
+def _data_file_problem(source: str, value: str) -> Optional[tuple[str, str]]:
+    """`(what is wrong, fix)` when the file(s) `source` reads for path `value` are not here, else None.
+    Mirrors trainer/data (build.py expands `~`; sources/megatron_index.py `prefix_paths`)."""
+    path = Path(value).expanduser()
+    relative = " (relative paths are from the working directory)" if not path.is_absolute() else ""
+    if source != "megatron":
+        if path.is_dir():
+            return "is a folder, not a data file", f"set it to one {source} file in that folder"
+        if not path.exists():
+            return "does not exist here", f"check the path{relative}"
+        return None
+    stem = str(path)[:-4] if str(path).endswith((".bin", ".idx")) else str(path)
+    missing = [f for f in (f"{stem}.idx", f"{stem}.bin") if not Path(f).is_file()]
+    if not missing:
+        return None
+    if path.is_dir():
+        return ("is a folder, not a Megatron prefix",
+                "set it to <folder>/<prefix>, where <prefix>.bin and <prefix>.idx are the pair's files")  # fmt: skip
+    if len(missing) == 2:
+        return f"names no Megatron pair here ({stem}.bin and {stem}.idx do not exist)", f"check the prefix{relative}"
+    return f"names a Megatron pair without its {missing[0][-4:]} ({missing[0]} does not exist)", \
+        "copy both files of the pair (the .bin and .idx from one preprocess_data.py run) next to each other"
 
 
 @rule("MOE072", "train", "warning", ["train.cpu_threads", "cpus", "device"],

@@ -848,18 +848,57 @@ def test_cpu_training_emulates_every_recipe() -> None:
 @pytest.mark.parametrize(
     "source, name, make",
     [
-        ("tokens", "x.bin", "x.bin"),
-        ("text", "x.txt", "x.txt"),
-        ("megatron", "prefix", "prefix.bin"),
+        ("tokens", "x.bin", ["x.bin"]),
+        ("text", "x.txt", ["x.txt"]),
+        ("megatron", "prefix", ["prefix.bin", "prefix.idx"]),
+        ("megatron", "prefix.idx", ["prefix.bin", "prefix.idx"]),
     ],
 )
-def test_data_path_exists(tmp_path: Path, source: str, name: str, make: str) -> None:
+def test_data_path_exists(tmp_path: Path, source: str, name: str, make: list[str]) -> None:
     sets = [f"data.source={source}", f"data.path={tmp_path / name}", "data.tokenizer=null"]
     found = hits(run(sets), "MOE045")
     assert [v.severity for v in found] == ["warning"]
     assert found[0].keys["data.path"] == str(tmp_path / name)
-    (tmp_path / make).write_bytes(b"\0\0")
+    for f in make:
+        (tmp_path / f).write_bytes(b"\0\0")
     assert hits(run(sets), "MOE045") == []
+
+
+def test_data_path_with_tilde_is_expanded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The data loader expands `~`; the rule warned "does not exist here" for a file train then read."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "x.bin").write_bytes(b"\0\0")
+    assert hits(run(["data.source=tokens", "data.path=~/x.bin"]), "MOE045") == []
+    assert len(hits(run(["data.source=tokens", "data.path=~/y.bin"]), "MOE045")) == 1
+
+
+@pytest.mark.parametrize("source", ["tokens", "text", "megatron"])
+def test_data_path_that_is_a_folder_warns(tmp_path: Path, source: str) -> None:
+    """A folder exists, so the rule said nothing; train then refused it ("a folder, not a data file")."""
+    found = hits(run([f"data.source={source}", f"data.path={tmp_path}"]), "MOE045")
+    assert len(found) == 1 and "is a folder" in found[0].message
+
+
+def test_megatron_prefix_without_its_index_warns(tmp_path: Path) -> None:
+    """A `.bin` alone passed (only the .bin was looked for); train reads the .idx first and refused."""
+    (tmp_path / "flat.bin").write_bytes(b"\0\0")
+    found = hits(run(["data.source=megatron", f"data.path={tmp_path / 'flat'}"]), "MOE045")
+    assert len(found) == 1 and f"{tmp_path / 'flat'}.idx does not exist" in found[0].message
+
+
+def test_megatron_folder_beside_its_pair_is_the_prefix(tmp_path: Path) -> None:
+    """`data/` with data.bin and data.idx beside it: the loader reads the pair (the slash goes), so no warning."""
+    (tmp_path / "data").mkdir()
+    for ext in (".bin", ".idx"):
+        (tmp_path / f"data{ext}").write_bytes(b"\0\0")
+    assert hits(run(["data.source=megatron", f"data.path={tmp_path / 'data'}/"]), "MOE045") == []
+
+
+def test_missing_eval_path_warns(tmp_path: Path) -> None:
+    (tmp_path / "train.bin").write_bytes(b"\0\0")
+    sets = ["data.source=tokens", f"data.path={tmp_path / 'train.bin'}", f"data.eval_path={tmp_path / 'val.bin'}"]
+    found = hits(run(sets), "MOE045")
+    assert len(found) == 1 and found[0].keys == {"data.source": "tokens", "data.eval_path": str(tmp_path / "val.bin")}
 
 
 def test_data_path_in_a_folder_this_user_may_not_search_is_left_to_the_data_layer(
