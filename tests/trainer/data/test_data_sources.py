@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import trainer.data.sources.text as text_source
 from moectl.core.config.schema import DataConfig
 from moectl.core.errors import DataError
 from trainer.data import build_data, load_source
@@ -153,6 +154,30 @@ def test_text_txt_in_utf16_or_32_is_refused_by_its_byte_order_mark(tmp_path: Pat
     assert f"iconv -f {encoding.upper()} -t UTF-8" in e.value.one_line()
     path.write_text("hello", encoding="utf-8-sig")
     assert load_text(str(path)).tokens.numel() == 8
+
+
+def test_text_txt_that_is_not_utf8_is_refused_naming_the_byte(tmp_path: Path) -> None:
+    """Read as bytes, a Latin-1 or binary .txt trained without a word (a user trial); .jsonl already refused."""
+    path = tmp_path / "latin1.txt"
+    path.write_bytes("caf\u00e9 au lait".encode("latin-1"))
+    with pytest.raises(DataError) as e:
+        load_text(str(path))
+    line = e.value.one_line()
+    assert f"{path}: not UTF-8 at byte 3 (invalid continuation byte)" in line and "iconv" in line, line
+    path.write_bytes("caf\u00e9".encode()[:-1])  # cut inside its last character
+    with pytest.raises(DataError, match="not UTF-8 at byte 3 \\(unexpected end of data\\)"):
+        load_text(str(path))
+
+
+def test_text_txt_utf8_check_reads_in_chunks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A character cut by a chunk boundary is whole; a bad byte after it is named at its offset in the file."""
+    monkeypatch.setattr(text_source, "UTF8_CHUNK", 4)
+    path = tmp_path / "t.txt"
+    path.write_bytes("abc\u00e9\u20acxyz".encode())  # é straddles bytes 3-4, € bytes 5-7
+    assert bytes(load_text(str(path)).tokens.tolist()).decode() == "abc\u00e9\u20acxyz"
+    path.write_bytes("abc\u00e9".encode() + b"x\xffyz")
+    with pytest.raises(DataError, match="not UTF-8 at byte 6 "):
+        load_text(str(path))
 
 
 def test_text_jsonl_joins_records_with_nul(tmp_path: Path) -> None:

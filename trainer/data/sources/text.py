@@ -2,8 +2,9 @@
 
 Tokenisation:
   - default (`data.tokenizer: null`): bytes. Token id = byte value (vocab 256). A `.txt` file is
-    memory-mapped as it is (zero copy). For `.jsonl`, each record's text is UTF-8 encoded and records
-    are joined with a NUL byte (id 0), which never occurs in text and so marks document ends the way
+    memory-mapped as it is (zero copy), once one pass over it has checked that it is UTF-8 (a file that
+    is not is refused, naming the first bad byte). For `.jsonl`, each record's text is UTF-8 encoded and
+    records are joined with a NUL byte (id 0), which never occurs in text and so marks document ends the way
     `<|endoftext|>` does for GPT-2.
   - `data.tokenizer: path/to/tokenizer.json`: a local Hugging Face `tokenizers` file, through the
     optional `tokenizers` package (`pip install moectl[tokenizers]`). A `.txt` file is one document;
@@ -15,6 +16,7 @@ into a `tokens` or `megatron` file.
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
 from typing import Any
@@ -92,6 +94,35 @@ def _refuse_utf16_or_32(path: str) -> None:
                             f"re-encode the file as UTF-8 (e.g. iconv -f {name} -t UTF-8)")
 
 
+#: how much of a `.txt` file is decoded at a time when checking it is UTF-8 (bounds the memory of the check)
+UTF8_CHUNK = 16 << 20
+
+
+def _require_utf8(path: str) -> None:
+    """A `.txt` read as bytes must be UTF-8, as `.jsonl` and tokenizer input must. Without this check a Latin-1
+    or binary file trained without a word on whatever its bytes were (a user trial): one clear refusal naming
+    the first bad byte instead. A UTF-16 or UTF-32 file is named by its byte-order mark first."""
+    _refuse_utf16_or_32(path)
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    at = 0
+    with open_data(path) as f:
+        while True:
+            chunk = f.read(UTF8_CHUNK)
+            pending = len(decoder.getstate()[0])  # bytes of a character cut by the previous chunk's end
+            try:
+                decoder.decode(chunk, final=not chunk)
+            except UnicodeDecodeError as e:
+                where = at - pending + e.start
+                raise DataError(
+                    f"{path}: not UTF-8 at byte {where:,} ({e.reason}); the text source reads UTF-8 text",
+                    "re-encode the file as UTF-8 (e.g. iconv -f LATIN1 -t UTF-8), or, if it holds token ids, "
+                    "use data.source: tokens",
+                ) from None
+            if not chunk:
+                return
+            at += len(chunk)
+
+
 def load_text(path: str, tokenizer: str | None = None) -> TokenStream:
     """Tokenise a `.txt` or `.jsonl` file (bytes by default, or a local tokenizer.json)."""
     require_file(path)
@@ -101,7 +132,7 @@ def load_text(path: str, tokenizer: str | None = None) -> TokenStream:
     tok = load_tokenizer(tokenizer) if tokenizer else None
     notes: dict[str, Any] = {"format": "jsonl" if is_jsonl else "txt", "tokenizer": tokenizer or "bytes"}
     if tok is None and not is_jsonl:
-        _refuse_utf16_or_32(path)
+        _require_utf8(path)
         tokens = map_file(path, torch.uint8)
     elif tok is None:
         texts = read_jsonl_texts(path)
