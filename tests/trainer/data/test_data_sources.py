@@ -108,6 +108,28 @@ def test_megatron_follows_pointers_when_the_bin_is_not_in_index_order(tmp_path: 
     assert load_megatron(str(tmp_path / "d")).tokens.tolist() == FLAT
 
 
+def test_megatron_folder_as_data_path_is_named_a_folder_with_its_prefixes(tmp_path: Path) -> None:
+    """A folder (trailing slash or not) said "<folder>.idx: no such file", a file the user never named."""
+    write_megatron(tmp_path / "wiki_text_document", DOCS)
+    for path in (str(tmp_path), f"{tmp_path}/"):
+        with pytest.raises(DataError) as e:
+            load_source(DataConfig(source="megatron", path=path), vocab_size=70_000, seed=0)
+        assert e.value.message == f"{tmp_path}: a folder, not a Megatron prefix", e.value.message
+        assert f"(here: {tmp_path / 'wiki_text_document'})" in (e.value.fix or "")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="a folder, not a Megatron prefix") as e:
+        load_megatron(str(tmp_path / "empty"))
+    assert "holds no .idx file" in (e.value.fix or "")
+
+
+def test_megatron_prefix_of_a_flat_token_file_says_so(tmp_path: Path) -> None:
+    """A nanoGPT train.bin given to the megatron source: its missing index is named, with the tokens source."""
+    write_array(tmp_path / "train.bin", "H", IDS)
+    with pytest.raises(DataError) as e:
+        load_megatron(str(tmp_path / "train"))
+    assert "train.bin has no Megatron index" in e.value.message and "data.source: tokens" in (e.value.fix or "")
+
+
 def test_megatron_bad_magic_names_the_index(tmp_path: Path) -> None:
     write_megatron(tmp_path / "d", DOCS, magic=b"TNTIDX\x00\x00\x00")
     with pytest.raises(DataError, match=r"d\.idx.*bad magic"):

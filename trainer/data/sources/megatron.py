@@ -1,11 +1,11 @@
 """`megatron`: Megatron-LM's indexed dataset (`<prefix>.bin` + `<prefix>.idx`), read directly.
 
-`data.path` is the prefix (a path ending in `.bin` or `.idx` is accepted too); the `.idx` format is in
-`megatron_index.py`. The stream is every sequence in index order, concatenated (documents are runs of
-sequences, so their order is kept; no separator is added, as Megatron's own GPT dataset adds none: the
-tokenizer's EOD token is already in the data when `preprocess_data.py --append-eod` was used). When the
-sequences lie back to back in the .bin (what the builder always writes) the stream is a zero-copy memory
-map; otherwise the sequences are gathered into memory.
+`data.path` is the prefix (a path ending in `.bin` or `.idx` is accepted too; a folder is refused, naming the
+prefixes in it); the `.idx` format is in `megatron_index.py`. The stream is every sequence in index order,
+concatenated (documents are runs of sequences, so their order is kept; no separator is added, as Megatron's
+own GPT dataset adds none: the tokenizer's EOD token is already in the data when `preprocess_data.py
+--append-eod` was used). When the sequences lie back to back in the .bin (what the builder always writes) the
+stream is a zero-copy memory map; otherwise the sequences are gathered into memory.
 
 The `.bin` must be exactly what the index accounts for: sum(sequence lengths) x the index dtype's size,
 with no sequence overlapping another. Megatron's builder always writes exactly that, so any other size means
@@ -78,6 +78,32 @@ def _check_pointers(bin_path: str, ptrs: torch.Tensor, ends: torch.Tensor, size:
         raise DataError(f"{bin_path}: the index's sequences overlap in the .bin", "the index is corrupt; " + _REBUILD)
 
 
+def _no_index(path: str, bin_path: str, idx_path: str) -> DataError:
+    """Why there is no `<prefix>.idx` to read, in the user's terms: `data.path` named a folder (the loader had
+    said "<folder>.idx: no such file"), or a `.bin` with no index (a flat token file, most likely)."""
+    if os.path.isdir(path):
+        try:
+            prefixes = sorted(n[: -len(".idx")] for n in os.listdir(path) if n.endswith(".idx"))
+        except OSError:  # a folder we may not list: say what is wrong without the listing
+            prefixes = []
+        here = (
+            f" (here: {', '.join(os.path.join(path, p) for p in prefixes[:3])}{', ...' if len(prefixes) > 3 else ''})"
+            if prefixes else " (it holds no .idx file)"
+        )  # fmt: skip
+        return DataError(
+            f"{path}: a folder, not a Megatron prefix",
+            f"set data.path to <folder>/<prefix> of a <prefix>.bin/<prefix>.idx pair{here}",
+        )
+    if is_data_file(bin_path):
+        return DataError(
+            f"{idx_path}: no such file, so {os.path.basename(bin_path)} has no Megatron index",
+            "copy its .idx next to it; a flat token file with no index is data.source: tokens",
+        )
+    return DataError(
+        f"{idx_path}: no such file", "data.path is the prefix of a Megatron <prefix>.bin/<prefix>.idx pair"
+    )
+
+
 def load_megatron(path: str, dtype: str | None = None) -> TokenStream:
     """Read a Megatron `.bin`/`.idx` pair as one stream of all sequences in index order.
 
@@ -86,6 +112,8 @@ def load_megatron(path: str, dtype: str | None = None) -> TokenStream:
         dtype: `data.dtype`; when set it must equal the index's dtype (the index decides how to read the .bin).
     """
     bin_path, idx_path = prefix_paths(path)
+    if not is_data_file(idx_path):
+        raise _no_index(path, bin_path, idx_path)
     index = read_index(idx_path)
     if dtype is not None and data_dtype(dtype) != index.dtype:
         raise DataError(
