@@ -364,6 +364,9 @@ class Trainer:
             f"  data: {self.train_data.stream.describe()} | batch {cfg.train.global_batch_size} x {cfg.model.seq_length} "
             f"tokens ({self.n_micro} micro-batches of {cfg.train.micro_batch_size}/rank) | run_dir {self.run_dir}",
         ]
+        reuse = self.train_data.reuse_warning(cfg.train.train_iters)
+        if reuse is not None:
+            lines.append(f"  {reuse}")
         if self.dp > 1:
             lines.append(f"  overlap: {describe_overlap(cfg.parallel, self.dp)}")
         if self.compiled_regions:

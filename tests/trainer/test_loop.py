@@ -145,6 +145,16 @@ def test_nonfinite_grads_with_a_finite_loss_stop_the_run(tmp_path, optimizer):
         assert torch.equal(p, before[n]), n
 
 
+def test_banner_warns_when_the_run_reads_its_data_over_and_over(tmp_path):
+    """A split too small for the run is read many times over; the banner says so (it said nothing)."""
+    tokens = tmp_path / "small.bin"
+    tokens.write_bytes(bytes(b for i in range(80) for b in (i, 0)))  # 80 uint16 tokens: 47 train, 33 held out
+    banner = make(tmp_path, "data.source=tokens", f"data.path={tokens}", "train.train_iters=3")._banner()
+    assert any(line.startswith("  warning: data: 3 steps of 4 x 32 tokens read the 47-token train split")
+               for line in banner), banner
+    assert not any("warning: data:" in line for line in make(tmp_path, "train.train_iters=3")._banner())
+
+
 def test_cuda_graphs_off_the_gpu_are_refused_not_ignored(tmp_path):
     """train.cuda_graph on the CPU (rule MOE035): a run started without the CLI's rule check refuses it
     itself rather than running eagerly while the config says graphs."""

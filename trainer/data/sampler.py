@@ -112,6 +112,26 @@ class Sampler:
         """Micro-batches each rank runs per optimizer step: G / (B * dp)."""
         return self.global_batch_size // (self.micro_batch_size * self.dp_size)
 
+    def passes(self, steps: int) -> float:
+        """How many times `steps` optimizer steps read this split over, in tokens (windows are drawn with
+        replacement, so this is the average number of times each token is seen)."""
+        return steps * self.global_batch_size * self.seq_length / len(self.stream)
+
+    def reuse_warning(self, steps: int) -> str | None:
+        """A start-up warning when `steps` steps read this split more than once: the sampler wraps around a
+        small split without a word (a 129-token file trained 3 steps of 16 windows on its one window, 48 times,
+        in a user trial), which is rarely what a user pointing at a file meant. None when it is read at most once."""
+        times = self.passes(steps)
+        if times <= 1:
+            return None
+        windows = self.num_starts
+        return (
+            f"warning: data: {steps:,} steps of {self.global_batch_size} x {self.seq_length} tokens read the "
+            f"{len(self.stream):,}-token {self.stream.split} split of {self.stream.where} about {times:,.0f} times "
+            f"over ({windows:,} distinct window{'s' if windows != 1 else ''}): the model sees the same data again "
+            "and again. fix: use more data, or fewer train.train_iters if that is not meant"
+        )
+
     def sample_ids(self, step: int, micro_index: int) -> range:
         """The global sample ids of this rank's micro-batch `micro_index` at `step` (see module docstring)."""
         if step < 0:

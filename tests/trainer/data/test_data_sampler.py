@@ -114,3 +114,16 @@ def test_bad_batch_sizes_and_short_streams_are_errors(stream: TokenStream) -> No
         make(tiny)
     with pytest.raises(IndexError):
         make(stream).micro_batch(0, 4)
+
+
+def test_a_run_that_reads_its_split_more_than_once_is_warned() -> None:
+    """The sampler wraps around a small split without a word; a 129-token file trained 48 windows on its one
+    window (a user trial). Reading a split at most once says nothing."""
+    small = TokenStream(source="tokens", tokens=torch.arange(S + 1, dtype=torch.int32), path="x.bin", split="train")
+    sampler = make(small)
+    assert sampler.passes(3) == 3 * 8 * S / (S + 1)
+    warning = sampler.reuse_warning(3)
+    assert warning is not None and warning.startswith("warning: data: 3 steps of 8 x 16 tokens read the 17-token train")
+    assert "x.bin about 23 times over (1 distinct window)" in warning and "fix: " in warning
+    big = TokenStream(source="test", tokens=torch.zeros(3 * 8 * S, dtype=torch.int32))
+    assert make(big).reuse_warning(3) is None and make(big).reuse_warning(4) is not None
