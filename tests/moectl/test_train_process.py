@@ -314,10 +314,8 @@ def test_a_second_ctrl_c_aborts_both_ranks_at_once_keeping_the_last_checkpoint(t
         os.killpg(p.pid, signal.SIGINT)  # a terminal's Ctrl-C: the launcher's group (each worker has its own)
         _wait_for(lambda: _printed(out, ACK_SAVING), p, "the first Ctrl-C was not acknowledged during the step")
         recorded = len([r for r in _records(run_dir) if "loss" in r])
-        t0 = time.monotonic()
         os.killpg(p.pid, signal.SIGINT)
         _, err = p.communicate(timeout=60)
-        took = time.monotonic() - t0
     finally:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
@@ -327,8 +325,8 @@ def test_a_second_ctrl_c_aborts_both_ranks_at_once_keeping_the_last_checkpoint(t
         f"error: aborted by a second Ctrl-C during step 2, without saving; the last good checkpoint is "
         f"{ckpts / 'step_00000001'}: resume with --set checkpoint.load={ckpts}"
     ], err
-    assert took < 20, took  # at once, not after the step and a save (each step takes seconds)
-    assert recorded == 1 and [r["step"] for r in _records(run_dir) if "loss" in r] == [1]  # step 2 never ended
+    # at once: step 2 never ended (no time bound: a loaded CI machine may take long to tear the ranks down)
+    assert recorded == 1 and [r["step"] for r in _records(run_dir) if "loss" in r] == [1]
     assert (ckpts / "latest").read_text().strip() == "step_00000001"
     assert [c.name for c in list_committed(ckpts)] == ["step_00000001"] and verify_checkpoint(ckpts) == []
     assert out.read_text().splitlines().count(ACK_SAVING) == 1  # rank 0 only, once
