@@ -7,6 +7,10 @@ of its own can be in flight, under the run_dir lock of trainer/run_dir.py).
 
 Only folders this product wrote are removed: the name must match exactly and every entry inside must be
 a file a save writes (`model-/optim-NNNNN.safetensors`, `manifest.json`). A folder holding anything else is left alone and reported, never deleted.
+
+A save killed after its rename but before moving `latest` leaves `latest.tmp-<nonce>` naming the step it
+committed (ckpt/save.py); discovery already takes that step, and the same start finishes the commit: the file
+is moved over `latest`. Pending files of saves killed before their rename (naming no committed step) go.
 """
 
 from __future__ import annotations
@@ -17,6 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckpt import names
+from ckpt.discovery import find_latest, read_latest
+from ckpt.durable import fsync_dir
+from moectl.core.errors import CheckpointError
 
 
 @dataclass
@@ -25,6 +32,7 @@ class Cleanup:
 
     removed: list[Path] = field(default_factory=list)
     kept: list[tuple[Path, str]] = field(default_factory=list)
+    latest: Path | None = None  # the step `latest` was moved to, finishing a save killed before it moved it
 
 
 def _ours(entry: Path) -> bool:
@@ -54,7 +62,36 @@ def remove_interrupted_saves(root: str | os.PathLike[str]) -> Cleanup:
             done.kept.append((p, "could not be removed"))
         else:
             done.removed.append(p)
+    done.latest = settle_pending_latest(root)
     return done
+
+
+def settle_pending_latest(root: str | os.PathLike[str]) -> Path | None:
+    """Move the pending `latest` that names the step discovery takes (`find_latest`: a committed step newer than
+    `latest`'s) over `latest`, finishing that save's commit, and remove the other pending ones. Returns the step
+    folder `latest` now names, or None when it did not move. A garbled or dangling `latest` is left as it is, and
+    so are the pending files: loading says what is wrong with it."""
+    root = Path(root)
+    try:
+        target = find_latest(root)
+        current = read_latest(root)
+    except CheckpointError:
+        return None
+    moved = None
+    for p in sorted(root.iterdir()):
+        if not names.PENDING_LATEST_RE.match(p.name) or p.is_symlink() or not p.is_file():
+            continue
+        try:
+            text = p.read_text(encoding="utf-8", errors="replace").strip()
+        except OSError:
+            continue
+        if moved is None and target is not None and text == target.name and current != target.name:
+            os.replace(p, root / names.LATEST)
+            fsync_dir(root)
+            moved = target
+        else:
+            p.unlink(missing_ok=True)
+    return moved
 
 
 def undo_new_root(root: str | os.PathLike[str]) -> None:

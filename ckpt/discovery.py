@@ -4,9 +4,11 @@ A step is committed when its folder is named exactly `step_<8 digits>` and holds
 (torchtitan likewise counts `step-N` only if its `.metadata` exists). In-flight (`.tmp-`), half-deleted
 (`.trash-`) and manifest-less folders are never candidates. `latest` is trusted as Megatron trusts its
 tracker file (it is written only after the commit), but if it names a step that is not there the error
-says so instead of silently taking another one. A load path that does not exist is an error, never a
-silent fresh start (Megatron's `exit_on_missing_checkpoint`). Nor is one this user may not read: that is
-`unreadable`'s one line, naming the folder or file and the OS's reason, never a traceback.
+says so instead of silently taking another one. The one step taken over it is the one a pending `latest`
+(`latest.tmp-<nonce>`) names, committed and newer: a save killed between its rename and moving `latest`
+leaves that file (ckpt/save.py), and the step it names is committed. A load path that does not exist is
+an error, never a silent fresh start (Megatron's `exit_on_missing_checkpoint`). Nor is one this user may
+not read: that is `unreadable`'s one line, naming the folder or file and the OS's reason, never a traceback.
 """
 
 from __future__ import annotations
@@ -144,14 +146,44 @@ def read_latest(root: str | os.PathLike[str]) -> str | None:
     return text
 
 
+def pending_latest(root: str | os.PathLike[str]) -> Path | None:
+    """The newest committed step folder a pending `latest` under `root` names (`latest.tmp-<nonce>`, left by a
+    save killed between its rename and moving `latest`), or None. One that is garbled, unreadable, or names
+    no committed step (a save killed before its rename) is a leftover, not a pointer: ignored."""
+    root = Path(root)
+    if not _is_dir(root):
+        return None
+    best: tuple[int, Path] | None = None
+    for p in _entries(root):
+        if not names.PENDING_LATEST_RE.match(p.name):
+            continue
+        try:
+            text = p.read_text(encoding="utf-8", errors="replace").strip()
+        except OSError:  # moved over `latest` meanwhile (which then names its step), or not readable
+            continue
+        step = names.parse_step_dir(text)
+        if step is None or (best is not None and step <= best[0]):
+            continue
+        target = root / text
+        if _is_dir(target) and manifest.load(target)[0] is not None:
+            best = (step, target)
+    return best[1] if best is not None else None
+
+
 def find_latest(root: str | os.PathLike[str], advice: Advice = LOAD_ADVICE) -> Path | None:
-    """The step folder to resume from: the one `latest` names, else the newest committed one, else None.
+    """The step folder to resume from: the one `latest` names, else the newest committed one, else None; but
+    a newer committed step that a pending `latest` names (`pending_latest`) over the one `latest` names.
 
     Raises CheckpointError if `latest` names a folder that is missing or has no manifest.json; its fix is
     `advice`'s way of giving another step (the trainer's, or `TOOL_ADVICE`).
     """
     root = Path(root)
+    # The pending pointer before `latest`: ranks resolve a load each on its own while rank 0's run start may move
+    # it over `latest` (ckpt/cleanup.py); read in this order, a rank that finds it gone reads the moved `latest`.
+    pending = pending_latest(root)
     name = read_latest(root)
+    if pending is not None and (name is None or names.parse_step_dir(pending.name) > names.parse_step_dir(name)):
+        return pending
     if name is None:
         committed = list_committed(root)
         return committed[-1] if committed else None

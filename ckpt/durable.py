@@ -57,17 +57,14 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def replace_file(path: Path, data: bytes) -> None:
-    """Atomically replace (or create) the small file `path` with `data`.
-
-    A reader sees the old content or the new, never a torn mix: write a sibling temp file, fsync it,
-    `os.replace` it over `path`, fsync the folder.
-    """
+def write_beside(path: Path, data: bytes) -> Path:
+    """Write `data` to a new fsynced sibling of `path`, `<name>.tmp-<nonce>`, and return it; the caller moves it
+    over `path` (`os.replace`, then `fsync_dir` of the folder) when it is time: a reader sees the old content or
+    the new, never a torn mix, and the new content is on disk before anything that must precede the move."""
     tmp = path.with_name(f"{path.name}.tmp-{secrets.token_hex(4)}")
     try:
         write_file(tmp, data)
-        os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    fsync_dir(path.parent)
+    return tmp

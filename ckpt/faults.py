@@ -5,6 +5,7 @@ points of its own protocol):
   write            on that rank, right after its first shard file is written ("crash after some files")
   finalize         on that rank, after all its files and their folder entries are fsynced, before the vote
   before_manifest  rank 0 only: after every rank voted ok, just before manifest.json (the commit marker)
+  before_latest    rank 0 only: after the folder was renamed to step_N (committed), before `latest` moves
 How:
   raise  (default) an ordinary exception: the save fails on every rank, cleanly, naming that rank
   enospc an `OSError` ENOSPC, as a full disk raises it (the save fails as with `raise`)
@@ -25,7 +26,9 @@ import os
 import time
 
 ENV = "MOECTL_CKPT_FAIL"
-PHASES = ("write", "finalize", "before_manifest")
+PHASES = ("write", "finalize", "before_manifest", "before_latest")
+#: the phases of the commit, which only rank 0 does
+RANK0_PHASES = ("before_manifest", "before_latest")
 HOWS = ("raise", "enospc", "eacces", "crash", "stall", "slow")
 SLOW_S = 1.0
 
@@ -53,8 +56,8 @@ def check(phase: str, rank: int, step: int | None = None) -> None:
         how = parts[2] if len(parts) == 3 else "raise"
         if how not in HOWS:
             raise ValueError(f"{ENV}={spec!r}: how must be one of {', '.join(HOWS)}, got {how!r}")
-        if parts[1] == "before_manifest" and parts[0] != "0":
-            raise ValueError(f"{ENV}={spec!r}: before_manifest happens on rank 0 only")
+        if parts[1] in RANK0_PHASES and parts[0] != "0":
+            raise ValueError(f"{ENV}={spec!r}: {parts[1]} happens on rank 0 only")
         if int(parts[0]) != rank or parts[1] != phase or (at and step != int(at)):
             continue
         message = f"injected fault {ENV}={item.strip()}"

@@ -16,6 +16,9 @@ LATEST = "latest"
 STEP_DIR_RE = re.compile(r"^step_(\d{8})$")
 TMP_DIR_RE = re.compile(r"^step_(\d{8})\.tmp-([0-9a-f]+)$")
 TRASH_DIR_RE = re.compile(r"^step_(\d{8})\.trash-([0-9a-f]+)$")
+# The next `latest`, written beside it before a save's rename and moved over it after (ckpt/save.py `_commit`):
+# left behind by a save killed between the two, it names the step that save committed (ckpt/discovery.py).
+PENDING_LATEST_RE = re.compile(r"^latest\.tmp-([0-9a-f]+)$")
 # The only data files a checkpoint may hold (docs/checkpoint.md): model weights and optimizer state.
 SHARD_RE = re.compile(r"^(model|optim)-(\d{5})\.safetensors$")
 

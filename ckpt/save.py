@@ -14,11 +14,14 @@ the resume pointer moves only after the save is complete):
    (DCP's `_DistWrapper` does the same; its tests require every rank to name exactly the bad ranks).
 3. Commit, on rank 0: check every file is visible at its recorded size (catches ranks that do not share
    the filesystem), write manifest.json and fsync it (the commit marker, written last), rename the
-   folder to `step_N` and fsync the root, replace `latest` atomically, apply retention.
+   folder to `step_N` and fsync the root, replace `latest` atomically (its new content written beside it
+   before the rename, so a kill between the two leaves it naming the committed step), apply retention.
 4. Rank 0 broadcasts its outcome; every rank returns the step folder or raises the same error.
 
 An interrupted save (a killed process) leaves only a `.tmp-` folder, which discovery ignores; `latest`
-still names the previous step. Fault injection for tests: `ckpt.faults` (`MOECTL_CKPT_FAIL`).
+still names the previous step. One killed after the rename leaves `latest.tmp-<nonce>` naming the new step:
+discovery takes that step, and the next `train` moves the file over `latest` (`ckpt.cleanup`).
+Fault injection for tests: `ckpt.faults` (`MOECTL_CKPT_FAIL`).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import torch
 
 from ckpt import faults, manifest, names
 from ckpt.collective import Comm, all_gather_json, broadcast_int, broadcast_json, comm_for
-from ckpt.durable import fsync_dir, fsync_files, replace_file, write_file
+from ckpt.durable import fsync_dir, fsync_files, write_beside, write_file
 from ckpt.retention import apply_retention
 from ckpt.shards import prepare, write_shard
 from moectl.core.errors import CheckpointError, MoectlError
@@ -221,7 +224,7 @@ def _commit(
 ) -> dict[str, Any]:
     """Rank 0: write the manifest, rename the folder, move `latest`, apply retention. Returns the outcome."""
     final = root / names.step_dir_name(step)
-    renamed = False
+    renamed, pending = False, None
     try:
         files = {f: rec for s in statuses for f, rec in s["files"].items()}
         tensors = {t: rec for s in statuses for t, rec in s["tensors"].items()}
@@ -235,11 +238,20 @@ def _commit(
         faults.check("before_manifest", 0, step)
         write_file(tmp / names.MANIFEST, manifest.dumps(manifest.build(step, meta, files, tensors)))
         fsync_dir(tmp)
+        # The next `latest` is on disk before the rename commits the step: a process killed between the rename
+        # and the replace leaves it beside `latest`, naming this step, and discovery follows it. Written after
+        # the rename (as before), a kill there left `latest` on the previous step with a committed step after
+        # it, which a saving resume of the run refuses (trainer/run_dir.py): the job's rerun failed for good.
+        pending = write_beside(root / names.LATEST, f"{final.name}\n".encode())
         os.rename(tmp, final)
         renamed = True
         fsync_dir(root)
-        replace_file(root / names.LATEST, f"{final.name}\n".encode())
+        faults.check("before_latest", 0, step)
+        os.replace(pending, root / names.LATEST)
+        fsync_dir(root)
     except Exception as e:  # noqa: BLE001 - reported to every rank by the caller
+        if pending is not None and not renamed:
+            pending.unlink(missing_ok=True)
         if not renamed:
             shutil.rmtree(tmp, ignore_errors=True)
         return {"error": describe(e), "committed": renamed}

@@ -236,5 +236,8 @@ def prepare_run_dir(run_dir: Path, *, resuming: bool, overwrite: bool,
         lock.release()
         raise
     lines = [f"removed {p.name}: an interrupted save's leftovers" for p in cleanup.removed]
+    if cleanup.latest is not None:
+        lines.append(f"checkpoints/latest now names {cleanup.latest.name}: its save was killed after committing it, "
+                     "before it moved latest")  # fmt: skip
     lines += [f"warning: left {p} alone: {why}" for p, why in cleanup.kept]
     return lock, lines

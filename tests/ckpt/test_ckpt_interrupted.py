@@ -62,6 +62,42 @@ def test_crash_mid_save_keeps_latest_on_the_previous_step(
     assert find_latest(root) == root / "step_00000010" and partial.exists()
 
 
+def test_a_kill_between_the_rename_and_latest_leaves_the_committed_step_to_resume(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A user trial killed a worker of a 2-rank run just after step 19's folder was renamed (committed), before
+    `latest` moved: `latest` stayed on step 18, and the run's own resume command was refused for good ("holds 1
+    checkpoint(s) after step 18"). The next `latest` is now on disk before the rename, and discovery follows it."""
+    from ckpt.cleanup import remove_interrupted_saves
+
+    root = tmp_path / "checkpoints"
+    save_simple(root, 5, seed=5)
+    monkeypatch.setenv("MOECTL_CKPT_FAIL", "0:before_latest:crash")
+    with pytest.raises(InjectedCrash):
+        save_checkpoint(root, 10, THREE_FILES, make_meta())
+    monkeypatch.delenv("MOECTL_CKPT_FAIL")
+    assert (root / "latest").read_text() == "step_00000005\n"  # the kill's state
+    (pending,) = root.glob("latest.tmp-*")
+    assert pending.read_text() == "step_00000010\n"
+    assert find_latest(root) == resolve_load_path(root) == root / "step_00000010"
+    with open_checkpoint(root) as ck:
+        assert ck.step == 10
+    # a save killed before its rename leaves one naming no committed step: a leftover, not followed
+    (root / "latest.tmp-0badc0de").write_text("step_00000015\n")
+    (root / "latest.tmp-00000bad").write_text("junk")
+    assert find_latest(root) == root / "step_00000010"
+    # a run's start finishes the commit and removes the rest
+    done = remove_interrupted_saves(root)
+    assert done.latest == root / "step_00000010"
+    assert (root / "latest").read_text() == "step_00000010\n" and not list(root.glob("latest.tmp-*"))
+    assert remove_interrupted_saves(root).latest is None  # nothing more to do
+    # an older pending pointer (a rollback written into `latest` by hand stays): never over a newer `latest`
+    (root / "latest.tmp-0000beef").write_text("step_00000005\n")
+    assert find_latest(root) == root / "step_00000010"
+    (root / "latest").write_text("step_00000005\n")
+    assert find_latest(root) == root / "step_00000005"
+
+
 def test_a_clean_failure_removes_its_folder_and_names_the_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     save_simple(tmp_path, 5)
     monkeypatch.setenv("MOECTL_CKPT_FAIL", "0:before_manifest")
@@ -75,6 +111,9 @@ def test_a_clean_failure_removes_its_folder_and_names_the_rank(tmp_path: Path, m
 def test_fault_spec_is_checked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MOECTL_CKPT_FAIL", "1:before_manifest")
     with pytest.raises(CheckpointSaveError, match="before_manifest happens on rank 0 only"):
+        save_checkpoint(tmp_path, 1, THREE_FILES, make_meta())
+    monkeypatch.setenv("MOECTL_CKPT_FAIL", "1:before_latest")
+    with pytest.raises(CheckpointSaveError, match="before_latest happens on rank 0 only"):
         save_checkpoint(tmp_path, 1, THREE_FILES, make_meta())
     monkeypatch.setenv("MOECTL_CKPT_FAIL", "0:writ")
     with pytest.raises(CheckpointSaveError, match="each item must be"):

@@ -278,6 +278,22 @@ def test_a_saving_resume_from_an_older_step_is_refused_while_later_checkpoints_e
 
 
 
+def test_a_run_killed_between_a_commit_and_latest_resumes_from_that_step(tmp_path: Path) -> None:
+    """A user trial: kill -9 of a worker right after step 4's folder was renamed, before `latest` moved, left
+    `latest` on step 2 and `latest.tmp-<nonce>` naming step 4. Resuming with the same command was refused
+    ("holds 1 checkpoint(s) after step 2"), so an unattended job could not go on. It now resumes from step 4,
+    moves `latest` there, and metrics.jsonl keeps one record per step."""
+    trainer(tmp_path, "train.train_iters=4", "checkpoint.save_interval=2", "checkpoint.async_save=false").run()
+    root = tmp_path / "checkpoints"
+    (root / "latest").write_text("step_00000002\n")
+    (root / "latest.tmp-3f2a9c01").write_text("step_00000004\n")
+    t = trainer(tmp_path, "train.train_iters=6", "checkpoint.save_interval=2", f"checkpoint.load={root}")
+    assert t.start_step == 4
+    assert t.run().steps == 6
+    assert (root / "latest").read_text() == "step_00000006\n" and not list(root.glob("latest.tmp-*"))
+    assert [r["step"] for r in records(tmp_path) if "loss" in r] == [1, 2, 3, 4, 5, 6]
+
+
 def test_when_the_newest_later_checkpoint_is_damaged_the_fix_does_not_send_the_user_to_it(tmp_path: Path) -> None:
     """A user trial truncated the newest checkpoint, was refused loading it, went back a step, and was told to
     "resume from the newest", the damaged one. A glance (manifest, file sizes; no hashing) now names the damage
