@@ -125,6 +125,25 @@ def test_a_failing_writer_stops_the_run_with_one_line_and_commits_nothing(
     assert [r["checkpoint"] for r in records if "checkpoint" in r] == ["step_00000002"]
 
 
+def test_a_failing_synchronous_save_names_what_latest_still_names_and_how_to_resume(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A user trial filled the disk under a run with `checkpoint.async_save=false`: its one line ended "fix: nothing
+    was committed and latest is unchanged; fix the named rank's error and save again" (the save's words, which a
+    training user cannot act on), where the same failure in the background says what `latest` still names and the
+    command to resume. Both say so now."""
+    monkeypatch.setenv("MOECTL_CKPT_FAIL", "0:write:enospc@4")
+    t = _trainer(tmp_path, "train.train_iters=12", "checkpoint.save_interval=2", "checkpoint.async_save=false")
+    with pytest.raises(CheckpointError) as err:
+        t.run()
+    line = err.value.one_line()
+    assert "\n" not in line and line.startswith("save of checkpoint step 4 failed: saving checkpoint ")
+    assert "No space left on device" in line and "latest still names step_00000002" in line
+    assert f"--set checkpoint.load={tmp_path / 'checkpoints'}" in line and "save again" not in line
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_00000002"]
+    assert [r["step"] for r in _records(tmp_path) if "loss" in r] == [1, 2, 3, 4]  # stopped at the failed save
+
+
 def _records(run_dir: Path) -> list[dict[str, Any]]:
     import json
 

@@ -137,7 +137,11 @@ class RunCheckpointer:
         t1 = time.perf_counter()
         with on_host(files) as staged:  # on CUDA: one page-locked copy, where memory allows (ckpt/host_copy.py)
             copy_s = time.perf_counter() - t1
-            path = save_checkpoint(self.root, step, staged, meta, group=group, keep_last=keep_last, phases=phases)
+            try:
+                path = save_checkpoint(self.root, step, staged, meta, group=group, keep_last=keep_last,
+                                       phases=phases)  # fmt: skip
+            except CheckpointSaveError as e:
+                raise _save_failure(e, step, self.root, self.last_committed, "") from e
             del staged
         phases["prepare_s"] += copy_s
         self.last_committed = path
@@ -245,12 +249,20 @@ def _as_run_error(outcome: SaveOutcome, root: Path, committed: Path | None) -> B
     e = outcome.error
     if not isinstance(e, CheckpointSaveError):
         return e  # type: ignore[return-value]
+    return _save_failure(e, outcome.step, root, committed, "background ")
+
+
+def _save_failure(e: CheckpointSaveError, step: int, root: Path, committed: Path | None, kind: str) -> CheckpointError:
+    """A training run's one line for a save that failed (`kind`: "background " or ""): the step, the rank, what
+    `latest` still names and how to resume. The save's own fix ("save again") fits `ckpt convert`, not a training
+    run, whose user resumes; a save that did commit (only `latest` failed to move) keeps its own words."""
+    if e.committed:
+        return e
     latest = committed.name if committed is not None else _latest(root)
     still = f"latest still names {latest}" if latest else "no checkpoint of this run was committed"
     resume = f"; resume with --set checkpoint.load={root}" if latest else ""
     return CheckpointError(
-        f"background save of checkpoint step {outcome.step} failed: {e.message}; nothing of it was committed "
-        f"and {still}",
+        f"{kind}save of checkpoint step {step} failed: {e.message}; nothing of it was committed and {still}",
         f"fix that rank's error (disk space, permissions under {root}){resume}",
     )
 
