@@ -144,6 +144,41 @@ def test_a_failing_synchronous_save_names_what_latest_still_names_and_how_to_res
     assert [r["step"] for r in _records(tmp_path) if "loss" in r] == [1, 2, 3, 4]  # stopped at the failed save
 
 
+def test_a_save_that_committed_before_its_outcome_was_lost_is_the_one_to_resume_from(tmp_path: Path) -> None:
+    """Rank 0 killed after committing step 4, before broadcasting the outcome: the survivor's next save (or the
+    end of the run) collects a failed outcome (the lost peer), raises it, and then `abandon` has nothing in
+    flight to look at. The failed run's line named step 2, the previous commit; it names the disk's step 4."""
+    t = _trainer(tmp_path / "run", "train.train_iters=2")
+    t.run()
+    root = tmp_path / "ck"
+    saver = RunCheckpointer(t.cfg, t.engine, t.rt.pstate, root)
+    saver.save(2, t.probe_loss)
+    assert saver.finish() is not None and saver.last_committed == root / "step_00000002"
+    save_training_checkpoint(root, 4, t.cfg, t.engine, t.rt.pstate, t.probe_loss())  # rank 0's commit of step 4
+
+    class LostPeer:  # the writer of a save whose outcome's broadcast failed: a peer died after the commit
+        def __init__(self) -> None:
+            self.outcome: SaveOutcome | None = SaveOutcome(4, None, RuntimeError("Connection closed by peer"),
+                                                           0.0, 0.0, 0)  # fmt: skip
+
+        def wait(self) -> SaveOutcome | None:
+            outcome, self.outcome = self.outcome, None
+            return outcome
+
+        def poll(self, committed_only: bool = False) -> None:
+            return None
+
+        def close(self) -> None:
+            pass
+
+    saver._writer.close()
+    saver._writer = LostPeer()  # type: ignore[assignment]
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):
+        saver.finish()
+    saver.abandon()
+    assert saver.committed() == root / "step_00000004"
+
+
 def _records(run_dir: Path) -> list[dict[str, Any]]:
     import json
 

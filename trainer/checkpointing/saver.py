@@ -195,12 +195,17 @@ class RunCheckpointer:
         if outcome is not None and outcome.ok:
             self.last_committed = outcome.path
         elif outcome is not None:
-            try:
-                on_disk = find_latest(self.root)
-            except CheckpointError:  # a garbled `latest`: keep what this run knows it committed
-                return
-            if on_disk is not None and _step(on_disk) > (_step(self.last_committed) if self.last_committed else -1):
-                self.last_committed = on_disk
+            self._adopt_commit_on_disk()
+
+    def _adopt_commit_on_disk(self) -> None:
+        """After a failed save: take what the disk says (`find_latest`, what a resume would load) as the newest
+        committed checkpoint when it is newer than `last_committed` (see `abandon`)."""
+        try:
+            on_disk = find_latest(self.root)
+        except CheckpointError:  # a garbled `latest`: keep what this run knows it committed
+            return
+        if on_disk is not None and _step(on_disk) > (_step(self.last_committed) if self.last_committed else -1):
+            self.last_committed = on_disk
 
     def committed(self) -> Path | None:
         """The newest checkpoint this run committed, counting a background save that has committed but not
@@ -222,6 +227,11 @@ class RunCheckpointer:
         if outcome is None:
             return None
         if outcome.error is not None:
+            # The failed outcome is consumed here (the next save's wait, `finish`), so `abandon` no longer sees
+            # it: a save that committed before a peer was lost in its outcome's broadcast is adopted now. A user
+            # trial killed rank 0 just after it committed step 25; the survivor's line said "resume from
+            # step_00000024", a step a saving resume from would then be refused.
+            self._adopt_commit_on_disk()
             error = _as_run_error(outcome, self.root, self.last_committed)
             if error is outcome.error:
                 raise error
