@@ -15,6 +15,7 @@ What this launcher adds around torchrun (issue 18):
   shutdown timeout (`TORCH_ELASTIC_SHUTDOWN_TIMEOUT`, default 30 s, as Slurm's KillWait) to finish the
   step and save before it kills them; a second Ctrl-C is forwarded to every worker as a SIGINT, which aborts
   the run without saving (`_LauncherSignals`);
+- a worker stops (SIGTERM: it saves and exits 3) when the launcher is killed outright (`launcher_tie`);
 - the workers' CPU threads are chosen by the trainer's rule (trainer/threads.py) and passed as
   OMP_NUM_THREADS, unless the user set it.
 """
@@ -32,6 +33,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, Optional
 
+from moectl.cli.launcher_tie import LAUNCHER_PID_ENV
 from moectl.cli.outcome import OUTCOME_DIR_ENV, read_outcomes, read_pids, read_started
 from moectl.cli.verdict import Exit, Verdict, verdict
 from moectl.core.environment import LAUNCHED_ENV
@@ -156,6 +158,7 @@ def launch_train(nproc_per_node: int, moectl_args: list[str], cpu_threads: Optio
     with tempfile.TemporaryDirectory(prefix="moectl-outcome-") as reports:
         os.environ[OUTCOME_DIR_ENV] = reports
         os.environ[LAUNCHED_ENV] = "1"  # the workers leave this process's notices to it
+        os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # they stop if this process dies (launcher_tie.py)
         own = _LauncherSignals.supported()  # else torchrun's handler, which loses a second Ctrl-C
         args = get_args_parser().parse_args(
             [*(_LauncherSignals.ARGS if own else []), "--standalone", f"--nproc-per-node={nproc_per_node}",
@@ -177,6 +180,7 @@ def launch_train(nproc_per_node: int, moectl_args: list[str], cpu_threads: Optio
         finally:
             del os.environ[OUTCOME_DIR_ENV]
             del os.environ[LAUNCHED_ENV]
+            del os.environ[LAUNCHER_PID_ENV]
         return verdict(nproc_per_node, read_outcomes(Path(reports)), exits, launcher_signal, saves,
                        read_started(Path(reports)))
 

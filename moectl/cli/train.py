@@ -24,6 +24,7 @@ from moectl.cli import exit_codes
 from moectl.cli import outcome as O
 from moectl.cli.base import app, command, report
 from moectl.cli.console import make_console
+from moectl.cli.launcher_tie import tie_to_launcher
 from moectl.cli.options import ConfigArg, NprocOpt, RunDirOpt, SetOpt, examples
 from moectl.cli.verdict import aborted_line
 from moectl.core.config.load import load_config
@@ -174,6 +175,8 @@ def _train_here(cfg: Config, console: Console, rank: int, world: int, overwrite:
     # Entered before the model is built: a SIGTERM during start-up stops the run at its first step boundary.
     # Rank 0 says at once what a signal will do; the step in flight can take long.
     with StopSignals(announce=observer.log if rank == 0 else None, saves=saves) as stop:
+        if launched:
+            tie_to_launcher()  # a launcher killed outright stops this worker as a scheduler's SIGTERM would
         try:
             result = train(cfg, observer, stop=stop, overwrite=overwrite, state=state)
         except MoectlError as e:

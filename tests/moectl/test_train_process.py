@@ -380,3 +380,37 @@ def test_one_process_aborted_by_a_second_ctrl_c_names_its_last_checkpoint(tmp_pa
         f"{ckpts / 'step_00000001'}: resume with --set checkpoint.load={ckpts}"
     ], err
     assert (ckpts / "latest").read_text().strip() == "step_00000001" and verify_checkpoint(ckpts) == []
+
+
+def _gone(pid: int) -> bool:
+    """Whether process `pid` has ended (a zombie nobody reaps yet counts as ended)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+
+
+def test_workers_of_a_launcher_killed_outright_stop_save_and_end(tmp_path: Path) -> None:
+    """A user trial: `kill -9` of the `--nproc-per-node 2` launcher left both workers training on (their own
+    sessions: nothing reached them), holding the run_dir. Each worker is now tied to its launcher
+    (`prctl(PR_SET_PDEATHSIG)`): they stop as on a scheduler's SIGTERM, save the step they stopped at, and end."""
+    run_dir, out = tmp_path / "run", tmp_path / "out.log"
+    p = _start_logged(_train(run_dir, "train.train_iters=100000", "checkpoint.save_interval=100000"), out)
+    workers: list[int] = []
+    try:
+        _wait_for_steps(p, run_dir, 3)
+        workers = [_rank_pid(p, 0), _rank_pid(p, 1)]
+        p.kill()  # the launcher only: SIGKILL leaves it no say
+        p.communicate(timeout=30)
+        end = time.monotonic() + 120
+        while not all(_gone(w) for w in workers):
+            assert time.monotonic() < end, "the workers outlived their launcher"
+            time.sleep(0.1)
+    finally:
+        for w in workers:
+            if not _gone(w):
+                os.kill(w, signal.SIGKILL)
+    ckpts = run_dir / "checkpoints"
+    steps = [r["step"] for r in _records(run_dir) if "loss" in r]
+    assert (ckpts / "latest").read_text().strip() == f"step_{steps[-1]:08d}", steps  # saved where they stopped
+    assert verify_checkpoint(ckpts) == []
