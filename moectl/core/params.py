@@ -54,7 +54,7 @@ def count_params(model: ModelConfig, moe: MoEConfig) -> ModelParams:
     d, heads = model.hidden_size, model.num_attention_heads
     head_dim = model.head_dim  # model.kv_channels, or d / heads
     attention = (heads + 2 * model.kv_heads) * head_dim * d + heads * head_dim * d
-    moe_layers = sum(1 for i in range(model.num_layers) if model.is_moe_layer(i))
+    moe_layers = model.moe_layer_count
     dense_layers = model.num_layers - moe_layers
     rows = fc1_rows(moe.activation, moe.ffn_hidden_size)
     per_expert = rows * d + d * moe.ffn_hidden_size

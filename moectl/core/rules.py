@@ -31,7 +31,7 @@ MOE069 (hardware: `train.device=cuda` checked against a CPU), MOE070 (optimizer:
 fp32 params and autograd weight grads), MOE071 (moe: `defer_expert_wgrad` changes nothing off the fused fp32
 wgrad accumulation or with one micro-batch per step), MOE072 (train: `train.cpu_threads` at most the CPUs this
 process may use, on a CPU run), MOE073 (train: `train.seed` within the generator's 64 bits), MOE074
-(checkpoint: `checkpoint.load` is not an empty string).
+(checkpoint: `checkpoint.load` is not an empty string), MOE075 (model: sizes fit torch's 64-bit tensor sizes).
 
 Environment rules (Transformer Engine, device, CPUs) probe lazily and cheaply: TE is looked up through
 `importlib.util.find_spec` and package metadata, never imported; torch is imported only when a GPU
@@ -99,7 +99,8 @@ from typing import Any, Callable, Iterator, Literal, Mapping, Optional, Sequence
 
 from moectl.core import hardware
 from moectl.core.arith import round_up
-from moectl.core.facts import GATED_ACTIVATIONS, RECIPE_ALIGN, expert_capacity, fuses_wgrad, resolved_expert_backend
+from moectl.core.facts import (GATED_ACTIVATIONS, RECIPE_ALIGN, expert_capacity, fc1_rows, fuses_wgrad,
+                               resolved_expert_backend)
 from moectl.core.config.schema import Config, OptimizerConfig
 from moectl.core.gpu_memory import GpuMemory
 from moectl.core.overlap import overlap_policy
@@ -331,7 +332,7 @@ class Context:
             return sum(1 for f in freq[: max(m.num_layers, 0)] if f)
         if freq < 1:
             return 0
-        return len(range(0, max(m.num_layers, 0), freq))
+        return -(-max(m.num_layers, 0) // freq)  # len(range(0, n, freq)), which overflows past 2^63
 
     @property
     def dense_layers(self) -> int:
@@ -1982,6 +1983,78 @@ def seed_fits(c: Context) -> Iterator[_Hit]:
     if not lo <= seed <= hi:
         yield _Hit(f"train.seed={seed} is outside the generator's range [-2^63, 2^64 - 1]",
                    "set train.seed to a smaller integer (any value there is as good a seed)")
+
+
+#: the largest size torch takes: a tensor's dimensions and element count are signed 64-bit integers
+INT64_MAX = 2**63 - 1
+
+
+def _tensor_sizes(c: Context) -> Iterator[tuple[str, tuple[str, ...], int]]:
+    """(what, the keys behind it, its element count) for the model's largest tensors of each shape kind: the
+    parameters the run allocates at start-up and the per-micro-batch activations and logits."""
+    m, moe, mbs = c.cfg.model, c.cfg.moe, c.cfg.train.micro_batch_size
+    d, v, s, heads = m.hidden_size, m.vocab_size, m.seq_length, m.num_attention_heads
+    head_dim = m.kv_channels or d // heads
+    yield "the embedding [vocab_size, hidden_size]", ("model.vocab_size", "model.hidden_size"), v * d
+    yield ("the QKV weight [(heads + 2 x query groups) x head dim, hidden_size]",
+           ("model.num_attention_heads", "model.num_query_groups", "model.kv_channels", "model.hidden_size"),
+           (heads + 2 * m.kv_heads) * head_dim * d)  # fmt: skip
+    if c.dense_layers > 0:
+        yield "a dense fc1 [2 x ffn_hidden_size, hidden_size]", ("model.ffn_hidden_size", "model.hidden_size"), \
+            2 * m.ffn_hidden_size * d
+    if c.moe_layers > 0:
+        yield ("the experts' fc1 [num_experts, fc1 rows, hidden_size]",
+               ("moe.num_experts", "moe.ffn_hidden_size", "model.hidden_size"),
+               moe.num_experts * fc1_rows(moe.activation, moe.ffn_hidden_size) * d)
+    yield "the RoPE table [seq_length, head dim]", ("model.seq_length", "model.kv_channels", "model.hidden_size"), \
+        s * head_dim
+    yield ("a micro-batch's logits [micro_batch_size, seq_length, vocab_size]",
+           ("train.micro_batch_size", "model.seq_length", "model.vocab_size"), mbs * s * v)
+    yield ("a micro-batch's activations [micro_batch_size, seq_length, hidden_size]",
+           ("train.micro_batch_size", "model.seq_length", "model.hidden_size"), mbs * s * d)
+
+
+#: the sizes that become tensor dimensions (intervals and iteration counts are plain Python ints: any will do)
+_SHAPE_KEYS = (
+    "model.num_layers",
+    "model.hidden_size",
+    "model.num_attention_heads",
+    "model.num_query_groups",
+    "model.kv_channels",
+    "model.ffn_hidden_size",
+    "model.vocab_size",
+    "model.seq_length",
+    "moe.num_experts",
+    "moe.ffn_hidden_size",
+    "moe.glu_interleave_size",
+    "train.micro_batch_size",
+)
+
+
+@rule("MOE075", "model", "error", _SHAPE_KEYS, "model sizes fit torch's 64-bit tensor sizes")
+def sizes_fit_int64(c: Context) -> Iterator[_Hit]:
+    """torch sizes tensors with signed 64-bit integers. `model.seq_length=10**29` (written out), or
+    `model.vocab_size` or `moe.num_experts` past 2^63, passed validate-config, then `train` died with a
+    traceback ("int too big to convert", "Overflow when unpacking long long"), and `model.num_layers` past
+    2^63 crashed validate-config itself. Each size that becomes a tensor dimension must be at most 2^63 - 1;
+    then the element count of the model's largest tensors (products of those sizes: 10^10 x 10^10 for the
+    embedding overflows although both fit) must fit too. Intervals and iteration counts are not tensor sizes,
+    and any of them will do. A size that fits but not in memory is a failure of the run (out of memory), not
+    this rule's: `--gpu-memory` checks the estimate against a GPU (MOE056). Sizes below 1 are MOE041's."""
+    big = False
+    for key in _SHAPE_KEYS:
+        value = c.value(key)
+        if value is not None and value > INT64_MAX:
+            big = True
+            yield _Hit(f"{key}={value} is past 2^63 - 1, the largest size torch takes",
+                       f"set {key} to a realistic size (at most {INT64_MAX})", keys=(key,))
+    if big or any(v is not None and v < 1 for v in map(c.value, _SHAPE_KEYS)):
+        return  # the products of an oversized or non-positive size say nothing more
+    for what, keys, numel in _tensor_sizes(c):
+        if numel > INT64_MAX:
+            yield _Hit(f"{what} would hold {numel:.3g} elements, past 2^63 - 1, the most a torch tensor holds",
+                       f"make {' or '.join(k for k in keys if c.value(k) is not None)} smaller",
+                       keys=tuple(k for k in keys if c.value(k) is not None))
 
 
 @rule("MOE074", "checkpoint", "error", ["checkpoint.load"], "checkpoint.load names a checkpoint")

@@ -198,6 +198,9 @@ def summarize(cfg: Config, world_size: int) -> RunSummary:
     m = cfg.model
     if min(m.num_layers, m.hidden_size, m.num_attention_heads, m.vocab_size, cfg.moe.num_experts) < 1:
         raise ValueError("model sizes must be positive")
+    if max(m.num_layers, m.hidden_size, m.vocab_size, m.seq_length, cfg.moe.num_experts, cfg.moe.ffn_hidden_size,
+           cfg.train.micro_batch_size) > 2**63 - 1:  # MOE075 refuses it; floats of the counts would overflow
+        raise ValueError("model sizes must fit 64 bits")
     if isinstance(m.moe_layer_freq, list) and len(m.moe_layer_freq) != m.num_layers:
         raise ValueError("moe_layer_freq does not fit num_layers")
     if not isinstance(m.moe_layer_freq, list) and m.moe_layer_freq < 1:

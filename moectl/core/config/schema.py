@@ -56,6 +56,14 @@ class ModelConfig:
         """Attention head dim (C), resolving `kv_channels: null` to hidden_size // num_attention_heads."""
         return self.kv_channels or self.hidden_size // self.num_attention_heads
 
+    @property
+    def moe_layer_count(self) -> int:
+        """How many layers have an MoE FFN, counted without a loop over the layers (a config's num_layers may
+        be huge: validate-config must answer at once, and MOE075 refuses what torch cannot build)."""
+        if isinstance(self.moe_layer_freq, list):
+            return sum(1 for f in self.moe_layer_freq[: self.num_layers] if f)
+        return -(-self.num_layers // self.moe_layer_freq)  # every moe_layer_freq-th layer from layer 0
+
     def is_moe_layer(self, layer: int) -> bool:
         """Whether decoder layer `layer` (0-based) has an MoE FFN."""
         if isinstance(self.moe_layer_freq, list):

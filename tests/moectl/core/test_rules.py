@@ -152,6 +152,13 @@ CASES = [
     Case("MOE073", ["train.seed=18446744073709551616"], ["train.seed=18446744073709551615"]),
     Case("MOE073", ["train.seed=-9223372036854775809"], ["train.seed=-9223372036854775808"], name="negative"),
     Case("MOE074", ["checkpoint.load=''"], ["checkpoint.load=null"]),
+    # 2^63 itself; below it the logits [4, seq, 256] still fit up to seq = 2^63 / 1024 - 1
+    Case("MOE075", ["model.seq_length=9223372036854775808"], ["model.seq_length=9007199254740991"]),
+    Case("MOE075", ["model.seq_length=9007199254740992"], ["model.seq_length=9007199254740991"], name="logits"),
+    # the experts' fc1 [E, 2 x 64, 64]: 8192 E elements
+    Case("MOE075", ["moe.num_experts=1125899906842624"], ["moe.num_experts=1125899906842623"], name="experts"),
+    Case("MOE075", ["model.vocab_size=10000000000", "model.hidden_size=1000000000"],
+         ["model.vocab_size=1000000000", "model.hidden_size=1000000000"], name="embedding-product"),
     Case("MOE072", ["train.cpu_threads=5"], ["train.cpu_threads=4"], severity="warning"),
     Case("MOE072", ["train.cpu_threads=5", "train.device=cpu"], ["train.cpu_threads=4", "train.device=cpu"],
          name="cpu", severity="warning"),
@@ -981,6 +988,21 @@ def test_no_rule_crashes_on_zero_sizes() -> None:
     found = run(zeros, world=1)
     reported = {next(iter(v.keys)) for v in hits(found, "MOE041")}
     assert reported == set(rules._COUNTS)
+
+
+def test_no_rule_crashes_or_hangs_on_sizes_past_64_bits() -> None:
+    """`model.num_layers=99999999999999999999` crashed validate-config (OverflowError in `len(range(...))`),
+    and 10^8 layers took 39 s to count; the sizes torch cannot take are MOE075's to report, one each."""
+    huge = [f"{k}={2**64}" for k in rules._SHAPE_KEYS]
+    found = run(huge, world=1)
+    assert {next(iter(v.keys)) for v in hits(found, "MOE075")} == set(rules._SHAPE_KEYS)
+    assert hits(run([f"model.num_layers={10**8}"], world=1), "MOE075") == []
+
+
+def test_intervals_past_64_bits_are_not_tensor_sizes() -> None:
+    """A huge interval or iteration count trains (a plain Python int): MOE075 leaves it alone."""
+    sets = [f"{k}={2**64}" for k in ("train.log_interval", "train.eval_interval", "checkpoint.save_interval")]
+    assert hits(run(sets, world=1), "MOE075") == []
 
 
 @pytest.mark.parametrize("experts", [0, -4])
