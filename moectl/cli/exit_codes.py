@@ -1,7 +1,8 @@
 """How `moectl train` ends, as the exit code a scheduler or a script reads (README, docs/interface.md).
 
     0    finished: every step ran
-    1    failed: a rank crashed, was killed or hung, a collective timed out, a non-finite loss, a bad checkpoint
+    1    failed: a rank crashed, was killed or hung, a collective timed out, a non-finite loss, a bad checkpoint,
+         out of memory (a valid config too big for this machine)
     2    bad usage or config (a data source that cannot be read at start-up included): nothing was trained
     3    stopped by a signal (SIGTERM, SIGINT) after saving a checkpoint: resume with checkpoint.load
     128+N  stopped by signal N (143 SIGTERM, 130 SIGINT) with nothing saved (no checkpoint.save_interval):

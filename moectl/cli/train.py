@@ -146,6 +146,23 @@ def _start_marking_state(rank: int) -> Any:
     return StartMarking()
 
 
+def _out_of_memory(e: BaseException, cfg: Config, step: int | None, rank: int, world: int, launched: bool,
+                   report_to_launcher: Any) -> int:
+    """Report an allocation failure of the run (CUDA's or the CPU allocator's) as one line naming where it
+    happened and what to shrink; return exit code 1 (a failure: the config itself is valid)."""
+    from moectl.bench.oom import oom_message
+
+    where = "while building the model" if step is None else f"at step {step}"
+    line = (f"{oom_message(e)} ({where}). fix: make train.micro_batch_size or the model smaller, or run on more "
+            f"memory; moectl validate-config CONFIG --gpu-memory GIB estimates what a rank holds")
+    report_to_launcher(O.ERROR, exit_codes.FAILED, line)
+    if os.environ.get("MOECTL_DEBUG") == "1":
+        traceback.print_exc()
+    if not launched:  # the launcher prints one line for the whole run
+        typer.secho(f"error: {f'rank {rank}: ' if world > 1 else ''}{line}", err=True, fg="red")
+    return exit_codes.FAILED
+
+
 def _train_here(cfg: Config, console: Console, rank: int, world: int, overwrite: bool) -> int:
     """Train on this process and return its exit code, reporting to a launcher when one asked.
 
@@ -203,7 +220,12 @@ def _train_here(cfg: Config, console: Console, rank: int, world: int, overwrite:
             # Ended here, as a multi-rank worker always ends: a background save still in flight must not go on
             # to commit while the interpreter finalizes, after this line named the checkpoint before it.
             exit_codes.end_process(code)
-        except Exception as e:  # a bug: keep its traceback (moectl/core/errors.py), tell the launcher in one line
+        except Exception as e:
+            from moectl.bench.oom import is_oom  # here, not at the top: torch is loaded by now, not by `moectl -h`
+
+            if is_oom(e):  # a config too big for this machine, not a bug: one line, as for any failure
+                return _out_of_memory(e, cfg, state.step, rank, world, launched, report_to_launcher)
+            # a bug: keep its traceback (moectl/core/errors.py), tell the launcher in one line
             report_to_launcher(O.CRASH, exit_codes.FAILED, f"{type(e).__name__}: {' '.join(str(e).split())[:300]}")
             traceback.print_exc()
             return exit_codes.FAILED

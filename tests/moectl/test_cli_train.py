@@ -210,3 +210,27 @@ def test_data_that_cannot_be_read_at_start_up_is_bad_usage_exit_2(tmp_path):
         res = runner.invoke(app, ["train", "configs/tiny.yaml", *SMALL, "--run-dir", str(tmp_path / "r"),
                                   "--set", "data.source=megatron", "--set", f"data.path={path}"])  # fmt: skip
         assert res.exit_code == 2 and words in _one_error_line(res), res.output
+
+
+def test_a_model_too_big_for_memory_is_one_line_exit_1(tmp_path):
+    """A 10^12-token RoPE table (4 TB) died with the CPU allocator's traceback; out of memory is a failure
+    of the run (exit 1), said in one line naming where it happened and what to shrink."""
+    res = runner.invoke(app, ["train", "configs/tiny.yaml", *SMALL, "--run-dir", str(tmp_path / "r"),
+                              "--set", "model.seq_length=1000000000000"])  # fmt: skip
+    line = _one_error_line(res)
+    assert res.exit_code == 1, res.output
+    assert "out of memory: DefaultCPUAllocator" in line and "while building the model" in line
+    assert "fix: make train.micro_batch_size or the model smaller" in line
+
+
+def test_out_of_memory_during_a_step_names_the_step(tmp_path, monkeypatch):
+    import trainer.loop
+
+    def train(cfg, observer, *, state, **kw):
+        state.step = 3
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
+                           "memory: you tried to allocate 99 bytes.")
+
+    monkeypatch.setattr(trainer.loop, "train", train)
+    res = runner.invoke(app, ["train", "configs/tiny.yaml", *SMALL, "--run-dir", str(tmp_path / "r")])
+    assert res.exit_code == 1 and "(at step 3)" in _one_error_line(res), res.output
