@@ -26,7 +26,6 @@ tools (inspect, convert) and the raw reads run on rank 0 while the others wait.
 from __future__ import annotations
 
 import gc
-import json
 import os
 import shutil
 import time
@@ -454,8 +453,3 @@ def host_meta(folder: Path) -> dict[str, Any]:
     except (OSError, ValueError, IndexError):
         pass
     return out
-
-
-def write_json(result: CkptBenchResult, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result.to_json(), indent=2) + "\n")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -13,6 +12,7 @@ from rich.table import Table
 from moectl.cli.base import app, command, new_app
 from moectl.cli.console import make_console
 from moectl.cli.options import JsonPathOpt, examples
+from moectl.cli.output import write_json_file
 from moectl.core.errors import UsageError
 from moectl.core.summary import human_count
 
@@ -313,7 +313,7 @@ def render_optimizer_step(result: Any, console: Console) -> None:
 def write_json(result: Any, json_path: Optional[Path], console: Console) -> None:
     """Write a bench's result as JSON to `--json PATH` (its folder made by the option) and say so."""
     if json_path is not None:
-        json_path.write_text(json.dumps(result.to_json(), indent=2) + "\n")
+        write_json_file(json_path, result.to_json())
         console.print(f"wrote {json_path}")
 
 

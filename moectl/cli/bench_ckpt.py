@@ -16,6 +16,7 @@ from rich.table import Table
 from moectl.cli.base import command
 from moectl.cli.bench import bench_app
 from moectl.cli.options import ConfigArg, JsonPathOpt, NprocOpt, SetOpt, examples
+from moectl.cli.output import write_json_file
 
 _HELP = (
     "Checkpoint speed at the config's model size: builds the model and optimizer (one training step), saves it "
@@ -120,5 +121,5 @@ def ckpt(
     if rank0:
         render(result, console)
         if json_path is not None:
-            cb.write_json(result, json_path)
+            write_json_file(json_path, result.to_json())
             console.print(f"wrote {json_path}")

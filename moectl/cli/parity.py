@@ -12,7 +12,6 @@ environment, so a difference is exit 1 here without torchrun reporting a failed 
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 from pathlib import Path
@@ -25,6 +24,7 @@ from rich.table import Table
 from moectl.cli.base import app, command
 from moectl.cli.console import make_console
 from moectl.cli.options import ConfigArg, JsonPathOpt, SetOpt, examples
+from moectl.cli.output import write_json_file
 from moectl.cli.train import NprocOpt, refuse_on_rule_errors
 from moectl.core.errors import UsageError
 
@@ -105,7 +105,7 @@ def parity_command(
     else:
         console.print(f"[red]different[/] ({report.mode}): first at {first.describe()}")
     if json_path is not None and rank0:
-        json_path.write_text(json.dumps({"config": str(config), **report.to_json()}, indent=1) + "\n")
+        write_json_file(json_path, {"config": str(config), **report.to_json()}, indent=1)
     code = 0 if report.equal else 1
     verdict = os.environ.get(VERDICT_ENV)
     if verdict and rank0:  # a child of --nproc-per-node: the parent exits with the verdict

@@ -1,0 +1,56 @@
+"""Writing a command's `--json PATH` file: whole or not at all, and one error line when it cannot be written.
+
+The option (`moectl.cli.options.JsonPathOpt`) checks the path and makes its folder before the command runs;
+what can still fail is the write itself, after minutes of work: a full disk (`--json /dev/full` stands for
+it), a quota, an I/O error. A plain `write_text` then died with a traceback and left a truncated file that a
+script would read as the result. Here the text goes to a temporary file in the same folder first and is
+renamed over PATH only once complete, so PATH is either the old file, absent, or the whole new one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+from moectl.core.errors import MoectlError
+
+
+class OutputError(MoectlError):
+    """An output file that could not be written after the work ran (exit 1: a failure, not bad usage)."""
+
+
+def write_json_file(path: Path, payload: Any, indent: int = 2) -> None:
+    """Write `payload` as JSON to `path`, atomically for a regular file; raise `OutputError` naming the path and
+    the reason if it cannot be written (no partial file is left behind)."""
+    text = json.dumps(payload, indent=indent) + "\n"
+    try:
+        if _special(path):  # /dev/stdout, a FIFO: written in place (a rename would replace the device node)
+            with open(path, "w") as f:
+                f.write(text)
+            return
+        # not mkstemp: its 0600 would outlive the rename; 0666 less the umask is what write_text gave
+        tmp = path.parent / f".{path.name}.{os.getpid()}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:  # a failed write, or Ctrl-C in the middle: nothing half-written stays
+            tmp.unlink(missing_ok=True)
+            raise
+    except OSError as e:
+        raise OutputError(f"cannot write --json {path}: {e.strerror or e}",
+                          "free space there or give another path; the results above are complete") from None
+
+
+def _special(path: Path) -> bool:
+    """Whether `path` exists and is not a regular file (a character device, a FIFO, a socket)."""
+    try:
+        return not stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return False

@@ -1,0 +1,60 @@
+"""`--json PATH` files: written whole or not at all; a failed write is one error line (moectl/cli/output.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from moectl.cli import output
+from moectl.cli.app import app
+from moectl.cli.output import OutputError, write_json_file
+
+
+def test_the_file_is_written_whole_with_the_usual_mode(tmp_path: Path) -> None:
+    path = tmp_path / "r.json"
+    path.write_text("old")
+    write_json_file(path, {"a": [1, 2]})
+    assert json.loads(path.read_text()) == {"a": [1, 2]}
+    umask = os.umask(0)
+    os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask
+    assert [p.name for p in tmp_path.iterdir()] == ["r.json"]  # no temporary file left
+
+
+def test_a_full_disk_is_one_error_and_leaves_no_partial_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`bench train --json /dev/full` ended in a traceback (OSError: No space left on device); on a real full
+    disk `write_text` also left a truncated file a script would read as the result."""
+    path = tmp_path / "r.json"
+    path.write_text('{"old": true}\n')
+
+    def full(fd: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(output.os, "fsync", full)
+    with pytest.raises(OutputError) as e:
+        write_json_file(path, {"new": True})
+    assert e.value.exit_code == 1
+    assert e.value.one_line().startswith(f"cannot write --json {path}: No space left on device. fix: ")
+    assert path.read_text() == '{"old": true}\n'  # the previous file stands; nothing half-written
+    assert [p.name for p in tmp_path.iterdir()] == ["r.json"]
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_a_device_is_written_in_place_not_replaced() -> None:
+    with pytest.raises(OutputError, match="No space left on device"):
+        write_json_file(Path("/dev/full"), {"a": 1})
+    assert Path("/dev/full").is_char_device()
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_bench_json_to_a_full_device_is_one_line_exit_1() -> None:
+    res = CliRunner().invoke(app, ["bench", "grouped-mlp", "--quick", "--no-fp8", "--json", "/dev/full"])
+    assert res.exit_code == 1, res.output
+    errors = [line for line in res.output.splitlines() if line.startswith("error:")]
+    assert errors == ["error: cannot write --json /dev/full: No space left on device. fix: free space there or "
+                      "give another path; the results above are complete"], res.output
+    assert "Traceback" not in res.output
