@@ -22,6 +22,7 @@ and the bench needs no engine API of its own.
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 
 
@@ -64,5 +65,8 @@ def pick(names: list[str] | None) -> list[Column]:
         return [c for c in COLUMNS.values() if c.default]
     unknown = [n for n in names if n not in COLUMNS]
     if unknown:
-        raise ValueError(f"unknown column(s) {unknown}; choose from {list(COLUMNS)}")
+        # a typo gets its column named, as a mistyped command or config key gets its did-you-mean
+        close = [m[0] for n in unknown if (m := difflib.get_close_matches(n, list(COLUMNS), n=1, cutoff=0.6))]
+        hint = f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""
+        raise ValueError(f"unknown column(s) {unknown}{hint}; choose from {list(COLUMNS)}")
     return [c for c in COLUMNS.values() if c.name in names]

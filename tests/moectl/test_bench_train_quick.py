@@ -71,6 +71,8 @@ def test_column_config_layers_and_bad_column():
         pick(["ours", "fastest"])
     result = CliRunner().invoke(app, ["bench", "train", str(TINY), "--quick", "--column", "fastest"])
     assert result.exit_code == 2 and "unknown column" in result.output and "Traceback" not in result.output
+    with pytest.raises(ValueError, match=r"unknown column\(s\) \['ourss'\] \(did you mean 'ours'\?\)"):
+        pick(["ourss"])
 
 
 def test_a_column_that_runs_out_of_memory_is_a_row_not_a_traceback(monkeypatch):
