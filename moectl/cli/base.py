@@ -147,9 +147,15 @@ def command(target: typer.Typer = app, name: str | None = None, stoppable: bool 
                 with _signals_raise():
                     return fn(*args, **kw)
             except (KeyboardInterrupt, Stopped) as e:
-                if not stoppable:
-                    raise
                 signum = e.signum if isinstance(e, Stopped) else signal.SIGINT
+                if not stoppable:
+                    # Typer ends a Ctrl-C with a silent 130 (a launcher's `Stopped`: see launch_local): say which
+                    # command stopped, once per command (not from every worker of a launched bench), and keep
+                    # the shell's code for that signal
+                    if says_it_once(os.environ):
+                        typer.secho(f"error: stopped by {signal.Signals(signum).name} before `{_name(target, fn, name)}`"
+                                    " finished. fix: run it again", err=True, fg="red")  # fmt: skip
+                    raise typer.Exit(exit_codes.stopped_unsaved(signum)) from None
                 what = f"{signal.Signals(signum).name} before `{_name(target, fn, name)}` finished"
                 typer.secho(f"error: stopped by {what}; an unfinished output is removed. fix: run it again (a "
                             "destination that exists now was complete)", err=True, fg="red")  # fmt: skip

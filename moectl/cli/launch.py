@@ -65,8 +65,11 @@ def launch_local(nproc_per_node: int, moectl_args: list[str]) -> int:
 
     For commands whose workers do not report (the benches): torchrun's own output is left as it is.
     """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
+
+    from moectl.cli.base import Stopped
 
     args = get_args_parser().parse_args(
         ["--standalone", f"--nproc-per-node={nproc_per_node}", "--module", "moectl", *moectl_args]
@@ -76,6 +79,10 @@ def launch_local(nproc_per_node: int, moectl_args: list[str]) -> int:
         run(args)
     except ChildFailedError:  # torchrun already printed each failed rank's error
         return 1
+    except SignalException as e:  # Ctrl-C or SIGTERM: torchrun stopped the workers; the command says it in one line
+        if e.sigval == signal.SIGINT:
+            raise KeyboardInterrupt from None
+        raise Stopped(e.sigval) from None
     finally:
         del os.environ[LAUNCHED_ENV]
     return 0
@@ -149,8 +156,11 @@ def launch_train(nproc_per_node: int, moectl_args: list[str], cpu_threads: Optio
     whether the run saves checkpoints (the verdict's fix for a run that ended with none).
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
+
+    from moectl.cli.base import Stopped
 
     if cpu_threads is not None and "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = str(cpu_threads)  # also keeps torchrun from printing its own advice

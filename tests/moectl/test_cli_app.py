@@ -99,3 +99,41 @@ def test_a_stopped_convert_is_one_line_with_the_signals_code(monkeypatch, tmp_pa
     assert r.exit_code == code, r.output
     assert r.output.strip() == (f"error: stopped by {name} before `moectl ckpt convert` finished; an unfinished "
                                 "output is removed. fix: run it again (a destination that exists now was complete)")
+
+
+def test_ctrl_c_in_any_other_command_is_one_line_and_130(monkeypatch) -> None:
+    """Ctrl-C in a bench (or validate-config, parity...) ended with Typer's silent 130: no word of what stopped."""
+    from typer.testing import CliRunner
+
+    import moectl.cli.validate
+    from moectl.cli.app import app
+
+    def interrupted(*a, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(moectl.cli.validate, "check", interrupted)
+    monkeypatch.delenv("MOECTL_LAUNCHED", raising=False)
+    r = CliRunner().invoke(app, ["validate-config", "configs/tiny.yaml"])
+    assert r.exit_code == 130, r.output
+    assert r.output.strip() == "error: stopped by SIGINT before `moectl validate-config` finished. fix: run it again"
+
+
+@pytest.mark.parametrize("signum, code", [(2, 130), (15, 143)])
+def test_a_launched_bench_stopped_by_a_signal_is_one_line_not_torchruns_traceback(monkeypatch, signum, code) -> None:
+    """`bench train --nproc-per-node 2` and Ctrl-C: torchrun's SignalException ended the command with its
+    traceback and exit 1."""
+    import torch.distributed.run
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from typer.testing import CliRunner
+
+    from moectl.cli.app import app
+
+    def stopped(args):
+        raise SignalException(f"Process 1 got signal: {signum}", sigval=signum)
+
+    monkeypatch.setattr(torch.distributed.run, "run", stopped)
+    monkeypatch.delenv("MOECTL_LAUNCHED", raising=False)
+    r = CliRunner().invoke(app, ["bench", "train", "configs/tiny.yaml", "--quick", "--nproc-per-node", "2"])
+    name = "SIGINT" if signum == 2 else "SIGTERM"
+    assert r.exit_code == code, r.output
+    assert r.output.strip() == f"error: stopped by {name} before `moectl bench train` finished. fix: run it again"
