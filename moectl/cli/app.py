@@ -6,7 +6,9 @@ import sys
 
 import typer
 
+from moectl.cli import exit_codes
 from moectl.cli.base import app
+from moectl.cli.console import stdout_to_devnull
 from moectl.cli import validate  # noqa: F401
 from moectl.cli import bench  # noqa: F401
 from moectl.cli import bench_train  # noqa: F401
@@ -39,6 +41,14 @@ def main() -> None:
     except typer.Abort:  # Ctrl-C while click itself waited (a prompt)
         typer.secho("error: aborted", err=True, fg="red")
         sys.exit(130)
+    except SystemExit as e:
+        # Help into a closed pipe (`moectl --help | head -1`): Rich's console (which has sent stdout to /dev/null
+        # already) and Typer end it with 1 while handling the BrokenPipeError, outside any command's console;
+        # 141 as for every command's own output (exit_codes.py)
+        if e.code == 1 and isinstance(e.__context__, BrokenPipeError):
+            stdout_to_devnull()
+            sys.exit(exit_codes.reader_gone())
+        raise
     sys.exit(code if isinstance(code, int) else 0)
 
 

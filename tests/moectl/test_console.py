@@ -97,3 +97,17 @@ def test_a_plain_echo_into_a_closed_pipe_exits_141_and_another_broken_pipe_is_an
     result = CliRunner().invoke(app, ["ckpt", "inspect", str(tmp_path)])
     assert isinstance(result.exception, RuntimeError) and "a pipe broke" in str(result.exception)
     assert isinstance(result.exception.__cause__, BrokenPipeError) and result.exit_code != 141
+
+
+@pytest.mark.parametrize("args", [["--help"], ["bench", "train", "--help"]])
+def test_help_into_a_closed_pipe_exits_141_not_1(args: list[str]) -> None:
+    """`moectl --help | head -1` exited 1: Typer renders help through its own Rich console, whose broken-pipe
+    exit is 1, outside every command's console."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        r = subprocess.run([sys.executable, "-m", "moectl", *args], stdout=write_end, stderr=subprocess.PIPE, cwd=REPO,
+                           timeout=120)  # fmt: skip
+    finally:
+        os.close(write_end)
+    assert r.returncode == 141 and r.stderr == b"", r.stderr
