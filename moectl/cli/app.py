@@ -8,7 +8,7 @@ import typer
 
 from moectl.cli import exit_codes
 from moectl.cli.base import app
-from moectl.cli.console import stdout_to_devnull
+from moectl.cli.console import say, stdout_to_devnull
 from moectl.cli import validate  # noqa: F401
 from moectl.cli import bench  # noqa: F401
 from moectl.cli import bench_train  # noqa: F401
@@ -33,13 +33,13 @@ def main() -> None:
         where = e.ctx.command_path if e.ctx is not None else "moectl"
         message = " ".join(e.format_message().split())
         stop = "" if message.endswith((".", "?", "!")) else "."
-        typer.secho(f"error: {message}{stop} fix: see {where} -h", err=True, fg="red")
+        say(f"error: {message}{stop} fix: see {where} -h", "red")
         sys.exit(e.exit_code)
     except click_error as e:  # e.g. a file option that cannot be opened
-        typer.secho(f"error: {' '.join(e.format_message().split())}", err=True, fg="red")
+        say(f"error: {' '.join(e.format_message().split())}", "red")
         sys.exit(e.exit_code)
     except typer.Abort:  # Ctrl-C while click itself waited (a prompt)
-        typer.secho("error: aborted", err=True, fg="red")
+        say("error: aborted", "red")
         sys.exit(130)
     except SystemExit as e:
         # Help into a closed pipe (`moectl --help | head -1`): Rich's console (which has sent stdout to /dev/null

@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator, TypeVar
 import typer
 
 from moectl.cli import exit_codes
-from moectl.cli.console import stdout_reader_gone, stdout_to_devnull
+from moectl.cli.console import say, stdout_reader_gone, stdout_to_devnull
 from moectl.core.environment import says_it_once, unknown_variables
 from moectl.core.errors import MoectlError
 
@@ -70,7 +70,7 @@ def report(e: MoectlError, prefix: str = "") -> None:
     """Print a user error as one line on stderr (`prefix`: e.g. `rank 1: ` in a multi-rank run); a config with
     several bad keys gets one line for each."""
     for line in e.lines():
-        typer.secho(f"error: {prefix}{line}", err=True, fg="red")
+        say(f"error: {prefix}{line}", "red")
 
 
 def warn_unknown_variables() -> None:
@@ -79,7 +79,7 @@ def warn_unknown_variables() -> None:
     if not says_it_once(os.environ):
         return
     for line in unknown_variables(os.environ):
-        typer.secho(f"warning: {line}", err=True, fg="yellow")
+        say(f"warning: {line}", "yellow")
 
 
 class Stopped(BaseException):
@@ -153,12 +153,12 @@ def command(target: typer.Typer = app, name: str | None = None, stoppable: bool 
                     # command stopped, once per command (not from every worker of a launched bench), and keep
                     # the shell's code for that signal
                     if says_it_once(os.environ):
-                        typer.secho(f"error: stopped by {signal.Signals(signum).name} before `{_name(target, fn, name)}`"
-                                    " finished. fix: run it again", err=True, fg="red")  # fmt: skip
+                        say(f"error: stopped by {signal.Signals(signum).name} before `{_name(target, fn, name)}`"
+                            " finished. fix: run it again", "red")  # fmt: skip
                     raise typer.Exit(exit_codes.stopped_unsaved(signum)) from None
                 what = f"{signal.Signals(signum).name} before `{_name(target, fn, name)}` finished"
-                typer.secho(f"error: stopped by {what}; an unfinished output is removed. fix: run it again (a "
-                            "destination that exists now was complete)", err=True, fg="red")  # fmt: skip
+                say(f"error: stopped by {what}; an unfinished output is removed. fix: run it again (a "
+                    "destination that exists now was complete)", "red")  # fmt: skip
                 raise typer.Exit(exit_codes.stopped_unsaved(signum)) from None
             except MoectlError as e:
                 if os.environ.get("MOECTL_DEBUG") == "1":  # the traceback on top: the line and exit code stay

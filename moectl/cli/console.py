@@ -12,6 +12,7 @@ import os
 import select
 import sys
 
+import typer
 from rich.console import Console
 
 from moectl.cli import exit_codes
@@ -38,6 +39,12 @@ def stdout_to_devnull() -> None:
         os.close(devnull)
     except (OSError, ValueError, AttributeError):
         pass
+
+
+def say(line: str, color: str) -> None:
+    """Print one `error:` or `warning:` line on stderr, in `color` on a terminal; plain under `NO_COLOR` (set and
+    not empty, as no-color.org has it), which Rich honours for the tables but click's `secho` does not."""
+    typer.secho(line, err=True, fg=None if os.environ.get("NO_COLOR") else color)
 
 
 class CommandConsole(Console):

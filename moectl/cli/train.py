@@ -23,7 +23,7 @@ from rich.console import Console
 from moectl.cli import exit_codes
 from moectl.cli import outcome as O
 from moectl.cli.base import app, command, report
-from moectl.cli.console import make_console
+from moectl.cli.console import make_console, say
 from moectl.cli.launcher_tie import tie_to_launcher
 from moectl.cli.options import ConfigArg, NprocOpt, RunDirOpt, SetOpt, examples
 from moectl.cli.verdict import aborted_line
@@ -125,7 +125,7 @@ def train_command(
         result = launch_train(nproc_per_node, reexec_args(), _launcher_threads(cfg),
                               saves=cfg.checkpoint.save_interval is not None)
         if result.line:
-            typer.secho(f"error: {result.line}", err=True, fg="red")
+            say(f"error: {result.line}", "red")
         raise typer.Exit(result.code)
     code = _train_here(cfg, console, rank, world, overwrite)
     if world > 1:
@@ -159,7 +159,7 @@ def _out_of_memory(e: BaseException, cfg: Config, step: int | None, rank: int, w
     if os.environ.get("MOECTL_DEBUG") == "1":
         traceback.print_exc()
     if not launched:  # the launcher prints one line for the whole run
-        typer.secho(f"error: {f'rank {rank}: ' if world > 1 else ''}{line}", err=True, fg="red")
+        say(f"error: {f'rank {rank}: ' if world > 1 else ''}{line}", "red")
     return exit_codes.FAILED
 
 
@@ -216,7 +216,7 @@ def _train_here(cfg: Config, console: Console, rank: int, world: int, overwrite:
             report_to_launcher(O.ABORTED, code, signal_name="SIGINT")
             if not launched:  # the launcher prints one line for the whole run
                 where = f"rank {rank}: " if world > 1 else ""
-                typer.secho(f"error: {where}{aborted_line(state.step, ckpt, saves)}", err=True, fg="red")
+                say(f"error: {where}{aborted_line(state.step, ckpt, saves)}", "red")
             # Ended here, as a multi-rank worker always ends: a background save still in flight must not go on
             # to commit while the interpreter finalizes, after this line named the checkpoint before it.
             exit_codes.end_process(code)

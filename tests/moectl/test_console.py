@@ -111,3 +111,22 @@ def test_help_into_a_closed_pipe_exits_141_not_1(args: list[str]) -> None:
     finally:
         os.close(write_end)
     assert r.returncode == 141 and r.stderr == b"", r.stderr
+
+
+
+@pytest.mark.parametrize("no_color, red", [("1", False), ("", True)])
+def test_error_lines_are_plain_under_no_color(no_color: str, red: bool) -> None:
+    """`NO_COLOR=1 moectl train` on a terminal still printed its `error:` line in red (click's secho ignores
+    NO_COLOR; Rich's tables honour it). An empty NO_COLOR means unset (no-color.org)."""
+    import pty
+
+    leader, follower = pty.openpty()  # a terminal: off one, click strips the colour anyway
+    try:
+        r = subprocess.run([sys.executable, "-m", "moectl", "train"], stdout=follower, stderr=follower, cwd=REPO,
+                           env={**os.environ, "NO_COLOR": no_color}, timeout=120)  # fmt: skip
+        out = os.read(leader, 65536)
+    finally:
+        os.close(leader)
+        os.close(follower)
+    assert r.returncode == 2 and b"error: Missing argument 'config'" in out, out
+    assert (b"\x1b[31m" in out) is red, out
