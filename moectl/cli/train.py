@@ -133,6 +133,17 @@ def train_command(
     raise typer.Exit(code)
 
 
+def _metrics_where(cfg: Config) -> str:
+    """Where the run's metrics went, for its last line: only the files it wrote (`logging.jsonl: false` writes
+    no metrics.jsonl, and the line named it all the same)."""
+    run_dir = Path(cfg.run_dir)
+    files = ((run_dir / "metrics.jsonl", cfg.logging.jsonl), (run_dir / "tb", cfg.logging.tensorboard))
+    where = [str(path) for path, on in files if on]
+    if not where:
+        return "no metrics file (logging.jsonl and logging.tensorboard are off)"
+    return f"metrics in {' and '.join(where)}"
+
+
 def _start_marking_state(rank: int) -> Any:
     """A `RunState` that tells the launcher when its first step begins (`outcome.mark_started`)."""
     from trainer.run_state import RunState
@@ -245,7 +256,6 @@ def _train_here(cfg: Config, console: Console, rank: int, world: int, overwrite:
         ev = f", eval loss {result.eval_losses[-1][1]:.4f}" if result.eval_losses else ""
         color = "green" if code in (exit_codes.FINISHED, exit_codes.STOPPED_SAVED) else "yellow"
         steps = f"{result.steps} step" + ("" if result.steps == 1 else "s")
-        console.print(f"[{color}]{how}[/]: {steps}{last}{ev}; metrics in "
-                      f"{Path(cfg.run_dir) / 'metrics.jsonl'}")  # fmt: skip
+        console.print(f"[{color}]{how}[/]: {steps}{last}{ev}; {_metrics_where(cfg)}")
     sys.stdout.flush()
     return code

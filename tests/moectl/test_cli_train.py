@@ -234,3 +234,13 @@ def test_out_of_memory_during_a_step_names_the_step(tmp_path, monkeypatch):
     monkeypatch.setattr(trainer.loop, "train", train)
     res = runner.invoke(app, ["train", "configs/tiny.yaml", *SMALL, "--run-dir", str(tmp_path / "r")])
     assert res.exit_code == 1 and "(at step 3)" in _one_error_line(res), res.output
+
+
+def test_the_last_line_names_only_the_metrics_files_written(tmp_path):
+    """`logging.jsonl: false` ended with "metrics in RUN_DIR/metrics.jsonl", a file that was never written."""
+    res = runner.invoke(app, ["train", "configs/tiny.yaml", *SMALL, "--run-dir", str(tmp_path / "r"),
+                              "--set", "logging.jsonl=false"])  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert not (tmp_path / "r" / "metrics.jsonl").exists()
+    assert "metrics.jsonl" not in res.output
+    assert "no metrics file (logging.jsonl and logging.tensorboard are off)" in res.output
