@@ -74,10 +74,16 @@ def _keys_text(keys: dict[str, Any]) -> str:
     return "\n".join(f"{k}={fmt(v)}" for k, v in keys.items())
 
 
+#: the narrowest console that gets the violations as a table; a narrower one gets a line each
+NARROW_TABLE = 80
+
+
 def print_violations(violations: Sequence[Violation], console: Console, lines: bool = False) -> None:
     """The violations as a Rich table: rule, severity, keys=values, reason, fix (also used by `train`). `lines`:
     one plain line each instead (`severity: RULE keys=values: reason. fix: ...`), what a log file reads best."""
-    if lines:
+    # Five columns in a narrow terminal fold every cell to a few letters (COLUMNS=40 split MOE018 into "MOE01"
+    # over "8", and keys, reason and fix into 5-letter strips): the plain lines wrap as prose instead.
+    if lines or console.width < NARROW_TABLE:
         for v in violations:
             keys = ", ".join(f"{k}={fmt(x)}" for k, x in v.keys.items())
             console.print(f"{v.severity}: {v.rule} {keys}: {v.message}. fix: {v.fix}", markup=False,
@@ -99,7 +105,7 @@ def _explain(rule_id: str, as_json: bool, console: Console) -> None:
             return
         table = Table(show_lines=False)
         for name in ("rule", "family", "severity", "summary"):
-            table.add_column(name, overflow="fold")
+            table.add_column(name, overflow="fold", no_wrap=name == "rule", min_width=6 if name == "rule" else None)
         for r in RULES.values():
             table.add_row(r.id, r.family, r.severity, r.summary)
         console.print(table)

@@ -231,3 +231,18 @@ def test_every_load_error_is_a_line_and_json_still_gets_an_object(tmp_path: Path
     assert res.exit_code == 2
     out = as_json(res)
     assert out["valid"] is False and len(out["load_errors"]) == 2 and out["violations"] == []
+
+
+def test_a_narrow_terminal_gets_a_line_per_violation_not_a_folded_table() -> None:
+    """COLUMNS=40 folded the five columns to strips of a few letters: "MOE01" over "8", keys and fix cut into
+    5-letter pieces. Below 80 columns each violation is one line that wraps as prose."""
+    r = runner.invoke(app, ["validate-config", "configs/tiny.yaml", "--set", "moe.router_topk=9"],
+                      env={"COLUMNS": "40", "MOECTL_DEBUG": ""})  # fmt: skip
+    assert r.exit_code == 1
+    assert "┃" not in r.output
+    one = " ".join(r.output.split())  # the terminal's wrapping undone
+    assert ("error: MOE018 moe.router_topk=9, moe.num_experts=4: moe.router_topk=9 must be between 1 and "
+            "moe.num_experts=4. fix: set moe.router_topk to 1..4") in one
+    wide = runner.invoke(app, ["validate-config", "configs/tiny.yaml", "--set", "moe.router_topk=9"],
+                         env={"COLUMNS": "80", "MOECTL_DEBUG": ""})  # fmt: skip
+    assert "┃ rule" in wide.output
