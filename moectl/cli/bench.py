@@ -409,7 +409,7 @@ def param_gather(
 ) -> None:
     import torch
 
-    from moectl.bench.param_mix import MIXES
+    from moectl.bench.param_mix import MIXES, mix_shape
     from moectl.cli.launch import launch_local, reexec_args, under_torchrun
 
     if mix not in MIXES:
@@ -433,6 +433,10 @@ def param_gather(
     with ProcessGroup(dev):
         main = dist.get_rank() == 0
         console = make_console(quiet=not main)
+        if not quick and dev.type == "cpu":  # as grouped-mlp says: a GPU-sized run, silent for minutes on a CPU
+            params = human_count(mix_shape(mix).numel())
+            console.print(f"note: the {mix} mix ({params} params) is GPU-sized and runs for a long time on the CPU "
+                          "before the first row; --quick is the CPU smoke test", highlight=False)  # fmt: skip
         result = pg.run(cfg, dev, log=lambda line: console.print(line, style="dim", highlight=False))
         render_param_gather(result, console)
         if main:

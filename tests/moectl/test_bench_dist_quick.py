@@ -128,3 +128,22 @@ def test_param_gather_on_two_gloo_ranks():
     step = {r["name"]: r for r in data["step_rows"]}
     assert set(step) == STEPS and step["compute only"]["exposed_ms"] == 0
     assert data["meta"]["step"]["grad_reduce_gbytes"] > 0
+
+
+def test_param_gather_without_quick_on_a_cpu_says_it_is_gpu_sized(monkeypatch):
+    """`moectl bench param-gather` on a CPU built the 803.5M-param mix and ran silently for minutes (grouped-mlp
+    says so; optimizer-step refuses on host memory); the note comes before any work."""
+    import torch
+
+    from moectl.bench import param_gather as pg
+    from moectl.core.errors import MoectlError
+
+    def stop(*a, **kw):
+        raise MoectlError("stopped here by the test")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(pg, "run", stop)
+    result = CliRunner().invoke(app, ["bench", "param-gather"])
+    assert result.exit_code == 1, result.output
+    assert ("note: the default mix (804M params) is GPU-sized and runs for a long time on the CPU before the first "
+            "row; --quick is the CPU smoke test") in " ".join(result.output.split())
