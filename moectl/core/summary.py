@@ -205,6 +205,8 @@ def summarize(cfg: Config, world_size: int) -> RunSummary:
         raise ValueError("moe_layer_freq does not fit num_layers")
     if not isinstance(m.moe_layer_freq, list) and m.moe_layer_freq < 1:
         raise ValueError("moe_layer_freq must be >= 1")
+    if not 1 <= cfg.moe.router_topk <= cfg.moe.num_experts:  # MOE018; "279K active of 156K" would say nothing
+        raise ValueError("router_topk must be within 1..num_experts")
     return RunSummary(layout(cfg, world_size), param_counts(cfg, world_size), memory(cfg, world_size))
 
 

@@ -102,6 +102,13 @@ def test_summarize_refuses_sizes_the_rules_reject() -> None:
         summarize(cfg("model.num_attention_heads=0"), 2)
     with pytest.raises(ValueError):
         summarize(cfg("model.moe_layer_freq=[1]"), 2)
+    # MOE018's: the summary said "279K active per token (top-9 of 4 experts)" of 156K in all
+    for topk in (9, 0):
+        with pytest.raises(ValueError):
+            summarize(cfg(f"moe.router_topk={topk}"), 1)
+    # MOE075's: a size torch cannot take is not summarised either
+    with pytest.raises(ValueError):
+        summarize(cfg("model.num_layers=99999999999999999999"), 1)
 
 
 def test_human_units() -> None:
