@@ -11,18 +11,17 @@ wait for it in the next step's collectives until the timeout.
 The first signal is acknowledged at once, in one line (`acknowledgement`), by the process the CLI asks to
 (rank 0): a step can take minutes, and a Ctrl-C that nothing answers until it ends looks ignored.
 
-A second SIGINT aborts at once (KeyboardInterrupt): the CLI ends the process without saving. A process in a
-terminal's foreground group whose parent forwards the Ctrl-C to it too (torchrun's agent did, before torch
-started each worker in a session of its own; any wrapper that forwards signals) sees one press twice, so
-there a SIGINT within `REPEAT_GRACE_S` of the first is taken as the same press. A process that leads its own
-session has no terminal to hear a Ctrl-C from (torch's elastic `SubprocessHandler` starts every worker so:
-`start_new_session`), and moectl's launcher forwards each press once, so every SIGINT such a worker gets is a
-press of its own. Which case holds is checked when `StopSignals` is made, not assumed of a torch version.
+A second SIGINT aborts at once (KeyboardInterrupt): the CLI ends the process without saving. A SIGINT within
+`REPEAT_GRACE_S` of the first is taken as the same request, in every process: a parent that forwards a
+Ctrl-C to its children sends it again to a process that already got it (a wrapper in the terminal's group;
+torchrun's agent, whose forwarded copy follows the one a scheduler or `pkill -INT` sends every process of the
+job), and that copy must not abort a run that was asked to stop and save. A launched worker leads its own
+session, so no terminal reaches it: there the abort is the launcher's word, not a count of signals
+(`abort_requested`, which moectl's launcher sets before it sends a later Ctrl-C on to each worker).
 """
 
 from __future__ import annotations
 
-import os
 import signal
 import time
 from dataclasses import dataclass
@@ -42,17 +41,20 @@ class StopSignals:
 
     `announce`: called from the handler with the first signal's `acknowledgement` line (rank 0's log); `saves`:
     whether the run will save when it stops, for that line. `repeat_grace_s`: how long a repeated SIGINT is
-    the same press (default: `REPEAT_GRACE_S`, or 0 in a process that leads its own session).
+    the same request (default `REPEAT_GRACE_S`). `abort_requested`: for a launched worker, whether its
+    launcher asked for the abort (then a later SIGINT aborts whenever it comes, and only then).
     """
 
     def __init__(self, announce: Callable[[str], None] | None = None, saves: bool = False,
-                 repeat_grace_s: float | None = None) -> None:
+                 repeat_grace_s: float = REPEAT_GRACE_S,
+                 abort_requested: Callable[[], bool] | None = None) -> None:  # fmt: skip
         self.signal: str | None = None
         self._first_at = 0.0
         self._previous: list[dict[int, Any]] = []
         self._announce = announce
         self._saves = saves
-        self.repeat_grace_s = repeat_grace_s if repeat_grace_s is not None else _repeat_grace_s()
+        self.repeat_grace_s = repeat_grace_s
+        self._abort_requested = abort_requested
 
     def __enter__(self) -> "StopSignals":
         saved: dict[int, Any] = {}
@@ -66,7 +68,9 @@ class StopSignals:
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.signal is not None:
-            if signum == signal.SIGINT and time.monotonic() - self._first_at >= self.repeat_grace_s:
+            if signum == signal.SIGINT and self._aborts():
+                # One abort: a later press must not interrupt the clean-up that ends the process.
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
                 raise KeyboardInterrupt
             return
         self.signal = signal.Signals(signum).name
@@ -76,6 +80,15 @@ class StopSignals:
                 self._announce(acknowledgement(self.signal, self._saves))
             except Exception:  # noqa: BLE001 - saying so must never break the run (a closed or busy stdout)
                 pass
+
+    def _aborts(self) -> bool:
+        """Whether a SIGINT after the first aborts: the launcher's word for a launched worker, else its time."""
+        if self._abort_requested is not None:
+            try:
+                return self._abort_requested()
+            except Exception:  # noqa: BLE001 - no abort when the launcher's word cannot be read
+                return False
+        return time.monotonic() - self._first_at >= self.repeat_grace_s
 
     def __exit__(self, *exc: Any) -> None:
         for sig, handler in self._previous.pop().items():
@@ -120,15 +133,6 @@ def acknowledgement(signal_name: str, saves: bool) -> str:
                 + (" (Ctrl-C again to abort without saving)" if again else ""))  # fmt: skip
     return (f"received {signal_name}: stopping after the current step; nothing will be saved "
             f"(checkpoint.save_interval is not set{'; Ctrl-C again to abort at once' if again else ''})")
-
-
-def _repeat_grace_s() -> float:
-    """0 in a process that leads its own session (no terminal reaches it, so each SIGINT is one press),
-    else `REPEAT_GRACE_S`."""
-    try:
-        return 0.0 if os.getsid(0) == os.getpid() else REPEAT_GRACE_S
-    except (AttributeError, OSError):  # no sessions here (Windows): keep the grace
-        return REPEAT_GRACE_S
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from types import FrameType
 from typing import Any, Optional
 
 from moectl.cli.launcher_tie import LAUNCHER_PID_ENV
-from moectl.cli.outcome import OUTCOME_DIR_ENV, read_outcomes, read_pids, read_started
+from moectl.cli.outcome import OUTCOME_DIR_ENV, read_outcomes, read_pids, read_started, request_abort
 from moectl.cli.verdict import Exit, Verdict, verdict
 from moectl.core.environment import LAUNCHED_ENV
 
@@ -96,7 +96,8 @@ class _LauncherSignals:
     handler raised again on a second Ctrl-C, out of that wait, and the agent's clean-up then sent the workers
     SIGTERM, which a stopping worker takes as the same request: the second Ctrl-C never reached them, and they
     saved and exited 3. Here a later SIGINT is sent on as it is to each worker that has not reported (their ids:
-    `outcome.mark_pid`), where it aborts the run, and the agent goes on waiting for them. A later SIGTERM or
+    `outcome.mark_pid`), after the launcher's word that it aborts (`outcome.request_abort`), and the agent goes
+    on waiting for them. A later SIGTERM or
     SIGHUP changes nothing, as on a worker. The workers lead their own sessions, so a terminal's Ctrl-C reaches
     only this process: each press reaches a worker once.
 
@@ -138,6 +139,7 @@ class _LauncherSignals:
             raise SignalException(f"Process {os.getpid()} got signal: {sig}", sigval=sig)
         if sig != signal.SIGINT:
             return
+        request_abort(self.reports)  # before the SIGINT: the workers abort on this word, not on a count
         for pid in read_pids(self.reports).values():
             try:
                 os.killpg(pid, sig)  # as torch sends it: to the worker's whole process group

@@ -5,7 +5,8 @@ The launcher (moectl/cli/launch.py) sets `MOECTL_OUTCOME_DIR` for its workers; e
 `rank<N>.json` there as it ends, and the launcher turns the reports, together with the codes and signals
 torchrun collected, into one line for the whole run. A rank that was killed writes nothing: its absence,
 and what the others saw (a lost peer, a timeout), is what names it. Each worker also leaves `started<N>`
-when its first step begins and `pid<N>` as it starts (the launcher sends a second Ctrl-C to that process).
+when its first step begins and `pid<N>` as it starts (the launcher sends a second Ctrl-C to that process,
+after leaving `abort`, its word that this SIGINT aborts).
 
 Written atomically (temp file + rename), so a reader never sees half a report.
 """
@@ -105,6 +106,25 @@ def read_pids(d: Path) -> dict[int, int]:
         except (OSError, ValueError):
             continue
     return out
+
+
+ABORT = "abort"  # the launcher's word that a later SIGINT to a worker aborts the run (`request_abort`)
+
+
+def request_abort(d: Path) -> None:
+    """Leave the launcher's word that the run is to be aborted, before it sends the workers SIGINT: a worker
+    takes a later SIGINT as an abort only with it (`trainer.stop.StopSignals`' `abort_requested`), so a SIGINT
+    every process of the job got at once, and the launcher's forwarded copy of it, stay one stop request."""
+    try:
+        (d / ABORT).touch()
+    except OSError:
+        pass
+
+
+def abort_requested() -> bool:
+    """Whether this worker's launcher asked for the abort (`request_abort`); False outside a launched run."""
+    d = outcome_dir()
+    return d is not None and (d / ABORT).exists()
 
 
 def read_started(d: Path) -> set[int]:

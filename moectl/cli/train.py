@@ -202,7 +202,8 @@ def _train_here(cfg: Config, console: Console, rank: int, world: int, overwrite:
 
     # Entered before the model is built: a SIGTERM during start-up stops the run at its first step boundary.
     # Rank 0 says at once what a signal will do; the step in flight can take long.
-    with StopSignals(announce=observer.log if rank == 0 else None, saves=saves) as stop:
+    with StopSignals(announce=observer.log if rank == 0 else None, saves=saves,
+                     abort_requested=O.abort_requested if launched else None) as stop:  # fmt: skip
         if launched:
             tie_to_launcher()  # a launcher killed outright stops this worker as a scheduler's SIGTERM would
         try:

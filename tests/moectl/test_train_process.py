@@ -414,3 +414,25 @@ def test_workers_of_a_launcher_killed_outright_stop_save_and_end(tmp_path: Path)
     steps = [r["step"] for r in _records(run_dir) if "loss" in r]
     assert (ckpts / "latest").read_text().strip() == f"step_{steps[-1]:08d}", steps  # saved where they stopped
     assert verify_checkpoint(ckpts) == []
+
+
+def test_one_sigint_to_every_process_of_the_job_stops_and_saves(tmp_path: Path) -> None:
+    """A review: one SIGINT to the launcher and to each worker at once (`scancel -s INT`, `pkill -INT`) aborted
+    the run unsaved as "a second Ctrl-C": a worker took the launcher's forwarded copy for a second press. It is
+    one request: the ranks agree, save and exit 3."""
+    run_dir, out = tmp_path / "run", tmp_path / "out.log"
+    p = _start_logged(_train(run_dir, "train.train_iters=100000", "checkpoint.save_interval=100000"), out)
+    try:
+        _wait_for_steps(p, run_dir, 3)
+        for pid in (_rank_pid(p, 0), _rank_pid(p, 1)):
+            os.kill(pid, signal.SIGINT)
+        time.sleep(0.3)  # the workers have taken theirs; the launcher's forwarded copies come after
+        os.kill(p.pid, signal.SIGINT)
+        _, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert p.returncode == 3, (out.read_text()[-2000:], err)
+    steps = [r["step"] for r in _records(run_dir) if "loss" in r]
+    ckpts = run_dir / "checkpoints"
+    assert (ckpts / "latest").read_text().strip() == f"step_{steps[-1]:08d}" and verify_checkpoint(ckpts) == []
