@@ -26,13 +26,19 @@ _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 def tie_to_launcher() -> bool:
     """Ask the kernel to send this process SIGTERM when its launcher dies; returns whether the tie is set.
 
-    Only for the launcher's own child (`LAUNCHER_PID_ENV` is its parent: not a process the worker starts in
-    turn, nor one behind a wrapper) and only on Linux. A launcher that died before the tie was set is caught
-    by the parent check after it (the child was reparented): the SIGTERM is sent at once, as it would have come.
-    Call it with the stop handler installed (`trainer.stop.StopSignals`), or SIGTERM ends the process at once.
+    Only for a process the launcher named (`LAUNCHER_PID_ENV`), on Linux, and only while that launcher is its
+    parent (not a process a worker starts in turn, nor one behind a wrapper). A launcher that died before the
+    tie (the worker was reparented during its start-up) gets the SIGTERM sent at once, as it would have come.
+    Called first thing in a worker: a SIGTERM before the stop handler is installed ends it at once, with
+    nothing trained; after, it stops the run at a step boundary (`trainer.stop.StopSignals`).
     """
     raw = os.environ.get(LAUNCHER_PID_ENV, "")
-    if not raw.isdigit() or not sys.platform.startswith("linux") or os.getppid() != int(raw):
+    if not raw.isdigit() or not sys.platform.startswith("linux"):
+        return False
+    launcher = int(raw)
+    if os.getppid() != launcher:
+        if not _alive(launcher):  # this worker's launcher is gone: nothing else would stop it
+            os.kill(os.getpid(), signal.SIGTERM)
         return False
     try:
         libc = ctypes.CDLL(None, use_errno=True)
@@ -40,6 +46,17 @@ def tie_to_launcher() -> bool:
             return False
     except (OSError, AttributeError):  # no prctl in this libc
         return False
-    if os.getppid() != int(raw):
+    if os.getppid() != launcher:  # it died between the check and the tie
         os.kill(os.getpid(), signal.SIGTERM)
+    return True
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` exists (signal 0 checks without sending)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's: it exists
+        return True
     return True

@@ -107,6 +107,7 @@ def train_command(
 ) -> None:
     from moectl.cli.launch import launch_train, reexec_args, under_torchrun
 
+    tie_to_launcher()  # a launched worker: its launcher killed outright stops it as a scheduler's SIGTERM would
     cfg = load_config(config, list(set_ or []))
     if run_dir is not None:  # as given, not through YAML: "" stays "" (rule MOE068), any path survives
         cfg = dataclasses.replace(cfg, run_dir=run_dir)
@@ -204,8 +205,6 @@ def _train_here(cfg: Config, console: Console, rank: int, world: int, overwrite:
     # Rank 0 says at once what a signal will do; the step in flight can take long.
     with StopSignals(announce=observer.log if rank == 0 else None, saves=saves,
                      abort_requested=O.abort_requested if launched else None) as stop:  # fmt: skip
-        if launched:
-            tie_to_launcher()  # a launcher killed outright stops this worker as a scheduler's SIGTERM would
         try:
             result = train(cfg, observer, stop=stop, overwrite=overwrite, state=state)
         except MoectlError as e:

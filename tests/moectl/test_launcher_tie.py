@@ -33,3 +33,15 @@ def test_the_launchers_child_is_tied_and_keeps_running() -> None:
     env = {**os.environ, LAUNCHER_PID_ENV: str(os.getpid())}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert (out.returncode, out.stdout.strip()) == (0, "True"), out.stderr
+
+
+@linux
+def test_a_worker_whose_launcher_died_during_its_start_up_stops() -> None:
+    """A review: a launcher killed while its workers were still starting left them orphaned (reparented, the
+    parent check skipped the tie, and they waited on the dead agent's store until the collective timeout)."""
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          timeout=60).stdout.strip()  # fmt: skip
+    code = "from moectl.cli.launcher_tie import tie_to_launcher; tie_to_launcher(); import time; time.sleep(30)"
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, LAUNCHER_PID_ENV: gone},
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert out.returncode == -15, (out.returncode, out.stderr)  # SIGTERM at once, not 30 s of waiting
