@@ -23,6 +23,7 @@ ENV: dict[str, str] = {
     # internal: set by moectl for its own processes, or by its tests
     "MOECTL_OUTCOME_DIR": "internal: where the launcher's workers report how they ended",
     "MOECTL_LAUNCHED": "internal: set for the workers of moectl's own launcher (--nproc-per-node)",
+    "MOECTL_LAUNCHER_PID": "internal: that launcher's process id (a worker stops when it dies)",
     "MOECTL_PARITY_VERDICT": "internal: where a parity run's worker writes its verdict",
     "MOECTL_CKPT_FAIL": "tests: fault injection into checkpoint saves (<rank>:<phase>[:<how>][@<step>])",
     # A/B switches

@@ -1065,7 +1065,7 @@ def te_backend_precision(c: Context) -> Iterator[_Hit]:
     "moe",
     "error",
     ["moe.aux_loss_coeff", "moe.z_loss_coeff", "moe.capacity_factor"],
-    "router loss coefficients >= 0, capacity_factor > 0",
+    "router loss coefficients >= 0, capacity_factor > 0 and finite",
 )
 def moe_coefficients_in_range(c: Context) -> Iterator[_Hit]:
     """A negative load-balancing or z-loss coefficient rewards imbalance and exploding logits; a capacity
@@ -1083,9 +1083,9 @@ def moe_coefficients_in_range(c: Context) -> Iterator[_Hit]:
             "set moe.z_loss_coeff >= 0 (0 disables)",
             keys=("moe.z_loss_coeff",),
         )
-    if m.capacity_factor is not None and not m.capacity_factor > 0:
+    if m.capacity_factor is not None and not 0 < m.capacity_factor < math.inf:
         yield _Hit(
-            f"moe.capacity_factor={fmt(m.capacity_factor)} must be > 0",
+            f"moe.capacity_factor={fmt(m.capacity_factor)} must be > 0 and finite",
             "set moe.capacity_factor > 0 (1.0-1.25 is usual), or null for dropless",
             keys=("moe.capacity_factor",),
         )
@@ -1491,8 +1491,11 @@ def dynamic_ep_exchange_runs_eagerly(c: Context) -> Iterator[_Hit]:
 def _capacity_inputs_valid(c: Context) -> bool:
     """Whether every value an expert's capacity is computed from is in its own range (else another rule's error)."""
     m, t = c.cfg.moe, c.cfg.train
-    return (m.num_experts >= 1 and 1 <= m.router_topk <= m.num_experts and m.capacity_factor is not None
-            and m.capacity_factor > 0 and t.micro_batch_size >= 1 and c.cfg.model.seq_length >= 1)  # fmt: skip
+    if not (m.num_experts >= 1 and 1 <= m.router_topk <= m.num_experts and m.capacity_factor is not None
+            and 0 < m.capacity_factor < math.inf and t.micro_batch_size >= 1 and c.cfg.model.seq_length >= 1):
+        return False  # fmt: skip
+    # a finite factor can still overflow the product (1e308 x tokens): that capacity is no count of rows
+    return math.isfinite(m.capacity_factor * t.micro_batch_size * c.cfg.model.seq_length * m.router_topk)
 
 
 @rule(

@@ -1051,7 +1051,7 @@ OVERLAP = ["parallel.expert_model_parallel_size=2", "moe.ep_overlap_chunks=3", *
 @pytest.mark.parametrize("bad, owner", [
     ("moe.num_experts=0", "MOE041"), ("moe.num_experts=-4", "MOE041"), ("train.micro_batch_size=-1", "MOE041"),
     ("model.seq_length=-1", "MOE041"), ("moe.router_topk=-1", "MOE018"), ("moe.capacity_factor=-1.0", "MOE023"),
-    ("parallel.expert_model_parallel_size=0", "MOE041"),
+    ("parallel.expert_model_parallel_size=0", "MOE041"), ("moe.capacity_factor=.inf", "MOE023"),
 ])  # fmt: skip
 def test_an_invalid_value_is_reported_once_not_as_an_ep_overlap_problem(bad: str, owner: str) -> None:
     """MOE067 computed each expert's capacity from values other rules refuse: num_experts=0 was a ZeroDivisionError
@@ -1061,6 +1061,8 @@ def test_an_invalid_value_is_reported_once_not_as_an_ep_overlap_problem(bad: str
     found = run([*OVERLAP, bad], world=2)
     assert hits(found, owner) and not hits(found, "MOE067"), found
     assert "must divide each expert's capacity, 320 rows" in hits(run(OVERLAP, world=2), "MOE067")[0].message
+    # a finite factor whose capacity overflows (an OverflowError traceback before): no count of rows to divide
+    assert not hits(run([*OVERLAP, "moe.capacity_factor=1e308", "train.micro_batch_size=1000"], world=2), "MOE067")
 
 
 def test_world_size_zero_is_reported_not_a_crash() -> None:
