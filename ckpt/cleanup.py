@@ -78,19 +78,25 @@ def settle_pending_latest(root: str | os.PathLike[str]) -> Path | None:
     except CheckpointError:
         return None
     moved = None
-    for p in sorted(root.iterdir()):
+    try:
+        entries = sorted(root.iterdir())
+    except OSError:
+        return None
+    for p in entries:
         if not names.PENDING_LATEST_RE.match(p.name) or p.is_symlink() or not p.is_file():
             continue
+        # A folder this user may not write (another's run, a read-only mount): discovery still follows the
+        # pending pointer, so leaving it is no loss; the run's own save reports what it cannot write.
         try:
             text = p.read_text(encoding="utf-8", errors="replace").strip()
+            if moved is None and target is not None and text == target.name and current != target.name:
+                os.replace(p, root / names.LATEST)
+                fsync_dir(root)
+                moved = target
+            else:
+                p.unlink(missing_ok=True)
         except OSError:
             continue
-        if moved is None and target is not None and text == target.name and current != target.name:
-            os.replace(p, root / names.LATEST)
-            fsync_dir(root)
-            moved = target
-        else:
-            p.unlink(missing_ok=True)
     return moved
 
 

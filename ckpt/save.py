@@ -60,7 +60,8 @@ class CheckpointSaveError(CheckpointError):
         if committed:
             super().__init__(
                 f"checkpoint step {step} under {root} was committed but finishing the save failed on {where}",
-                f"write {names.step_dir_name(step)} into {root / names.LATEST} by hand once the cause is fixed",
+                f"fix the cause, then resume with --set checkpoint.load={root}: it loads {names.step_dir_name(step)} "
+                "(a `latest` not yet moved is finished by that run)",
             )
         else:
             super().__init__(

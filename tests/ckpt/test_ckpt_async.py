@@ -179,6 +179,26 @@ def test_a_save_that_committed_before_its_outcome_was_lost_is_the_one_to_resume_
     assert saver.committed() == root / "step_00000004"
 
 
+def test_an_abort_names_the_step_whose_commit_was_cut_before_latest_moved(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A review: a second Ctrl-C (or a kill) between a save's rename and the move of `latest` leaves a pending
+    `latest` naming the new step, which a resume loads; the abort line named the step before it. `committed`
+    now takes what the disk says a resume would load."""
+    from ckpt.faults import InjectedCrash
+
+    t = _trainer(tmp_path / "run", "train.train_iters=2")
+    t.run()
+    root = tmp_path / "ck"
+    saver = RunCheckpointer(t.cfg, t.engine, t.rt.pstate, root)
+    saver.save(2, t.probe_loss)
+    assert saver.finish() is not None and saver.committed() == root / "step_00000002"
+    monkeypatch.setenv("MOECTL_CKPT_FAIL", "0:before_latest:crash")
+    with pytest.raises(InjectedCrash):
+        save_training_checkpoint(root, 4, t.cfg, t.engine, t.rt.pstate, t.probe_loss())
+    assert (root / "latest").read_text().strip() == "step_00000002"  # the cut commit's state
+    assert saver.committed() == root / "step_00000004"
+
+
 def _records(run_dir: Path) -> list[dict[str, Any]]:
     import json
 

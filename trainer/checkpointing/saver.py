@@ -209,8 +209,10 @@ class RunCheckpointer:
 
     def committed(self) -> Path | None:
         """The newest checkpoint this run committed, counting a background save that has committed but not
-        been reported yet; never waits for one in flight, and never raises (for a run being aborted)."""
+        been reported yet, and one whose commit was cut before `latest` moved (what a resume loads: its pending
+        `latest`); never waits for one in flight, and never raises (for a run being aborted)."""
         self.poll()
+        self._adopt_commit_on_disk()
         return self.last_committed
 
     def close(self) -> None:
