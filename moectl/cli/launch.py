@@ -158,11 +158,8 @@ def launch_train(nproc_per_node: int, moectl_args: list[str], cpu_threads: Optio
     whether the run saves checkpoints (the verdict's fix for a run that ended with none).
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
-
-    from moectl.cli.base import Stopped
 
     if cpu_threads is not None and "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = str(cpu_threads)  # also keeps torchrun from printing its own advice
