@@ -22,8 +22,10 @@ def test_no_tie_without_a_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_no_tie_for_a_process_whose_parent_is_not_the_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A process a worker starts in turn inherits the variable; its parent is the worker, not the launcher."""
-    monkeypatch.setenv(LAUNCHER_PID_ENV, str(os.getppid() + 1))
+    """A process a worker starts in turn inherits the variable; its parent is the worker, not the launcher (here:
+    a live process other than the parent, this one, so the launcher is alive and nothing is signalled; a pid
+    that may not exist would be a dead launcher, and the SIGTERM would end the test run)."""
+    monkeypatch.setenv(LAUNCHER_PID_ENV, str(os.getpid()))
     assert tie_to_launcher() is False
 
 
