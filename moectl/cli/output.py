@@ -27,10 +27,11 @@ def write_json_file(path: Path, payload: Any, indent: int = 2) -> None:
     the reason if it cannot be written (no partial file is left behind)."""
     text = json.dumps(payload, indent=indent) + "\n"
     try:
-        if _special(path):  # /dev/stdout, a FIFO: written in place (a rename would replace the device node)
+        if _in_place(path):  # /dev/stdout, a FIFO: written in place (a rename would replace the node or link)
             with open(path, "w") as f:
                 f.write(text)
             return
+        path = path.resolve()  # a link to a results file: the file it names is replaced, the link kept
         # not mkstemp: its 0600 would outlive the rename; 0666 less the umask is what write_text gave
         tmp = path.parent / f".{path.name}.{os.getpid()}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
@@ -48,9 +49,13 @@ def write_json_file(path: Path, payload: Any, indent: int = 2) -> None:
                           "free space there or give another path; the results above are complete") from None
 
 
-def _special(path: Path) -> bool:
-    """Whether `path` exists and is not a regular file (a character device, a FIFO, a socket)."""
+def _in_place(path: Path) -> bool:
+    """Whether `path` is written in place, not replaced: it exists and is not a regular file (a character
+    device, a FIFO, a socket), or it is a link into /dev or /proc (`/dev/stdout` names `/proc/self/fd/1`, which
+    may name a regular file the shell redirected to: replacing it would swap the system's link for a file)."""
     try:
-        return not stat.S_ISREG(os.stat(path).st_mode)
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            return True
+        return path.is_symlink() and str(path.resolve()).startswith(("/dev/", "/proc/"))
     except OSError:
         return False

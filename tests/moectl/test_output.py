@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -58,3 +60,24 @@ def test_bench_json_to_a_full_device_is_one_line_exit_1() -> None:
     assert errors == ["error: cannot write --json /dev/full: No space left on device. fix: free space there or "
                       "give another path; the results above are complete"], res.output
     assert "Traceback" not in res.output
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/fd")
+def test_a_link_is_kept_and_a_link_into_proc_is_written_through(tmp_path: Path) -> None:
+    """A review: `--json /dev/stdout > out.txt` replaced the /dev/stdout link itself with a file (as root), and a
+    link to a results file became a plain file with its target left stale. The link stays; what it names is
+    written (in place through /proc, replaced whole for a regular file elsewhere)."""
+    real = tmp_path / "real.json"
+    real.write_text("{}\n")
+    link = tmp_path / "link.json"
+    link.symlink_to(real)
+    write_json_file(link, {"b": 2})
+    assert link.is_symlink() and json.loads(real.read_text()) == {"b": 2}
+    stdout = tmp_path / "stdout"
+    stdout.symlink_to("/proc/self/fd/1")
+    code = ("from pathlib import Path; from moectl.cli.output import write_json_file; "
+            f"write_json_file(Path({str(stdout)!r}), {{'a': 1}})")
+    redirected = tmp_path / "redirected.txt"
+    with open(redirected, "w") as f:
+        subprocess.run([sys.executable, "-c", code], stdout=f, check=True, timeout=60)
+    assert stdout.is_symlink() and json.loads(redirected.read_text()) == {"a": 1}
