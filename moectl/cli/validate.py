@@ -15,6 +15,7 @@ from typing import Annotated, Any, Optional, Sequence
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from moectl.cli.base import app, command
@@ -94,7 +95,8 @@ def print_violations(violations: Sequence[Violation], console: Console, lines: b
         table.add_column(name, style=style, overflow="fold")
     for v in violations:
         sev = f"[red]{v.severity}[/]" if v.severity == "error" else f"[yellow]{v.severity}[/]"
-        table.add_row(v.rule, sev, _keys_text(v.keys), v.message, v.fix)
+        # escaped: messages hold shapes (`[vocab_size, hidden_size]`) and values that Rich would read as markup
+        table.add_row(v.rule, sev, escape(_keys_text(v.keys)), escape(v.message), escape(v.fix))
     console.print(table)
 
 
@@ -107,7 +109,7 @@ def _explain(rule_id: str, as_json: bool, console: Console) -> None:
         for name in ("rule", "family", "severity", "summary"):
             table.add_column(name, overflow="fold", no_wrap=name == "rule", min_width=6 if name == "rule" else None)
         for r in RULES.values():
-            table.add_row(r.id, r.family, r.severity, r.summary)
+            table.add_row(r.id, r.family, r.severity, escape(r.summary))
         console.print(table)
         return
     rid = rule_id.strip().upper()

@@ -1988,8 +1988,9 @@ def seed_fits(c: Context) -> Iterator[_Hit]:
                    "set train.seed to a smaller integer (any value there is as good a seed)")
 
 
-#: the largest size torch takes: a tensor's dimensions and element count are signed 64-bit integers
+#: the largest size torch takes: a tensor's dimensions and its storage's byte count are signed 64-bit integers
 INT64_MAX = 2**63 - 1
+_MAX_ELEMENT_BYTES = 8  # the widest element a run's tensors hold (int64 indices; fp32 states are 4)
 
 
 def _tensor_sizes(c: Context) -> Iterator[tuple[str, tuple[str, ...], int]]:
@@ -2040,8 +2041,9 @@ def sizes_fit_int64(c: Context) -> Iterator[_Hit]:
     `model.vocab_size` or `moe.num_experts` past 2^63, passed validate-config, then `train` died with a
     traceback ("int too big to convert", "Overflow when unpacking long long"), and `model.num_layers` past
     2^63 crashed validate-config itself. Each size that becomes a tensor dimension must be at most 2^63 - 1;
-    then the element count of the model's largest tensors (products of those sizes: 10^10 x 10^10 for the
-    embedding overflows although both fit) must fit too. Intervals and iteration counts are not tensor sizes,
+    then the byte size of the model's largest tensors (products of those sizes: 10^10 x 10^10 for the
+    embedding overflows although both fit) must fit too, at up to 8 bytes an element (torch sizes a tensor's
+    storage in bytes: a vocabulary of 2^55 x 64 fp32 elements failed "Storage size calculation overflowed"). Intervals and iteration counts are not tensor sizes,
     and any of them will do. A size that fits but not in memory is a failure of the run (out of memory), not
     this rule's: `--gpu-memory` checks the estimate against a GPU (MOE056). Sizes below 1 are MOE041's."""
     big = False
@@ -2054,8 +2056,9 @@ def sizes_fit_int64(c: Context) -> Iterator[_Hit]:
     if big or any(v is not None and v < 1 for v in map(c.value, _SHAPE_KEYS)):
         return  # the products of an oversized or non-positive size say nothing more
     for what, keys, numel in _tensor_sizes(c):
-        if numel > INT64_MAX:
-            yield _Hit(f"{what} would hold {numel:.3g} elements, past 2^63 - 1, the most a torch tensor holds",
+        if numel * _MAX_ELEMENT_BYTES > INT64_MAX:
+            yield _Hit(f"{what} would hold {numel:.3g} elements, past 2^63 - 1 bytes at {_MAX_ELEMENT_BYTES} bytes "
+                       "each, the most a torch tensor holds",
                        f"make {' or '.join(k for k in keys if c.value(k) is not None)} smaller",
                        keys=tuple(k for k in keys if c.value(k) is not None))
 

@@ -246,3 +246,12 @@ def test_a_narrow_terminal_gets_a_line_per_violation_not_a_folded_table() -> Non
     wide = runner.invoke(app, ["validate-config", "configs/tiny.yaml", "--set", "moe.router_topk=9"],
                          env={"COLUMNS": "80", "MOECTL_DEBUG": ""})  # fmt: skip
     assert "┃ rule" in wide.output
+
+
+def test_brackets_in_a_reason_survive_the_table() -> None:
+    """Rich read `[vocab_size, hidden_size]` in MOE075's reason as markup and dropped it ("the embedding  would
+    hold"): the table's cells are escaped."""
+    r = runner.invoke(app, ["validate-config", "configs/tiny.yaml", "--set", "model.vocab_size=36028797018963968"],
+                      env={"COLUMNS": "400", "MOECTL_DEBUG": ""})  # fmt: skip
+    assert r.exit_code == 1
+    assert "the embedding [vocab_size, hidden_size] would hold" in r.output, r.output

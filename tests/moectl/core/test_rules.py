@@ -152,13 +152,15 @@ CASES = [
     Case("MOE073", ["train.seed=18446744073709551616"], ["train.seed=18446744073709551615"]),
     Case("MOE073", ["train.seed=-9223372036854775809"], ["train.seed=-9223372036854775808"], name="negative"),
     Case("MOE074", ["checkpoint.load=''"], ["checkpoint.load=null"]),
-    # 2^63 itself; below it the logits [4, seq, 256] still fit up to seq = 2^63 / 1024 - 1
-    Case("MOE075", ["model.seq_length=9223372036854775808"], ["model.seq_length=9007199254740991"]),
-    Case("MOE075", ["model.seq_length=9007199254740992"], ["model.seq_length=9007199254740991"], name="logits"),
-    # the experts' fc1 [E, 2 x 64, 64]: 8192 E elements
-    Case("MOE075", ["moe.num_experts=1125899906842624"], ["moe.num_experts=1125899906842623"], name="experts"),
+    # 2^63 itself; below it the logits [4, seq, 256] still fit, at 8 bytes an element, up to seq = 2^50 - 1
+    Case("MOE075", ["model.seq_length=9223372036854775808"], ["model.seq_length=1125899906842623"]),
+    Case("MOE075", ["model.seq_length=1125899906842624"], ["model.seq_length=1125899906842623"], name="logits"),
+    # the experts' fc1 [E, 2 x 64, 64]: 8192 E elements, 2^16 E bytes
+    Case("MOE075", ["moe.num_experts=140737488355328"], ["moe.num_experts=140737488355327"], name="experts"),
     Case("MOE075", ["model.vocab_size=10000000000", "model.hidden_size=1000000000"],
-         ["model.vocab_size=1000000000", "model.hidden_size=1000000000"], name="embedding-product"),
+         ["model.vocab_size=1000000000", "model.hidden_size=100000000"], name="embedding-product"),
+    # elements that fit, bytes that do not: a review's "Storage size calculation overflowed" at train
+    Case("MOE075", ["model.vocab_size=36028797018963968"], ["model.vocab_size=2251799813685247"], name="bytes"),
     Case("MOE072", ["train.cpu_threads=5"], ["train.cpu_threads=4"], severity="warning"),
     Case("MOE072", ["train.cpu_threads=5", "train.device=cpu"], ["train.cpu_threads=4", "train.device=cpu"],
          name="cpu", severity="warning"),
