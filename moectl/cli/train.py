@@ -164,7 +164,7 @@ def _out_of_memory(e: BaseException, cfg: Config, step: int | None, rank: int, w
     happened and what to shrink; return exit code 1 (a failure: the config itself is valid)."""
     from moectl.bench.oom import oom_message
 
-    where = "while building the model" if step is None else f"at step {step}"
+    where = "before the first step" if step is None else f"at step {step}"
     line = (f"{oom_message(e)} ({where}). fix: make train.micro_batch_size or the model smaller, or run on more "
             f"memory; moectl validate-config CONFIG --gpu-memory GIB estimates what a rank holds")
     report_to_launcher(O.ERROR, exit_codes.FAILED, line)
