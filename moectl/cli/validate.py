@@ -188,7 +188,8 @@ def validate_config(
     violations = check(cfg, world, capability, env, gpu)
     device = Context(cfg, world, capability, env).device
     try:
-        summary = summarize(cfg, world)
+        # sizes past torch's (MOE075) give counts and memory of 10^14 TiB: no meaningful summary either
+        summary = None if any(v.rule == "MOE075" for v in violations) else summarize(cfg, world)
     except (ValueError, ZeroDivisionError):  # sizes the rules already reject; no meaningful summary
         summary = None
 

@@ -255,3 +255,6 @@ def test_brackets_in_a_reason_survive_the_table() -> None:
                       env={"COLUMNS": "400", "MOECTL_DEBUG": ""})  # fmt: skip
     assert r.exit_code == 1
     assert "the embedding [vocab_size, hidden_size] would hold" in r.output, r.output
+    huge = runner.invoke(app, ["validate-config", "configs/tiny.yaml", "--set", "model.vocab_size=2147483648",
+                               "--set", "model.hidden_size=2147483648"], env={"COLUMNS": "400", "MOECTL_DEBUG": ""})
+    assert "MOE075" in huge.output and "TiB" not in huge.output  # no "memory 5.37e+08 TiB per rank" summary
