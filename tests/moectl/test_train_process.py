@@ -425,9 +425,13 @@ def test_one_sigint_to_every_process_of_the_job_stops_and_saves(tmp_path: Path) 
     the run unsaved as "a second Ctrl-C": a worker took the launcher's forwarded copy for a second press. It is
     one request: the ranks agree, save and exit 3."""
     run_dir, out = tmp_path / "run", tmp_path / "out.log"
-    p = _start_logged(_train(run_dir, "train.train_iters=100000", "checkpoint.save_interval=100000"), out)
+    # steps of seconds (1024 micro-batches a rank): the launcher is still waiting on its workers when its own
+    # SIGINT comes (with millisecond steps they had saved and ended, and the launcher died of the late signal)
+    cmd = _train(run_dir, "train.train_iters=100000", "checkpoint.save_interval=100000",
+                 "train.global_batch_size=8192")  # fmt: skip
+    p = _start_logged(cmd, out)
     try:
-        _wait_for_steps(p, run_dir, 3)
+        _wait_for_steps(p, run_dir, 1, deadline_s=180)
         for pid in (_rank_pid(p, 0), _rank_pid(p, 1)):
             os.kill(pid, signal.SIGINT)
         time.sleep(0.3)  # the workers have taken theirs; the launcher's forwarded copies come after
