@@ -1,5 +1,5 @@
 """Facts several layers share, stated once: the expert activations, the fc1 gate/up row layout, the token
-alignment each low-precision recipe needs, and what the device-dependent defaults (`moe.backend: auto`,
+alignment each low-precision recipe needs, the files a Megatron data prefix names, and what the device-dependent defaults (`moe.backend: auto`,
 `parallel.gradient_accumulation_fusion: null`) resolve to. Torch-free, so the rule catalogue, the parameter
 counter, the checkpoint format, the engine's math and the kernels all read the same values."""
 
@@ -21,6 +21,15 @@ def expert_capacity(capacity_factor: float, num_tokens: int, topk: int, num_expe
     """Routings an expert may take under a capacity: ceil(factor * T*K / E) (the dispatchers drop the rest;
     the rules size what depends on it)."""
     return math.ceil(capacity_factor * num_tokens * topk / num_experts)
+
+
+def megatron_prefix_paths(path: str) -> tuple[str, str]:
+    """`(bin_path, idx_path)` for a Megatron data prefix, or for a path that already ends in `.bin`/`.idx`: what
+    the loader reads (trainer/data/sources/megatron.py) and the data rule checks (MOE045)."""
+    for ext in (".bin", ".idx"):
+        if path.endswith(ext):
+            path = path[: -len(ext)]
+    return path + ".bin", path + ".idx"
 
 
 def check_activation(activation: str) -> None:

@@ -100,7 +100,7 @@ from typing import Any, Callable, Iterator, Literal, Mapping, Optional, Sequence
 from moectl.core import hardware
 from moectl.core.arith import round_up
 from moectl.core.facts import (GATED_ACTIVATIONS, RECIPE_ALIGN, expert_capacity, fc1_rows, fuses_wgrad,
-                               resolved_expert_backend)
+                               megatron_prefix_paths, resolved_expert_backend)
 from moectl.core.config.schema import Config, OptimizerConfig
 from moectl.core.gpu_memory import GpuMemory
 from moectl.core.overlap import overlap_policy
@@ -1936,7 +1936,7 @@ def data_path_exists(c: Context) -> Iterator[_Hit]:
 
 def _data_file_problem(source: str, value: str) -> Optional[tuple[str, str]]:
     """`(what is wrong, fix)` when the file(s) `source` reads for path `value` are not here, else None.
-    Mirrors trainer/data (build.py expands `~`; sources/megatron_index.py `prefix_paths`)."""
+    Mirrors trainer/data (build.py expands `~`; the Megatron pair of `facts.megatron_prefix_paths`)."""
     path = Path(value).expanduser()
     relative = " (relative paths are from the working directory)" if not path.is_absolute() else ""
     if source != "megatron":
@@ -1945,15 +1945,15 @@ def _data_file_problem(source: str, value: str) -> Optional[tuple[str, str]]:
         if not path.exists():
             return "does not exist here", f"check the path{relative}"
         return None
-    stem = str(path)[:-4] if str(path).endswith((".bin", ".idx")) else str(path)
-    missing = [f for f in (f"{stem}.idx", f"{stem}.bin") if not Path(f).is_file()]
+    bin_path, idx_path = megatron_prefix_paths(str(path))
+    missing = [f for f in (idx_path, bin_path) if not Path(f).is_file()]
     if not missing:
         return None
     if path.is_dir():
         return ("is a folder, not a Megatron prefix",
                 "set it to <folder>/<prefix>, where <prefix>.bin and <prefix>.idx are the pair's files")  # fmt: skip
     if len(missing) == 2:
-        return f"names no Megatron pair here ({stem}.bin and {stem}.idx do not exist)", f"check the prefix{relative}"
+        return f"names no Megatron pair here ({bin_path} and {idx_path} do not exist)", f"check the prefix{relative}"
     return f"names a Megatron pair without its {missing[0][-4:]} ({missing[0]} does not exist)", \
         "copy both files of the pair (the .bin and .idx from one preprocess_data.py run) next to each other"
 

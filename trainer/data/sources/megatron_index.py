@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from moectl.core.errors import DataError
+from moectl.core.facts import megatron_prefix_paths as prefix_paths  # noqa: F401 - the loader's name for it
 
 from ..storage import is_data_file, map_file, open_data
 
@@ -57,14 +58,6 @@ class MegatronIndex:
     def num_documents(self) -> int:
         """Documents in the dataset (the index list has a leading 0)."""
         return max(self.document_indices.numel() - 1, 0)
-
-
-def prefix_paths(path: str) -> tuple[str, str]:
-    """`(bin_path, idx_path)` for a prefix, or for a path that already ends in `.bin`/`.idx`."""
-    for ext in (".bin", ".idx"):
-        if path.endswith(ext):
-            path = path[: -len(ext)]
-    return path + ".bin", path + ".idx"
 
 
 def _read_header(idx_path: str) -> tuple[int, int, int, int]:
