@@ -53,18 +53,23 @@ def outcome_dir() -> Path | None:
     return Path(d) if d else None
 
 
-def write_outcome(outcome: Outcome) -> None:
-    """Write this rank's report, if a launcher asked for one (never raises: reporting must not fail a run)."""
+def _leave(name: str, text: str) -> None:
+    """Write `name` with `text` into the launcher's report folder, whole (a temp file renamed over it), if a
+    launcher started this worker; never raises: reporting must not fail a run."""
     d = outcome_dir()
     if d is None:
         return
-    path = d / f"rank{outcome.rank}.json"
-    tmp = d / f".rank{outcome.rank}.json.tmp"
+    tmp = d / f".{name}.tmp"
     try:
-        tmp.write_text(json.dumps(asdict(outcome)), encoding="utf-8")
-        os.replace(tmp, path)
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, d / name)
     except OSError:
         pass
+
+
+def write_outcome(outcome: Outcome) -> None:
+    """Write this rank's report, if a launcher asked for one (never raises: reporting must not fail a run)."""
+    _leave(f"rank{outcome.rank}.json", json.dumps(asdict(outcome)))
 
 
 def mark_started(rank: int) -> None:
@@ -82,15 +87,7 @@ def mark_started(rank: int) -> None:
 def mark_pid(rank: int) -> None:
     """Leave `pid<rank>` (this process's id) for the launcher, which forwards a second Ctrl-C to each worker
     itself (`moectl.cli.launch`); never raises."""
-    d = outcome_dir()
-    if d is None:
-        return
-    tmp = d / f".pid{rank}.tmp"
-    try:
-        tmp.write_text(str(os.getpid()), encoding="utf-8")
-        os.replace(tmp, d / f"pid{rank}")
-    except OSError:
-        pass
+    _leave(f"pid{rank}", str(os.getpid()))
 
 
 def read_pids(d: Path) -> dict[int, int]:
