@@ -31,19 +31,19 @@ def write_json_file(path: Path, payload: Any, indent: int = 2) -> None:
             with open(path, "w") as f:
                 f.write(text)
             return
+        # here, not at the top: the ckpt package imports torch, and `moectl --help` imports this module
+        from ckpt.durable import fsync_dir, write_beside
+
         path = path.resolve()  # a link to a results file: the file it names is replaced, the link kept
-        # not mkstemp: its 0600 would outlive the rename; 0666 less the umask is what write_text gave
-        tmp = path.parent / f".{path.name}.{os.getpid()}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        # the checkpoints' durable write: an fsynced sibling (0666 less the umask, as write_text gave), removed
+        # if its write fails, then renamed over PATH
+        tmp = write_beside(path, text.encode())
         try:
-            with os.fdopen(fd, "w") as f:
-                f.write(text)
-                f.flush()
-                os.fsync(f.fileno())
             os.replace(tmp, path)
-        except BaseException:  # a failed write, or Ctrl-C in the middle: nothing half-written stays
+        except BaseException:  # a failed rename, or Ctrl-C in the middle: nothing half-written stays
             tmp.unlink(missing_ok=True)
             raise
+        fsync_dir(path.parent)
     except OSError as e:
         raise OutputError(f"cannot write --json {path}: {e.strerror or e}",
                           "free space there or give another path; the results above are complete") from None
