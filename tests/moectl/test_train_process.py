@@ -305,7 +305,7 @@ def _printed(out: Path, line: str) -> bool:
 def test_a_second_ctrl_c_aborts_both_ranks_at_once_keeping_the_last_checkpoint(tmp_path: Path) -> None:
     """A user trial: under --nproc-per-node 2 the second Ctrl-C was lost (the launcher's agent sent the workers
     SIGTERM instead); the step ran on, saved a new checkpoint, and the run exited 3. Each step here takes seconds
-    (1024 micro-batches a rank), so both presses land in step 2, after step 1's checkpoint has committed."""
+    (1024 micro-batches a rank), so both presses land in one step, after a checkpoint has committed."""
     run_dir, out = tmp_path / "run", tmp_path / "out.log"
     cmd = _train(run_dir, "train.train_iters=2000", "checkpoint.save_interval=1", "train.global_batch_size=8192")
     p = _start_logged(cmd, out)
