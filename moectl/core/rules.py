@@ -1997,8 +1997,7 @@ def _tensor_sizes(c: Context) -> Iterator[tuple[str, tuple[str, ...], int]]:
     """(what, the keys behind it, its element count) for the model's largest tensors of each shape kind: the
     parameters the run allocates at start-up and the per-micro-batch activations and logits."""
     m, moe, mbs = c.cfg.model, c.cfg.moe, c.cfg.train.micro_batch_size
-    d, v, s, heads = m.hidden_size, m.vocab_size, m.seq_length, m.num_attention_heads
-    head_dim = m.kv_channels or d // heads
+    d, v, s, heads, head_dim = m.hidden_size, m.vocab_size, m.seq_length, m.num_attention_heads, m.head_dim
     yield "the embedding [vocab_size, hidden_size]", ("model.vocab_size", "model.hidden_size"), v * d
     yield ("the QKV weight [(heads + 2 x query groups) x head dim, hidden_size]",
            ("model.num_attention_heads", "model.num_query_groups", "model.kv_channels", "model.hidden_size"),
