@@ -38,6 +38,12 @@ def pick_device(choice: str, local_rank: int) -> torch.device:
     if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise UsageError("train.device='cuda' but no CUDA device is visible", "set train.device=auto or cpu")
+        count = torch.cuda.device_count()
+        if local_rank >= count:  # more processes on this host than GPUs: CUDA's "invalid device ordinal" otherwise
+            raise UsageError(f"train.device={choice!r}: local rank {local_rank} needs GPU {local_rank}, but this host "
+                             f"shows {count} GPU{'s' if count != 1 else ''}",
+                             f"launch at most {count} process{'es' if count != 1 else ''} per node "
+                             f"(--nproc-per-node {count}), or set train.device=cpu")  # fmt: skip
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
