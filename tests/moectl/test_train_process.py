@@ -41,7 +41,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(not sys.platform.startswith("
 
 SMALL = [
     "model.num_layers=1", "model.seq_length=32", "data.source=synthetic", "optimizer.lr_warmup_iters=1",
-    "train.eval_interval=null", "train.eval_iters=1",
+    "train.eval_interval=null", "train.eval_iters=1", "train.device=cpu",  # CPU processes on a GPU host too
 ]  # fmt: skip
 
 
