@@ -18,9 +18,17 @@ QUICK_GELU_ALPHA = 1.702  # quick_gelu(x) = x * sigmoid(1.702 x), as in CLIP and
 
 
 def expert_capacity(capacity_factor: float, num_tokens: int, topk: int, num_experts: int) -> int:
-    """Routings an expert may take under a capacity: ceil(factor * T*K / E) (the dispatchers drop the rest;
-    the rules size what depends on it)."""
-    return math.ceil(capacity_factor * num_tokens * topk / num_experts)
+    """Routings an expert may take under a capacity: ceil(factor * T*K / E), at most T (the dispatchers drop
+    the rest; the rules size what depends on it).
+
+    T bounds it because a token's K experts are distinct: no expert gets more than T routings, so a capacity
+    of T already drops nothing and a larger one would only pad more zero rows of prob 0, which change no
+    output or grad (factors from E/K up train bitwise alike). Megatron's router likewise keeps every routing
+    once the capacity passes T, but its get_capacity is unbounded: a finite factor such as 1e308 overflows
+    to inf there, as it did here. Bounded, every finite factor > 0 is a count of rows.
+    """
+    capacity = capacity_factor * num_tokens * topk / num_experts  # may be inf: compared, never converted
+    return num_tokens if capacity >= num_tokens else math.ceil(capacity)
 
 
 def megatron_prefix_paths(path: str) -> tuple[str, str]:

@@ -1099,8 +1099,8 @@ def moe_coefficients_in_range(c: Context) -> Iterator[_Hit]:
     "pad_expert_input_to_capacity needs capacity_factor",
 )
 def pad_to_capacity_needs_capacity_factor(c: Context) -> Iterator[_Hit]:
-    """Padding to capacity pads every expert's input to capacity_factor * T*k/E tokens; dropless routing
-    (capacity_factor null) has no capacity to pad to."""
+    """Padding to capacity pads every expert's input to capacity_factor * T*k/E tokens (at most T); dropless
+    routing (capacity_factor null) has no capacity to pad to."""
     m = c.cfg.moe
     if m.pad_expert_input_to_capacity and m.capacity_factor is None:
         yield _Hit(
@@ -1491,11 +1491,9 @@ def dynamic_ep_exchange_runs_eagerly(c: Context) -> Iterator[_Hit]:
 def _capacity_inputs_valid(c: Context) -> bool:
     """Whether every value an expert's capacity is computed from is in its own range (else another rule's error)."""
     m, t = c.cfg.moe, c.cfg.train
-    if not (m.num_experts >= 1 and 1 <= m.router_topk <= m.num_experts and m.capacity_factor is not None
-            and 0 < m.capacity_factor < math.inf and t.micro_batch_size >= 1 and c.cfg.model.seq_length >= 1):
-        return False  # fmt: skip
-    # a finite factor can still overflow the product (1e308 x tokens): that capacity is no count of rows
-    return math.isfinite(m.capacity_factor * t.micro_batch_size * c.cfg.model.seq_length * m.router_topk)
+    return (m.num_experts >= 1 and 1 <= m.router_topk <= m.num_experts and m.capacity_factor is not None
+            and 0 < m.capacity_factor < math.inf and t.micro_batch_size >= 1
+            and c.cfg.model.seq_length >= 1)  # fmt: skip
 
 
 @rule(
@@ -1515,8 +1513,8 @@ def ep_overlap_chunks_needs_static_alltoall(c: Context) -> Iterator[_Hit]:
     rank (one rank sends nothing), and it does not mix with delay_wgrad_compute, which hides the weight grads
     behind the one backward all-to-all instead, nor with the delayed fp8 recipe, whose amax history assumes
     one quantization per operand and micro-batch (chunks would record n). The chunk count must also divide
-    each expert's capacity, ceil(capacity_factor * T * topk / E) for the T = micro_batch_size * seq_length
-    tokens of a rank's micro-batch (the dispatcher checks it again at its first forward). A value this
+    each expert's capacity, ceil(capacity_factor * T * topk / E) but at most T, for the T = micro_batch_size *
+    seq_length tokens of a rank's micro-batch (the dispatcher checks it again at its first forward). A value this
     reads that is out of its own range (an ep or a count below 1, a capacity_factor <= 0, a router_topk
     outside 1..num_experts) is that value's rule's error alone (MOE041, MOE023, MOE018): no capacity is
     computed from it (num_experts 0 divided by zero here)."""
@@ -1541,8 +1539,10 @@ def ep_overlap_chunks_needs_static_alltoall(c: Context) -> Iterator[_Hit]:
         tokens = c.cfg.train.micro_batch_size * c.cfg.model.seq_length
         cap = expert_capacity(m.capacity_factor, tokens, m.router_topk, m.num_experts)
         if cap % n:
-            yield _Hit(f"moe.ep_overlap_chunks={n} must divide each expert's capacity, {cap} rows (capacity_factor "
-                       f"{m.capacity_factor} x {tokens} tokens x topk {m.router_topk} / {m.num_experts} experts)",
+            how = (f"the {tokens} tokens of a micro-batch, all an expert can get" if cap == tokens else
+                   f"capacity_factor {m.capacity_factor} x {tokens} tokens x topk {m.router_topk} / {m.num_experts} "
+                   "experts")  # fmt: skip
+            yield _Hit(f"moe.ep_overlap_chunks={n} must divide each expert's capacity, {cap} rows ({how})",
                        f"choose a divisor of {cap}, or moe.ep_overlap_chunks=1")  # fmt: skip
     if m.delay_wgrad_compute:
         yield _Hit(f"moe.ep_overlap_chunks={n} with moe.delay_wgrad_compute=true: two overlaps of one all-to-all",

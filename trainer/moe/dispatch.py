@@ -6,10 +6,11 @@ expert input (kept routings grouped by expert, each expert's segment padded).
 
 - Sort: a stable sort by expert id, so within an expert rows keep token order (deterministic, and the same
   rows in the same order whatever the parameter layout).
-- Capacity (`capacity_factor`): each expert keeps at most C = ceil(factor * T*K / E) routings, the ones with
-  the highest routing prob (ties: the earlier token), Megatron's default "probs" drop policy; dropped
-  routings contribute nothing to their token's output. `pad_expert_input_to_capacity` then pads every
-  expert to exactly C rows (rounded up to `align`): P = E * C is static, no host sync.
+- Capacity (`capacity_factor`): each expert keeps at most C = ceil(factor * T*K / E) routings, at most T (all an
+  expert can get: `expert_capacity`), the ones with the highest routing prob (ties: the earlier token),
+  Megatron's default "probs" drop policy; dropped routings contribute nothing to their token's output.
+  `pad_expert_input_to_capacity` then pads every expert to exactly C rows (rounded up to `align`): P = E * C
+  is static, no host sync.
 - Alignment (`align`): each expert's segment is padded with zero rows of prob 0 to a multiple of `align`
   (quantized grouped GEMMs need 16/32-row groups). A prob-0 row's output is 0 and its grads are 0, so
   padding changes neither outputs nor weight grads. Dropless, the padded total is data-dependent but

@@ -107,7 +107,9 @@ class MoEConfig:
     token_dispatcher: Literal["allgather", "alltoall"] = doc(
         "alltoall", "How tokens reach experts on other expert-parallel ranks."
     )
-    capacity_factor: Optional[float] = doc(None, "Tokens per expert = factor * T*k/E, extra tokens dropped; null = dropless.")
+    capacity_factor: Optional[float] = doc(
+        None, "Tokens per expert = factor * T*k/E (at most T), extra tokens dropped; null = dropless."
+    )
     pad_expert_input_to_capacity: bool = doc(False, "Pad every expert's input to its capacity (static shapes).")
     delay_wgrad_compute: bool = doc(
         False,

@@ -1063,8 +1063,17 @@ def test_an_invalid_value_is_reported_once_not_as_an_ep_overlap_problem(bad: str
     found = run([*OVERLAP, bad], world=2)
     assert hits(found, owner) and not hits(found, "MOE067"), found
     assert "must divide each expert's capacity, 320 rows" in hits(run(OVERLAP, world=2), "MOE067")[0].message
-    # a finite factor whose capacity overflows (an OverflowError traceback before): no count of rows to divide
-    assert not hits(run([*OVERLAP, "moe.capacity_factor=1e308", "train.micro_batch_size=1000"], world=2), "MOE067")
+
+
+def test_ep_overlap_chunks_divide_the_capacity_a_huge_factor_is_bounded_to() -> None:
+    """A finite capacity_factor past every token (1e308 overflowed the product: an OverflowError traceback, then
+    no check at all) has the micro-batch's tokens as each expert's capacity, as the dispatcher computes it, so
+    MOE067 checks the chunk count against those rows as the first forward would."""
+    found = hits(run([*OVERLAP, "moe.capacity_factor=1e308", "train.micro_batch_size=1000"], world=2), "MOE067")
+    tokens = 1000 * cfg().model.seq_length
+    assert tokens % 3 and len(found) == 1, found
+    assert f"capacity, {tokens} rows (the {tokens} tokens of a micro-batch, all an expert can get)" in found[0].message
+    assert not hits(run([*OVERLAP, "moe.capacity_factor=1e308", "moe.ep_overlap_chunks=2"], world=2), "MOE067")
 
 
 def test_world_size_zero_is_reported_not_a_crash() -> None:

@@ -3,6 +3,8 @@ layer (router included) and through a few optimizer steps."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -81,6 +83,22 @@ def test_layer_bitwise_parity_including_router_and_parent_grads(kw):
     for key in a:
         assert torch.equal(a[key], b[key]), key
     assert a["linear_fc1.w"].abs().sum() > 0 and a["linear_fc2.w"].abs().sum() > 0 and a["router"].abs().sum() > 0
+
+
+@pytest.mark.parametrize("pad", [False, True], ids=["drop", "drop-and-pad"])
+@pytest.mark.parametrize("factor", [3.0, 1e308, sys.float_info.max])
+def test_a_factor_past_every_token_trains_bitwise_as_the_bound(pad: bool, factor: float) -> None:
+    """An expert gets at most T routings (a token's K experts are distinct), so from capacity_factor E/K on
+    nothing is dropped: every larger factor is bounded to that capacity, T rows, and gives bitwise the loss
+    and grads of factor E/K. 1e308 (finite, so MOE023 lets it through) overflowed to inf in the first forward."""
+    x = torch.randn(2, 5, D, generator=torch.Generator().manual_seed(1))  # T = 10 tokens, top-2 of 4 experts
+    bound = layer(True, capacity_factor=4 / 2, pad_expert_input_to_capacity=pad)
+    big = layer(True, capacity_factor=factor, pad_expert_input_to_capacity=pad)
+    want, got = stats_and_grads(bound, x), stats_and_grads(big, x)
+    for key in want:
+        assert torch.equal(got[key], want[key]), key
+    assert int(big.stats.num_dropped) == 0
+    assert big.dispatcher.rows_per_expert(T=10, K=2) == (10 if pad else None)
 
 
 def test_aux_loss_and_load_stats():
