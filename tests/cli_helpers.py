@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -16,3 +17,15 @@ def cli_env(**extra: str) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
     env.update(extra)
     return env
+
+
+def takes_no_file(folder: Path) -> bool:
+    """Whether the OS refuses a new file in `folder` (/sys does, even to root: a test of an
+    unwritable `--json` folder needs one)."""
+    try:
+        fd, probe = tempfile.mkstemp(dir=folder)
+    except OSError:
+        return True
+    os.close(fd)
+    os.unlink(probe)
+    return False

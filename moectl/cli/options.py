@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+
+from moectl.cli.output import unwritable
 
 ConfigArg = Annotated[Path, typer.Argument(help="YAML config file (e.g. configs/tiny.yaml).", show_default=False)]
 OptionalConfigOpt = Annotated[
@@ -26,8 +27,8 @@ JsonFlag = Annotated[bool, typer.Option("--json", help="Print machine-readable J
 
 def _json_path_usable(path: Optional[Path]) -> Optional[Path]:
     """Check a `--json PATH` before the command runs, and make its folder (the one place it is made; the
-    commands only write the file): a run of minutes must not end in a traceback because the path is a folder
-    or lies under a file."""
+    commands only write the file): a run of minutes must not end in an error because the path is a folder, lies
+    under a file, or is in a folder that takes no new file (read-only, /sys)."""
     if path is None:
         return None
     if path.is_dir():
@@ -37,9 +38,10 @@ def _json_path_usable(path: Optional[Path]) -> Optional[Path]:
     except OSError as e:
         blocker = next((p for p in (path.parent, *path.parent.parents) if p.exists() and not p.is_dir()), None)
         why = f"{blocker} is a file, not a folder" if blocker is not None else e.strerror or str(e)
-        raise typer.BadParameter(f"cannot make the folder {path.parent}: {why}") from None
-    if not os.access(path.parent, os.W_OK):
-        raise typer.BadParameter(f"the folder {path.parent} is not writable")
+        raise typer.BadParameter(f"cannot make the folder {path.parent}: {why}; give another path") from None
+    why = unwritable(path)
+    if why is not None:
+        raise typer.BadParameter(f"cannot write {path}: {why}; give a path in a writable folder")
     return path
 
 

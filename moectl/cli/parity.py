@@ -3,7 +3,10 @@
 A thin shell over `trainer.parity` (the lockstep runs and the comparison live there, tested without the
 CLI): build OFF (the config with `--set`) and ON (OFF with every `--flag`), check both against the rules,
 run, print a row per step and the verdict. Exit 0 when the runs are equal (bitwise, or within `--rtol`),
-1 when they differ, 2 for bad usage or a config the rules refuse.
+1 when they differ, 2 for bad usage or a config the rules refuse. A `--json PATH` whose folder takes no new
+file is bad usage, refused before any step (the option's check); a write that fails after the run anyway (a
+full disk) is an error line, and the exit code stays the verdict's: a script must not read "different" into
+an equal run because its report could not be saved.
 
 With `--nproc-per-node N` it starts N processes through torchrun (as `train` does); every rank runs both
 sides, rank 0 prints, and the verdict reaches this process through a file named in the children's
@@ -21,10 +24,10 @@ import typer
 from rich import box
 from rich.table import Table
 
-from moectl.cli.base import app, command
+from moectl.cli.base import app, command, report as report_error
 from moectl.cli.console import make_console
 from moectl.cli.options import ConfigArg, JsonPathOpt, SetOpt, examples
-from moectl.cli.output import write_json_file
+from moectl.cli.output import OutputError, write_json_file
 from moectl.cli.train import NprocOpt, refuse_on_rule_errors
 from moectl.core.errors import UsageError
 
@@ -49,7 +52,7 @@ RtolOpt = Annotated[
     name="parity",
     help="Run a config twice on the same data and seed, OFF as written and ON with the flags; compare losses, "
     "grad norms, params, masters and optimizer state after every step; name the first step and tensor that "
-    "differ. Exit 0 equal, 1 different."
+    "differ. Exit 0 equal, 1 different, whether or not the --json file could be written."
     + examples(
         "moectl parity configs/tiny.yaml --flag moe.single_grouped_weight=false --steps 5",
         "moectl parity configs/tiny.yaml --flag parallel.overlap_grad_reduce=false --nproc-per-node 2",
@@ -104,15 +107,23 @@ def parity_command(
                       "and optimizer state")  # fmt: skip
     else:
         console.print(f"[red]different[/] ({report.mode}): first at {first.describe()}")
-    if json_path is not None and rank0:
-        write_json_file(json_path, {"config": str(config), **report.to_json()}, indent=1)
     code = 0 if report.equal else 1
+    if json_path is not None and rank0:
+        _write_report(json_path, {"config": str(config), **report.to_json()})
     verdict = os.environ.get(VERDICT_ENV)
     if verdict and rank0:  # a child of --nproc-per-node: the parent exits with the verdict
         Path(verdict).write_text(str(code))
         return
     if not verdict:
         raise typer.Exit(code)
+
+
+def _write_report(path: Path, payload: dict[str, Any]) -> None:
+    """Write the `--json` report; a failure is one error line, never the exit code (that is the verdict's)."""
+    try:
+        write_json_file(path, payload, indent=1)
+    except OutputError as e:
+        report_error(OutputError(e.message, f"{e.fix}; the exit code is still the verdict's (0 equal, 1 different)"))
 
 
 def _unchanged_flags(off: Any, flags: list[str]) -> list[str]:

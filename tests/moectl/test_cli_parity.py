@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from cli_helpers import takes_no_file
 from moectl.cli.app import app
 
 runner = CliRunner()
@@ -93,3 +94,34 @@ def test_a_json_path_that_cannot_be_written_is_refused_before_the_run(tmp_path):
         assert "loss OFF" not in r.stdout  # refused before any step
     r = parity(tmp_path / "new" / "deep" / "p.json")
     assert r.returncode == 1 and (tmp_path / "new" / "deep" / "p.json").is_file()  # its folder made
+
+
+def parity_json(flag: str, path: Path) -> subprocess.CompletedProcess[str]:
+    """A one-step parity run with `--json PATH`, its stdout and stderr apart."""
+    return subprocess.run([sys.executable, "-m", "moectl", "parity", "configs/tiny.yaml", *QUICK, "--flag", flag,
+                           "--steps", "1", "--json", str(path)], cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.skipif(not takes_no_file(Path("/sys")), reason="needs a folder that takes no new file")
+def test_a_json_folder_that_takes_no_new_file_is_refused_before_the_run():
+    """Root passed the permission-bit check of /sys (or a read-only mount): the run went to its end, then its
+    JSON write failed and an equal run exited 1, "different". Now the OS is asked up front."""
+    r = parity_json("moe.single_grouped_weight=true", Path("/sys/moectl-parity.json"))
+    assert r.returncode == 2 and "loss OFF" not in r.stdout, r.stdout + r.stderr
+    (line,) = r.stderr.strip().splitlines()
+    assert "cannot write /sys/moectl-parity.json: /sys takes no new file" in line
+    assert "give a path in a writable folder" in line
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+@pytest.mark.parametrize("flag, verdict", [("moe.single_grouped_weight=true", 0), ("optimizer.lr=1e-3", 1)],
+                         ids=["equal", "different"])  # fmt: skip
+def test_a_json_write_that_fails_after_the_run_keeps_the_verdicts_exit_code(flag: str, verdict: int):
+    """A write that fails late (a full disk: /dev/full, written in place, passes the check) made every run exit
+    1, the code of "different". It is one error line naming the path; the exit code is the verdict's."""
+    r = parity_json(flag, Path("/dev/full"))
+    assert r.returncode == verdict, r.stdout + r.stderr
+    assert ("equal (bitwise)" if verdict == 0 else "different (bitwise)") in r.stdout
+    (line,) = [x for x in r.stderr.splitlines() if x.strip()]
+    assert line.startswith("error: cannot write --json /dev/full: No space left on device. fix: ")
+    assert line.endswith("the exit code is still the verdict's (0 equal, 1 different)"), line

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from cli_helpers import takes_no_file
 from moectl.cli import output
 from moectl.cli.app import app
 from moectl.cli.output import OutputError, write_json_file
@@ -81,3 +83,23 @@ def test_a_link_is_kept_and_a_link_into_proc_is_written_through(tmp_path: Path) 
     with open(redirected, "w") as f:
         subprocess.run([sys.executable, "-c", code], stdout=f, check=True, timeout=60)
     assert stdout.is_symlink() and json.loads(redirected.read_text()) == {"a": 1}
+
+
+def test_the_probe_asks_the_os_and_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The option checked the folder's permission bits, which pass for root: `--json` into a read-only mount or
+    /sys ran the whole command and failed at its end. The probe makes and removes a file where the write will."""
+    assert output.unwritable(tmp_path / "r.json") is None
+    assert list(tmp_path.iterdir()) == []
+
+    def read_only(*_: object, **__: object) -> None:
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(output.tempfile, "mkstemp", read_only)
+    assert output.unwritable(tmp_path / "r.json") == f"{tmp_path} takes no new file (Read-only file system)"
+    if Path("/dev/full").exists():  # written in place: a probe would write into the device; the write answers
+        assert output.unwritable(Path("/dev/full")) is None
+
+
+@pytest.mark.skipif(not takes_no_file(Path("/sys")), reason="needs a folder that takes no new file")
+def test_sys_is_refused_even_to_root() -> None:
+    assert output.unwritable(Path("/sys/r.json")) == "/sys takes no new file (Permission denied)"
