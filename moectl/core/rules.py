@@ -5,7 +5,8 @@ stops at the first). A rule is a small generator function registered with `@rule
 family, a severity, the keys it reads and a one-line summary; its docstring is the rationale that
 `moectl validate-config --explain MOExxx` prints. A rule yields one `_Hit` per problem it finds (a rule
 that reads several keys may yield several), and must never raise on a bad value: a divisor that is zero
-or negative is skipped there and reported by MOE041 instead.
+or negative is skipped there and reported by MOE041 instead (a vocabulary fed bytes: by MOE043, whose fix
+is the one that works).
 
 Ids are stable: they are never renumbered or reused, and a new rule takes the next free id whatever its
 family. Families and their ids: precision MOE001-009, optimizer and LR schedule MOE010-015, overlap
@@ -1856,8 +1857,11 @@ def sizes_positive(c: Context) -> Iterator[_Hit]:
     """Layer counts, widths, heads, sequence length, vocabulary, experts, batch sizes, iteration counts,
     intervals and `keep_last` must be >= 1 (warmup >= 0): a zero divides by zero or silently disables a
     thing the config says it wants. Optional ones (null = off) are checked only when set. Other rules skip
-    a divisor that is not positive and leave the report to this one."""
+    a divisor that is not positive and leave the report to this one. The one exception: a vocabulary below 1
+    fed bytes is MOE043's alone, whose fix (>= 256) is the one that works; "set it >= 1" only led to MOE043."""
     for key, value, minimum in _positive_keys(c):
+        if key == "model.vocab_size" and _byte_level(c.cfg):
+            continue  # MOE043 refuses every vocabulary below 256 here, this one included
         if value < minimum:
             yield _Hit(f"{key}={fmt(value)} must be >= {minimum}", f"set {key} to an integer >= {minimum}", keys=(key,))
 
@@ -1882,6 +1886,11 @@ def model_numerics_in_range(c: Context) -> Iterator[_Hit]:
             yield _Hit(f"{key}={fmt(value)} must be {want}", f"set {key} {want}", keys=(key,))
 
 
+def _byte_level(cfg: Config) -> bool:
+    """Whether the data source feeds raw bytes (ids 0..255) as tokens."""
+    return cfg.data.source == "corpus" or (cfg.data.source == "text" and cfg.data.tokenizer is None)
+
+
 @rule(
     "MOE043",
     "data",
@@ -1891,10 +1900,10 @@ def model_numerics_in_range(c: Context) -> Iterator[_Hit]:
 )
 def byte_level_vocab(c: Context) -> Iterator[_Hit]:
     """The built-in corpus, and the text source without a tokenizer, feed raw bytes: token ids 0..255.
-    A smaller vocabulary makes the embedding lookup fail on the first batch."""
+    A smaller vocabulary makes the embedding lookup fail on the first batch. A vocabulary below 1 is
+    reported here, not by MOE041: only this rule's fix makes the config valid."""
     d, v = c.cfg.data, c.cfg.model.vocab_size
-    byte_level = d.source == "corpus" or (d.source == "text" and d.tokenizer is None)
-    if byte_level and v < BYTE_LEVEL_VOCAB:
+    if _byte_level(c.cfg) and v < BYTE_LEVEL_VOCAB:
         yield _Hit(
             f"data.source={d.source} feeds bytes (ids up to 255) but model.vocab_size={v}",
             f"set model.vocab_size >= {BYTE_LEVEL_VOCAB}",

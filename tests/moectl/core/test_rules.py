@@ -989,7 +989,10 @@ def test_no_rule_crashes_on_zero_sizes() -> None:
     zeros = [f"{k}=0" for k in rules._COUNTS]
     found = run(zeros, world=1)
     reported = {next(iter(v.keys)) for v in hits(found, "MOE041")}
-    assert reported == set(rules._COUNTS)
+    assert reported == set(rules._COUNTS) - {"model.vocab_size"}  # the corpus feeds bytes: MOE043's
+    assert len(hits(found, "MOE043")) == 1
+    synthetic = run([*zeros, "data.source=synthetic"], world=1)
+    assert {next(iter(v.keys)) for v in hits(synthetic, "MOE041")} == set(rules._COUNTS)
 
 
 def test_no_rule_crashes_or_hangs_on_sizes_past_64_bits() -> None:
@@ -1012,6 +1015,24 @@ def test_a_non_positive_expert_count_is_reported_once_not_as_a_topk_range(expert
     """MOE018 said 'set moe.router_topk to 1..1' for -4 experts; the count is MOE041's to report."""
     found = run([f"moe.num_experts={experts}"], world=1)
     assert hits(found, "MOE041") and not hits(found, "MOE018")
+
+
+@pytest.mark.parametrize("sets", [["model.vocab_size=0"], ["model.vocab_size=-5"],
+                                  ["data.source=text", "data.path=x.txt", "model.vocab_size=0"]])  # fmt: skip
+def test_a_vocabulary_below_1_fed_bytes_is_reported_once_with_the_fix_that_works(sets: list[str]) -> None:
+    """MOE041 ("set model.vocab_size to an integer >= 1") fired beside MOE043 ("set model.vocab_size >= 256");
+    following MOE041's fix left MOE043's error. Only MOE043's fix works: it is the one reported. A source
+    with its own tokens (no byte-level floor) still gets MOE041 for a vocabulary below 1."""
+    found = run(sets, world=1)
+    assert not hits(found, "MOE041"), found
+    (byte_level,) = hits(found, "MOE043")
+    assert byte_level.fix == "set model.vocab_size >= 256"
+    fixed = run([*sets[:-1], "model.vocab_size=256"], world=1)
+    assert not hits(fixed, "MOE041") and not hits(fixed, "MOE043")  # that fix alone clears the vocabulary
+    for source in (["data.source=synthetic"], ["data.source=text", "data.path=x.txt", "data.tokenizer=t.json"]):
+        own_tokens = run([*source, "model.vocab_size=0"], world=1)
+        assert [next(iter(v.keys)) for v in hits(own_tokens, "MOE041")] == ["model.vocab_size"]
+        assert not hits(own_tokens, "MOE043")
 
 
 @pytest.mark.parametrize("iters", [0, -5])
