@@ -72,7 +72,8 @@ def test_two_ranks_exit_1_on_a_difference_without_a_failed_child(tmp_path):
     """The ranks' verdict reaches the parent: exit 1, and torchrun reports no failed child."""
     out = tmp_path / "parity.json"
     args = [sys.executable, "-m", "moectl", "parity", "configs/tiny.yaml", *QUICK, "--set", "train.global_batch_size=8",
-            "--flag", "optimizer.lr=1e-3", "--steps", "2", "--nproc-per-node", "2", "--json", str(out)]
+            "--set", "train.device=cpu", "--flag", "optimizer.lr=1e-3", "--steps", "2", "--nproc-per-node", "2",
+            "--json", str(out)]  # fmt: skip
     res = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert res.returncode == 1, res.stdout + res.stderr
     assert "first at step 1" in res.stdout and "ChildFailedError" not in res.stderr
