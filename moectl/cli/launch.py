@@ -16,6 +16,8 @@ What this launcher adds around torchrun (issue 18):
   step and save before it kills them; a second Ctrl-C is forwarded to every worker as a SIGINT, which aborts
   the run without saving (`_LauncherSignals`);
 - a worker stops (SIGTERM: it saves and exits 3) when the launcher is killed outright (`launcher_tie`);
+- once the workers have ended, a late SIGINT/SIGTERM/SIGHUP to the launcher is ignored: the run's line and
+  exit code are what the workers earned (`_ignore_late_signals`);
 - the workers' CPU threads are chosen by the trainer's rule (trainer/threads.py) and passed as
   OMP_NUM_THREADS, unless the user set it.
 """
@@ -88,6 +90,26 @@ def launch_local(nproc_per_node: int, moectl_args: list[str]) -> int:
     return 0
 
 
+_WATCHED = tuple(s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s is not None)
+
+
+def _ignore_late_signals() -> None:
+    """Ignore SIGINT, SIGTERM and SIGHUP for the rest of this process, once the agent's run has returned.
+
+    The workers have ended by then, so such a signal has nothing left to stop: the run's outcome is settled,
+    and reporting it takes milliseconds. Handled as before, it ended the launcher in that window without its
+    line or the code the run earned (3 after a save, which a scheduler requeues on): a KeyboardInterrupt ("stopped
+    before `moectl train` finished"), torchrun's handler raising out of the report, or SIGTERM's default
+    killing it. SIG_IGN rather than a Python handler: the interpreter puts its own handlers back to SIG_DFL as
+    it finalizes, and a late Ctrl-C there killed the launcher with -2 after a run that had finished.
+    """
+    for sig in _WATCHED:
+        try:
+            signal.signal(sig, signal.SIG_IGN)
+        except ValueError:  # not the main thread (a test runner's worker): nothing was handled here either
+            pass
+
+
 class _LauncherSignals:
     """The launcher's SIGINT, SIGTERM and SIGHUP while the workers run (entered around torchrun's `run`).
 
@@ -111,7 +133,7 @@ class _LauncherSignals:
     def __init__(self, reports: Path) -> None:
         self.reports = reports
         self.received: Optional[signal.Signals] = None
-        self._previous: dict[int, Any] = {}
+        self.settled = False
 
     @staticmethod
     def supported() -> bool:
@@ -121,18 +143,21 @@ class _LauncherSignals:
         return "signals_to_handle" in {f.name for f in dataclasses.fields(LaunchConfig)}
 
     def __enter__(self) -> "_LauncherSignals":
-        for sig in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)):
-            if sig is not None:
-                self._previous[sig] = signal.signal(sig, self._handle)
+        for sig in _WATCHED:
+            signal.signal(sig, self._handle)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+        """The workers have ended: from here on the three signals are ignored, not handed back to the previous
+        handlers (`_ignore_late_signals`)."""
+        self.settled = True  # first: a signal already pending must not raise out of the switch below
+        _ignore_late_signals()
 
     def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
         from torch.distributed.elastic.multiprocessing.api import SignalException
 
+        if self.settled:
+            return
         sig = signal.Signals(signum)
         if self.received is None:
             self.received = sig
@@ -187,6 +212,9 @@ def launch_train(nproc_per_node: int, moectl_args: list[str], cpu_threads: Optio
         except SignalException as e:
             launcher_signal = e.sigval.name
         finally:
+            # here too: torchrun's own handler stays installed on a torch without --signals-to-handle, and a
+            # first signal that lands as `__exit__` is called raises out of it before its switch
+            _ignore_late_signals()
             del os.environ[OUTCOME_DIR_ENV]
             del os.environ[LAUNCHED_ENV]
             del os.environ[LAUNCHER_PID_ENV]

@@ -1,0 +1,83 @@
+"""The `--nproc-per-node` launcher around torchrun's agent (moectl/cli/launch.py), without starting workers: its
+agent's `run` is replaced by one that leaves the workers' reports, so what happens after it returns can be
+provoked exactly. Real workers and signals: test_train_process.py."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cli_helpers import TINY, cli_env
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="POSIX signals")
+
+# A launcher whose workers have ended as `reports` says, and which gets `sig` right after the agent's run
+# returns (as it reads the reports, before the verdict) and again as the process ends (at exit). `torchrun_handler`:
+# a torch without --signals-to-handle, whose agent leaves its own handler installed.
+LAUNCHER = """
+import atexit, json, os, signal, sys
+import torch.distributed.run as torchrun
+from torch.distributed.elastic.multiprocessing.api import _terminate_process_handler
+from moectl.cli import launch
+
+sig, torchrun_handler = signal.Signals[sys.argv[1]], sys.argv[2] == "1"
+reports, argv = json.loads(sys.argv[3]), sys.argv[4:]
+
+def run(args):
+    if torchrun_handler:
+        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(s, _terminate_process_handler)
+    for r in reports:
+        with open(os.path.join(os.environ["MOECTL_OUTCOME_DIR"], f"rank{r['rank']}.json"), "w") as f:
+            json.dump(r, f)
+
+def read_outcomes(d, real=launch.read_outcomes):
+    os.kill(os.getpid(), sig)
+    return real(d)
+
+torchrun.run = run
+launch.read_outcomes = read_outcomes
+if torchrun_handler:
+    launch._LauncherSignals.supported = staticmethod(lambda: False)
+atexit.register(lambda: os.kill(os.getpid(), sig))
+sys.argv = ["moectl", *argv]
+from moectl.cli.app import main
+main()
+"""
+
+
+def _stopped(rank: int, ckpt: Path) -> dict:
+    return {"rank": rank, "kind": "stopped", "exit_code": 3, "step": 7, "checkpoint": str(ckpt), "signal": "SIGTERM"}
+
+
+def _launch(tmp_path: Path, sig: signal.Signals, reports: list[dict],
+            torchrun_handler: bool = False) -> subprocess.CompletedProcess[str]:  # fmt: skip
+    argv = ["train", TINY, "--run-dir", str(tmp_path / "run"), "--set", "data.source=synthetic",
+            "--nproc-per-node", "2"]  # fmt: skip
+    cmd = [sys.executable, "-c", LAUNCHER, sig.name, "1" if torchrun_handler else "0", json.dumps(reports), *argv]
+    return subprocess.run(cmd, env=cli_env(), capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name)
+def test_a_signal_after_the_workers_ended_keeps_the_code_the_run_earned(tmp_path: Path, sig: signal.Signals) -> None:
+    """Both ranks stopped and saved (exit 3, what a scheduler requeues on); the launcher's own copy of the
+    signal came after that. It ended the launcher: SIGINT with 130 and "stopped before `moectl train`
+    finished", SIGTERM and SIGHUP killed it without a word (and a SIGINT as the interpreter finalized, after
+    the exit handlers, killed it with -2: the same SIG_IGN covers that)."""
+    ckpt = tmp_path / "run" / "checkpoints" / "step_00000007"
+    out = _launch(tmp_path, sig, [_stopped(0, ckpt), _stopped(1, ckpt)])
+    assert (out.returncode, out.stderr) == (3, ""), out.stderr
+
+
+def test_a_signal_after_the_workers_ended_keeps_the_runs_line_under_torchruns_handler(tmp_path: Path) -> None:
+    """A torch without --signals-to-handle: torchrun's handler, still installed, raised its SignalException out of
+    the launcher's report, with a traceback. The run's own line and code stand."""
+    ckpt = tmp_path / "run" / "checkpoints" / "step_00000007"
+    failed = {"rank": 1, "kind": "error", "exit_code": 1, "step": 7, "message": "non-finite loss at step 7. fix: x"}
+    out = _launch(tmp_path, signal.SIGTERM, [_stopped(0, ckpt), failed], torchrun_handler=True)
+    assert (out.returncode, out.stderr.splitlines()) == (1, [f"error: rank 1, step 7: {failed['message']}"])
