@@ -128,13 +128,17 @@ def _name(target: typer.Typer, fn: Callable[..., Any], name: str | None) -> str:
 
 
 def command(target: typer.Typer = app, name: str | None = None, stoppable: bool = False,
-            **kwargs: Any) -> Callable[[F], F]:
+            interruptible: bool = False, **kwargs: Any) -> Callable[[F], F]:
     """Register `fn` as a command of `target`, with one-line user errors.
 
     `stoppable`: SIGTERM and SIGHUP stop the command as Ctrl-C does, by an exception in the main thread (so
     its cleanup removes a partial output) instead of ending the process where it stands; a second signal
     cannot interrupt that cleanup (`_signals_raise`). One line says so, and the exit code is 128 + the
     signal's number. For commands that write: `train` has its own.
+
+    `interruptible`: the same handling for a command with no output to remove (the benches), whose line is
+    Ctrl-C's (`stopped by SIGTERM before ... finished. fix: run it again`); without it SIGTERM and SIGHUP
+    end the process on the spot, with no line.
     """
 
     def decorate(fn: F) -> F:
@@ -142,7 +146,7 @@ def command(target: typer.Typer = app, name: str | None = None, stoppable: bool 
         def wrapper(*args: Any, **kw: Any) -> Any:
             warn_unknown_variables()
             try:
-                if not stoppable:
+                if not (stoppable or interruptible):
                     return fn(*args, **kw)
                 with _signals_raise():
                     return fn(*args, **kw)

@@ -184,7 +184,7 @@ def render_fp8(result: Any, console: Console) -> None:
 CPU_CEILING_SIZE = 1024
 
 
-@command(bench_app, name="grouped-mlp", help=_GROUPED_MLP_HELP)
+@command(bench_app, name="grouped-mlp", help=_GROUPED_MLP_HELP, interruptible=True)
 def grouped_mlp(
     json_path: JsonPathOpt = None,
     quick: Annotated[
@@ -317,7 +317,7 @@ def write_json(result: Any, json_path: Optional[Path], console: Console) -> None
         console.print(f"wrote {json_path}")
 
 
-@command(bench_app, name="optimizer-step", help=_OPTIMIZER_STEP_HELP)
+@command(bench_app, name="optimizer-step", help=_OPTIMIZER_STEP_HELP, interruptible=True)
 def optimizer_step(
     json_path: JsonPathOpt = None,
     quick: Annotated[
@@ -391,7 +391,7 @@ def render_param_gather(result: Any, console: Console) -> None:
         console.print(step)
 
 
-@command(bench_app, name="param-gather", help=_PARAM_GATHER_HELP)
+@command(bench_app, name="param-gather", help=_PARAM_GATHER_HELP, interruptible=True)
 def param_gather(
     json_path: JsonPathOpt = None,
     quick: Annotated[

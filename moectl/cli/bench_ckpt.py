@@ -62,7 +62,7 @@ def render(result: Any, console: Console) -> None:
     console.print(table)
 
 
-@command(bench_app, name="ckpt", help=_HELP)
+@command(bench_app, name="ckpt", help=_HELP, interruptible=True)
 def ckpt(
     config: ConfigArg,
     set_: SetOpt = None,

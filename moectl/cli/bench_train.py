@@ -133,7 +133,7 @@ def render(result: Any, console: Console) -> None:
     console.print(table)
 
 
-@command(bench_app, name="train", help=_HELP)
+@command(bench_app, name="train", help=_HELP, interruptible=True)
 def train(
     config: ConfigArg,
     set_: SetOpt = None,

@@ -137,3 +137,45 @@ def test_a_launched_bench_stopped_by_a_signal_is_one_line_not_torchruns_tracebac
     name = "SIGINT" if signum == 2 else "SIGTERM"
     assert r.exit_code == code, r.output
     assert r.output.strip() == f"error: stopped by {name} before `moectl bench train` finished. fix: run it again"
+
+
+# A bench whose measurement gets `sig` (module.attr replaced by a function that sends it to this process), run
+# from the entry point as a user runs it: a real signal, at a known point, in a process the test can lose.
+SIGNALLED_BENCH = """
+import importlib, os, signal, sys, time
+
+module, attr, sig = sys.argv[1], sys.argv[2], signal.Signals[sys.argv[3]]
+
+def signalled(*args, **kwargs):
+    os.kill(os.getpid(), sig)
+    time.sleep(60)  # the handler raises out of this sleep
+
+setattr(importlib.import_module(module), attr, signalled)
+sys.argv = ["moectl", *sys.argv[4:]]
+from moectl.cli.app import main
+main()
+"""
+
+
+@pytest.mark.parametrize("sig, target, args", [
+    ("SIGTERM", "moectl.bench.train_bench.run", ("train", TINY, "--quick")),
+    ("SIGHUP", "moectl.bench.train_bench.run", ("train", TINY, "--quick")),
+    ("SIGTERM", "moectl.bench.grouped_mlp.run", ("grouped-mlp", "--quick")),
+    ("SIGTERM", "moectl.bench.ckpt_bench.run", ("ckpt", TINY, "--quick")),
+], ids=["train-sigterm", "train-sighup", "grouped-mlp-sigterm", "ckpt-sigterm"])  # fmt: skip
+def test_a_bench_stopped_by_sigterm_is_one_line_as_for_ctrl_c(tmp_path: Path, sig: str, target: str,
+                                                               args: tuple[str, ...]) -> None:  # fmt: skip
+    """One process, no launcher: SIGTERM (a scheduler's stop, `timeout`) and SIGHUP ended a bench on the spot with
+    no word (Ctrl-C said which command stopped); now the same line, 128 + the signal, no traceback."""
+    import signal
+
+    from cli_helpers import cli_env
+
+    module, attr = target.rsplit(".", 1)
+    cmd = [sys.executable, "-c", SIGNALLED_BENCH, module, attr, sig, "bench", *args]
+    if args[0] == "ckpt":
+        cmd += ["--dir", str(tmp_path / "bench")]
+    r = subprocess.run(cmd, env=cli_env(), cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 128 + signal.Signals[sig], r.stderr
+    assert r.stderr.splitlines() == [f"error: stopped by {sig} before `moectl bench {args[0]}` finished. fix: run it "
+                                     "again"]  # fmt: skip
