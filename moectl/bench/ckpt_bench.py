@@ -83,11 +83,12 @@ def check_folder(folder: Path) -> None:
                          f"{sorted(entries)[0]}); it would delete them", fix)  # fmt: skip
 
 
-def _make_folder(folder: Path) -> list[Path]:
-    """Make the bench's folder (an earlier bench's replaced) and mark it; returns the folders made, deepest first,
-    so the end can remove the parents it made too (an empty runs/tiny/ was left in the working folder)."""
+def _make_folder(folder: Path, written: _Written) -> None:
+    """Make the bench's folder (an earlier bench's replaced) and mark it. `written.made` gets the folders it makes,
+    deepest first, so the end can remove the parents it made too (an empty runs/tiny/ was left in the working
+    folder); set before any is made, so a run interrupted here removes them as well."""
     check_folder(folder)
-    made = [p for p in (folder, *folder.parents) if not p.exists()]
+    written.made = made = [p for p in (folder, *folder.parents) if not p.exists()]
     try:
         if folder.exists():
             _empty(folder)  # the folder itself stays: the user's (a mount point, say), not the bench's to remove
@@ -96,7 +97,6 @@ def _make_folder(folder: Path) -> list[Path]:
     except OSError as e:  # a dangling symlink, a path under /proc, no permission
         raise UsageError(f"bench ckpt --dir {folder}: {e.strerror or e}",
                          f"pass a new or empty folder the bench can write, e.g. {Path.cwd() / 'bench_ckpt'}") from None
-    return made
 
 
 def _empty(folder: Path) -> None:
@@ -112,12 +112,42 @@ def _remove_folder(folder: Path, made: list[Path]) -> None:
     if folder not in made:
         _empty(folder)
         return
-    shutil.rmtree(folder)
+    if folder.exists():  # a run interrupted while it made its folders may not have got to this one
+        shutil.rmtree(folder)
     for parent in made[1:]:  # made[0] is `folder`
         try:
             parent.rmdir()  # only if empty
+        except FileNotFoundError:
+            continue
         except OSError:
             break
+
+
+@dataclass
+class _Written:
+    """What a run of the bench has written so far, for `remove` when it does not finish."""
+
+    #: the folders this rank made (`_make_folder`); None where the folder is not this rank's to remove (another
+    #: rank's, or one `check_folder` has not passed: a folder of the user's is never touched)
+    made: Optional[list[Path]] = None
+    #: the background saver, whose writer thread goes on writing into the folder after the main thread stops
+    saver: Any = None
+
+    def remove(self, folder: Path) -> None:
+        """Let a background save in flight end, then remove what this run wrote (rank 0). Never raises: the way
+        the run ended (a Ctrl-C's line, the error) is what the user must see. With several ranks, another may
+        still be writing as rank 0 removes the folder: best effort there."""
+        if self.saver is not None:
+            try:
+                self.saver.abandon()
+            except Exception:  # its own failure: the folder goes all the same
+                pass
+        if self.made is None:
+            return
+        try:
+            _remove_folder(folder, self.made)
+        except OSError:
+            pass
 
 
 class CkptBenchResult(RowsResult):
@@ -269,7 +299,23 @@ def _row(measure: str, seconds: float, nbytes: int, floor: Optional[str] = None,
 
 
 def run(bench: CkptBenchConfig, cfg: Config, meta: dict[str, Any], log: Log = lambda s: None) -> CkptBenchResult:
-    """Measure everything (collective under torchrun); rank 0's result holds the table."""
+    """Measure everything (collective under torchrun); rank 0's result holds the table.
+
+    A run that does not finish (Ctrl-C, SIGTERM, an error) removes what it wrote, --keep or not: its folder (only
+    the contents of one that was there), and the parents it made. Left behind, its scratch files stayed until the
+    next run emptied the folder.
+    """
+    written = _Written()
+    try:
+        return _measure(bench, cfg, meta, log, written)
+    except BaseException:  # the CLI's Ctrl-C and SIGTERM too (KeyboardInterrupt, its `Stopped`)
+        written.remove(Path(cfg.run_dir).parent)
+        raise
+
+
+def _measure(bench: CkptBenchConfig, cfg: Config, meta: dict[str, Any], log: Log,
+             written: _Written) -> CkptBenchResult:  # fmt: skip
+    """`run`'s measurements; `written` follows what they write."""
     from ckpt import open_checkpoint
     from ckpt.convert import convert_checkpoint
     from ckpt.inspect import inspect_checkpoint
@@ -287,9 +333,8 @@ def run(bench: CkptBenchConfig, cfg: Config, meta: dict[str, Any], log: Log = la
         said(f"[{time.perf_counter() - start:7.1f} s] {line}")
 
     # Under torchrun the process group does not exist yet (the trainer joins it): the rank is torchrun's.
-    made: list[Path] = []
     if (_world()[0] if dist.is_initialized() else int(os.environ.get("RANK", "0"))) == 0:
-        made = _make_folder(folder)
+        _make_folder(folder, written)
 
     log("building the model and taking one training step")
     trainer = Trainer(cfg, SilentObserver())
@@ -319,7 +364,7 @@ def run(bench: CkptBenchConfig, cfg: Config, meta: dict[str, Any], log: Log = la
     meta["checkpoint_bytes"] = total_bytes
     meta["files"] = len(files)
 
-    saver = RunCheckpointer(cfg, trainer.engine, trainer.rt.pstate, folder / "bg")
+    saver = written.saver = RunCheckpointer(cfg, trainer.engine, trainer.rt.pstate, folder / "bg")
     log("reserving the background save's host buffers, as a run does at start-up")
     _barrier()
     reserved = saver.reserve(step)
@@ -341,6 +386,7 @@ def run(bench: CkptBenchConfig, cfg: Config, meta: dict[str, Any], log: Log = la
         log(f"  {_phase_line(report.phases)}")
         _on_rank0(lambda: shutil.rmtree(folder / "bg"))
     saver.close()
+    written.saver = None
 
     log("plain sequential writer (the floor)")
     blobs = {p.name: p.read_bytes() for p in mine}  # untimed: the bytes are in memory, as the save's were
@@ -392,7 +438,7 @@ def run(bench: CkptBenchConfig, cfg: Config, meta: dict[str, Any], log: Log = la
     if bench.saves_only:
         result.notes.append("--saves-only: the tools (inspect, convert, validate) and the raw reads were skipped")
         if not bench.keep:
-            _on_rank0(lambda: _remove_folder(folder, made))
+            _on_rank0(lambda: _remove_folder(folder, written.made or []))
         return result
     t = _on_rank0(tools)
     log("ckpt validate (every rank)")
@@ -413,7 +459,7 @@ def run(bench: CkptBenchConfig, cfg: Config, meta: dict[str, Any], log: Log = la
         if not cold["dropped"]:
             result.notes.append("the page cache could not be dropped: reads may have been served from memory")
     if not bench.keep:
-        _on_rank0(lambda: _remove_folder(folder, made))
+        _on_rank0(lambda: _remove_folder(folder, written.made or []))
     return result
 
 

@@ -69,11 +69,12 @@ def ckpt(
     nproc_per_node: NprocOpt = 1,
     folder: Annotated[
         Optional[Path], typer.Option("--dir", help="Where to write (default: RUN_DIR/bench_ckpt of the config); "
-                                     "removed afterwards unless --keep (a folder that was there is emptied, "
-                                     "not removed); a folder holding files the bench did "
-                                     "not write is refused.")
+                                     "removed afterwards unless --keep, and by a run that is interrupted or "
+                                     "fails (a folder that was there is emptied, not removed); a folder holding "
+                                     "files the bench did not write is refused.")
     ] = None,
-    keep: Annotated[bool, typer.Option("--keep", help="Leave the synchronous save in --dir.")] = False,
+    keep: Annotated[bool, typer.Option("--keep", help="Leave the synchronous save in --dir (of a run that "
+                                       "finishes).")] = False,
     json_path: JsonPathOpt = None,
     quick: Annotated[
         bool, typer.Option("--quick", help="The config's structure shrunk to a tiny CPU model: a CI smoke test.")

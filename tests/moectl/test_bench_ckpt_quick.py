@@ -105,6 +105,54 @@ def test_a_folder_holding_the_users_files_is_refused_and_kept(tmp_path: Path, mo
     assert empty.is_dir() and list(empty.iterdir()) == []
 
 
+def _interrupted(exc: BaseException) -> Any:
+    def stop(*args: Any, **kwargs: Any) -> Any:
+        raise exc
+
+    return stop
+
+
+def test_an_interrupted_run_removes_what_it_wrote(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C during the last measure left the run's scratch files (its checkpoints, its marker) and the folders it
+    made in --dir until the next run emptied them. Now they go, and the line and 130 are Ctrl-C's."""
+    import trainer.validation
+
+    monkeypatch.setattr(trainer.validation, "validate_checkpoint", _interrupted(KeyboardInterrupt()))
+    monkeypatch.delenv("MOECTL_LAUNCHED", raising=False)
+    res = CliRunner().invoke(app, ["bench", "ckpt", str(TINY), "--quick", "--set", "data.source=synthetic",
+                                   "--dir", str(tmp_path / "made" / "b"), "--keep"])  # fmt: skip
+    assert res.exit_code == 130, res.output
+    assert res.output.splitlines()[-1] == ("error: stopped by SIGINT before `moectl bench ckpt` finished. fix: run "
+                                           "it again") and "Traceback" not in res.output  # fmt: skip
+    assert list(tmp_path.iterdir()) == []  # the parent it made too; --keep is for a run that finishes
+
+
+def test_a_run_stopped_during_a_background_save_leaves_the_users_folders(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGTERM while the background save's writer thread is still writing into the folder (held 1 s before its
+    commit): the save ends before the folder is emptied, or its commit lands in the emptied folder. A folder
+    that was there (empty, the user's) stays, and so does what lies beside it."""
+    import signal
+
+    from ckpt import faults
+    from moectl.cli.base import Stopped
+    from trainer.checkpointing.saver import RunCheckpointer
+
+    mount = tmp_path / "mount"
+    mount.mkdir()
+    (tmp_path / "notes.txt").write_text("mine")
+    monkeypatch.setenv(faults.ENV, "0:before_manifest:slow")
+    monkeypatch.setattr(RunCheckpointer, "finish", _interrupted(Stopped(signal.SIGTERM)))
+    monkeypatch.delenv("MOECTL_LAUNCHED", raising=False)
+    res = CliRunner().invoke(app, ["bench", "ckpt", str(TINY), "--quick", "--set", "data.source=synthetic",
+                                   "--dir", str(mount)])  # fmt: skip
+    assert res.exit_code == 143, res.output
+    assert mount.is_dir() and list(mount.iterdir()) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mount", "notes.txt"]
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
 def _two_ranks(rank: int, world_size: int, folder: str) -> Any:
     from moectl.bench import ckpt_bench as cb
 
