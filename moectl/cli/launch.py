@@ -87,6 +87,7 @@ def launch_local(nproc_per_node: int, moectl_args: list[str]) -> int:
         raise Stopped(e.sigval) from None
     finally:
         del os.environ[LAUNCHED_ENV]
+        _ignore_late_signals()  # the workers have ended: the command's own line and code stand
     return 0
 
 

@@ -81,3 +81,29 @@ def test_a_signal_after_the_workers_ended_keeps_the_runs_line_under_torchruns_ha
     failed = {"rank": 1, "kind": "error", "exit_code": 1, "step": 7, "message": "non-finite loss at step 7. fix: x"}
     out = _launch(tmp_path, signal.SIGTERM, [_stopped(0, ckpt), failed], torchrun_handler=True)
     assert (out.returncode, out.stderr.splitlines()) == (1, [f"error: rank 1, step 7: {failed['message']}"])
+
+
+# `launch_local` (the benches' and parity's launcher) with an agent that leaves torchrun's handler installed (a
+# torch without --signals-to-handle) and returns; then SIGTERM, as the command goes on to print its result.
+LOCAL = """
+import os, signal
+import torch.distributed.run as torchrun
+from torch.distributed.elastic.multiprocessing.api import _terminate_process_handler
+from moectl.cli import launch
+
+def run(args):
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, _terminate_process_handler)
+
+torchrun.run = run
+code = launch.launch_local(2, ["bench", "train", "--quick"])
+os.kill(os.getpid(), signal.SIGTERM)
+print("result", code)
+"""
+
+
+def test_a_signal_after_launch_local_returned_leaves_the_commands_result() -> None:
+    """torchrun's handler raised its SignalException out of the bench's or parity's report (a traceback,
+    exit 1) once the workers had ended; under SIG_DFL the process died silently. The result stands."""
+    out = subprocess.run([sys.executable, "-c", LOCAL], env=cli_env(), capture_output=True, text=True, timeout=120)
+    assert (out.returncode, out.stdout, out.stderr) == (0, "result 0\n", ""), out.stderr
