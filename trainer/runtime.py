@@ -85,6 +85,6 @@ def setup_runtime(cfg: TrainConfig, parallel: ParallelConfig) -> Runtime:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = pick_device(cfg.device, local_rank)
-    pstate = init_distributed(parallel)
+    pstate = init_distributed(parallel, device=device)
     set_determinism(cfg.seed, cfg.deterministic)
     return Runtime(device=device, rank=rank, world_size=world, local_rank=local_rank, pstate=pstate)

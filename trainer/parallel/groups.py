@@ -156,12 +156,16 @@ def collective_timeout_s(parallel_cfg: "ParallelConfig") -> float:
     return float(parallel_cfg.distributed_timeout_minutes) * 60.0
 
 
-def init_distributed(parallel_cfg: "ParallelConfig", timeout_s: float | None = None) -> ParallelState:
+def init_distributed(parallel_cfg: "ParallelConfig", timeout_s: float | None = None,
+                     device: torch.device | None = None) -> ParallelState:  # fmt: skip
     """Join the job torchrun started and build the groups.
 
     Reads the torchrun variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT). World size 1
     (no variables, or WORLD_SIZE=1) returns the trivial state without touching torch.distributed.
-    NCCL on CUDA (after `torch.cuda.set_device(LOCAL_RANK)`), gloo on CPU. The timeout (default:
+    NCCL on CUDA (after `torch.cuda.set_device(LOCAL_RANK)`), gloo on CPU: on the `device` the process trains
+    on (`train.device` as `runtime.pick_device` chose it), else CUDA wherever it is available. A CPU run on a
+    GPU host must get gloo: NCCL has no CPU tensors ("No backend type associated with device type cpu"
+    at the first broadcast). The timeout (default:
     `parallel.distributed_timeout_minutes`) bounds every collective: a hung or dead peer makes the others
     fail, naming the step (trainer/parallel/failures.py), instead of waiting forever.
     """
@@ -170,13 +174,15 @@ def init_distributed(parallel_cfg: "ParallelConfig", timeout_s: float | None = N
     ep = parallel_cfg.expert_model_parallel_size
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if not dist.is_initialized():
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        if device is None:
+            device = _default_device(local_rank)
         if world == 1:
             check_ep_size(1, ep)
-            return ParallelState.trivial(_default_device(int(os.environ.get("LOCAL_RANK", "0"))))
+            return ParallelState.trivial(device)
         check_ep_size(world, ep)  # fail before the rendezvous, with a readable error
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        if torch.cuda.is_available():
-            torch.cuda.set_device(local_rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
             backend = "nccl"
         else:
             backend = "gloo"
