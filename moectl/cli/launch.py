@@ -31,12 +31,21 @@ import os
 import signal
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from types import FrameType
 from typing import Any, Optional
 
 from moectl.cli.launcher_tie import LAUNCHER_PID_ENV
-from moectl.cli.outcome import OUTCOME_DIR_ENV, read_outcomes, read_pids, read_started, request_abort
+from moectl.cli.outcome import (
+    ABORT,
+    OUTCOME_DIR_ENV,
+    read_checkpoint,
+    read_outcomes,
+    read_pids,
+    read_started,
+    request_abort,
+)
 from moectl.cli.verdict import Exit, Verdict, verdict
 from moectl.core.environment import LAUNCHED_ENV
 
@@ -130,11 +139,17 @@ class _LauncherSignals:
 
     #: torchrun's own handling, for the signals this class does not take (its default: all four)
     ARGS = ["--signals-to-handle=SIGQUIT"]
+    #: Seconds an aborted worker has to end before it is killed. One whose main thread waits in CUDA or NCCL
+    #: (a collective its aborted peer left) never runs its Python handler: on two GPUs both ranks sat out
+    #: torchrun's 30 s shutdown timeout after a second Ctrl-C and died without a word (device tool, H200s).
+    ABORT_GRACE_S = 5.0
 
-    def __init__(self, reports: Path) -> None:
+    def __init__(self, reports: Path, abort_grace_s: float = ABORT_GRACE_S) -> None:
         self.reports = reports
         self.received: Optional[signal.Signals] = None
         self.settled = False
+        self.abort_grace_s = abort_grace_s
+        self._killer: Optional[threading.Timer] = None
 
     @staticmethod
     def supported() -> bool:
@@ -153,6 +168,8 @@ class _LauncherSignals:
         handlers (`_ignore_late_signals`)."""
         self.settled = True  # first: a signal already pending must not raise out of the switch below
         _ignore_late_signals()
+        if self._killer is not None:
+            self._killer.cancel()
 
     def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
         from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -166,6 +183,14 @@ class _LauncherSignals:
         if sig != signal.SIGINT:
             return
         request_abort(self.reports)  # before the SIGINT: the workers abort on this word, not on a count
+        self._send(sig)
+        if self._killer is None:  # the abort does not wait for a worker that cannot take it
+            self._killer = threading.Timer(self.abort_grace_s, self._send, args=(signal.SIGKILL,))
+            self._killer.daemon = True
+            self._killer.start()
+
+    def _send(self, sig: signal.Signals) -> None:
+        """`sig` to each worker that has not reported how it ended."""
         for pid in read_pids(self.reports).values():
             try:
                 os.killpg(pid, sig)  # as torch sends it: to the worker's whole process group
@@ -219,8 +244,9 @@ def launch_train(nproc_per_node: int, moectl_args: list[str], cpu_threads: Optio
             del os.environ[OUTCOME_DIR_ENV]
             del os.environ[LAUNCHED_ENV]
             del os.environ[LAUNCHER_PID_ENV]
-        return verdict(nproc_per_node, read_outcomes(Path(reports)), exits, launcher_signal, saves,
-                       read_started(Path(reports)))
+        d = Path(reports)
+        return verdict(nproc_per_node, read_outcomes(d), exits, launcher_signal, saves, read_started(d),
+                       aborted=(d / ABORT).exists(), checkpoint=read_checkpoint(d))  # fmt: skip
 
 
 def reexec_args() -> list[str]:

@@ -124,6 +124,23 @@ def abort_requested() -> bool:
     return d is not None and (d / ABORT).exists()
 
 
+CHECKPOINT = "checkpoint"  # the newest committed checkpoint of the run (`mark_checkpoint`)
+
+
+def mark_checkpoint(path: str) -> None:
+    """Leave the newest committed checkpoint the run can resume from (rank 0, as each one commits; never
+    raises). A worker the launcher had to kill writes no report, and the abort's line must still name it."""
+    _leave(CHECKPOINT, path)
+
+
+def read_checkpoint(d: Path) -> str | None:
+    """The checkpoint `mark_checkpoint` left, or None."""
+    try:
+        return (d / CHECKPOINT).read_text(encoding="utf-8").strip() or None
+    except OSError:
+        return None
+
+
 def read_started(d: Path) -> set[int]:
     """The ranks that began a step (`mark_started`)."""
     return {int(p.name.removeprefix("started")) for p in d.glob("started*") if p.name[7:].isdigit()}

@@ -146,13 +146,16 @@ def _metrics_where(cfg: Config) -> str:
 
 
 def _start_marking_state(rank: int) -> Any:
-    """A `RunState` that tells the launcher when its first step begins (`outcome.mark_started`)."""
+    """A `RunState` that tells the launcher when its first step begins (`outcome.mark_started`) and, on rank 0,
+    which checkpoint is the newest committed one (`outcome.mark_checkpoint`)."""
     from trainer.run_state import RunState
 
     class StartMarking(RunState):
         def __setattr__(self, name: str, value: Any) -> None:
             if name == "step" and value is not None and getattr(self, "step", None) is None:
                 O.mark_started(rank)
+            if name == "checkpoint" and rank == 0 and value is not None and value != getattr(self, name, None):
+                O.mark_checkpoint(str(value))
             super().__setattr__(name, value)
 
     return StartMarking()

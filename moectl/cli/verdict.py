@@ -58,10 +58,12 @@ def _resume_hint(outcomes: dict[int, O.Outcome], saves: bool) -> str:
     return f"resume from {ckpt} with --set checkpoint.load={parent}"
 
 
-def aborted_line(step: Optional[int], checkpoint: Optional[str], saves: bool) -> str:
+def aborted_line(step: Optional[int], checkpoint: Optional[str], saves: bool, started: bool = False) -> str:
     """The one line of a run a second Ctrl-C aborted in `step`: which checkpoint is the last good one (what
-    `latest` names) and how to resume from it, or that there is none."""
-    head = f"aborted by a second Ctrl-C {_during(step)}, without saving"
+    `latest` names) and how to resume from it, or that there is none. `started`: a step had begun, though
+    no report says which (its ranks were killed)."""
+    when = " " + _during(step) if step is not None or not started else ""
+    head = f"aborted by a second Ctrl-C{when}, without saving"
     if checkpoint is None:
         return f"{head}; " + ("no checkpoint was saved" if saves else
                               "nothing was saved (checkpoint.save_interval is not set)")  # fmt: skip
@@ -80,11 +82,15 @@ def _how_it_ended(rank: int, exits: dict[int, Exit]) -> str:
 
 def verdict(world_size: int, outcomes: dict[int, O.Outcome], exits: dict[int, Exit],
             launcher_signal: Optional[str] = None, saves: bool = False,
-            started: frozenset[int] | set[int] = frozenset()) -> Verdict:
+            started: frozenset[int] | set[int] = frozenset(), aborted: bool = False,
+            checkpoint: Optional[str] = None) -> Verdict:  # fmt: skip
     """The verdict on a run of `world_size` ranks (see the module docstring). `saves`: whether the run's config
     saves checkpoints (`checkpoint.save_interval` set), for the fix of a run that ended with none. `started`: the
     ranks that began a step (`outcome.mark_started`): with none, a run the launcher's signal ended was still
-    starting; a killed rank writes no report, so a run hung at step 5000 and then signalled leaves a mark."""
+    starting; a killed rank writes no report, so a run hung at step 5000 and then signalled leaves a mark.
+    `aborted`: the launcher asked for the abort (a second Ctrl-C), so a rank that did not report was killed
+    for it; `checkpoint`: the newest committed checkpoint rank 0 marked (`outcome.mark_checkpoint`), the last
+    good one when no report names it."""
     own = [r for r, o in sorted(outcomes.items()) if o.kind in (O.ERROR, O.CRASH)]
     if own:
         first = outcomes[own[0]]
@@ -94,9 +100,9 @@ def verdict(world_size: int, outcomes: dict[int, O.Outcome], exits: dict[int, Ex
     missing = [r for r in range(world_size) if r not in outcomes]
     steps = [o.step for o in outcomes.values() if o.step is not None]
     step = max(steps) if steps else None
-    if any(o.kind == O.ABORTED for o in outcomes.values()):
-        ckpt = next((o.checkpoint for _, o in sorted(outcomes.items()) if o.checkpoint), None)
-        return Verdict(exit_codes.stopped_unsaved(signal.SIGINT), aborted_line(step, ckpt, saves))
+    if any(o.kind == O.ABORTED for o in outcomes.values()) or (aborted and missing):
+        ckpt = next((o.checkpoint for _, o in sorted(outcomes.items()) if o.checkpoint), None) or checkpoint
+        return Verdict(exit_codes.stopped_unsaved(signal.SIGINT), aborted_line(step, ckpt, saves, bool(started)))
     if missing:
         timed_out = sorted(r for r, o in outcomes.items() if o.kind == O.TIMEOUT)
         lost = sorted(r for r, o in outcomes.items() if o.kind == O.PEER_LOST)

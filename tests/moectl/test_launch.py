@@ -107,3 +107,50 @@ def test_a_signal_after_launch_local_returned_leaves_the_commands_result() -> No
     exit 1) once the workers had ended; under SIG_DFL the process died silently. The result stands."""
     out = subprocess.run([sys.executable, "-c", LOCAL], env=cli_env(), capture_output=True, text=True, timeout=120)
     assert (out.returncode, out.stdout, out.stderr) == (0, "result 0\n", ""), out.stderr
+
+
+def test_an_aborted_worker_that_cannot_take_the_signal_is_killed_after_the_grace(tmp_path: Path,
+                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker whose main thread waits in CUDA or NCCL runs no Python handler: the second Ctrl-C's SIGINT
+    does nothing there. The launcher kills what has not ended `abort_grace_s` after the abort."""
+    from moectl.cli import launch
+    from moectl.cli import outcome as O
+    from moectl.cli.launch import _LauncherSignals
+
+    monkeypatch.setattr(launch, "_ignore_late_signals", lambda: None)  # this test process keeps its handlers
+    deaf = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN);"
+                             " print('ready', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)  # fmt: skip
+    try:
+        assert deaf.stdout is not None and deaf.stdout.readline() == "ready\n"
+        (tmp_path / "pid0").write_text(str(deaf.pid))
+        signals = _LauncherSignals(tmp_path, abort_grace_s=0.3)
+        signals.received = signal.SIGINT  # the first Ctrl-C: the stop request
+        signals._handle(signal.SIGINT, None)  # the second
+        assert (tmp_path / O.ABORT).exists()
+        assert deaf.wait(timeout=10) == -signal.SIGKILL
+        signals.__exit__(None, None, None)
+    finally:
+        deaf.kill()
+
+
+def test_the_kill_is_called_off_once_the_workers_have_ended(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from moectl.cli import launch
+    from moectl.cli.launch import _LauncherSignals
+
+    monkeypatch.setattr(launch, "_ignore_late_signals", lambda: None)  # this test process keeps its handlers
+
+    deaf = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN);"
+                             " print('ready', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)  # fmt: skip
+    try:
+        assert deaf.stdout is not None and deaf.stdout.readline() == "ready\n"
+        (tmp_path / "pid0").write_text(str(deaf.pid))
+        signals = _LauncherSignals(tmp_path, abort_grace_s=0.5)
+        signals.received = signal.SIGINT
+        signals._handle(signal.SIGINT, None)
+        signals.__exit__(None, None, None)  # the agent's run returned first
+        with pytest.raises(subprocess.TimeoutExpired):
+            deaf.wait(timeout=1.5)
+    finally:
+        deaf.kill()

@@ -130,3 +130,42 @@ def test_a_launched_rank_leaves_its_pid_until_it_reports(tmp_path, monkeypatch) 
     assert O.read_pids(tmp_path) == {1: os.getpid()}
     O.write_outcome(o(1, O.ABORTED, 130))
     assert O.read_pids(tmp_path) == {}
+
+
+def test_ranks_killed_for_an_abort_are_the_abort_naming_the_marked_checkpoint() -> None:
+    """On two GPUs a second Ctrl-C left both ranks waiting in CUDA/NCCL, where no Python handler runs; after
+    torchrun's 30 s the line was "rank 0 did not stop within the shutdown timeout ... no checkpoint was saved",
+    exit 1, with step 40's checkpoint on disk. Killed by the launcher for the abort, they are the abort: 130."""
+    killed = {0: Exit(-9, "SIGKILL"), 1: Exit(-9, "SIGKILL")}
+    ckpt = "runs/x/checkpoints/step_00000040"
+    v = verdict(2, {}, killed, launcher_signal="SIGINT", saves=True, started={0, 1}, aborted=True, checkpoint=ckpt)
+    assert (v.code, v.line) == (130, "aborted by a second Ctrl-C, without saving; the last good checkpoint is "
+                                     f"{ckpt}: resume with --set checkpoint.load=runs/x/checkpoints")
+    # one rank reported its abort: its step and checkpoint come first
+    v = verdict(2, {0: o(0, O.ABORTED, 130, step=41, checkpoint=CKPT)}, killed, launcher_signal="SIGINT",
+                saves=True, started={0, 1}, aborted=True, checkpoint=ckpt)  # fmt: skip
+    assert v.code == 130 and v.line is not None and v.line.startswith("aborted by a second Ctrl-C during step 41")
+    assert CKPT in v.line
+    # asked to abort after every rank had stopped and saved: the save stands
+    stopped = {r: o(r, O.STOPPED, 3, signal="SIGINT", checkpoint=CKPT) for r in range(2)}
+    assert verdict(2, stopped, {}, launcher_signal="SIGINT", saves=True, aborted=True).code == 3
+    # killed before any step began and nothing committed
+    v = verdict(2, {}, killed, launcher_signal="SIGINT", saves=True, aborted=True)
+    assert v.line == "aborted by a second Ctrl-C before the first step, without saving; no checkpoint was saved"
+
+
+def test_rank_0_marks_each_newer_checkpoint_for_the_launcher(tmp_path, monkeypatch) -> None:
+    from pathlib import Path
+
+    from moectl.cli.train import _start_marking_state
+
+    monkeypatch.setenv(O.OUTCOME_DIR_ENV, str(tmp_path))
+    other = _start_marking_state(1)
+    other.checkpoint = Path("runs/x/checkpoints/step_00000001")
+    assert O.read_checkpoint(tmp_path) is None  # rank 0's word only
+    state = _start_marking_state(0)
+    state.checkpoint = None
+    assert O.read_checkpoint(tmp_path) is None
+    for step in (1, 2):
+        state.checkpoint = Path(f"runs/x/checkpoints/step_0000000{step}")
+        assert O.read_checkpoint(tmp_path) == f"runs/x/checkpoints/step_0000000{step}"
