@@ -4,8 +4,8 @@
     1    failed: a rank crashed, was killed or hung, a collective timed out, a non-finite loss, a bad checkpoint,
          out of memory (a valid config too big for this machine)
     2    bad usage or config (a data source that cannot be read at start-up included): nothing was trained
-    3    stopped by a signal (SIGTERM, SIGINT) after saving a checkpoint: resume with checkpoint.load
-    128+N  stopped by signal N (143 SIGTERM, 130 SIGINT) with nothing saved (no checkpoint.save_interval):
+    3    stopped by a signal (SIGTERM, SIGINT, SIGHUP) after saving a checkpoint: resume with checkpoint.load
+    128+N  stopped by signal N (143 SIGTERM, 130 SIGINT, 129 SIGHUP) with nothing saved (no checkpoint.save_interval):
          the shell's code for a death by that signal, since the steps are lost all the same; a warning says so.
          130 too for a second Ctrl-C, which aborts at once without saving (one line names the last checkpoint)
 
