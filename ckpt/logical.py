@@ -184,7 +184,8 @@ def rank_files(tensors: dict[str, torch.Tensor], rank: int, world: int) -> dict[
 def rng_state() -> dict[str, Any]:
     """This process's torch (and CUDA) RNG states, base64 (manifest data)."""
     state = {"torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
-    if torch.cuda.is_available():
+    # only where this process already uses CUDA: asking makes a context on GPU 0, in every rank of a CPU run
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = base64.b64encode(torch.cuda.get_rng_state().numpy().tobytes()).decode()
     return state
 

@@ -255,7 +255,7 @@ def _same_parameters(off_cfg: Config, on_cfg: Config, flags: Optional[list[str]]
 
 def _rng_state() -> dict[str, Any]:
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # not a new context for a CPU run
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
