@@ -22,6 +22,7 @@ graph takes about 20 s on a cold 2-core CPU.
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any, Callable, Literal
 
 import torch
@@ -29,6 +30,9 @@ from torch import nn
 
 CompileChoice = Literal["none", "regional", "auto"]
 BACKEND_ENV = "MOECTL_COMPILE_BACKEND"
+#: Inductor's note to PyTorch's developers when it lowers the cross-entropy's softmax over the vocabulary as a
+#: split reduction: three "warning:" lines on every GPU run (device tool, torch 2.11), nothing a user can act on.
+INDUCTOR_NOTES = (r"\s*Online softmax is disabled on the fly",)
 
 
 def wants_compile(choice: CompileChoice, device: torch.device) -> bool:
@@ -62,6 +66,8 @@ def compile_regions(model: nn.Module, *, backend: str | None = None, determinist
 
     if getattr(model, "_moectl_compiled_regions", None):
         raise RuntimeError("compile_regions was already applied to this model")
+    for note in INDUCTOR_NOTES:
+        warnings.filterwarnings("ignore", message=note, category=UserWarning)
     kwargs: dict[str, Any] = {"backend": backend or compile_backend()}
     if deterministic and kwargs["backend"] == "inductor":  # options are inductor's config
         kwargs["options"] = {"deterministic": True}

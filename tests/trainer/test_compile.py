@@ -126,3 +126,19 @@ def test_inductor_regional_compile_trains_like_eager_on_gpu(tmp_path, monkeypatc
     apart = sum(float((compiled_params[n].float() - eager_params[n].float()).square().sum()) for n in init) ** 0.5
     print(f"eager moved params by {moved:.4e}; compiled and eager end {apart:.4e} apart ({apart / moved:.3f})")
     assert apart <= 0.25 * moved
+
+
+def test_inductors_online_softmax_note_is_not_shown(tmp_path):
+    """On a GPU every run printed Inductor's "Online softmax is disabled on the fly ..." three times (torch
+    2.11 lowering the cross-entropy's softmax as a split reduction): a note to PyTorch's developers. Other
+    warnings still show."""
+    import warnings
+
+    _, _, t = _train(tmp_path, 0, "train.compile=none")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        compile_regions(t.model, backend="aot_eager")
+        warnings.warn("\nOnline softmax is disabled on the fly since Inductor decides to\nsplit the reduction.",
+                      UserWarning)  # fmt: skip
+        warnings.warn("something else", UserWarning)
+    assert [str(w.message) for w in seen] == ["something else"]
