@@ -25,3 +25,18 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(autouse=True)
+def signal_handlers_restored() -> Iterator[None]:
+    """Each test starts with the handlers of SIGINT, SIGTERM and SIGHUP the one before it found. A command run in
+    this process may leave them ignored as a process that is ending does (`moectl.cli.launch`'s late signals),
+    and an ignored signal is inherited by every child a later test starts."""
+    import signal
+
+    watched = [s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s is not None]
+    saved = {s: signal.getsignal(s) for s in watched}
+    yield
+    for s, handler in saved.items():
+        if handler is not None and signal.getsignal(s) is not handler:
+            signal.signal(s, handler)

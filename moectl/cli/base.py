@@ -99,8 +99,10 @@ def _signals_raise() -> Iterator[None]:
     already ignored (`nohup`'s SIGHUP) stays ignored."""
     watched = [s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s is not None]
     saved: dict[int, Any] = {}
+    fired: list[int] = []
 
     def handle(signum: int, frame: Any) -> None:
+        fired.append(signum)
         for sig in saved:
             signal.signal(sig, signal.SIG_IGN)
         if signum == signal.SIGINT:
@@ -117,7 +119,11 @@ def _signals_raise() -> Iterator[None]:
         yield
     finally:
         for sig, previous in saved.items():
-            signal.signal(sig, previous)
+            # only what this block set: a handler set inside it stays (`launch._ignore_late_signals`, once a
+            # launched bench's workers have ended, or a late signal kills the bench with no line)
+            current = signal.getsignal(sig)
+            if current is handle or (fired and current is signal.SIG_IGN):
+                signal.signal(sig, previous)
 
 
 def _name(target: typer.Typer, fn: Callable[..., Any], name: str | None) -> str:

@@ -154,3 +154,27 @@ def test_the_kill_is_called_off_once_the_workers_have_ended(tmp_path: Path, monk
             deaf.wait(timeout=1.5)
     finally:
         deaf.kill()
+
+
+# The same through a bench command, whose signal handling (`base._signals_raise`) wraps `launch_local`: it put
+# back the handlers it found (SIGTERM's default) as the command returned, undoing the late SIG_IGN.
+BENCH = """
+import atexit, os, signal, sys
+import torch.distributed.run as torchrun
+from torch.distributed.elastic.multiprocessing.api import _terminate_process_handler
+
+def run(args):
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, _terminate_process_handler)
+
+torchrun.run = run
+atexit.register(lambda: os.kill(os.getpid(), signal.SIGTERM))
+sys.argv = ["moectl", "bench", "param-gather", "--quick", "--nproc-per-node", "2"]
+from moectl.cli.app import main
+main()
+"""
+
+
+def test_a_signal_after_a_launched_bench_returned_leaves_its_exit_code() -> None:
+    out = subprocess.run([sys.executable, "-c", BENCH], env=cli_env(), capture_output=True, text=True, timeout=120)
+    assert (out.returncode, out.stderr) == (0, ""), (out.returncode, out.stderr)
