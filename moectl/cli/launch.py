@@ -150,6 +150,8 @@ class _LauncherSignals:
         self.settled = False
         self.abort_grace_s = abort_grace_s
         self._killer: Optional[threading.Timer] = None
+        self._lock = threading.Lock()  # the kill and the end of the run: one after the other, never across
+        self._pidfds: dict[int, int] = {}  # the workers to kill, held from the abort on: a pid may be reused
 
     @staticmethod
     def supported() -> bool:
@@ -166,10 +168,15 @@ class _LauncherSignals:
     def __exit__(self, *exc: Any) -> None:
         """The workers have ended: from here on the three signals are ignored, not handed back to the previous
         handlers (`_ignore_late_signals`)."""
-        self.settled = True  # first: a signal already pending must not raise out of the switch below
+        with self._lock:  # after a kill in progress, and none after this
+            self.settled = True  # first: a signal already pending must not raise out of the switch below
         _ignore_late_signals()
         if self._killer is not None:
             self._killer.cancel()
+            self._killer.join()
+        for fd in self._pidfds.values():
+            os.close(fd)
+        self._pidfds.clear()
 
     def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
         from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -185,9 +192,29 @@ class _LauncherSignals:
         request_abort(self.reports)  # before the SIGINT: the workers abort on this word, not on a count
         self._send(sig)
         if self._killer is None:  # the abort does not wait for a worker that cannot take it
-            self._killer = threading.Timer(self.abort_grace_s, self._send, args=(signal.SIGKILL,))
+            self._pidfds = _pidfds(read_pids(self.reports).values())
+            self._killer = threading.Timer(self.abort_grace_s, self._kill)
             self._killer.daemon = True
             self._killer.start()
+
+    def _kill(self) -> None:
+        """SIGKILL to each worker that has still not reported, unless the run has ended meanwhile; each checked
+        through the pidfd taken at the abort, so a pid a dead worker left to another process is not hit."""
+        with self._lock:
+            if self.settled:
+                return
+            for pid in read_pids(self.reports).values():
+                fd = self._pidfds.get(pid)
+                if fd is None:
+                    continue
+                try:
+                    signal.pidfd_send_signal(fd, 0)  # still this worker (raises once it has ended)
+                    os.killpg(pid, signal.SIGKILL)  # with its children, as torch ends a worker
+                except ProcessLookupError:
+                    try:
+                        signal.pidfd_send_signal(fd, signal.SIGKILL)  # no group of its own, or already gone
+                    except ProcessLookupError:
+                        pass
 
     def _send(self, sig: signal.Signals) -> None:
         """`sig` to each worker that has not reported how it ended."""
@@ -199,6 +226,31 @@ class _LauncherSignals:
                     os.kill(pid, sig)  # a worker that does not lead a process group
                 except ProcessLookupError:  # it has just ended
                     pass
+
+
+def _pidfds(pids: Any) -> dict[int, int]:
+    """A pidfd for each of `pids` still running (`os.pidfd_open`: Linux 5.3+; none elsewhere, then no kill)."""
+    out: dict[int, int] = {}
+    for pid in pids:
+        try:
+            out[pid] = os.pidfd_open(pid)
+        except (AttributeError, OSError):  # ended already, or no pidfds here
+            pass
+    return out
+
+
+def _newest_checkpoint(marked: Optional[str]) -> Optional[str]:
+    """The run's newest committed checkpoint, from the one rank 0 marked: the workers may have been killed while
+    a background save committed a newer one (and retention removed the marked one)."""
+    if marked is None:
+        return None
+    from ckpt.discovery import find_latest  # here: the checkpoint format is not needed to launch
+
+    try:
+        newest = find_latest(Path(marked).parent)
+    except Exception:  # noqa: BLE001 - the mark stands when its folder cannot be read
+        return marked
+    return str(newest) if newest is not None else marked
 
 
 def launch_train(nproc_per_node: int, moectl_args: list[str], cpu_threads: Optional[int] = None,
@@ -246,7 +298,7 @@ def launch_train(nproc_per_node: int, moectl_args: list[str], cpu_threads: Optio
             del os.environ[LAUNCHER_PID_ENV]
         d = Path(reports)
         return verdict(nproc_per_node, read_outcomes(d), exits, launcher_signal, saves, read_started(d),
-                       aborted=(d / ABORT).exists(), checkpoint=read_checkpoint(d))  # fmt: skip
+                       aborted=(d / ABORT).exists(), checkpoint=_newest_checkpoint(read_checkpoint(d)))  # fmt: skip
 
 
 def reexec_args() -> list[str]:

@@ -109,8 +109,8 @@ def test_a_signal_after_launch_local_returned_leaves_the_commands_result() -> No
     assert (out.returncode, out.stdout, out.stderr) == (0, "result 0\n", ""), out.stderr
 
 
-def test_an_aborted_worker_that_cannot_take_the_signal_is_killed_after_the_grace(tmp_path: Path,
-                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_aborted_worker_that_cannot_take_the_signal_is_killed_after_the_grace(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A worker whose main thread waits in CUDA or NCCL runs no Python handler: the second Ctrl-C's SIGINT
     does nothing there. The launcher kills what has not ended `abort_grace_s` after the abort."""
     from moectl.cli import launch
@@ -178,3 +178,51 @@ main()
 def test_a_signal_after_a_launched_bench_returned_leaves_its_exit_code() -> None:
     out = subprocess.run([sys.executable, "-c", BENCH], env=cli_env(), capture_output=True, text=True, timeout=120)
     assert (out.returncode, out.stderr) == (0, ""), (out.returncode, out.stderr)
+
+
+def test_the_kill_spares_a_worker_that_ended_and_a_run_that_ended(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   ) -> None:  # fmt: skip
+    """The kill checks each worker through the pidfd taken at the abort: one that has ended since (its pid free
+    for another process) is not signalled; and nothing is killed once the agent's run has returned."""
+    from moectl.cli import launch
+    from moectl.cli.launch import _LauncherSignals
+
+    monkeypatch.setattr(launch, "_ignore_late_signals", lambda: None)  # this test process keeps its handlers
+    gone = subprocess.Popen([sys.executable, "-c", "import signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN);"
+                             " print('ready', flush=True); sys.stdin.read()"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    assert gone.stdout is not None and gone.stdout.readline() == "ready\n"
+    (tmp_path / "pid0").write_text(str(gone.pid))
+    signals = _LauncherSignals(tmp_path, abort_grace_s=60)
+    signals.received = signal.SIGINT
+    signals._handle(signal.SIGINT, None)  # the abort: the pidfd is taken now
+    assert gone.pid in signals._pidfds
+    assert gone.stdin is not None
+    gone.stdin.close()
+    assert gone.wait(timeout=10) == 0  # ended on its own, and reaped
+    killed: list[int] = []
+    monkeypatch.setattr(launch.os, "killpg", lambda pid, sig: killed.append(pid))
+    signals._kill()
+    assert killed == []
+    signals.__exit__(None, None, None)
+    signals._kill()  # after the run: nothing, not even a look at the pids
+    assert killed == [] and signals._pidfds == {}
+
+
+def test_the_abort_names_the_newest_committed_checkpoint_not_only_the_marked_one(tmp_path: Path) -> None:
+    """Rank 0 marks a checkpoint when its main thread learns of the commit; killed while a background save
+    committed a newer one (and retention removed the marked one), the line must name the newer one."""
+    from ckpt import names
+    from moectl.cli.launch import _newest_checkpoint
+
+    root = tmp_path / "checkpoints"
+    for step in (2, 3):
+        (root / names.step_dir_name(step)).mkdir(parents=True)
+        (root / names.step_dir_name(step) / names.MANIFEST).write_text("{}")
+    (root / names.LATEST).write_text(names.step_dir_name(3))
+    marked = str(root / names.step_dir_name(1))  # removed by retention since
+    assert _newest_checkpoint(marked) == str(root / names.step_dir_name(3))
+    assert _newest_checkpoint(str(root / names.step_dir_name(2))) == str(root / names.step_dir_name(3))
+    assert _newest_checkpoint(None) is None
+    unread = str(tmp_path / "nothing" / "step_00000001")
+    assert _newest_checkpoint(unread) == unread
