@@ -32,6 +32,7 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from types import FrameType
 from typing import Any, Optional
@@ -145,8 +146,14 @@ class _LauncherSignals:
     ABORT_GRACE_S = 5.0
 
     def __init__(self, reports: Path, abort_grace_s: float = ABORT_GRACE_S) -> None:
+        from trainer.stop import REPEAT_GRACE_S
+
         self.reports = reports
         self.received: Optional[signal.Signals] = None
+        self.received_at = 0.0
+        #: a SIGINT this soon after the first is the same request, as on a worker (trainer/stop.py): a wrapper in
+        #: the terminal's process group forwards the Ctrl-C the launcher got too, and that must not abort
+        self.repeat_grace_s = REPEAT_GRACE_S
         self.settled = False
         self.abort_grace_s = abort_grace_s
         self._killer: Optional[threading.Timer] = None
@@ -185,9 +192,9 @@ class _LauncherSignals:
             return
         sig = signal.Signals(signum)
         if self.received is None:
-            self.received = sig
+            self.received, self.received_at = sig, time.monotonic()
             raise SignalException(f"Process {os.getpid()} got signal: {sig}", sigval=sig)
-        if sig != signal.SIGINT:
+        if sig != signal.SIGINT or time.monotonic() - self.received_at < self.repeat_grace_s:
             return
         request_abort(self.reports)  # before the SIGINT: the workers abort on this word, not on a count
         self._send(sig)

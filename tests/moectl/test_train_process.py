@@ -305,15 +305,18 @@ def _printed(out: Path, line: str) -> bool:
 def test_a_second_ctrl_c_aborts_both_ranks_at_once_keeping_the_last_checkpoint(tmp_path: Path) -> None:
     """A user trial: under --nproc-per-node 2 the second Ctrl-C was lost (the launcher's agent sent the workers
     SIGTERM instead); the step ran on, saved a new checkpoint, and the run exited 3. Each step here takes seconds
-    (1024 micro-batches a rank), so both presses land in one step, after a checkpoint has committed."""
+    (2048 micro-batches a rank), so both presses land in one step, after a checkpoint has committed; the second
+    comes `REPEAT_GRACE_S` after the first (sooner, it is the same request, as a forwarding parent sends it)."""
     run_dir, out = tmp_path / "run", tmp_path / "out.log"
-    cmd = _train(run_dir, "train.train_iters=2000", "checkpoint.save_interval=1", "train.global_batch_size=8192")
+    cmd = _train(run_dir, "train.train_iters=2000", "checkpoint.save_interval=1", "train.global_batch_size=16384")
     p = _start_logged(cmd, out)
     try:
         _wait_for(lambda: (run_dir / "checkpoints" / "latest").exists(), p, "no checkpoint committed", 180)
         os.killpg(p.pid, signal.SIGINT)  # a terminal's Ctrl-C: the launcher's group (each worker has its own)
+        first = time.monotonic()
         _wait_for(lambda: _printed(out, ACK_SAVING), p, "the first Ctrl-C was not acknowledged during the step")
         recorded = len([r for r in _records(run_dir) if "loss" in r])
+        time.sleep(max(0.0, first + REPEAT_GRACE_S + 0.3 - time.monotonic()))
         os.killpg(p.pid, signal.SIGINT)
         _, err = p.communicate(timeout=60)
     finally:
@@ -344,7 +347,7 @@ def test_a_second_ctrl_c_during_the_stop_save_aborts_with_nothing_committed(tmp_
         os.killpg(p.pid, signal.SIGINT)
         _wait_for(lambda: "; saving a checkpoint first; Ctrl-C again aborts without saving" in out.read_text(), p,
                   "the run did not start its stop save")  # fmt: skip
-        time.sleep(0.5)  # into the stalled commit
+        time.sleep(REPEAT_GRACE_S + 0.5)  # into the stalled commit, and past the same-request grace
         os.killpg(p.pid, signal.SIGINT)
         _, err = p.communicate(timeout=60)
     finally:
@@ -444,3 +447,22 @@ def test_one_sigint_to_every_process_of_the_job_stops_and_saves(tmp_path: Path) 
     steps = [r["step"] for r in _records(run_dir) if "loss" in r]
     ckpts = run_dir / "checkpoints"
     assert (ckpts / "latest").read_text().strip() == f"step_{steps[-1]:08d}" and verify_checkpoint(ckpts) == []
+
+
+def test_a_ctrl_c_a_parent_forwards_again_at_once_stops_and_saves(tmp_path: Path) -> None:
+    """A wrapper in the terminal's process group (a shell script, `uv run`) that forwards the Ctrl-C the launcher
+    also got sends the launcher a second SIGINT at once: it aborted the run without saving. Within
+    `REPEAT_GRACE_S` of the first it is the same request, as on a worker: the ranks stop and save."""
+    run_dir, out = tmp_path / "run", tmp_path / "out.log"
+    p = _start_logged(_train(run_dir, "train.train_iters=2000", "checkpoint.save_interval=1000"), out)
+    try:
+        _wait_for_steps(p, run_dir, 2)
+        os.killpg(p.pid, signal.SIGINT)
+        time.sleep(0.05)
+        os.kill(p.pid, signal.SIGINT)  # the parent's forwarded copy
+        _, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert (p.returncode, err) == (3, ""), (out.read_text()[-2000:], err)
+    assert (run_dir / "checkpoints" / "latest").exists()
