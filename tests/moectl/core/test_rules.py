@@ -1004,6 +1004,16 @@ def test_no_rule_crashes_or_hangs_on_sizes_past_64_bits() -> None:
     assert hits(run([f"model.num_layers={10**8}"], world=1), "MOE075") == []
 
 
+def test_a_token_count_past_a_float_is_moe075s_not_a_capacity_crash() -> None:
+    """A review found a 400-digit `train.micro_batch_size` with a capacity and ep-overlap chunks crashing MOE067
+    (OverflowError turning factor x tokens into a float); the size is MOE075's to report."""
+    found = run([f"train.micro_batch_size={10**400}", "moe.capacity_factor=2", "moe.pad_expert_input_to_capacity=true",
+                 "moe.token_dispatcher=alltoall", "parallel.expert_model_parallel_size=2", "moe.ep_overlap_chunks=2"],
+                world=2)  # fmt: skip
+    assert hits(found, "MOE075")
+    assert not [v for v in hits(found, "MOE067") if "divide each expert's capacity" in v.message]  # none computed from it
+
+
 def test_intervals_past_64_bits_are_not_tensor_sizes() -> None:
     """A huge interval or iteration count trains (a plain Python int): MOE075 leaves it alone."""
     sets = [f"{k}={2**64}" for k in ("train.log_interval", "train.eval_interval", "checkpoint.save_interval")]
