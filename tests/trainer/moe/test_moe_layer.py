@@ -101,6 +101,24 @@ def test_a_factor_past_every_token_trains_bitwise_as_the_bound(pad: bool, factor
     assert big.dispatcher.rows_per_expert(T=10, K=2) == (10 if pad else None)
 
 
+@pytest.mark.parametrize("pad", [False, True], ids=["drop", "drop-and-pad"])
+def test_the_bound_trains_bitwise_as_the_unbounded_capacity(pad: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bound against the formula it replaced (ceil(factor T K / E), unbounded): factor 3 gives 15 rows an
+    expert there, 10 bounded; the loss and every grad are the same bits, padded or not."""
+    import math
+
+    from trainer.moe import dispatch
+
+    x = torch.randn(2, 5, D, generator=torch.Generator().manual_seed(1))
+    bounded = stats_and_grads(layer(True, capacity_factor=3.0, pad_expert_input_to_capacity=pad), x)
+    monkeypatch.setattr(dispatch, "expert_capacity", lambda f, T, K, E: math.ceil(f * T * K / E))
+    unbounded_layer = layer(True, capacity_factor=3.0, pad_expert_input_to_capacity=pad)
+    assert unbounded_layer.dispatcher.rows_per_expert(T=10, K=2) == (15 if pad else None)
+    unbounded = stats_and_grads(unbounded_layer, x)
+    for key in bounded:
+        assert torch.equal(bounded[key], unbounded[key]), key
+
+
 def test_aux_loss_and_load_stats():
     m = layer(True, capacity_factor=0.5)
     with pytest.raises(RuntimeError, match="before"):
