@@ -1011,7 +1011,7 @@ def test_a_token_count_past_a_float_is_moe075s_not_a_capacity_crash() -> None:
                  "moe.token_dispatcher=alltoall", "parallel.expert_model_parallel_size=2", "moe.ep_overlap_chunks=2"],
                 world=2)  # fmt: skip
     assert hits(found, "MOE075")
-    assert not [v for v in hits(found, "MOE067") if "divide each expert's capacity" in v.message]  # none computed from it
+    assert not [v for v in hits(found, "MOE067") if "divide each expert's capacity" in v.message]
 
 
 def test_intervals_past_64_bits_are_not_tensor_sizes() -> None:
