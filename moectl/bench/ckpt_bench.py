@@ -62,6 +62,10 @@ class CkptBenchConfig:
 
 #: written into the bench's folder when it is made: a folder holding it is an earlier bench's, safe to replace
 MARKER = ".moectl-bench-ckpt"
+#: the folders each phase writes under it (the synchronous saves, the background ones, the raw-write baseline)
+SYNC, BG, PLAIN = "sync", "bg", "plain"
+#: everything the bench writes into its folder: all it ever removes there, and all a folder it takes may hold
+WRITES = frozenset({MARKER, SYNC, BG, PLAIN})
 
 
 def check_folder(folder: Path) -> None:
@@ -78,9 +82,11 @@ def check_folder(folder: Path) -> None:
     if not folder.is_dir():
         raise UsageError(f"bench ckpt --dir {folder} is a file", fix)
     entries = [p.name for p in folder.iterdir()]
-    if entries and MARKER not in entries:
-        raise UsageError(f"bench ckpt --dir {folder} holds {len(entries)} entries the bench did not write (e.g. "
-                         f"{sorted(entries)[0]}); it would delete them", fix)  # fmt: skip
+    # an earlier bench's folder (its marker) holds only what a bench writes: anything else is someone's
+    foreign = sorted(e for e in entries if e not in WRITES) if MARKER in entries else sorted(entries)
+    if foreign:
+        raise UsageError(f"bench ckpt --dir {folder} holds {len(foreign)} entries the bench did not write (e.g. "
+                         f"{foreign[0]}); it would delete them", fix)  # fmt: skip
 
 
 def _make_folder(folder: Path, written: _Written) -> None:
@@ -100,7 +106,10 @@ def _make_folder(folder: Path, written: _Written) -> None:
 
 
 def _empty(folder: Path) -> None:
+    """Remove what the bench writes in `folder` (`WRITES`); anything else there stays."""
     for entry in folder.iterdir():
+        if entry.name not in WRITES:
+            continue
         if entry.is_dir() and not entry.is_symlink():
             shutil.rmtree(entry)
         else:
@@ -347,7 +356,7 @@ def _measure(bench: CkptBenchConfig, cfg: Config, meta: dict[str, Any], log: Log
                      else "per-expert"}  # fmt: skip
     meta["world_size"] = world
     step = 1
-    sync_root = folder / "sync"
+    sync_root = folder / SYNC
 
     log("synchronous save")
     _barrier()
@@ -364,7 +373,7 @@ def _measure(bench: CkptBenchConfig, cfg: Config, meta: dict[str, Any], log: Log
     meta["checkpoint_bytes"] = total_bytes
     meta["files"] = len(files)
 
-    saver = written.saver = RunCheckpointer(cfg, trainer.engine, trainer.rt.pstate, folder / "bg")
+    saver = written.saver = RunCheckpointer(cfg, trainer.engine, trainer.rt.pstate, folder / BG)
     log("reserving the background save's host buffers, as a run does at start-up")
     _barrier()
     reserved = saver.reserve(step)
@@ -384,17 +393,17 @@ def _measure(bench: CkptBenchConfig, cfg: Config, meta: dict[str, Any], log: Log
             result.notes.append(f"the background save ran synchronously: {report.why or saver.why_not}")
         background.append((label, _slowest(report.blocking_s), total_s, report.phases))
         log(f"  {_phase_line(report.phases)}")
-        _on_rank0(lambda: shutil.rmtree(folder / "bg"))
+        _on_rank0(lambda: shutil.rmtree(folder / BG))
     saver.close()
     written.saver = None
 
     log("plain sequential writer (the floor)")
     blobs = {p.name: p.read_bytes() for p in mine}  # untimed: the bytes are in memory, as the save's were
     _barrier()
-    plain_s, _ = _timed(lambda: plain_write(blobs, folder / "plain"))
+    plain_s, _ = _timed(lambda: plain_write(blobs, folder / PLAIN))
     plain_s = _slowest(plain_s)
     del blobs
-    _on_rank0(lambda: shutil.rmtree(folder / "plain"))
+    _on_rank0(lambda: shutil.rmtree(folder / PLAIN))
     result.rows.append(_row("plain sequential write (floor)", plain_s, total_bytes))
     result.rows.append(_row("save, synchronous", sync_s, total_bytes, "plain write", plain_s, phases=sync_phases))
     if reserve_s is not None:

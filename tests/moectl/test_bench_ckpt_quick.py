@@ -94,6 +94,12 @@ def test_a_folder_holding_the_users_files_is_refused_and_kept(tmp_path: Path, mo
     res = CliRunner().invoke(app, args)  # default folder: runs/tiny/bench_ckpt under the working folder
     assert res.exit_code == 0, res.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["kept", "mine"]
+    # a kept folder the user has since put a file into is no longer only the bench's: refused, the file kept
+    # (it took any folder holding the marker, and emptied it whole)
+    (kept / "notes.txt").write_text("mine")
+    res = CliRunner().invoke(app, [*args, "--dir", str(kept)])
+    assert res.exit_code == 2 and "(e.g. notes.txt)" in res.output, res.output
+    assert (kept / "notes.txt").read_text() == "mine"
     dangling = tmp_path / "dangling"  # a folder the bench cannot make: one line, exit 2, no traceback
     dangling.symlink_to(tmp_path / "nowhere" / "x")
     res = CliRunner().invoke(app, [*args, "--dir", str(dangling)])
