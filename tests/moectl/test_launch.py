@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any, Iterator
 
 import pytest
 
@@ -109,51 +110,72 @@ def test_a_signal_after_launch_local_returned_leaves_the_commands_result() -> No
     assert (out.returncode, out.stdout, out.stderr) == (0, "result 0\n", ""), out.stderr
 
 
+@pytest.fixture
+def deaf(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[subprocess.Popen]:
+    """A worker that ignores SIGINT, as one waiting in CUDA or NCCL does (its Python handler never runs), as rank 0
+    of the report folder `tmp_path`; it ends when its stdin closes. This test process keeps its own handlers
+    through the launcher's late-signal switch."""
+    from moectl.cli import launch
+
+    monkeypatch.setattr(launch, "_ignore_late_signals", lambda: None)
+    p = subprocess.Popen([sys.executable, "-c", "import signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN);"
+                          " print('ready', flush=True); sys.stdin.read()"], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    try:
+        assert p.stdout is not None and p.stdout.readline() == "ready\n"
+        (tmp_path / "pid0").write_text(str(p.pid))
+        yield p
+    finally:
+        p.kill()
+
+
+def _aborted(reports: Path, grace_s: float) -> Any:
+    """A launcher's signals after two Ctrl-Cs: the stop request, then the abort (`grace_s`: its kill's wait)."""
+    from moectl.cli.launch import _LauncherSignals
+
+    signals = _LauncherSignals(reports, abort_grace_s=grace_s)
+    signals.received = signal.SIGINT  # the first Ctrl-C, long enough ago
+    signals._handle(signal.SIGINT, None)
+    return signals
+
+
 def test_an_aborted_worker_that_cannot_take_the_signal_is_killed_after_the_grace(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A worker whose main thread waits in CUDA or NCCL runs no Python handler: the second Ctrl-C's SIGINT
-    does nothing there. The launcher kills what has not ended `abort_grace_s` after the abort."""
-    from moectl.cli import launch
+        tmp_path: Path, deaf: subprocess.Popen) -> None:
+    """The second Ctrl-C's SIGINT does nothing to a worker waiting in CUDA or NCCL: the launcher kills what has
+    not ended `abort_grace_s` after the abort."""
     from moectl.cli import outcome as O
-    from moectl.cli.launch import _LauncherSignals
 
-    monkeypatch.setattr(launch, "_ignore_late_signals", lambda: None)  # this test process keeps its handlers
-    deaf = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN);"
-                             " print('ready', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True,
-                            start_new_session=True)  # fmt: skip
-    try:
-        assert deaf.stdout is not None and deaf.stdout.readline() == "ready\n"
-        (tmp_path / "pid0").write_text(str(deaf.pid))
-        signals = _LauncherSignals(tmp_path, abort_grace_s=0.3)
-        signals.received = signal.SIGINT  # the first Ctrl-C: the stop request
-        signals._handle(signal.SIGINT, None)  # the second
-        assert (tmp_path / O.ABORT).exists()
-        assert deaf.wait(timeout=10) == -signal.SIGKILL
-        signals.__exit__(None, None, None)
-    finally:
-        deaf.kill()
+    signals = _aborted(tmp_path, 0.3)
+    assert (tmp_path / O.ABORT).exists()
+    assert deaf.wait(timeout=10) == -signal.SIGKILL
+    signals.__exit__(None, None, None)
 
 
-def test_the_kill_is_called_off_once_the_workers_have_ended(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_kill_is_called_off_once_the_workers_have_ended(tmp_path: Path, deaf: subprocess.Popen) -> None:
+    signals = _aborted(tmp_path, 0.5)
+    signals.__exit__(None, None, None)  # the agent's run returned first
+    with pytest.raises(subprocess.TimeoutExpired):
+        deaf.wait(timeout=1.5)
+
+
+def test_the_kill_spares_a_worker_that_ended_and_a_run_that_ended(
+        tmp_path: Path, deaf: subprocess.Popen, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kill checks each worker through the pidfd taken at the abort: one that has ended since (its pid free
+    for another process) is not signalled; and nothing is killed once the agent's run has returned."""
     from moectl.cli import launch
-    from moectl.cli.launch import _LauncherSignals
 
-    monkeypatch.setattr(launch, "_ignore_late_signals", lambda: None)  # this test process keeps its handlers
-
-    deaf = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN);"
-                             " print('ready', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True,
-                            start_new_session=True)  # fmt: skip
-    try:
-        assert deaf.stdout is not None and deaf.stdout.readline() == "ready\n"
-        (tmp_path / "pid0").write_text(str(deaf.pid))
-        signals = _LauncherSignals(tmp_path, abort_grace_s=0.5)
-        signals.received = signal.SIGINT
-        signals._handle(signal.SIGINT, None)
-        signals.__exit__(None, None, None)  # the agent's run returned first
-        with pytest.raises(subprocess.TimeoutExpired):
-            deaf.wait(timeout=1.5)
-    finally:
-        deaf.kill()
+    signals = _aborted(tmp_path, 60)  # the pidfd is taken now
+    assert deaf.pid in signals._pidfds
+    assert deaf.stdin is not None
+    deaf.stdin.close()
+    assert deaf.wait(timeout=10) == 0  # ended on its own, and reaped
+    killed: list[int] = []
+    monkeypatch.setattr(launch.os, "killpg", lambda pid, sig: killed.append(pid))
+    signals._kill()
+    assert killed == []
+    signals.__exit__(None, None, None)
+    signals._kill()  # after the run: nothing, not even a look at the pids
+    assert killed == [] and signals._pidfds == {}
 
 
 # The same through a bench command, whose signal handling (`base._signals_raise`) wraps `launch_local`: it put
@@ -178,35 +200,6 @@ main()
 def test_a_signal_after_a_launched_bench_returned_leaves_its_exit_code() -> None:
     out = subprocess.run([sys.executable, "-c", BENCH], env=cli_env(), capture_output=True, text=True, timeout=120)
     assert (out.returncode, out.stderr) == (0, ""), (out.returncode, out.stderr)
-
-
-def test_the_kill_spares_a_worker_that_ended_and_a_run_that_ended(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                                   ) -> None:  # fmt: skip
-    """The kill checks each worker through the pidfd taken at the abort: one that has ended since (its pid free
-    for another process) is not signalled; and nothing is killed once the agent's run has returned."""
-    from moectl.cli import launch
-    from moectl.cli.launch import _LauncherSignals
-
-    monkeypatch.setattr(launch, "_ignore_late_signals", lambda: None)  # this test process keeps its handlers
-    gone = subprocess.Popen([sys.executable, "-c", "import signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN);"
-                             " print('ready', flush=True); sys.stdin.read()"], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
-    assert gone.stdout is not None and gone.stdout.readline() == "ready\n"
-    (tmp_path / "pid0").write_text(str(gone.pid))
-    signals = _LauncherSignals(tmp_path, abort_grace_s=60)
-    signals.received = signal.SIGINT
-    signals._handle(signal.SIGINT, None)  # the abort: the pidfd is taken now
-    assert gone.pid in signals._pidfds
-    assert gone.stdin is not None
-    gone.stdin.close()
-    assert gone.wait(timeout=10) == 0  # ended on its own, and reaped
-    killed: list[int] = []
-    monkeypatch.setattr(launch.os, "killpg", lambda pid, sig: killed.append(pid))
-    signals._kill()
-    assert killed == []
-    signals.__exit__(None, None, None)
-    signals._kill()  # after the run: nothing, not even a look at the pids
-    assert killed == [] and signals._pidfds == {}
 
 
 def test_the_abort_names_the_newest_committed_checkpoint_not_only_the_marked_one(tmp_path: Path) -> None:
