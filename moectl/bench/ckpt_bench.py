@@ -62,10 +62,11 @@ class CkptBenchConfig:
 
 #: written into the bench's folder when it is made: a folder holding it is an earlier bench's, safe to replace
 MARKER = ".moectl-bench-ckpt"
-#: the folders each phase writes under it (the synchronous saves, the background ones, the raw-write baseline)
-SYNC, BG, PLAIN = "sync", "bg", "plain"
+#: the folders each phase writes under it: the synchronous saves, the background ones, the raw-write baseline,
+#: the tools' raw copy and conversion
+SYNC, BG, PLAIN, COPY, CONVERTED = "sync", "bg", "plain", "copy", "converted"
 #: everything the bench writes into its folder: all it ever removes there, and all a folder it takes may hold
-WRITES = frozenset({MARKER, SYNC, BG, PLAIN})
+WRITES = frozenset({MARKER, SYNC, BG, PLAIN, COPY, CONVERTED})
 
 
 def check_folder(folder: Path) -> None:
@@ -430,8 +431,8 @@ def _measure(bench: CkptBenchConfig, cfg: Config, meta: dict[str, Any], log: Log
         cold_start()
         out["read"], _ = _timed(lambda: raw_read(every))
         cold_start()
-        out["copy"], _ = _timed(lambda: raw_copy(every, folder / "copy"))
-        shutil.rmtree(folder / "copy")
+        out["copy"], _ = _timed(lambda: raw_copy(every, folder / COPY))
+        shutil.rmtree(folder / COPY)
         log("ckpt inspect --verify (rank 0)")
         cold_start()
         out["inspect"], summary = _timed(lambda: inspect_checkpoint(sync_path, verify=True))
@@ -439,8 +440,8 @@ def _measure(bench: CkptBenchConfig, cfg: Config, meta: dict[str, Any], log: Log
             raise AssertionError(f"the benchmark's checkpoint does not verify: {summary.problems[:3]}")
         log("ckpt convert (rank 0)")
         cold_start()
-        out["convert"], _ = _timed(lambda: convert_checkpoint(sync_path, folder / "converted", other_layout(cfg)))
-        shutil.rmtree(folder / "converted")
+        out["convert"], _ = _timed(lambda: convert_checkpoint(sync_path, folder / CONVERTED, other_layout(cfg)))
+        shutil.rmtree(folder / CONVERTED)
         cold_start()
         return out
 

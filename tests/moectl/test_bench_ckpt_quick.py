@@ -201,3 +201,27 @@ def test_plain_write_leaves_files_of_their_full_size(tmp_path: Path) -> None:
     blobs = {"a.bin": b"x" * 100_003, "b.bin": b""}
     plain_write(blobs, tmp_path / "p")
     assert {n: (tmp_path / "p" / n).stat().st_size for n in blobs} == {"a.bin": 100_003, "b.bin": 0}
+
+
+@pytest.mark.parametrize("phase", ["moectl.bench.ckpt_bench.raw_copy", "ckpt.convert.convert_checkpoint"],
+                         ids=["copy", "convert"])  # fmt: skip
+def test_a_run_stopped_in_a_tool_empties_the_users_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          phase: str) -> None:  # fmt: skip
+    """The tools write copy/ and converted/ into the folder too: stopped there, a checkpoint-sized copy was left
+    in a folder the user owns, and the next run refused it as someone else's."""
+    import importlib
+
+    def half_done(src: Any, dest: Path, *args: Any) -> None:
+        Path(dest).mkdir(parents=True)
+        (Path(dest) / "part").write_bytes(b"x" * 1024)
+        raise KeyboardInterrupt
+
+    module, name = phase.rsplit(".", 1)
+    monkeypatch.setattr(importlib.import_module(module), name, half_done)
+    monkeypatch.delenv("MOECTL_LAUNCHED", raising=False)
+    mine = tmp_path / "mount"  # the user's, there before: emptied, never removed
+    mine.mkdir()
+    res = CliRunner().invoke(app, ["bench", "ckpt", str(TINY), "--quick", "--set", "data.source=synthetic",
+                                   "--dir", str(mine)])  # fmt: skip
+    assert res.exit_code == 130, res.output
+    assert mine.is_dir() and list(mine.iterdir()) == []
