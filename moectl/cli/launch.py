@@ -158,7 +158,6 @@ class _LauncherSignals:
         self.abort_grace_s = abort_grace_s
         self._killer: Optional[threading.Timer] = None
         self._lock = threading.Lock()  # the kill and the end of the run: one after the other, never across
-        self._pidfds: dict[int, int] = {}  # the workers to kill, held from the abort on: a pid may be reused
 
     @staticmethod
     def supported() -> bool:
@@ -181,9 +180,6 @@ class _LauncherSignals:
         if self._killer is not None:
             self._killer.cancel()
             self._killer.join()
-        for fd in self._pidfds.values():
-            os.close(fd)
-        self._pidfds.clear()
 
     def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
         from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -199,28 +195,27 @@ class _LauncherSignals:
         request_abort(self.reports)  # before the SIGINT: the workers abort on this word, not on a count
         self._send(sig)
         if self._killer is None:  # the abort does not wait for a worker that cannot take it
-            self._pidfds = _pidfds(read_pids(self.reports).values())
-            self._killer = threading.Timer(self.abort_grace_s, self._kill)
-            self._killer.daemon = True
-            self._killer.start()
+            self._killer = killer = threading.Timer(self.abort_grace_s, self._kill)
+            killer.daemon = True
+            killer.start()
 
     def _kill(self) -> None:
-        """SIGKILL to each worker that has still not reported, unless the run has ended meanwhile; each checked
-        through the pidfd taken at the abort, so a pid a dead worker left to another process is not hit."""
+        """SIGKILL to each worker that has still not reported, unless the run has ended meanwhile. Only a process
+        that is this launcher's child: the agent starts the workers as its children and reaps them, so a pid a
+        dead worker left to another process (once reaped) fails the check, where a pid read from a file could
+        name anything by now."""
         with self._lock:
             if self.settled:
                 return
             for pid in read_pids(self.reports).values():
-                fd = self._pidfds.get(pid)
-                if fd is None:
+                if not _is_child(pid):
                     continue
                 try:
-                    signal.pidfd_send_signal(fd, 0)  # still this worker (raises once it has ended)
                     os.killpg(pid, signal.SIGKILL)  # with its children, as torch ends a worker
                 except ProcessLookupError:
                     try:
-                        signal.pidfd_send_signal(fd, signal.SIGKILL)  # no group of its own, or already gone
-                    except ProcessLookupError:
+                        os.kill(pid, signal.SIGKILL)  # a worker that does not lead a process group
+                    except ProcessLookupError:  # it has just ended
                         pass
 
     def _send(self, sig: signal.Signals) -> None:
@@ -235,15 +230,14 @@ class _LauncherSignals:
                     pass
 
 
-def _pidfds(pids: Any) -> dict[int, int]:
-    """A pidfd for each of `pids` still running (`os.pidfd_open`: Linux 5.3+; none elsewhere, then no kill)."""
-    out: dict[int, int] = {}
-    for pid in pids:
-        try:
-            out[pid] = os.pidfd_open(pid)
-        except (AttributeError, OSError):  # ended already, or no pidfds here
-            pass
-    return out
+def _is_child(pid: int) -> bool:
+    """Whether `pid` is a child of this process (`/proc/<pid>/stat`'s parent id; False where it cannot tell)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state, ppid, ...; comm may hold spaces
+    return len(fields) > 1 and fields[1] == str(os.getpid())
 
 
 def _newest_checkpoint(marked: Optional[str]) -> Optional[str]:

@@ -5,6 +5,7 @@ provoked exactly. Real workers and signals: test_train_process.py."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -158,24 +159,27 @@ def test_the_kill_is_called_off_once_the_workers_have_ended(tmp_path: Path, deaf
         deaf.wait(timeout=1.5)
 
 
-def test_the_kill_spares_a_worker_that_ended_and_a_run_that_ended(
-        tmp_path: Path, deaf: subprocess.Popen, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The kill checks each worker through the pidfd taken at the abort: one that has ended since (its pid free
-    for another process) is not signalled; and nothing is killed once the agent's run has returned."""
-    from moectl.cli import launch
-
-    signals = _aborted(tmp_path, 60)  # the pidfd is taken now
-    assert deaf.pid in signals._pidfds
-    assert deaf.stdin is not None
-    deaf.stdin.close()
-    assert deaf.wait(timeout=10) == 0  # ended on its own, and reaped
-    killed: list[int] = []
-    monkeypatch.setattr(launch.os, "killpg", lambda pid, sig: killed.append(pid))
-    signals._kill()
-    assert killed == []
-    signals.__exit__(None, None, None)
-    signals._kill()  # after the run: nothing, not even a look at the pids
-    assert killed == [] and signals._pidfds == {}
+def test_the_kill_spares_a_process_that_is_not_a_worker_and_a_run_that_ended(tmp_path: Path,
+                                                                             deaf: subprocess.Popen) -> None:
+    """The pids come from files: a worker that ended unreported left its pid to whatever came next. Only this
+    process's own children (the agent's workers) are killed; and nothing once the agent's run has returned."""
+    stranger = subprocess.Popen(["sh", "-c", "sleep 60 & echo $!; wait"], stdout=subprocess.PIPE, text=True,
+                                start_new_session=True)  # its child: not this process's  # fmt: skip
+    try:
+        assert stranger.stdout is not None
+        other = int(stranger.stdout.readline())
+        (tmp_path / "pid1").write_text(str(other))
+        signals = _aborted(tmp_path, 60)
+        signals.settled = True  # the run has ended: the kill does nothing
+        signals._kill()
+        assert deaf.poll() is None and Path(f"/proc/{other}").exists()
+        signals.settled = False
+        signals._kill()
+        assert deaf.wait(timeout=10) == -signal.SIGKILL  # the worker
+        assert Path(f"/proc/{other}").exists() and "Z" not in Path(f"/proc/{other}/stat").read_text().split()[2]
+    finally:
+        os.killpg(stranger.pid, signal.SIGKILL)
+        stranger.wait()
 
 
 # The same through a bench command, whose signal handling (`base._signals_raise`) wraps `launch_local`: it put
