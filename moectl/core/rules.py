@@ -1493,7 +1493,7 @@ def _capacity_inputs_valid(c: Context) -> bool:
     """Whether every value an expert's capacity is computed from is in its own range (else another rule's error;
     a token count past int64 is MOE075's, and past a float it would overflow the capacity's product)."""
     m, t = c.cfg.moe, c.cfg.train
-    return (m.num_experts >= 1 and 1 <= m.router_topk <= m.num_experts and m.capacity_factor is not None
+    return (1 <= m.num_experts < 2**63 and 1 <= m.router_topk <= m.num_experts and m.capacity_factor is not None
             and 0 < m.capacity_factor < math.inf and t.micro_batch_size >= 1 and c.cfg.model.seq_length >= 1
             and t.micro_batch_size * c.cfg.model.seq_length < 2**63)  # fmt: skip
 

@@ -1004,10 +1004,11 @@ def test_no_rule_crashes_or_hangs_on_sizes_past_64_bits() -> None:
     assert hits(run([f"model.num_layers={10**8}"], world=1), "MOE075") == []
 
 
-def test_a_token_count_past_a_float_is_moe075s_not_a_capacity_crash() -> None:
-    """A review found a 400-digit `train.micro_batch_size` with a capacity and ep-overlap chunks crashing MOE067
-    (OverflowError turning factor x tokens into a float); the size is MOE075's to report."""
-    found = run([f"train.micro_batch_size={10**400}", "moe.capacity_factor=2", "moe.pad_expert_input_to_capacity=true",
+@pytest.mark.parametrize("huge", [f"train.micro_batch_size={10**400}", f"moe.num_experts={10**400}"])
+def test_a_size_past_a_float_is_moe075s_not_a_capacity_crash(huge: str) -> None:
+    """Reviews found a 400-digit `train.micro_batch_size` or `moe.num_experts` with a capacity and ep-overlap
+    chunks crashing MOE067 (OverflowError turning the capacity's product into a float); MOE075 reports it."""
+    found = run([huge, "moe.capacity_factor=2", "moe.pad_expert_input_to_capacity=true",
                  "moe.token_dispatcher=alltoall", "parallel.expert_model_parallel_size=2", "moe.ep_overlap_chunks=2"],
                 world=2)  # fmt: skip
     assert hits(found, "MOE075")
