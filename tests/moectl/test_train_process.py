@@ -305,10 +305,10 @@ def _printed(out: Path, line: str) -> bool:
 def test_a_second_ctrl_c_aborts_both_ranks_at_once_keeping_the_last_checkpoint(tmp_path: Path) -> None:
     """A user trial: under --nproc-per-node 2 the second Ctrl-C was lost (the launcher's agent sent the workers
     SIGTERM instead); the step ran on, saved a new checkpoint, and the run exited 3. Each step here takes seconds
-    (2048 micro-batches a rank), so both presses land in one step, after a checkpoint has committed; the second
+    (4096 micro-batches a rank), so both presses land in one step, after a checkpoint has committed; the second
     comes `REPEAT_GRACE_S` after the first (sooner, it is the same request, as a forwarding parent sends it)."""
     run_dir, out = tmp_path / "run", tmp_path / "out.log"
-    cmd = _train(run_dir, "train.train_iters=2000", "checkpoint.save_interval=1", "train.global_batch_size=16384")
+    cmd = _train(run_dir, "train.train_iters=2000", "checkpoint.save_interval=1", "train.global_batch_size=32768")
     p = _start_logged(cmd, out)
     try:
         _wait_for(lambda: (run_dir / "checkpoints" / "latest").exists(), p, "no checkpoint committed", 180)
