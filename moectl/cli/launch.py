@@ -130,9 +130,9 @@ class _LauncherSignals:
     SIGTERM, which a stopping worker takes as the same request: the second Ctrl-C never reached them, and they
     saved and exited 3. Here a later SIGINT is sent on as it is to each worker that has not reported (their ids:
     `outcome.mark_pid`), after the launcher's word that it aborts (`outcome.request_abort`), and the agent goes
-    on waiting for them. A later SIGTERM or
-    SIGHUP changes nothing, as on a worker. The workers lead their own sessions, so a terminal's Ctrl-C reaches
-    only this process: each press reaches a worker once.
+    on waiting for them; one that has not ended `ABORT_GRACE_S` later is killed (`_kill`). A SIGINT within
+    `REPEAT_GRACE_S` of the first, and a later SIGTERM or SIGHUP, change nothing, as on a worker. The workers
+    lead their own sessions, so a terminal's Ctrl-C reaches only this process: each press reaches a worker once.
 
     torchrun must leave these three signals to this handler (`ARGS`); a torch whose launcher has no
     `--signals-to-handle` takes them over when it starts the workers, and a second Ctrl-C there is lost as before.
