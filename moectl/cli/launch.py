@@ -75,7 +75,9 @@ def _quiet_torchrun() -> None:
 def launch_local(nproc_per_node: int, moectl_args: list[str]) -> int:
     """Run `python -m moectl <moectl_args>` in `nproc_per_node` local processes; returns 0, or 1 if any failed.
 
-    For commands whose workers do not report (the benches): torchrun's own output is left as it is.
+    For commands whose workers do not report (the benches, parity): each worker says its own error line, and
+    torchrun's logs (its OMP_NUM_THREADS banner, its "Received 2 death signal" and closing-signal lines around a
+    Ctrl-C) are silenced as for `train`, except with MOECTL_DEBUG=1.
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -86,6 +88,7 @@ def launch_local(nproc_per_node: int, moectl_args: list[str]) -> int:
     args = get_args_parser().parse_args(
         ["--standalone", f"--nproc-per-node={nproc_per_node}", "--module", "moectl", *moectl_args]
     )
+    _quiet_torchrun()
     os.environ[LAUNCHED_ENV] = "1"  # the workers leave this process's notices to it
     try:
         run(args)

@@ -223,3 +223,28 @@ def test_the_abort_names_the_newest_committed_checkpoint_not_only_the_marked_one
     assert _newest_checkpoint(None) is None
     unread = str(tmp_path / "nothing" / "step_00000001")
     assert _newest_checkpoint(unread) == unread
+
+
+# `launch_local` with a stand-in agent that logs what torchrun's does around a Ctrl-C.
+LOCAL_LOGS = """
+import logging, sys
+import torch.distributed.run as torchrun
+from moectl.cli import launch
+
+def run(args):
+    logging.getLogger("torch.distributed.elastic.agent.server.api").warning("Received 2 death signal, shutting down")
+    logging.getLogger("torch.distributed.run").warning("Setting OMP_NUM_THREADS environment variable for each ...")
+
+torchrun.run = run
+print("result", launch.launch_local(2, ["bench", "train", "--quick"]))
+"""
+
+
+@pytest.mark.parametrize("debug", ["", "1"])
+def test_launch_local_leaves_torchruns_logs_to_debug_runs(debug: str) -> None:
+    """A launched bench or parity printed torchrun's OMP_NUM_THREADS banner on every run and its "Received 2
+    death signal" and closing-signal lines above the one line of a Ctrl-C; `train` silences them."""
+    out = subprocess.run([sys.executable, "-c", LOCAL_LOGS], env=cli_env(MOECTL_DEBUG=debug), capture_output=True,
+                         text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0 and out.stdout == "result 0\n", out.stderr
+    assert ("Received 2 death signal" in out.stderr) == (debug == "1"), out.stderr
