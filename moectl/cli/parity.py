@@ -56,7 +56,7 @@ RtolOpt = Annotated[
     + examples(
         "moectl parity configs/tiny.yaml --flag moe.single_grouped_weight=false --steps 5",
         "moectl parity configs/tiny.yaml --flag parallel.overlap_grad_reduce=false --nproc-per-node 2",
-        "moectl parity configs/tiny.yaml --flag mixed_precision.bf16=true --rtol 1e-2 --json parity.json",
+        "moectl parity configs/tiny.yaml --flag moe.delay_wgrad_compute=true --rtol 1e-6 --json parity.json",
     ),
 )
 def parity_command(
