@@ -116,14 +116,16 @@ def render(result: Any, console: Console) -> None:
         f"({model.get('active_params', 0) / 1e6:,.1f}M active), {model.get('tokens_per_step', 0):,} tokens per step, "
         f"{meta['world_size']} x {meta['device_name']} ({versions}); host {meta.get('host_cpu', 'unknown')}"
     )
-    caption = (
-        f"{meta['steps']} timed steps after {meta['warmup']} warm-up; device time from a profile of "
-        f"{meta['profile_steps']} more; categories sum kernel time over all streams, 'concurrent streams' takes "
-        "back the time two ran at once (overlapped communication included), idle = median step - busy device "
-        "time (0 where the profiled steps were busier than the median; the rows then add up to more than the step, "
-        "else to the step)"
-        + "".join(f"\n{n}" for n in result.notes)
+    timed = f"{meta['steps']} timed steps after {meta['warmup']} warm-up"
+    split = (
+        f"; device time from a profile of {meta['profile_steps']} more; categories sum kernel time over all streams, "
+        "'concurrent streams' takes back the time two ran at once (overlapped communication included), idle = "
+        "median step - busy device time (0 where the profiled steps were busier than the median; the rows then "
+        "add up to more than the step, else to the step)"
     )
+    # --profile-steps 0: no device-time rows, so no words about them
+    caption = timed + (split if meta["profile_steps"] else "; no profile (--profile-steps 0)") + "".join(
+        f"\n{n}" for n in result.notes)
     table = Table(title=title, caption=caption)
     table.add_column("")
     for r in result.rows:
@@ -211,7 +213,7 @@ def _run(bench: Any, configs: list[Any], world: int, console: Console) -> Any:
     if device.type == "cuda" and eager:
         notes.append(f"{', '.join(eager)}: every kernel launched from the host, so their step times move with the "
                      "host CPU (named in the title) as well as the GPU")  # fmt: skip
-    if device.type == "cpu":
+    if device.type == "cpu" and bench.profile_steps:
         notes.append("on the CPU the 'device' is the host: op times include the profiler's per-op overhead, so the "
                      "split only shows that the attribution works")  # fmt: skip
     meta["compile_backend"] = os.environ.get(BACKEND_ENV) or "inductor"

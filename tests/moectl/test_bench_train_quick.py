@@ -126,3 +126,15 @@ def test_the_optimizer_columns_set_the_optimizer_and_nothing_else():
     assert [r["vs_first"] for r in rows] == [1.0, 157.0 / 200.0] and rows[1]["ours_speedup"] is None
     # table order: adam first, so muon's row says its fraction of adam's speed
     assert [c.name for c in pick(["muon", "adam"])] == ["adam", "muon"] and "muon" not in [c.name for c in pick(None)]
+
+
+def test_without_a_profile_the_table_says_nothing_of_device_time(tmp_path):
+    """`--profile-steps 0` dropped the device-time rows but kept the caption on how they are computed and the
+    CPU note on attributing them."""
+    args = ["bench", "train", str(TINY), "--quick", "--steps", "1", "--warmup", "0"]
+    res = CliRunner().invoke(app, [*args, "--profile-steps", "0"], env={"COLUMNS": "400"})
+    assert res.exit_code == 0, res.output
+    assert "no profile (--profile-steps 0)" in res.output
+    assert "device time from a profile" not in res.output and "the split only shows" not in res.output
+    res = CliRunner().invoke(app, [*args, "--profile-steps", "1"], env={"COLUMNS": "400"})
+    assert res.exit_code == 0 and "device time from a profile of 1 more" in res.output, res.output
