@@ -211,26 +211,25 @@ class _LauncherSignals:
             if self.settled:
                 return
             for pid in read_pids(self.reports).values():
-                if not _is_child(pid):
-                    continue
-                try:
-                    os.killpg(pid, signal.SIGKILL)  # with its children, as torch ends a worker
-                except ProcessLookupError:
-                    try:
-                        os.kill(pid, signal.SIGKILL)  # a worker that does not lead a process group
-                    except ProcessLookupError:  # it has just ended
-                        pass
+                if _is_child(pid):
+                    _signal_worker(pid, signal.SIGKILL)
 
     def _send(self, sig: signal.Signals) -> None:
         """`sig` to each worker that has not reported how it ended."""
         for pid in read_pids(self.reports).values():
-            try:
-                os.killpg(pid, sig)  # as torch sends it: to the worker's whole process group
-            except ProcessLookupError:
-                try:
-                    os.kill(pid, sig)  # a worker that does not lead a process group
-                except ProcessLookupError:  # it has just ended
-                    pass
+            _signal_worker(pid, sig)
+
+
+def _signal_worker(pid: int, sig: signal.Signals) -> None:
+    """`sig` to worker `pid`'s whole process group, as torch signals a worker (its children too); to the process
+    alone when it leads none; nothing when it has just ended."""
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
 
 
 def _is_child(pid: int) -> bool:
