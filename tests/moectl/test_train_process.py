@@ -82,6 +82,12 @@ def _rank_pid(launcher: subprocess.Popen, rank: int) -> int:
     raise AssertionError(f"no worker of rank {rank}")
 
 
+def _end(p: subprocess.Popen) -> None:
+    """A run the test leaves alive (a wait that failed): its whole process group killed."""
+    if p.poll() is None:
+        os.killpg(p.pid, signal.SIGKILL)
+
+
 def _error_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.strip()]
 
@@ -128,8 +134,7 @@ def test_sigterm_to_the_job_saves_on_both_ranks_and_exits_3(tmp_path: Path) -> N
         os.killpg(p.pid, signal.SIGTERM)  # the launcher and both ranks, as Slurm's scancel or a Ctrl-C does
         out, err = p.communicate(timeout=120)
     finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
+        _end(p)
     assert p.returncode == 3, (out[-2000:], err)
     assert err == "", err  # no traceback, no torchrun log lines
     steps = [r["step"] for r in _records(tmp_path) if "loss" in r]
@@ -302,6 +307,19 @@ def _printed(out: Path, line: str) -> bool:
     return out.is_file() and line in out.read_text().splitlines()
 
 
+def _assert_aborted_naming_last(err: str, run_dir: Path, recorded: int) -> str:
+    """The abort's one line names `latest`, a step before the aborted one (whose save may be cut), as the last
+    good checkpoint to resume from; returns its name. `recorded`: the steps recorded before the second press."""
+    ckpts = run_dir / "checkpoints"
+    last = (ckpts / "latest").read_text().strip()
+    assert last in (f"step_{recorded:08d}", f"step_{recorded - 1:08d}"), (last, recorded)
+    assert _error_lines(err) == [
+        f"error: aborted by a second Ctrl-C during step {recorded + 1}, without saving; the last good checkpoint "
+        f"is {ckpts / last}: resume with --set checkpoint.load={ckpts}"
+    ], err
+    return last
+
+
 def test_a_second_ctrl_c_aborts_both_ranks_at_once_keeping_the_last_checkpoint(tmp_path: Path) -> None:
     """A user trial: under --nproc-per-node 2 the second Ctrl-C was lost (the launcher's agent sent the workers
     SIGTERM instead); the step ran on, saved a new checkpoint, and the run exited 3. Each step here takes seconds
@@ -320,16 +338,10 @@ def test_a_second_ctrl_c_aborts_both_ranks_at_once_keeping_the_last_checkpoint(t
         os.killpg(p.pid, signal.SIGINT)
         _, err = p.communicate(timeout=60)
     finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
+        _end(p)
     assert p.returncode == 130, (out.read_text()[-2000:], err)
+    last = _assert_aborted_naming_last(err, run_dir, recorded)
     ckpts = run_dir / "checkpoints"
-    last = (ckpts / "latest").read_text().strip()  # a step before the aborted one (its save may be cut)
-    assert last in (f"step_{recorded:08d}", f"step_{recorded - 1:08d}"), (last, recorded)
-    assert _error_lines(err) == [
-        f"error: aborted by a second Ctrl-C during step {recorded + 1}, without saving; the last good checkpoint "
-        f"is {ckpts / last}: resume with --set checkpoint.load={ckpts}"
-    ], err
     # at once: the aborted step never ended (no time bound: a loaded CI machine may take long to tear down)
     assert [r["step"] for r in _records(run_dir) if "loss" in r] == list(range(1, recorded + 1))
     assert [c.name for c in list_committed(ckpts)][-1] == last and verify_checkpoint(ckpts) == []
@@ -351,8 +363,7 @@ def test_a_second_ctrl_c_during_the_stop_save_aborts_with_nothing_committed(tmp_
         os.killpg(p.pid, signal.SIGINT)
         _, err = p.communicate(timeout=60)
     finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
+        _end(p)
     assert p.returncode == 130, (out.read_text()[-2000:], err)
     (line,) = _error_lines(err)
     assert line.startswith("error: aborted by a second Ctrl-C during step ") and line.endswith(
@@ -379,14 +390,8 @@ def test_one_process_aborted_by_a_second_ctrl_c_names_its_last_checkpoint(tmp_pa
     finally:
         p.kill()
     assert p.returncode == 130, (out.read_text()[-2000:], err)
-    ckpts = run_dir / "checkpoints"
-    last = (ckpts / "latest").read_text().strip()
-    assert last in (f"step_{recorded:08d}", f"step_{recorded - 1:08d}"), (last, recorded)
-    assert _error_lines(err) == [
-        f"error: aborted by a second Ctrl-C during step {recorded + 1}, without saving; the last good checkpoint "
-        f"is {ckpts / last}: resume with --set checkpoint.load={ckpts}"
-    ], err
-    assert verify_checkpoint(ckpts) == []
+    _assert_aborted_naming_last(err, run_dir, recorded)
+    assert verify_checkpoint(run_dir / "checkpoints") == []
 
 
 def _gone(pid: int) -> bool:
@@ -441,8 +446,7 @@ def test_one_sigint_to_every_process_of_the_job_stops_and_saves(tmp_path: Path) 
         os.kill(p.pid, signal.SIGINT)
         _, err = p.communicate(timeout=120)
     finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
+        _end(p)
     assert p.returncode == 3, (out.read_text()[-2000:], err)
     steps = [r["step"] for r in _records(run_dir) if "loss" in r]
     ckpts = run_dir / "checkpoints"
@@ -462,7 +466,6 @@ def test_a_ctrl_c_a_parent_forwards_again_at_once_stops_and_saves(tmp_path: Path
         os.kill(p.pid, signal.SIGINT)  # the parent's forwarded copy
         _, err = p.communicate(timeout=120)
     finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
+        _end(p)
     assert (p.returncode, err) == (3, ""), (out.read_text()[-2000:], err)
     assert (run_dir / "checkpoints" / "latest").exists()
