@@ -34,8 +34,9 @@ def signal_handlers_restored() -> Iterator[None]:
     and an ignored signal is inherited by every child a later test starts."""
     import signal
 
-    watched = [s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s is not None]
-    saved = {s: signal.getsignal(s) for s in watched}
+    from moectl.core.stop_signals import STOP_SIGNALS
+
+    saved = {s: signal.getsignal(s) for s in STOP_SIGNALS}
     yield
     for s, handler in saved.items():
         if handler is not None and signal.getsignal(s) is not handler:

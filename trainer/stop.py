@@ -29,7 +29,8 @@ from typing import Any, Callable
 
 import torch
 
-STOP_SIGNALS = tuple(s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s is not None)
+from moectl.core.stop_signals import STOP_SIGNALS
+
 REPEAT_GRACE_S = 2.0
 
 

@@ -21,6 +21,7 @@ from moectl.cli import exit_codes
 from moectl.cli.console import say, stdout_reader_gone, stdout_to_devnull
 from moectl.core.environment import says_it_once, unknown_variables
 from moectl.core.errors import MoectlError
+from moectl.core.stop_signals import STOP_SIGNALS
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -97,7 +98,6 @@ def _signals_raise() -> Iterator[None]:
     where the command's cleanup runs (the default of the last two ends the process on the spot, leaving a partial
     output behind); from then on all three are ignored, so a second one cannot cut the cleanup short. A signal
     already ignored (`nohup`'s SIGHUP) stays ignored."""
-    watched = [s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s is not None]
     saved: dict[int, Any] = {}
     fired: list[int] = []
 
@@ -109,7 +109,7 @@ def _signals_raise() -> Iterator[None]:
             raise KeyboardInterrupt
         raise Stopped(signum)
 
-    for sig in watched:
+    for sig in STOP_SIGNALS:
         try:
             if signal.getsignal(sig) is not signal.SIG_IGN:
                 saved[sig] = signal.signal(sig, handle)

@@ -49,6 +49,7 @@ from moectl.cli.outcome import (
 )
 from moectl.cli.verdict import Exit, Verdict, verdict
 from moectl.core.environment import LAUNCHED_ENV
+from moectl.core.stop_signals import STOP_SIGNALS
 
 def under_torchrun() -> bool:
     """True inside a process that torchrun (or this launcher) started."""
@@ -104,9 +105,6 @@ def launch_local(nproc_per_node: int, moectl_args: list[str]) -> int:
     return 0
 
 
-_WATCHED = tuple(s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s is not None)
-
-
 def _ignore_late_signals() -> None:
     """Ignore SIGINT, SIGTERM and SIGHUP for the rest of this process, once the agent's run has returned.
 
@@ -117,7 +115,7 @@ def _ignore_late_signals() -> None:
     killing it. SIG_IGN rather than a Python handler: the interpreter puts its own handlers back to SIG_DFL as
     it finalizes, and a late Ctrl-C there killed the launcher with -2 after a run that had finished.
     """
-    for sig in _WATCHED:
+    for sig in STOP_SIGNALS:
         try:
             signal.signal(sig, signal.SIG_IGN)
         except ValueError:  # not the main thread (a test runner's worker): nothing was handled here either
@@ -170,7 +168,7 @@ class _LauncherSignals:
         return "signals_to_handle" in {f.name for f in dataclasses.fields(LaunchConfig)}
 
     def __enter__(self) -> "_LauncherSignals":
-        for sig in _WATCHED:
+        for sig in STOP_SIGNALS:
             signal.signal(sig, self._handle)
         return self
 
