@@ -39,8 +39,8 @@ from typing import Any, Optional
 
 from moectl.cli.launcher_tie import LAUNCHER_PID_ENV
 from moectl.cli.outcome import (
-    ABORT,
     OUTCOME_DIR_ENV,
+    abort_requested,
     read_checkpoint,
     read_outcomes,
     read_pids,
@@ -299,7 +299,7 @@ def launch_train(nproc_per_node: int, moectl_args: list[str], cpu_threads: Optio
             del os.environ[LAUNCHER_PID_ENV]
         d = Path(reports)
         return verdict(nproc_per_node, read_outcomes(d), exits, launcher_signal, saves, read_started(d),
-                       aborted=(d / ABORT).exists(), checkpoint=_newest_checkpoint(read_checkpoint(d)))  # fmt: skip
+                       aborted=abort_requested(d), checkpoint=_newest_checkpoint(read_checkpoint(d)))  # fmt: skip
 
 
 def reexec_args() -> list[str]:

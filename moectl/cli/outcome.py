@@ -118,9 +118,10 @@ def request_abort(d: Path) -> None:
         pass
 
 
-def abort_requested() -> bool:
-    """Whether this worker's launcher asked for the abort (`request_abort`); False outside a launched run."""
-    d = outcome_dir()
+def abort_requested(d: Path | None = None) -> bool:
+    """Whether the launcher asked for the abort (`request_abort`) in report folder `d` (default: this worker's;
+    False outside a launched run)."""
+    d = d if d is not None else outcome_dir()
     return d is not None and (d / ABORT).exists()
 
 

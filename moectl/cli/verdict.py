@@ -48,8 +48,13 @@ def _during(step: Optional[int]) -> str:
     return f"during step {step}" if step is not None else "before the first step"
 
 
+def _first_checkpoint(outcomes: dict[int, O.Outcome]) -> Optional[str]:
+    """The checkpoint the lowest rank that names one reports."""
+    return next((o.checkpoint for _, o in sorted(outcomes.items()) if o.checkpoint), None)
+
+
 def _resume_hint(outcomes: dict[int, O.Outcome], saves: bool) -> str:
-    ckpt = next((o.checkpoint for _, o in sorted(outcomes.items()) if o.checkpoint), None)
+    ckpt = _first_checkpoint(outcomes)
     if ckpt is None:
         if saves:  # set, and no save was reached (or none committed) before the end
             return "no checkpoint was saved before it ended; run it again"
@@ -101,7 +106,7 @@ def verdict(world_size: int, outcomes: dict[int, O.Outcome], exits: dict[int, Ex
     steps = [o.step for o in outcomes.values() if o.step is not None]
     step = max(steps) if steps else None
     if any(o.kind == O.ABORTED for o in outcomes.values()) or (aborted and missing):
-        ckpt = next((o.checkpoint for _, o in sorted(outcomes.items()) if o.checkpoint), None) or checkpoint
+        ckpt = _first_checkpoint(outcomes) or checkpoint
         return Verdict(exit_codes.stopped_unsaved(signal.SIGINT), aborted_line(step, ckpt, saves, bool(started)))
     if missing:
         timed_out = sorted(r for r, o in outcomes.items() if o.kind == O.TIMEOUT)
