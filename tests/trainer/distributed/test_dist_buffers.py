@@ -53,6 +53,49 @@ def test_plan_invariants(group_size: int, bucket_size: int) -> None:
         assert len(plan.buckets) == 1
 
 
+#: runs of per-expert params (named by the one tensor they stand for) between lone params; sizes off 64
+RUN_NUMELS = [5, 100, 100, 100, 64, 7, 7, 7, 7, 300, 36, 36, 129]
+RUN_NAMES = [None, "a", "a", "a", None, "b", "b", "b", "b", None, "c", "c", None]
+
+
+@pytest.mark.parametrize("group_size", [1, 2, 3, 8])
+@pytest.mark.parametrize("bucket_size", [1, 100, 250, 1000, 10**9])
+def test_plan_lays_a_run_out_as_the_one_tensor_it_stands_for(group_size: int, bucket_size: int) -> None:
+    """Each run gets exactly the plan of one param of its members' total size, cut into them back to back: its
+    first member aligned, no padding inside, never split across buckets (small buckets would close inside it)."""
+    plan = plan_buffer(RUN_NUMELS, bucket_size, group_size, RUN_NAMES)
+    units: list[list[int]] = []
+    for i, run in enumerate(RUN_NAMES):
+        if run is not None and i and RUN_NAMES[i - 1] == run:
+            units[-1].append(i)
+        else:
+            units.append([i])
+    one = plan_buffer([sum(RUN_NUMELS[i] for i in u) for u in units], bucket_size, group_size)
+    assert plan.total == one.total
+    assert [(b.start, b.end) for b in plan.buckets] == [(b.start, b.end) for b in one.buckets]
+    assert [b.param_indices for b in plan.buckets] == [tuple(i for k in b.param_indices for i in units[k])
+                                                       for b in one.buckets]
+    for unit, (start, end) in zip(units, one.param_ranges):
+        assert start % PARAM_ALIGN == 0
+        for i in unit:
+            assert plan.param_ranges[i] == (start, start + RUN_NUMELS[i])
+            start += RUN_NUMELS[i]
+        assert start == end
+    if bucket_size == 1:  # a bucket per run, and per lone param
+        assert [len(b.param_indices) for b in plan.buckets] == [len(u) for u in units]
+    assert plan_buffer(RUN_NUMELS, bucket_size, group_size, [None] * len(RUN_NUMELS)) == plan_buffer(
+        RUN_NUMELS, bucket_size, group_size)  # no runs: the plan as before
+
+
+def test_plan_refuses_runs_that_do_not_fit_the_params() -> None:
+    with pytest.raises(ValueError, match="not consecutive"):
+        plan_buffer([4, 4, 4], 100, 1, ["a", None, "a"])
+    with pytest.raises(ValueError, match="3 run names for 2 params"):
+        plan_buffer([4, 4], 100, 1, ["a", "a", None])
+    plan = plan_buffer([4, 4, 4, 4], 100, 1, ["a", "a", "b", "b"])  # two runs back to back: the second aligned
+    assert plan.param_ranges == ((0, 4), (4, 8), (64, 68), (68, 72))
+
+
 def test_default_bucket_size() -> None:
     assert default_bucket_size(8) == 40_000_000
     assert default_bucket_size(64) == 64_000_000
