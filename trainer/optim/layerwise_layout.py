@@ -21,16 +21,23 @@ Two departures from a per-bucket LPT, both for balance (max rank load / mean, `s
   whole buffer, not bucket by bucket (per bucket, the first and largest param of every bucket went to
   rank 0).
 
+A run of per-expert weights (`trainer.distributed.layout`: `weight0..weight{E-1}` standing for one grouped
+`[E, out, in]` weight) is planned as that grouped weight, a unit: spread or not as it would be, its experts
+back to back where its slices would lie, its cost theirs, its tie-break key its name. So both expert layouts
+get the same owners and the same buffer positions, element for element.
+
 Invariants of a plan (tested):
-- buckets are filled in the order given (backward order); a spread param is a bucket alone; the others
-  form buckets that close once they hold `bucket_size` elements (or before a spread param), like
-  `trainer.distributed.layout.plan_buffer`; a bucket's params are a contiguous run of that order;
-- inside a bucket of whole params, shard r holds the params LPT gave to r, in the order given, each
-  starting at a multiple of `PARAM_ALIGN`; every shard has the same size, a multiple of `BUCKET_ALIGN`,
-  so buckets start aligned and split evenly over the group; a spread param's shard r is its slices
-  [r E / group, (r + 1) E / group);
+- buckets are filled in the order given (backward order); a spread param (or run) is a bucket alone; the
+  others form buckets that close once they hold `bucket_size` elements (or before a spread param), like
+  `trainer.distributed.layout.plan_buffer`, never inside a run; a bucket's params are a contiguous part of
+  that order;
+- inside a bucket of whole params, shard r holds the params (and runs) LPT gave to r, in the order given,
+  each param or run starting at a multiple of `PARAM_ALIGN`, a run's members back to back; every shard
+  has the same size, a multiple of `BUCKET_ALIGN`, so buckets start aligned and split evenly over the
+  group; a spread param's shard r is its slices [r E / group, (r + 1) E / group) (a spread run's: its
+  members [r E / group, (r + 1) E / group), back to back);
 - ownership is a pure function of the params' names and costs (their shapes, and the gate/up row layout
-  the model sets on gated fc1 weights): ties in cost are broken by the param's
+  the model sets on gated fc1 weights): ties in cost are broken by the param's (or run's)
   name, ties in load by the lower rank, never by object identity or memory address (Megatron's legacy
   path gave ranks different owners on ties, fixed in #5479), so every rank computes the same owners;
 - `plan.buckets[k].param_indices` lists the bucket's params in increasing offset (the order `Bucket`
@@ -45,7 +52,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from moectl.core.arith import round_up
-from trainer.distributed.layout import BUCKET_ALIGN, PARAM_ALIGN, BucketPlan, BufferPlan
+from trainer.distributed.layout import BUCKET_ALIGN, PARAM_ALIGN, BucketPlan, BufferPlan, Runs, continues_run
 from trainer.optim.muon import ns_cost
 
 #: a param's Newton-Schulz cost (`muon_routing.muon_cost`: of what Muon orthogonalises, e.g. gate/up halves)
@@ -89,62 +96,105 @@ def spreads(shape: torch.Size | tuple[int, ...], shard_group_size: int) -> bool:
     return count % shard_group_size == 0 and (count // shard_group_size * per_matrix) % BUCKET_ALIGN == 0
 
 
+def _units(params: Sequence[torch.nn.Parameter], runs: Runs | None) -> list[list[int]]:
+    """The params in order, a run (`trainer.distributed.layout`) as one unit: the one tensor it stands for."""
+    glued = continues_run(runs, len(params))
+    units: list[list[int]] = []
+    for i in range(len(params)):
+        if glued[i]:
+            units[-1].append(i)
+        else:
+            units.append([i])
+    return units
+
+
+def _unit_shape(params: Sequence[torch.nn.Parameter], unit: list[int], in_run: bool) -> tuple[int, ...]:
+    """The shape of the one tensor a unit stands for: a param's own; a run of equal `[out, in]` matrices (per-expert
+    weights) `[n, out, in]`, as its grouped weight; any other run `(numel,)`, which never spreads."""
+    first = tuple(params[unit[0]].shape)
+    if not in_run:
+        return first
+    if len(first) == 2 and all(tuple(params[i].shape) == first for i in unit):
+        return (len(unit), *first)
+    return (sum(params[i].numel() for i in unit),)
+
+
 def plan_layerwise_buffer(params: Sequence[torch.nn.Parameter], names: Mapping[torch.nn.Parameter, str],
-                          bucket_size: int, shard_group_size: int, cost: CostFn = shape_cost) -> BufferPlan:
-    """Lay out `params` (backward order) into buckets whose shards each hold whole matrices (see module doc)."""
+                          bucket_size: int, shard_group_size: int, runs: Runs | None = None,
+                          cost: CostFn = shape_cost) -> BufferPlan:
+    """Lay out `params` (backward order) into buckets whose shards each hold whole matrices (see module doc).
+
+    `runs` (`trainer.distributed.layout.Runs`): per param its run's name or None. A run of per-expert weights
+    is planned as the grouped weight it stands for, member by member where that weight's slices would lie:
+    spread as it would be, or whole on one shard, back to back; its cost is its members' (Newton-Schulz cost
+    is per matrix, so that is the grouped weight's) and its LPT key the run's name (the grouped weight's).
+    """
     if bucket_size < 1:
         raise ValueError(f"bucket_size must be positive, got {bucket_size}")
     if shard_group_size < 1:
         raise ValueError(f"shard_group_size must be positive, got {shard_group_size}")
-    runs: list[list[int]] = []
-    run: list[int] = []
+    units = _units(params, runs)
+    run_of = [None if runs is None else runs[u[0]] for u in units]
+    spread = [spreads(_unit_shape(params, u, r is not None), shard_group_size) for u, r in zip(units, run_of)]
+    keys = [names[params[u[0]]] if r is None else r for u, r in zip(units, run_of)]
+    bucket_units: list[list[int]] = []  # unit indices of each bucket
+    members: list[int] = []
     held = 0
-    for i, p in enumerate(params):
-        if spreads(p.shape, shard_group_size):
-            runs += [run, [i]] if run else [[i]]
-            run, held = [], 0
+    for k, unit in enumerate(units):
+        if spread[k]:
+            bucket_units += [members, [k]] if members else [[k]]
+            members, held = [], 0
             continue
-        run.append(i)
-        held += round_up(p.numel(), PARAM_ALIGN)
+        members.append(k)
+        held += round_up(sum(params[i].numel() for i in unit), PARAM_ALIGN)
         if held >= bucket_size:
-            runs.append(run)
-            run, held = [], 0
-    if run:
-        runs.append(run)
+            bucket_units.append(members)
+            members, held = [], 0
+    if members:
+        bucket_units.append(members)
 
     ranges: list[tuple[int, int]] = [(0, 0)] * len(params)
     buckets: list[BucketPlan] = []
     loads = [0] * shard_group_size  # NS cost per shard index, carried from bucket to bucket
     start = 0
-    for index, members in enumerate(runs):
-        if len(members) == 1 and spreads(params[members[0]].shape, shard_group_size):
-            i = members[0]
-            ranges[i] = (start, start + params[i].numel())
-            loads[:] = [load + cost(params[i]) // shard_group_size for load in loads]
-            end = start + params[i].numel()
+    for index, ks in enumerate(bucket_units):
+        if len(ks) == 1 and spread[ks[0]]:
+            unit = units[ks[0]]
+            end = _lay_back_to_back(params, unit, start, ranges)
+            unit_cost = sum(cost(params[i]) for i in unit)
+            loads[:] = [load + unit_cost // shard_group_size for load in loads]
         else:
-            end = _place_whole(params, names, members, start, shard_group_size, cost, loads, ranges)
-        buckets.append(BucketPlan(index, start, end, tuple(sorted(members, key=lambda i: ranges[i][0]))))
+            end = _place_whole(params, [units[k] for k in ks], [keys[k] for k in ks], start, shard_group_size,
+                               cost, loads, ranges)
+        bucket = [i for k in ks for i in units[k]]
+        buckets.append(BucketPlan(index, start, end, tuple(sorted(bucket, key=lambda i: ranges[i][0]))))
         start = end
     return BufferPlan(tuple(ranges), tuple(buckets), start, shard_group_size)
 
 
-def _place_whole(params: Sequence[torch.nn.Parameter], names: Mapping[torch.nn.Parameter, str],
-                 members: list[int], start: int, shard_group_size: int, cost: CostFn, loads: list[int],
-                 ranges: list[tuple[int, int]]) -> int:
-    """Place a bucket of whole params at `start` (LPT from `loads`, updated); set their ranges, return its end."""
-    owners = lpt_assign([cost(params[i]) for i in members], [names[params[i]] for i in members],
-                        shard_group_size, loads)
-    placed: dict[int, tuple[int, int]] = {}  # param index -> (shard, offset in shard)
+def _lay_back_to_back(params: Sequence[torch.nn.Parameter], unit: list[int], at: int,
+                      ranges: list[tuple[int, int]]) -> int:
+    """Set the ranges of a unit's params, back to back from element `at`; return the end."""
+    for i in unit:
+        ranges[i] = (at, at + params[i].numel())
+        at += params[i].numel()
+    return at
+
+
+def _place_whole(params: Sequence[torch.nn.Parameter], units: list[list[int]], keys: list[str], start: int,
+                 shard_group_size: int, cost: CostFn, loads: list[int], ranges: list[tuple[int, int]]) -> int:
+    """Place a bucket of whole units (a param, or a run of them back to back) at `start` (LPT by `keys` from
+    `loads`, updated); set their params' ranges, return the bucket's end."""
+    owners = lpt_assign([sum(cost(params[i]) for i in u) for u in units], keys, shard_group_size, loads)
+    placed: list[tuple[list[int], int, int]] = []  # (unit, shard, offset in shard)
     fill = [0] * shard_group_size
-    for i, r in zip(members, owners):  # members keep the order given inside each shard
+    for unit, r in zip(units, owners):  # units keep the order given inside each shard
         off = round_up(fill[r], PARAM_ALIGN)
-        placed[i] = (r, off)
-        fill[r] = off + params[i].numel()
+        placed.append((unit, r, off))
+        fill[r] = off + sum(params[i].numel() for i in unit)
     shard_size = round_up(max(fill), BUCKET_ALIGN)
-    for i, (r, off) in placed.items():
-        a = start + r * shard_size + off
-        ranges[i] = (a, a + params[i].numel())
+    for unit, r, off in placed:
+        _lay_back_to_back(params, unit, start + r * shard_size + off, ranges)
     return start + shard_size * shard_group_size
 
 

@@ -237,6 +237,45 @@ def test_layerwise_plan_balances_over_the_buffer_not_per_bucket() -> None:
     assert shard_loads(plan, mixed) == [2 * ns_cost((64, 32)) + ns_cost((64, 32)), *[2 * ns_cost((64, 32))] * 3]
 
 
+def test_layerwise_plan_lays_a_run_out_as_its_grouped_weight() -> None:
+    """Per-expert weights in runs (named as the grouped weight they stand for) get that weight's plan: the same
+    buckets, owners and loads, expert e where its slice e lies. Spread ([4, 16, 32] over 2 and 4) or whole
+    (the rest, among equal costs: ties broken by the name), between dense matrices, in any bucketing."""
+    grouped_shapes = {"l1.w": (4, 16, 32), "l0.w": (3, 40, 24), "l10.w": (4, 16, 32), "d.w": (64, 32),
+                      "l2.w": (4, 36, 40), "l3.w": (4, 36, 40), "e.w": (50, 10), "l4.w": (3, 40, 24)}
+    grouped = [nn.Parameter(torch.zeros(s)) for s in grouped_shapes.values()]
+    g_names = dict(zip(grouped, grouped_shapes))
+    per: list[nn.Parameter] = []
+    p_names: dict[nn.Parameter, str] = {}
+    runs: list[str | None] = []
+    members: list[list[int]] = []  # indices in `per` of each grouped param's stand-ins
+    for name, shape in grouped_shapes.items():
+        experts = shape[0] if len(shape) == 3 else None
+        members.append(list(range(len(per), len(per) + (experts or 1))))
+        for e in range(experts or 1):
+            p = nn.Parameter(torch.zeros(shape[1:] if experts else shape))
+            per.append(p)
+            p_names[p] = f"{name}{e}" if experts else name
+            runs.append(name if experts else None)
+    for group in (1, 2, 3, 4):
+        for bucket_size in (10**6, 3000, 1):
+            g = plan_layerwise_buffer(grouped, g_names, bucket_size, group)
+            p = plan_layerwise_buffer(per, p_names, bucket_size, group, runs)
+            assert (p.total, p.shard_group_size) == (g.total, g.shard_group_size)
+            assert [(b.start, b.end) for b in p.buckets] == [(b.start, b.end) for b in g.buckets]
+            for gb, pb in zip(g.buckets, p.buckets):
+                assert pb.param_indices == tuple(i for k in gb.param_indices for i in members[k])
+            for k, (start, end) in enumerate(g.param_ranges):
+                at = start
+                for i in members[k]:
+                    assert p.param_ranges[i] == (at, at + per[i].numel()), (group, bucket_size, p_names[per[i]])
+                    at += per[i].numel()
+                assert at == end
+            assert shard_loads(p, per) == shard_loads(g, grouped)
+    with pytest.raises(ValueError, match="not consecutive"):
+        plan_layerwise_buffer(per[:3], p_names, 10**6, 2, ["l1.w", None, "l1.w"])
+
+
 def test_routing_on_the_real_model() -> None:
     cfg = load_config(None, ["model.num_layers=1", "model.hidden_size=32", "model.num_attention_heads=2",
                              "model.num_query_groups=1", "moe.num_experts=4", "moe.ffn_hidden_size=16",
