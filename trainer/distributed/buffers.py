@@ -1,7 +1,9 @@
 """Contiguous param and grad buffers, one per `BufferKey`.
 
 Invariants of a `ParamAndGradBuffer`:
-- params are laid out in the order given (backward order: reverse registration), see `layout.py`;
+- params are laid out in the order given (backward order: reverse registration, a run of per-expert params
+  in expert order where its grouped tensor would be), see `layout.py`; a run's members lie back to back,
+  where that tensor would lie, in one bucket;
 - every param's `main_grad` is a view of `grad_data` (grad dtype: fp32 with `grad_reduce_in_fp32`);
 - with high-precision storage, every param's `.data` is a view of `param_data`, so the all-gather of a
   bucket *is* the param update; with aliased staging, `param_data` is a view of `grad_data`'s memory
@@ -19,12 +21,12 @@ Invariants of a `ParamAndGradBuffer`:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Optional, Sequence
 
 import torch
 
 from trainer.distributed.bucket import Bucket
-from trainer.distributed.layout import BufferPlan, plan_buffer
+from trainer.distributed.layout import BufferPlan, Runs, plan_buffer
 from trainer.distributed.param_storage import ParamStorage
 from trainer.kernels.stale_zero import StaleGuard
 from trainer.main_grad import STALE_ATTR
@@ -34,8 +36,9 @@ if TYPE_CHECKING:
     from trainer.distributed.bucket_group import BucketGroup
 
 
-#: (params in order, their names, bucket_size, shard group size) -> plan; the default is `plan_buffer`
-Planner = Callable[[Sequence[torch.nn.Parameter], Mapping[torch.nn.Parameter, str], int, int], BufferPlan]
+#: (params in order, their names, bucket_size, shard group size, each param's run name or None: `layout.Runs`)
+#: -> plan; the default is `plan_buffer`
+Planner = Callable[[Sequence[torch.nn.Parameter], Mapping[torch.nn.Parameter, str], int, int, Runs], BufferPlan]
 
 
 @dataclass(frozen=True)
@@ -67,7 +70,10 @@ def alias_as(grad_data: torch.Tensor, dtype: torch.dtype, numel: int) -> torch.T
 class ParamAndGradBuffer:
     def __init__(self, key: BufferKey, params: Sequence[torch.nn.Parameter], names: dict[torch.nn.Parameter, str],
                  storage: ParamStorage, group: Group, bucket_size: int, planner: Planner | None = None,
-                 stale_ok: frozenset[torch.nn.Parameter] = frozenset()) -> None:
+                 stale_ok: frozenset[torch.nn.Parameter] = frozenset(),
+                 runs: Mapping[torch.nn.Parameter, str] | None = None) -> None:
+        """`runs`: the run name (`layout.Runs`) of each param in a run, e.g. the grouped tensor's name for per-expert
+        params (`DistributedModel` passes them); its members must be consecutive in `params`."""
         if not params:
             raise ValueError("a buffer needs at least one param")
         devices = {p.device for p in params}
@@ -79,9 +85,13 @@ class ParamAndGradBuffer:
         self.storage = storage
         self.group = group
         self.device = devices.pop()
+        #: each param's run name, or None (`layout.Runs`), in `params` order
+        self.runs: tuple[Optional[str], ...] = tuple((runs or {}).get(p) for p in params)
         # A planner (e.g. the layer-wise one: whole params per shard) replaces the default layout.
-        self.plan: BufferPlan = (planner(self.params, self.names, bucket_size, group.size) if planner
-                                 else plan_buffer([p.numel() for p in params], bucket_size, group.size))
+        self.plan: BufferPlan = (
+            planner(self.params, self.names, bucket_size, group.size, self.runs) if planner
+            else plan_buffer([p.numel() for p in params], bucket_size, group.size, self.runs)
+        )
         self.param_ranges = {p: self.plan.param_ranges[i] for i, p in enumerate(params)}
         total = self.plan.total
 

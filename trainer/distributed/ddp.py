@@ -7,6 +7,10 @@ modules. Invariants:
 
 - every trainable param is in exactly one buffer and one bucket group; its `main_grad` is a view of the
   grad buffer, and (high-precision storage) its `.data` is a view of the param buffer;
+- the per-expert params of an expert linear (`weight0..weight{E-1}`, `bias0..`) lie exactly where, and as,
+  its grouped `weight` / `bias` would in the other layout: same start, experts 0..E-1 back to back, one
+  bucket (`backward_order`, `layout.py`'s runs); so both layouts' grad buffers are equal element for
+  element, and so is the grad norm summed over them;
 - every param reports its grad exactly once per backward (`trainer.main_grad.grad_ready`): fused layers
   accumulate into `main_grad` and report themselves; plain-autograd grads are folded in by a
   post-accumulate hook, which reports only when autograd actually produced a `.grad` (the hook also
@@ -90,6 +94,43 @@ def stale_capable_params(module: torch.nn.Module) -> frozenset[torch.nn.Paramete
     return frozenset(found)
 
 
+def param_runs(module: torch.nn.Module) -> dict[torch.nn.Parameter, tuple[str, tuple[torch.nn.Parameter, ...]]]:
+    """Each param of a run (`trainer/distributed/layout.py`) -> (the run's name, its members in order): what
+    modules with `param_runs()` name (per-expert params, `GroupedLinearParams.param_runs`), the name being
+    the qualified name of the grouped tensor the run stands for."""
+    found: dict[torch.nn.Parameter, tuple[str, tuple[torch.nn.Parameter, ...]]] = {}
+    for prefix, m in module.named_modules():
+        runs_of = getattr(m, "param_runs", None)
+        if not callable(runs_of):
+            continue
+        for leaf, members in runs_of().items():
+            run = (f"{prefix}.{leaf}" if prefix else leaf, tuple(members))
+            for p in run[1]:
+                found[p] = run
+    return found
+
+
+def backward_order(named: list[tuple[str, torch.nn.Parameter]],
+                   runs: Mapping[torch.nn.Parameter, tuple[str, tuple[torch.nn.Parameter, ...]]]
+                   ) -> list[tuple[str, torch.nn.Parameter]]:
+    """`named` (registration order) in the buffers' order: reverse registration, except that the members of a
+    run (`param_runs`) come in the run's own order (experts 0..E-1), all at the place of the first of them
+    that reverse registration meets. That is where the grouped tensor the run stands for would be: per-expert
+    `weight0..weight{E-1}, bias0..bias{E-1}` then lie as the grouped `weight, bias` do, reversed to `bias,
+    weight`, each in expert order. Members not in `named` (frozen) are left out."""
+    name_of = {p: n for n, p in named}
+    placed: set[str] = set()
+    order: list[tuple[str, torch.nn.Parameter]] = []
+    for name, p in reversed(named):
+        run = runs.get(p)
+        if run is None:
+            order.append((name, p))
+        elif run[0] not in placed:
+            placed.add(run[0])
+            order += [(name_of[q], q) for q in run[1] if q in name_of]
+    return order
+
+
 def _tensor_digest(t: torch.Tensor) -> str:
     data = t.detach().reshape(-1).contiguous().cpu().view(torch.uint8)
     return hashlib.sha256(data.numpy().tobytes()).hexdigest()
@@ -127,10 +168,12 @@ class DistributedModel:
         storage_of = storage or (lambda name, p: HighPrecisionStorage())
         bucket_size = parallel_cfg.bucket_size or default_bucket_size(pstate.dp.size)
 
-        # Backward order: reverse registration. Buffers appear in the order their first param does.
+        # Backward order: reverse registration, a run of per-expert params where its grouped tensor would be
+        # (`backward_order`). Buffers appear in the order their first param does.
+        runs = param_runs(module)
         by_key: "OrderedDict[BufferKey, list[torch.nn.Parameter]]" = OrderedDict()
         storages: dict[BufferKey, ParamStorage] = {}
-        for name, p in reversed(named):
+        for name, p in backward_order(named, runs):
             st = storage_of(name, p)
             grad_dtype = torch.float32 if parallel_cfg.grad_reduce_in_fp32 else p.dtype
             key = BufferKey(st.storage_dtype(p), grad_dtype, is_expert_param(p), tag_of(name, p), st.key)
@@ -139,9 +182,12 @@ class DistributedModel:
 
         # `layouts`: a buffer planner per optimizer tag (Muon's layer-wise one keeps params whole per shard).
         stale_ok = stale_capable_params(module)
+        # A run's members share a buffer in practice (one dtype, tag and storage); were they split, each buffer's
+        # share is still consecutive there and laid out as one run.
+        run_names = {p: run[0] for p, run in runs.items() if p in self.names}
         self.buffers: list[ParamAndGradBuffer] = [
             ParamAndGradBuffer(key, ps, self.names, storages[key], pstate.group_for(key.is_expert), bucket_size,
-                               planner=(layouts or {}).get(key.optimizer_tag), stale_ok=stale_ok)
+                               planner=(layouts or {}).get(key.optimizer_tag), stale_ok=stale_ok, runs=run_names)
             for key, ps in by_key.items()
         ]
         self._storage_of: dict[torch.nn.Parameter, ParamStorage] = {

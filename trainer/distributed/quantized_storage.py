@@ -394,7 +394,8 @@ class PerTensorFP8Storage(QuantizedParamStorage):
 
     def _plan(self, bucket: "Bucket") -> _BucketPlan:
         """The bucket's publication plan: whole params, and runs of evenly spaced per-expert params of one
-        module (the buffer lays a module's experts out back to back, in reverse: backward order)."""
+        module (the buffer lays a module's experts out back to back, in expert order: where its grouped weight
+        would lie)."""
         plan = self._plans.get(bucket)
         if plan is not None:
             return plan

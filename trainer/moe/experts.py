@@ -15,7 +15,8 @@ the same backend on the same values: the per-expert layout stacks its weights fi
 grad are bitwise identical across layouts by construction, and the tests hold us to it. (One exception: under
 `moe.defer_expert_wgrad` on a GPU, per-expert grads that are not whole rows of one matrix take the pointer
 kernel, which adds each micro-batch in its own launch where the TMA kernel sums four in one accumulator:
-equal to the last bits, not bitwise; the grad buffer puts them row-aligned when it can, not always.)
+equal to the last bits, not bitwise. `DistributedModel`'s grad buffer lays per-expert grads out as the grouped
+grad's rows, so there they are whole rows exactly when the grouped grad is, and both take the same kernel.)
 
 Weight grads never go through autograd's AccumulateGrad for the layout's sake: one autograd Function calls
 the backend and routes `dw_E..` to the params (the whole `[E, out, in]` grad, or its `unbind(0)` slices)
@@ -132,6 +133,18 @@ class GroupedLinearParams(nn.Module):
         if self.grouped_bias:
             return [self.bias]
         return [getattr(self, f"bias{e}") for e in range(self.num_experts)]
+
+    def param_runs(self) -> dict[str, list[nn.Parameter]]:
+        """The per-expert params that stand for one grouped tensor, by that tensor's name (`weight`, `bias`),
+        in expert order; grouped params are absent (a one-param run is no run). `DistributedModel` lays each
+        run out where, and exactly as, the grouped tensor would lie (`trainer/distributed/layout.py`), so the
+        grad buffers, and every sum over them (the grad norm), are the same in both layouts."""
+        runs: dict[str, list[nn.Parameter]] = {}
+        if not self.grouped_weight:
+            runs["weight"] = self.weight_params()
+        if self.has_bias and not self.grouped_bias:
+            runs["bias"] = self.bias_params()
+        return runs
 
     @staticmethod
     def as_grouped(params: list[torch.Tensor], grouped: bool) -> Optional[torch.Tensor]:

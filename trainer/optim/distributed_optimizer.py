@@ -20,7 +20,8 @@ It steps the buffers of one optimizer tag of a `DistributedModel`. Invariants:
   goes to the kernel as `grad_scale` and the verdict as `found_inf` (the kernel then leaves everything
   untouched), and the host reads (norm, found_inf) only once the update is queued. The kernel is
   `kernels/adamw_triton.py` (one launch per shard, weight decay by per-chunk flags, bf16 params written in
-  the same pass so staging skips them) where Triton runs and params start on its chunks, else
+  the same pass so staging skips them) where Triton runs and no chunk mixes decayed and undecayed params
+  (params start on its chunks; inside a run of per-expert params, decayed alike, they need not), else
   `torch._fused_adamw_` over per-param runs (`MOECTL_TRITON_ADAMW=0` keeps it). Unfused,
   the host reads the verdict first and multiplies grads by the clip factor (bitwise torch's
   `clip_grad_norm_` + `AdamW(foreach=False)`);
@@ -59,7 +60,8 @@ from trainer.optim.sharded_base import Segment, ShardBase, ShardedOptimizerBase
 STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
 #: "0": torch's fused AdamW kernel on CUDA instead of `kernels/adamw_triton.py`
 TRITON_ADAMW_ENV = "MOECTL_TRITON_ADAMW"
-#: elements per weight-decay flag of the Triton kernel: the layout's param alignment (params start on it)
+#: elements per weight-decay flag of the Triton kernel: the layout's param alignment (params start on it, but
+#: for the later members of a run of per-expert params: those share chunks only with their run, decayed alike)
 DECAY_CHUNK = PARAM_ALIGN
 
 
@@ -78,7 +80,8 @@ def chunk_decay_flags(pieces: list[tuple[int, int, bool]], n: int, chunk: int, s
     """Decay flags (uint8) of an `n`-element shard whose params occupy the disjoint shard-local `pieces`
     (a, b, decay): flag c covers shard elements [c*chunk - shift, (c+1)*chunk - shift), i.e. chunks counted
     from the bucket's start when the shard starts `shift` elements into one (a dp shard need not start on a
-    chunk; params do, in the bucket). None where a chunk holds elements of a decayed and of an undecayed param.
+    chunk; params do, in the bucket, but inside a run of per-expert params). None where a chunk holds elements
+    of a decayed and of an undecayed param.
     Padding between pieces takes its chunk's flag: its masters, grads and moments are zero, so decay leaves it
     zero."""
     flags = torch.zeros(ceil_div(n + shift, chunk), dtype=torch.uint8)
@@ -130,8 +133,8 @@ class DistributedOptimizer(ShardedOptimizerBase):
         self._master_version = 0  # bumped whenever masters change
         self._scales_version = -1  # the master version prepare_stage last ran for
         self._build()
-        #: one Triton launch per shard (`kernels/adamw_triton.py`, bf16 params written in it) where every shard's
-        #: params start on decay-flag chunks; else torch's fused kernel over per-param runs
+        #: one Triton launch per shard (`kernels/adamw_triton.py`, bf16 params written in it) where no shard's
+        #: decay-flag chunk mixes decayed and undecayed params; else torch's fused kernel over per-param runs
         self.triton = self._triton_wanted and all(s.decay_flags is not None for s in self.shards)
 
     # ---------------------------------------------------------------- construction
