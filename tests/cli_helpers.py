@@ -12,8 +12,10 @@ TINY = str(REPO / "configs" / "tiny.yaml")
 
 def cli_env(**extra: str) -> dict[str, str]:
     """This process's environment for a moectl child: the repo importable, no terminal width or debug mode
-    or thread count inherited from the test runner, then `extra`."""
-    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "MOECTL_DEBUG", "OMP_NUM_THREADS")}
+    or thread count inherited from the test runner (nor the tests' own device switch, which moectl would warn
+    about as a variable it does not read), then `extra`."""
+    dropped = ("COLUMNS", "MOECTL_DEBUG", "OMP_NUM_THREADS", "MOECTL_TEST_TRAIN_DEVICE")
+    env = {k: v for k, v in os.environ.items() if k not in dropped}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
     env.update(extra)
     return env

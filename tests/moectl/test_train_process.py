@@ -39,9 +39,12 @@ from trainer.stop import REPEAT_GRACE_S
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")]
 
+# CPU processes on a GPU host too; `MOECTL_TEST_TRAIN_DEVICE=cuda` runs the same tests on a GPU host's GPUs,
+# where a rank waiting in CUDA or NCCL runs no Python handler (gloo fails such waits at once).
+DEVICE = os.environ.get("MOECTL_TEST_TRAIN_DEVICE", "cpu")
 SMALL = [
     "model.num_layers=1", "model.seq_length=32", "data.source=synthetic", "optimizer.lr_warmup_iters=1",
-    "train.eval_interval=null", "train.eval_iters=1", "train.device=cpu",  # CPU processes on a GPU host too
+    "train.eval_interval=null", "train.eval_iters=1", f"train.device={DEVICE}",
 ]  # fmt: skip
 
 
@@ -220,12 +223,14 @@ def test_piped_to_a_file_one_plain_line_per_log_interval_none_wrapped(tmp_path: 
     assert [line.split(" | ")[0] for line in steps] == ["step 2/6", "step 4/6", "step 6/6"]
     for line in steps:
         fields = line.split(" | ")
-        assert [f.split(" ")[0] for f in fields] == ["step", "loss", "lr", "grad", fields[4].split(" ")[0],
+        mfu = ["MFU"] if DEVICE != "cpu" else []  # a GPU run knows its peak FLOP/s
+        assert [f.split(" ")[0] for f in fields] == ["step", "loss", "lr", "grad", fields[4].split(" ")[0], *mfu,
                                                       "elapsed", "ETA"], line  # fmt: skip
         assert fields[4].endswith(" tok/s")
     assert [line for line in lines if "eval loss" in line][0].startswith("step 3/6 | eval loss ")
     # Nothing wrapped: the banner's first line, the data line and the warning table's row are each whole.
-    assert any(line.startswith("moectl train 1 layers") and line.endswith("on cpu x1") for line in lines), lines
+    where = "cpu" if DEVICE == "cpu" else "cuda:0"
+    assert any(line.startswith("moectl train 1 layers") and line.endswith(f"on {where} x1") for line in lines), lines
     assert any(line.startswith("  data: synthetic/train") and f"run_dir {tmp_path / 'run'}" in line for line in lines)
     row = [line for line in lines if "MOE015" in line]
     assert row and "make optimizer.lr_warmup_iters smaller than train.train_iters (a few percent of it is usual)" in row[0]
