@@ -285,7 +285,7 @@ def launch_train(nproc_per_node: int, moectl_args: list[str], cpu_threads: Optio
                 run(args)
         except ChildFailedError as e:
             for rank, f in e.failures.items():
-                exits[int(rank)] = Exit(f.exitcode, f.signal_name() if f.exitcode < 0 else None)
+                exits[int(rank)] = Exit(f.exitcode, f.signal_name() if f.exitcode < 0 else None, f.timestamp)
             if _debug():
                 print(e, file=sys.stderr)
         except SignalException as e:

@@ -5,7 +5,9 @@ The cause is named in this order:
 2. a run a second Ctrl-C aborted: 130 and one line naming the last good checkpoint (a rank that saw another
    abort a moment before it, as a lost peer, is that abort's consequence, not a failure);
 3. a rank that ended without a report (killed, aborted, or hung and then ended by the launcher): named
-   with its signal or exit code, and - when the others timed out waiting for it - as hung;
+   with its signal or exit code, and - when the others timed out waiting for it - as hung. Where several
+   ended so, the first to end is named: on GPUs a rank waiting in NCCL for a dead peer never reports, and
+   the launcher kills it once its shutdown timeout has passed;
 4. otherwise the first report of a lost peer or a timeout.
 A run where every rank finished is 0; where every rank stopped on a signal, their common code (3 after a
 save, 128 + N without one: moectl/cli/exit_codes.py), and so is a run the launcher's signal ended during
@@ -30,6 +32,7 @@ class Exit:
 
     code: int
     signal: Optional[str] = None  # e.g. "SIGKILL" when it died of a signal
+    at: Optional[float] = None  # when torchrun saw it end (seconds since the epoch), where known
 
 
 @dataclass(frozen=True)
@@ -44,8 +47,11 @@ def _ranks(rs: list[int]) -> str:
     return f"rank {rs[0]}" if len(rs) == 1 else "ranks " + ", ".join(map(str, rs))
 
 
-def _during(step: Optional[int]) -> str:
-    return f"during step {step}" if step is not None else "before the first step"
+def _during(step: Optional[int], started: bool = False) -> str:
+    """When it happened: in `step`; else `started` (a rank began a step, no report says which) or not."""
+    if step is not None:
+        return f"during step {step}"
+    return "during training" if started else "before the first step"
 
 
 def _first_checkpoint(outcomes: dict[int, O.Outcome]) -> Optional[str]:
@@ -53,8 +59,9 @@ def _first_checkpoint(outcomes: dict[int, O.Outcome]) -> Optional[str]:
     return next((o.checkpoint for _, o in sorted(outcomes.items()) if o.checkpoint), None)
 
 
-def _resume_hint(outcomes: dict[int, O.Outcome], saves: bool) -> str:
-    ckpt = _first_checkpoint(outcomes)
+def _resume_hint(outcomes: dict[int, O.Outcome], saves: bool, marked: Optional[str] = None) -> str:
+    """The fix's checkpoint: one a report names, else the one rank 0 `marked` (no rank reported)."""
+    ckpt = _first_checkpoint(outcomes) or marked
     if ckpt is None:
         if saves:  # set, and no save was reached (or none committed) before the end
             return "no checkpoint was saved before it ended; run it again"
@@ -85,6 +92,11 @@ def _how_it_ended(rank: int, exits: dict[int, Exit]) -> str:
     return f"exited with code {e.code} without a report"
 
 
+def _ended_at(rank: int, exits: dict[int, Exit]) -> float:
+    e = exits.get(rank)
+    return e.at if e is not None and e.at is not None else float("inf")
+
+
 def verdict(world_size: int, outcomes: dict[int, O.Outcome], exits: dict[int, Exit],
             launcher_signal: Optional[str] = None, saves: bool = False,
             started: frozenset[int] | set[int] = frozenset(), aborted: bool = False,
@@ -111,6 +123,7 @@ def verdict(world_size: int, outcomes: dict[int, O.Outcome], exits: dict[int, Ex
     if missing:
         timed_out = sorted(r for r, o in outcomes.items() if o.kind == O.TIMEOUT)
         lost = sorted(r for r, o in outcomes.items() if o.kind == O.PEER_LOST)
+        missing.sort(key=lambda r: (_ended_at(r, exits), r))  # the first to end, then the lowest rank
         m = missing[0]
         how = _how_it_ended(m, exits)
         if timed_out:
@@ -126,9 +139,13 @@ def verdict(world_size: int, outcomes: dict[int, O.Outcome], exits: dict[int, Ex
             cause = f"rank {m} did not stop within the shutdown timeout after {launcher_signal} and {how}"
         else:
             seen = f" ({_ranks(lost)} lost it in a collective)" if lost else ""
-            cause = f"rank {m} {how} {_during(step)}{seen}"
-        others = f"; so did {_ranks(missing[1:])}" if len(missing) > 1 else ""
-        return Verdict(exit_codes.FAILED, f"{cause}{others}. fix: {_resume_hint(outcomes, saves)}")
+            cause = f"rank {m} {how} {_during(step, bool(started))}{seen}"
+        later = [r for r in missing[1:] if _ended_at(r, exits) > _ended_at(m, exits)]
+        same = [r for r in missing[1:] if r not in later]
+        others = f"; so did {_ranks(same)}" if same else ""
+        if later:  # e.g. left waiting for it in NCCL, and killed once the launcher's shutdown timeout passed
+            others += f"; then {_ranks(later)} {_how_it_ended(later[0], exits)}"
+        return Verdict(exit_codes.FAILED, f"{cause}{others}. fix: {_resume_hint(outcomes, saves, checkpoint)}")
     kinds = {o.kind for o in outcomes.values()}
     if kinds <= {O.FINISHED}:
         return Verdict(exit_codes.FINISHED, None)

@@ -32,6 +32,24 @@ def test_a_killed_rank_is_named_with_its_signal_the_step_and_the_checkpoint() ->
                       f"fix: resume from {CKPT} with --set checkpoint.load=runs/x/checkpoints")
 
 
+def test_ranks_that_all_ended_unreported_name_the_first_to_end_and_the_marked_checkpoint() -> None:
+    """A device-tool trial on two GPUs: rank 1 SIGKILLed, rank 0 waited for it in NCCL (no Python handler runs
+    there), never reported, and torchrun killed it 30 s later. The line named rank 0, "before the first step",
+    and no checkpoint, though step 3's had committed."""
+    killed = {1: Exit(-9, "SIGKILL", at=1000.0), 0: Exit(-9, "SIGKILL", at=1030.0)}
+    v = verdict(2, {}, killed, saves=True, started={0, 1}, checkpoint=CKPT)
+    assert (v.code, v.line) == (1, "rank 1 was killed by SIGKILL during training; then rank 0 was killed by SIGKILL. "
+                                   f"fix: resume from {CKPT} with --set checkpoint.load=runs/x/checkpoints")
+    at_once = {1: Exit(-9, "SIGKILL", at=1000.0), 0: Exit(-6, "SIGABRT", at=1000.0)}  # ties: the lowest rank first
+    v = verdict(2, {}, at_once, saves=True)
+    assert v.line == ("rank 0 was killed by SIGABRT before the first step; so did rank 1. fix: no checkpoint was "
+                      "saved before it ended; run it again")
+    unknown = {1: Exit(-9, "SIGKILL", at=1000.0), 0: Exit(-9, "SIGKILL")}  # a time only where torchrun gave one
+    line = verdict(2, {}, unknown, started={0}).line
+    assert line is not None and line.startswith(
+        "rank 1 was killed by SIGKILL during training; then rank 0 was killed by SIGKILL. fix: nothing was saved")
+
+
 def test_a_hung_rank_is_named_as_hung() -> None:
     timed_out = o(0, O.TIMEOUT, 1, message="rank 0 timed out ...", timeout_s=6.0)
     v = verdict(2, {0: timed_out}, {0: Exit(1), 1: Exit(-9, "SIGKILL")})
