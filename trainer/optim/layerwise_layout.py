@@ -22,9 +22,14 @@ Two departures from a per-bucket LPT, both for balance (max rank load / mean, `s
   rank 0).
 
 A run of per-expert weights (`trainer.distributed.layout`: `weight0..weight{E-1}` standing for one grouped
-`[E, out, in]` weight) is planned as that grouped weight, a unit: spread or not as it would be, its experts
-back to back where its slices would lie, its cost theirs, its tie-break key its name. So both expert layouts
-get the same owners and the same buffer positions, element for element.
+`[E, out, in]` weight) that spreads as that grouped weight would is planned as it, a unit: its experts back
+to back where its slices would lie, so both expert layouts get the same owners and the same buffer positions,
+element for element (and bitwise equal grad norms). On one shard (dp=1) every run is a unit too. A run that
+does not spread over 2+ shards is placed member by member, each expert matrix a whole param of its own, as
+before runs existed: kept whole, the grouped weight lands on one rank, and on the layer-wise buffer that
+padded every shard to its size (E=8 experts at expert-dp 16: 10.7x the params' elements, against 2.3x placed
+per expert) and loaded that rank alone. There the layouts' owners differ, and so can the grad norm's last
+bit.
 
 Invariants of a plan (tested):
 - buckets are filled in the order given (backward order); a spread param (or run) is a bucket alone; the
@@ -108,6 +113,19 @@ def _units(params: Sequence[torch.nn.Parameter], runs: Runs | None) -> list[list
     return units
 
 
+def _members_of_whole_runs(units: list[list[int]], run_of: list[str | None], spread: list[bool]
+                           ) -> tuple[list[list[int]], list[str | None], list[bool]]:
+    """Each run that does not spread split into units of one member each (no longer a run)."""
+    out: tuple[list[list[int]], list[str | None], list[bool]] = ([], [], [])
+    for unit, run, sp in zip(units, run_of, spread):
+        pieces = [unit] if run is None or sp else [[i] for i in unit]
+        for piece in pieces:
+            out[0].append(piece)
+            out[1].append(run if len(pieces) == 1 else None)
+            out[2].append(sp)
+    return out
+
+
 def _unit_shape(params: Sequence[torch.nn.Parameter], unit: list[int], in_run: bool) -> tuple[int, ...]:
     """The shape of the one tensor a unit stands for: a param's own; a run of equal `[out, in]` matrices (per-expert
     weights) `[n, out, in]`, as its grouped weight; any other run `(numel,)`, which never spreads."""
@@ -136,6 +154,8 @@ def plan_layerwise_buffer(params: Sequence[torch.nn.Parameter], names: Mapping[t
     units = _units(params, runs)
     run_of = [None if runs is None else runs[u[0]] for u in units]
     spread = [spreads(_unit_shape(params, u, r is not None), shard_group_size) for u, r in zip(units, run_of)]
+    if shard_group_size > 1:  # a run that does not spread is placed member by member (the module docstring)
+        units, run_of, spread = _members_of_whole_runs(units, run_of, spread)
     keys = [names[params[u[0]]] if r is None else r for u, r in zip(units, run_of)]
     bucket_units: list[list[int]] = []  # unit indices of each bucket
     members: list[int] = []
