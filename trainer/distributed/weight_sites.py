@@ -64,12 +64,12 @@ def find_sites(model: nn.Module) -> dict[nn.Parameter, WeightSite]:
             sites[m.weight] = WeightSite(m.weight, m, m.recipe)
         elif isinstance(m, GroupedMLP) and m.recipe is not None:
             for fc in (m.linear_fc1, m.linear_fc2):
-                weights = [w for w in fc.weight_params() if w.requires_grad]
                 if fc.grouped_weight:
-                    sites.update({w: WeightSite(w, fc, m.recipe) for w in weights})
-                else:
+                    sites.update({w: WeightSite(w, fc, m.recipe) for w in fc.weight_params() if w.requires_grad})
+                else:  # the expert index counts frozen experts too: it is the slot in the module's [E, out, in]
                     E = fc.num_experts
-                    sites.update({w: WeightSite(w, fc, m.recipe, e, E) for e, w in enumerate(weights)})
+                    sites.update({w: WeightSite(w, fc, m.recipe, e, E) for e, w in enumerate(fc.weight_params())
+                                  if w.requires_grad})  # fmt: skip
     return sites
 
 

@@ -42,6 +42,18 @@ def test_sites_are_the_block_linears_and_experts_only(grouped: bool) -> None:
     assert find_sites(plain) == {}
 
 
+def test_a_per_expert_site_keeps_its_expert_slot_beside_a_frozen_expert() -> None:
+    """A review found the slot counted over the trainable experts only: with expert 1 frozen, expert 2's quantized
+    weight was published into slot 1 of the module's [E, out, in]."""
+    cfg = config(Knobs(recipe="mxfp8", grouped=False))
+    recipe = get_recipe(cfg.mixed_precision)
+    model = GPTMoE(cfg.model, cfg.moe, recipe=recipe, expert_align=recipe.align_size, params_dtype=torch.bfloat16)
+    fc1 = model.decoder.layers[0].mlp.experts.linear_fc1
+    fc1.weight1.requires_grad_(False)
+    sites = find_sites(model)
+    assert [sites[w].expert for w in fc1.weight_params() if w in sites] == [0, *range(2, cfg.moe.num_experts)]
+
+
 @pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "blockwise", "mxfp8", "nvfp4"])
 @pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "per-expert"])
 def test_construction_masters_from_init_no_copies_live_weights(recipe: str, grouped: bool) -> None:
