@@ -136,7 +136,7 @@ class GroupedLinearParams(nn.Module):
 
     def param_runs(self) -> dict[str, list[nn.Parameter]]:
         """The per-expert params that stand for one grouped tensor, by that tensor's name (`weight`, `bias`),
-        in expert order; grouped params are absent (a one-param run is no run). `DistributedModel` lays each
+        in expert order (E = 1 included, a run of one); grouped params are absent. `DistributedModel` lays each
         run out where, and exactly as, the grouped tensor would lie (`trainer/distributed/layout.py`), so the
         grad buffers, and every sum over them (the grad norm), are the same in both layouts."""
         runs: dict[str, list[nn.Parameter]] = {}
