@@ -221,6 +221,45 @@ def test_trainer_grad_norms_are_bitwise_alike(tmp_path: Path, optimizer: str) ->
                            else other[members[0]]), stem
 
 
+_GPU_CASES = {  # the CUDA paths the runs reach: the wgrad kernels' targets, grad_sq partials, CUDA graphs, param gather
+    "bf16": ["model.hidden_size=64", "mixed_precision.bf16=true", "moe.ffn_hidden_size=40"],
+    "defer": ["model.hidden_size=64", "mixed_precision.bf16=true", "moe.ffn_hidden_size=40",
+              "moe.defer_expert_wgrad=true"],
+    "fp8-param-gather": ["model.hidden_size=64", "mixed_precision.bf16=true", "moe.ffn_hidden_size=48",
+                         "moe.add_bias=false", "mixed_precision.fp8=e4m3", "mixed_precision.fp8_param_gather=true"],
+    "mxfp8-param-gather": ["model.hidden_size=64", "mixed_precision.bf16=true", "moe.ffn_hidden_size=64",
+                           "moe.add_bias=false", "mixed_precision.fp8=e4m3", "mixed_precision.fp8_recipe=mxfp8",
+                           "mixed_precision.fp8_param_gather=true",
+                           "mixed_precision.reuse_grad_buf_for_mxfp8_param_ag=true"],
+}  # fmt: skip
+_GPU_RUNS = [(o, c) for o in ("adam", "muon") for c in _GPU_CASES
+             if (o, c) != ("muon", "fp8-param-gather")]  # MOE010: Muon gathers mxfp8 only
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("optimizer, case", _GPU_RUNS)
+def test_trainer_layouts_are_bitwise_alike_on_the_gpu(tmp_path: Path, optimizer: str, case: str) -> None:
+    """`test_trainer_grad_norms_are_bitwise_alike` on CUDA with the trainer's defaults there (CUDA graphs, the
+    Triton wgrad and AdamW kernels, the grad norm from the wgrad's partials), deferred expert wgrads, and fp8 /
+    MXFP8 param gather: every step's loss and grad norm, and the final params, grouped vs per-expert."""
+    out = {}
+    for grouped in ("true", "false"):
+        sets = [*_REAL, *_GPU_CASES[case], "model.seq_length=64", "train.global_batch_size=8", "train.device=cuda",
+                "train.compile=none",  # compiling the regions would take most of the time, and is layout-blind
+                f"optimizer.optimizer={optimizer}", f"moe.single_grouped_weight={grouped}",
+                f"moe.single_grouped_bias={grouped}", f"run_dir={tmp_path / grouped}"]  # fmt: skip
+        trainer = Trainer(load_config(None, sets), SilentObserver())
+        records = [trainer.train_step(step) for step in range(4)]
+        trainer.engine.sync_params_for_eval()
+        out[grouped] = ([(float(r["loss"]), float(r["grad_norm"])) for r in records], grouped_names(trainer.model),
+                        {n: p.detach().float().cpu() for n, p in trainer.model.named_parameters()})  # fmt: skip
+    assert out["true"][0] == out["false"][0]
+    (_, _, params), (_, names, other) = out["true"], out["false"]
+    for stem, members in names.items():
+        assert torch.equal(params[stem], torch.stack([other[n] for n in members]) if len(members) > 1
+                           else other[members[0]]), stem
+
+
 # ------------------------------------------------------------------------------------------ two ranks
 def _two_rank_body(rank: int, world_size: int) -> dict[str, Any]:
     torch.set_num_threads(1)
