@@ -32,6 +32,7 @@ import torch
 from ckpt.digest import tree_digest
 from ckpt.st_layout import Layout
 from ckpt.writeback import Writeback
+from moectl.core.errors import UsageError
 
 CHUNK = 32 << 20  # bytes per write call: large sequential I/O, and enough chunks to spread over the threads
 READ_CHUNK = 8 << 20  # bytes per read: well past the kernel's readahead, yet 16 files verified at once hold
@@ -44,11 +45,16 @@ ENV_THREADS = "MOECTL_CKPT_THREADS"
 def io_threads() -> int:
     """Threads for a checkpoint's I/O and hashing: `MOECTL_CKPT_THREADS`, else this process's share of the
     CPUs it may use (divided among the ranks on the node, `LOCAL_WORLD_SIZE`, which save at the same time),
-    at least 2 and at most 16: past that the disk, not the hashing, is the limit."""
+    at least 2 and at most 16: past that the disk, not the hashing, is the limit.
+
+    A value that is not a positive integer is the user's to fix: a `UsageError` (one line, exit 2), not a
+    bug's traceback."""
     env = os.environ.get(ENV_THREADS, "").strip()
     if env:
         if not env.isdigit() or int(env) < 1:
-            raise ValueError(f"{ENV_THREADS}={env!r}: expected a positive integer")
+            raise UsageError(f"environment variable {ENV_THREADS}={env!r} is not a positive integer",
+                             f"set {ENV_THREADS} to the number of checkpoint I/O threads (e.g. 4), or unset it "
+                             "for this process's share of the CPUs")  # fmt: skip
         return int(env)
     try:
         cpus = len(os.sched_getaffinity(0))

@@ -194,3 +194,16 @@ def test_a_write_failing_mid_file_fails_the_save_and_leaves_latest_on_the_previo
         save_checkpoint(tmp_path, 2, {"model-00000.safetensors": mixed_tensors(2)}, make_meta())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000001"]  # nothing of step 2
     assert (tmp_path / "latest").read_text() == "step_00000001\n"
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-3", "2.5"])
+def test_a_bad_ckpt_threads_variable_is_the_users_error_naming_it(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """It was a ValueError: a traceback, or a failed save after the steps before it had trained."""
+    from moectl.core.errors import UsageError
+
+    monkeypatch.setenv(shard_io.ENV_THREADS, value)
+    with pytest.raises(UsageError, match=f"MOECTL_CKPT_THREADS='{value}' is not a positive integer") as e:
+        shard_io.io_threads()
+    assert e.value.exit_code == 2 and "unset it" in (e.value.fix or "")
+    monkeypatch.setenv(shard_io.ENV_THREADS, " 3 ")
+    assert shard_io.io_threads() == 3

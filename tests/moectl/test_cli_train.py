@@ -212,6 +212,19 @@ def test_data_that_cannot_be_read_at_start_up_is_bad_usage_exit_2(tmp_path):
         assert res.exit_code == 2 and words in _one_error_line(res), res.output
 
 
+def test_a_bad_ckpt_threads_variable_is_refused_before_any_step(tmp_path, monkeypatch):
+    """A synchronous save read MOECTL_CKPT_THREADS only at its first save: every step up to it trained, then the
+    save failed (exit 1) and the run was lost; a background one failed at start-up with a traceback."""
+    monkeypatch.setenv("MOECTL_CKPT_THREADS", "four")
+    for async_save in ("false", "true"):
+        run_dir = tmp_path / f"r{async_save}"
+        res = runner.invoke(app, ["train", "configs/tiny.yaml", *SMALL, "--run-dir", str(run_dir),
+                                  "--set", "checkpoint.save_interval=2", "--set", f"checkpoint.async_save={async_save}"])
+        assert res.exit_code == 2, res.output
+        assert "MOECTL_CKPT_THREADS='four' is not a positive integer" in _one_error_line(res)
+        assert "step 1" not in res.output and not run_dir.exists()
+
+
 def test_a_model_too_big_for_memory_is_one_line_exit_1(tmp_path):
     """A 10^12-token RoPE table (4 TB) died with the CPU allocator's traceback; out of memory is a failure
     of the run (exit 1), said in one line naming where it happened and what to shrink. 10^14 tokens here: 6.4 PB

@@ -34,6 +34,7 @@ from ckpt.async_save import AsyncCheckpointer, SaveOutcome
 from ckpt.host_copy import memory_shortfall, on_host
 from ckpt.inspect import format_bytes
 from ckpt.save import CheckpointSaveError, save_checkpoint
+from ckpt.shard_io import io_threads
 from moectl.core.config.schema import Config
 from moectl.core.errors import CheckpointError
 from trainer.checkpointing.reservation import Reservation
@@ -87,6 +88,10 @@ class RunCheckpointer:
         self._writer: AsyncCheckpointer | None = None
         self._waited: dict[int, float] = {}  # step -> seconds its save waited for the previous one
         self.last_committed: Path | None = None
+        if cfg.checkpoint.save_interval:
+            # MOECTL_CKPT_THREADS is read by the first save: a bad value is refused now, before any step, not
+            # after every step up to that save has been trained (a synchronous save then lost them all)
+            io_threads()
 
     def describe(self) -> str:
         """How this run saves, for its banner."""
