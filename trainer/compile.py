@@ -21,12 +21,15 @@ graph takes about 20 s on a cold 2-core CPU.
 
 from __future__ import annotations
 
+import difflib
 import os
 import warnings
 from typing import Any, Callable, Literal
 
 import torch
 from torch import nn
+
+from moectl.core.errors import UsageError
 
 CompileChoice = Literal["none", "regional", "auto"]
 BACKEND_ENV = "MOECTL_COMPILE_BACKEND"
@@ -43,8 +46,23 @@ def wants_compile(choice: CompileChoice, device: torch.device) -> bool:
 
 
 def compile_backend() -> str:
-    """The torch.compile backend: `$MOECTL_COMPILE_BACKEND`, else inductor."""
-    return os.environ.get(BACKEND_ENV) or "inductor"
+    """The torch.compile backend: `$MOECTL_COMPILE_BACKEND`, else inductor.
+
+    A name torch.compile does not know is the user's to fix: a `UsageError` naming the variable (one line, exit
+    2), where torch raised `InvalidBackend` from inside the first `torch.compile` call, a traceback. Only a name
+    set in the environment is looked up (listing the backends imports them all: about a second).
+    """
+    name = os.environ.get(BACKEND_ENV)
+    if not name:
+        return "inductor"
+    known = torch.compiler.list_backends(exclude_tags=())
+    if name not in known:
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f"did you mean {close[0]}? Otherwise " if close else ""
+        raise UsageError(f"environment variable {BACKEND_ENV}={name!r} is not a torch.compile backend",
+                         f"{hint}set it to one of torch.compiler.list_backends() (inductor, aot_eager, eager, ...), "
+                         "or unset it for inductor")  # fmt: skip
+    return name
 
 
 def _compile_method(module: nn.Module, method: str, **compile_kwargs: Any) -> None:

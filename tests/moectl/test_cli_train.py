@@ -258,3 +258,11 @@ def test_the_last_line_names_only_the_metrics_files_written(tmp_path):
     assert not (tmp_path / "r" / "metrics.jsonl").exists()
     assert "metrics.jsonl" not in res.output
     assert "no metrics file (logging.jsonl and logging.tensorboard are off)" in res.output
+
+
+def test_a_compile_backend_torch_does_not_know_is_one_line_exit_2(tmp_path, monkeypatch):
+    monkeypatch.setenv("MOECTL_COMPILE_BACKEND", "nope")
+    res = runner.invoke(app, ["train", "configs/tiny.yaml", *SMALL, "--run-dir", str(tmp_path / "r"),
+                              "--set", "train.compile=regional"])  # fmt: skip
+    assert res.exit_code == 2, res.output
+    assert "MOECTL_COMPILE_BACKEND='nope' is not a torch.compile backend" in _one_error_line(res)

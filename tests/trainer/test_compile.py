@@ -142,3 +142,18 @@ def test_inductors_online_softmax_note_is_not_shown(tmp_path):
                       UserWarning)  # fmt: skip
         warnings.warn("something else", UserWarning)
     assert [str(w.message) for w in seen] == ["something else"]
+
+
+def test_a_backend_torch_does_not_know_is_the_users_error_naming_the_variable(monkeypatch):
+    """It was torch's InvalidBackend from inside the first torch.compile: a traceback, exit 1."""
+    from moectl.core.errors import UsageError
+    from trainer.compile import compile_backend
+
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    assert compile_backend() == "inductor"
+    monkeypatch.setenv(BACKEND_ENV, "aot_eager")
+    assert compile_backend() == "aot_eager"
+    monkeypatch.setenv(BACKEND_ENV, "inductr")
+    with pytest.raises(UsageError, match="MOECTL_COMPILE_BACKEND='inductr' is not a torch.compile backend") as e:
+        compile_backend()
+    assert e.value.exit_code == 2 and "did you mean inductor?" in (e.value.fix or "")
