@@ -37,6 +37,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, Optional
 
+from moectl.cli import exit_codes
 from moectl.cli.launcher_tie import LAUNCHER_PID_ENV
 from moectl.cli.outcome import (
     OUTCOME_DIR_ENV,
@@ -74,7 +75,8 @@ def _quiet_torchrun() -> None:
 
 
 def launch_local(nproc_per_node: int, moectl_args: list[str]) -> int:
-    """Run `python -m moectl <moectl_args>` in `nproc_per_node` local processes; returns 0, or 1 if any failed.
+    """Run `python -m moectl <moectl_args>` in `nproc_per_node` local processes; returns 0, 2 if the first rank to
+    fail refused its input as bad usage or config (exit 2), or 1 if any failed otherwise.
 
     For commands whose workers do not report (the benches, parity): each worker says its own error line, and
     torchrun's logs (its OMP_NUM_THREADS banner, its "Received 2 death signal" and closing-signal lines around a
@@ -93,8 +95,11 @@ def launch_local(nproc_per_node: int, moectl_args: list[str]) -> int:
     os.environ[LAUNCHED_ENV] = "1"  # the workers leave this process's notices to it
     try:
         run(args)
-    except ChildFailedError:  # torchrun already printed each failed rank's error
-        return 1
+    except ChildFailedError as e:  # torchrun already printed each failed rank's error
+        # Every rank reads the same config and data, so a rank that refused them (2) speaks for the run, as one
+        # process would; 1 would tell a script "failed" (parity: "different") for a typo in a data path.
+        _, first = e.get_first_failure()
+        return exit_codes.USAGE if first.exitcode == exit_codes.USAGE else exit_codes.FAILED
     except SignalException as e:  # Ctrl-C or SIGTERM: torchrun stopped the workers; the command says it in one line
         if e.sigval == signal.SIGINT:
             raise KeyboardInterrupt from None

@@ -3,7 +3,7 @@
 A thin shell over `trainer.parity` (the lockstep runs and the comparison live there, tested without the
 CLI): build OFF (the config with `--set`) and ON (OFF with every `--flag`), check both against the rules,
 run, print a row per step and the verdict. Exit 0 when the runs are equal (bitwise, or within `--rtol`),
-1 when they differ, 2 for bad usage or a config the rules refuse. A `--json PATH` whose folder takes no new
+1 when they differ, 2 for bad usage, a config the rules refuse or data that cannot be read as configured. A `--json PATH` whose folder takes no new
 file is bad usage, refused before any step (the option's check); a write that fails after the run anyway (a
 full disk) is an error line, and the exit code stays the verdict's: a script must not read "different" into
 an equal run because its report could not be saved.
@@ -29,7 +29,7 @@ from moectl.cli.console import make_console
 from moectl.cli.options import ConfigArg, JsonPathOpt, SetOpt, examples
 from moectl.cli.output import OutputError, write_json_file
 from moectl.cli.train import NprocOpt, refuse_on_rule_errors
-from moectl.core.errors import UsageError
+from moectl.core.errors import DataError, UsageError
 
 VERDICT_ENV = "MOECTL_PARITY_VERDICT"
 
@@ -95,7 +95,12 @@ def parity_command(
     # "compared" counts what "N differ" counts: the loss, the grad norm and every tensor
     for col in ("step", "loss OFF", "loss ON", "grad norm OFF", "grad norm ON", "compared", "result"):
         table.add_column(col, justify="right" if col != "result" else "left")
-    report = run_parity(off, on, steps, flags=list(flag), rtol=rtol)
+    try:
+        report = run_parity(off, on, steps, flags=list(flag), rtol=rtol)
+    except DataError as e:
+        # Both sides read their data as they are built, before the first step: data that cannot be read as
+        # configured is bad input (2), as under `train`; DataError's own 1 would read "different" to a script.
+        raise UsageError(e.message, e.fix) from e
     for r in report.records:
         result = "[green]equal[/]" if not r.differences else f"[red]{len(r.differences)} differ[/]"
         table.add_row(str(r.step), f"{r.off.loss:.6f}", f"{r.on.loss:.6f}", f"{r.off.grad_norm:.6f}",
@@ -150,6 +155,8 @@ def _launch(nproc: int, args: list[str], launch: Any) -> int:
             failed = launch(nproc, args)
         finally:
             os.environ.pop(VERDICT_ENV, None)
-        if failed or not path.exists():
-            return 1  # a rank failed: torchrun printed its error
+        if failed:
+            return failed  # a rank failed (2: it refused the input): it printed its error
+        if not path.exists():
+            return 1
         return int(path.read_text())

@@ -67,6 +67,17 @@ def test_usage_errors_exit_2():
     assert res.exit_code == 2 and "train.train_iters=150" in res.output
 
 
+def test_data_that_cannot_be_read_is_bad_usage_not_a_difference(tmp_path):
+    """It was exit 1, which a script reads as "the flag changes the run"; `train` says 2 for the same data."""
+    (tmp_path / "short.bin").write_bytes(bytes(100))  # 50 uint16 tokens: shorter than one sequence
+    for path, words in ((tmp_path / "short.bin", "50 tokens is too short"), (tmp_path / "missing.bin", "no such file")):
+        res = runner.invoke(app, ["parity", "configs/tiny.yaml", "--set", "data.source=tokens", "--set",
+                                  f"data.path={path}", "--flag", "moe.single_grouped_weight=false", "--steps", "1"])
+        errors = [line for line in res.output.splitlines() if line.startswith("error:")]
+        assert res.exit_code == 2, res.output
+        assert len(errors) == 1 and words in errors[0] and "Traceback" not in res.output, res.output
+
+
 @pytest.mark.slow
 def test_two_ranks_exit_1_on_a_difference_without_a_failed_child(tmp_path):
     """The ranks' verdict reaches the parent: exit 1, and torchrun reports no failed child."""

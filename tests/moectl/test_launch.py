@@ -248,3 +248,26 @@ def test_launch_local_leaves_torchruns_logs_to_debug_runs(debug: str) -> None:
                          text=True, timeout=120)  # fmt: skip
     assert out.returncode == 0 and out.stdout == "result 0\n", out.stderr
     assert ("Received 2 death signal" in out.stderr) == (debug == "1"), out.stderr
+
+
+@pytest.mark.parametrize(("codes", "expected"), [({0: 2, 1: -15}, 2), ({0: 1, 1: 2}, 1), ({1: -9}, 1)])
+def test_launch_local_passes_on_a_refusal_of_the_input_as_bad_usage(
+    codes: dict[int, int], expected: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A parity or bench run on N ranks whose data could not be read exited 1 ("different", "failed"), where one
+    process exits 2; the first rank to fail decides (the rest were stopped by torchrun, or failed the same way)."""
+    import torch.distributed.run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from moectl.cli import launch
+
+    def run(args: Any) -> None:
+        failures = {}
+        for rank, code in codes.items():  # in order of time: the first entry is the first failure
+            failures[rank] = ProcessFailure(local_rank=rank, pid=0, exitcode=code, error_file="")
+            failures[rank].timestamp = rank
+        raise ChildFailedError("moectl", failures)
+
+    monkeypatch.setattr(torchrun, "run", run)
+    monkeypatch.setattr(launch, "_ignore_late_signals", lambda: None)
+    assert launch.launch_local(2, ["parity", "configs/tiny.yaml"]) == expected
