@@ -3,10 +3,10 @@
 A thin shell over `trainer.parity` (the lockstep runs and the comparison live there, tested without the
 CLI): build OFF (the config with `--set`) and ON (OFF with every `--flag`), check both against the rules,
 run, print a row per step and the verdict. Exit 0 when the runs are equal (bitwise, or within `--rtol`),
-1 when they differ, 2 for bad usage, a config the rules refuse or data that cannot be read as configured. A `--json PATH` whose folder takes no new
-file is bad usage, refused before any step (the option's check); a write that fails after the run anyway (a
-full disk) is an error line, and the exit code stays the verdict's: a script must not read "different" into
-an equal run because its report could not be saved.
+1 when they differ, 2 for bad usage, a config the rules refuse or data that cannot be read as configured. A
+`--json PATH` whose folder takes no new file is bad usage, refused before any step (the option's check); a
+write that fails after the run anyway (a full disk) is an error line, and the exit code stays the verdict's:
+a script must not read "different" into an equal run because its report could not be saved.
 
 With `--nproc-per-node N` it starts N processes through torchrun (as `train` does); every rank runs both
 sides, rank 0 prints, and the verdict reaches this process through a file named in the children's
