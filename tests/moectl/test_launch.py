@@ -147,9 +147,11 @@ def test_an_aborted_worker_that_cannot_take_the_signal_is_killed_after_the_grace
     from moectl.cli import outcome as O
 
     signals = _aborted(tmp_path, 0.3)
-    assert (tmp_path / O.ABORT).exists()
-    assert deaf.wait(timeout=10) == -signal.SIGKILL
-    signals.__exit__(None, None, None)
+    try:
+        assert (tmp_path / O.ABORT).exists()
+        assert deaf.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        signals.__exit__(None, None, None)
 
 
 def test_the_kill_is_called_off_once_the_workers_have_ended(tmp_path: Path, deaf: subprocess.Popen) -> None:
@@ -165,6 +167,7 @@ def test_the_kill_spares_a_process_that_is_not_a_worker_and_a_run_that_ended(tmp
     process's own children (the agent's workers) are killed; and nothing once the agent's run has returned."""
     stranger = subprocess.Popen(["sh", "-c", "sleep 60 & echo $!; wait"], stdout=subprocess.PIPE, text=True,
                                 start_new_session=True)  # its child: not this process's  # fmt: skip
+    signals = None
     try:
         assert stranger.stdout is not None
         other = int(stranger.stdout.readline())
@@ -178,6 +181,8 @@ def test_the_kill_spares_a_process_that_is_not_a_worker_and_a_run_that_ended(tmp
         assert deaf.wait(timeout=10) == -signal.SIGKILL  # the worker
         assert Path(f"/proc/{other}").exists() and "Z" not in Path(f"/proc/{other}/stat").read_text().split()[2]
     finally:
+        if signals is not None:  # its 60 s kill timer must not outlive the test: a later test's pid may be one of these
+            signals.__exit__(None, None, None)
         os.killpg(stranger.pid, signal.SIGKILL)
         stranger.wait()
 
