@@ -8,7 +8,8 @@ says so instead of silently taking another one. The one step taken over it is th
 (`latest.tmp-<nonce>`) names, committed and newer: a save killed between its rename and moving `latest`
 leaves that file (ckpt/save.py), and the step it names is committed. A load path that does not exist is
 an error, never a silent fresh start (Megatron's `exit_on_missing_checkpoint`). Nor is one this user may
-not read: that is `unreadable`'s one line, naming the folder or file and the OS's reason, never a traceback.
+not read: that is `unreadable`'s one line, naming the folder or file and the OS's reason, never a traceback;
+a file inside a step folder that this user may not read is the same error (`denied`), not a bad checkpoint.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Optional
 
 from ckpt import manifest, names
+from ckpt.problems import Problem
 from moectl.core.errors import CheckpointArgumentError, CheckpointError
 
 _READ_FIX = "make it readable by this user (e.g. chmod -R u+rX on it), or load another checkpoint"
@@ -53,6 +55,18 @@ def unreadable(path: Path, e: OSError, fix: Optional[str] = None) -> CheckpointA
     """The error for a checkpoint folder or file the OS will not let this user read (exit 2, like a path that does
     not exist: the checkpoint may be fine, so `ckpt validate` must not call it invalid)."""
     return CheckpointArgumentError(f"{path} cannot be read: {e.strerror or e}", fix or _READ_FIX)
+
+
+def denied(step_dir: Path, problems: list[Problem]) -> Optional[CheckpointArgumentError]:
+    """`unreadable`'s error for the first of `problems` (found in `step_dir`) that is the OS refusing this user
+    (`Problem.denied`), else None. A file of the step that this user may not read is the command's fault as its
+    folder is (exit 2, fixed by a chmod): it was a bad checkpoint (exit 1, `ckpt validate` "invalid") whose fix
+    sent the user to load another step, which the same permissions would refuse too."""
+    for p in problems:
+        if p.denied:
+            path = step_dir / p.file if p.file else step_dir
+            return CheckpointArgumentError(f"{path} {p.message.removeprefix('the folder ')}", _READ_FIX)
+    return None
 
 
 def stat_or_none(path: Path) -> Optional[os.stat_result]:

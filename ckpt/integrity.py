@@ -30,7 +30,7 @@ from typing import Any, Callable
 from ckpt import manifest, names
 from ckpt import problems as P
 from ckpt.digest import uses_tree
-from ckpt.discovery import TOOL_ADVICE, checkpoint_folder, is_step_dir, resolve_load_path
+from ckpt.discovery import TOOL_ADVICE, checkpoint_folder, denied, is_step_dir, resolve_load_path
 from ckpt.problems import Problem
 from ckpt.seal import seal_problem
 from ckpt.shard_io import hash_file, io_threads, range_jobs
@@ -46,11 +46,21 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> list[Problem]:
     `path` is a step folder (committed or not, so an interrupted save can be inspected) or a checkpoints
     folder (then the step `latest` names). Raises CheckpointArgumentError (exit 2) if `path` is neither (a file,
     a run folder, a Hugging Face model folder, ...), or this user may not read the folders that say which it is
-    (`ckpt.discovery.unreadable`); a CheckpointError (exit 1) for a checkpoints folder that names no committed step
-    (`ckpt.discovery.resolve_load_path`).
+    (`ckpt.discovery.unreadable`) or a file in the step folder (`ckpt.discovery.denied`: the checkpoint may be
+    fine, so it is no problem of it); a CheckpointError (exit 1) for a checkpoints folder that names no committed
+    step (`ckpt.discovery.resolve_load_path`).
     """
     p = checkpoint_folder(path, TOOL_ADVICE)  # missing or a file: worded as every other command words it
     step_dir = p if is_step_dir(p) else resolve_load_path(p, TOOL_ADVICE)
+    found = _step_problems(step_dir)
+    refused = denied(step_dir, found)
+    if refused is not None:
+        raise refused
+    return found
+
+
+def _step_problems(step_dir: Path) -> list[Problem]:
+    """Everything wrong with the step folder `step_dir`, a file this user may not read included."""
     found: list[Problem] = []
     if names.TMP_DIR_RE.match(step_dir.name):
         found.append(Problem(P.INCOMPLETE, None, None, f"{step_dir.name} is an unfinished save (never committed)"))
@@ -131,7 +141,7 @@ def _check_one(step_dir: Path, fname: str, frec: dict[str, Any], expected: dict[
     try:
         return _check_file(step_dir / fname, frec, expected)
     except OSError as e:
-        return [Problem(P.UNREADABLE, fname, None, f"cannot be read: {e.strerror or e}")]
+        return [P.unreadable(fname, e)]
 
 
 def _in_parallel(fn: Callable[..., list[Problem]], args: list[tuple[Any, ...]]) -> list[list[Problem]]:
@@ -148,7 +158,7 @@ def _unexpected_files(step_dir: Path, listed: dict[str, Any], manifest_ok: bool)
     try:
         entries = sorted(step_dir.iterdir())
     except OSError as e:  # enterable but not listable: its stray files cannot be looked for
-        return [Problem(P.UNREADABLE, None, None, f"the folder cannot be listed: {e.strerror or e}")]
+        return [P.unreadable(None, e, "the folder cannot be listed")]
     for entry in entries:
         name = entry.name
         if name == names.MANIFEST or name in listed:
@@ -210,7 +220,7 @@ def _check_tree_files(step_dir: Path, listed: dict[str, Any], by_file: dict[str,
         try:
             checked[fname] = _check_structure(step_dir / fname, frec, by_file[fname])
         except OSError as e:
-            checked[fname] = ([Problem(P.UNREADABLE, fname, None, f"cannot be read: {e.strerror or e}")], None, False)
+            checked[fname] = ([P.unreadable(fname, e)], None, False)
             continue
         _, header, hashable = checked[fname]
         if hashable and header is not None:

@@ -151,7 +151,7 @@ def load(step_dir: Path) -> tuple[dict[str, Any] | None, list[Problem]]:
     except (FileNotFoundError, NotADirectoryError):
         present = False
     except OSError as e:  # a folder this user may not enter (EACCES): unreadable, not uncommitted
-        return None, [Problem(P.UNREADABLE, None, None, f"the folder cannot be read: {e.strerror or e}")]
+        return None, [P.unreadable(None, e, "the folder cannot be read")]
     if not present:
         return None, [Problem(P.INCOMPLETE, names.MANIFEST, None,
                               "missing: the save never committed (manifest.json is written last)")]  # fmt: skip
@@ -160,7 +160,7 @@ def load(step_dir: Path) -> tuple[dict[str, Any] | None, list[Problem]]:
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         return None, [Problem(P.MANIFEST, names.MANIFEST, None, f"not valid JSON: {e or type(e).__name__}")]
     except OSError as e:
-        return None, [Problem(P.UNREADABLE, names.MANIFEST, None, f"cannot be read: {e.strerror or e}")]
+        return None, [P.unreadable(names.MANIFEST, e)]
     errs = check(obj, names.parse_step_dir(step_dir.name))
     bad = [Problem(P.MANIFEST, names.MANIFEST, None, m) for m in errs]
     return (None if bad else obj), bad

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 from dataclasses import dataclass
 
 # Kinds, so tools can group and tests can assert without matching prose.
@@ -21,16 +22,24 @@ class Problem:
     """One problem found in a checkpoint folder.
 
     `file` is a name inside the step folder (None only when the folder itself is the problem), `tensor`
-    the tensor concerned where one is, `kind` one of the constants above.
+    the tensor concerned where one is, `kind` one of the constants above. `denied`: an UNREADABLE problem
+    that is the OS refusing this user (permissions), not the checkpoint's bytes: the checkpoint may be fine.
     """
 
     kind: str
     file: str | None
     tensor: str | None
     message: str
+    denied: bool = False
 
     def __str__(self) -> str:
         where = self.file or "<folder>"
         if self.tensor is not None:
             where += f" tensor {self.tensor!r}"
         return f"{where}: {self.message}"
+
+
+def unreadable(file: str | None, e: OSError, what: str = "cannot be read") -> Problem:
+    """The UNREADABLE problem for the OS's refusal `e` to read `file` (None: the step folder itself), `what`
+    saying what could not be done; `denied` when it is a permission (EACCES, EPERM), not an I/O error."""
+    return Problem(UNREADABLE, file, None, f"{what}: {e.strerror or e}", denied=e.errno in (errno.EACCES, errno.EPERM))

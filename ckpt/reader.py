@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 
 from ckpt import manifest
-from ckpt.discovery import TOOL_ADVICE, resolve_load_path
+from ckpt.discovery import TOOL_ADVICE, denied, resolve_load_path
 from ckpt.integrity import verify_checkpoint
 from ckpt.manifest import META_OPTIONAL, META_REQUIRED
 from ckpt.problems import MANIFEST, Problem
@@ -126,7 +126,11 @@ class Checkpoint:
 
 
 def refusal(step_dir: Path, problems: list[Problem]) -> CheckpointError:
-    """The error that refuses to load `step_dir` for `problems` (the first named, the rest counted)."""
+    """The error that refuses to load `step_dir` for `problems` (the first named, the rest counted); where one is
+    a file this user may not read, the error that says so (`ckpt.discovery.denied`: exit 2, a chmod)."""
+    refused = denied(step_dir, problems)
+    if refused is not None:
+        return refused
     more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
     return CheckpointError(
         f"refusing to load {step_dir}: {problems[0]}{more}",

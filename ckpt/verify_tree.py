@@ -46,7 +46,7 @@ def hash_jobs(step_dir: Path, jobs: list[tuple[str, list[tuple[int, int]]]]
     failed: dict[str, Problem] = {}
     for fname, ranges, out in results:
         if isinstance(out, OSError):
-            failed.setdefault(fname, Problem(P.UNREADABLE, fname, None, f"cannot be read: {out.strerror or out}"))
+            failed.setdefault(fname, P.unreadable(fname, out))
             continue
         for (start, end), sha in zip(ranges, out):
             hashed[(fname, start, end)] = sha

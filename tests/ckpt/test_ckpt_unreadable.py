@@ -181,3 +181,88 @@ def test_a_real_chmod_000(root: Path) -> None:
             assert r.exit_code == 2 and f"{target} cannot be read: Permission denied" in _one_error_line(r)
         finally:
             target.chmod(0o755 if target.name.startswith("step_") else 0o644)
+
+
+def deny_file(monkeypatch: pytest.MonkeyPatch, target: Path, err: int = errno.EACCES) -> None:
+    """Make opening file `target` fail with `err` (EACCES: as `chmod 000` does for an ordinary user), through
+    `open` and pathlib alike; its folder stays readable and its stat works, as they do after a chmod."""
+    import builtins
+    import io
+
+    target = target.absolute()
+    real_open, real_io_open = builtins.open, io.open
+
+    def guarded(real: Any) -> Any:
+        def open_(file: Any, *a: Any, **k: Any) -> Any:
+            if not isinstance(file, int) and Path(file).absolute() == target:
+                raise OSError(err, os.strerror(err), str(file))
+            return real(file, *a, **k)
+
+        return open_
+
+    monkeypatch.setattr(builtins, "open", guarded(real_open))
+    monkeypatch.setattr(io, "open", guarded(real_io_open))  # pathlib's read_bytes/open
+
+
+# a file inside the step folder this user may not read: it named the file but called the checkpoint bad (exit 1,
+# `ckpt validate` "invalid") and sent the user to "load another step", where a folder's refusal is exit 2 and a chmod
+FILES = ["manifest.json", "model-00000.safetensors", "optim-00000.safetensors"]
+
+
+@pytest.mark.parametrize("fname", FILES)
+def test_a_denied_file_in_the_step_is_an_argument_error_naming_it(
+    monkeypatch: pytest.MonkeyPatch, root: Path, fname: str
+) -> None:
+    from ckpt import verify_checkpoint
+
+    step = root / "step_00000004"
+    deny_file(monkeypatch, step / fname)
+    calls = [lambda: verify_checkpoint(root), lambda: open_checkpoint(root)]
+    if fname == "manifest.json":  # without hashing only the manifest is read
+        calls.append(lambda: open_checkpoint(root, verify=False))
+    for call in calls:
+        with pytest.raises(CheckpointArgumentError) as e:
+            call()
+        assert e.value.exit_code == 2
+        line = e.value.one_line()
+        assert line.startswith(f"{step / fname} cannot be read: Permission denied. fix: make it readable"), line
+
+
+@pytest.mark.parametrize("fname", FILES)
+@pytest.mark.parametrize("command", ["inspect", "inspect --verify", "validate", "convert"])
+def test_ckpt_commands_say_a_denied_file_in_one_line_exit_2(
+    monkeypatch: pytest.MonkeyPatch, root: Path, tmp_path: Path, fname: str, command: str
+) -> None:
+    if command == "inspect" and fname != "manifest.json":
+        pytest.skip("plain inspect reads the manifest only")
+    args = ["ckpt", *command.split(), str(root)]
+    if command == "convert":
+        args += [str(tmp_path / "out"), "--layout", "per-expert"]
+    deny_file(monkeypatch, root / "step_00000004" / fname)
+    r = runner.invoke(app, args, env={"COLUMNS": "200", "MOECTL_DEBUG": ""})
+    assert r.exit_code == 2, r.output
+    line = _one_error_line(r)
+    assert f"{root / 'step_00000004' / fname} cannot be read: Permission denied" in line and "fix:" in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_train_resume_says_a_denied_file_in_one_line_exit_2(
+    monkeypatch: pytest.MonkeyPatch, root: Path, tmp_path: Path
+) -> None:
+    deny_file(monkeypatch, root / "step_00000004" / "optim-00000.safetensors")
+    r = runner.invoke(app, ["train", "configs/tiny.yaml", *[a for s in FAST for a in ("--set", s)],
+                            "--set", f"checkpoint.load={root}", "--run-dir", str(tmp_path / "run")],
+                      env={"MOECTL_DEBUG": ""})  # fmt: skip
+    assert r.exit_code == 2, r.output
+    errors = [line for line in r.output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "optim-00000.safetensors cannot be read: Permission denied" in errors[0], r.output
+
+
+def test_an_io_error_stays_a_problem_of_the_checkpoint(monkeypatch: pytest.MonkeyPatch, root: Path) -> None:
+    """Only this user's permissions make it the command's fault: a file the disk fails to read is the checkpoint's
+    problem (exit 1, `ckpt validate` invalid), as before."""
+    from ckpt import verify_checkpoint
+
+    deny_file(monkeypatch, root / "step_00000004" / "optim-00000.safetensors", errno.EIO)
+    problems = verify_checkpoint(root)
+    assert [(p.kind, p.file) for p in problems] == [(P.UNREADABLE, "optim-00000.safetensors")], problems
