@@ -194,7 +194,11 @@ def restore_rng(meta: dict[str, Any]) -> None:
     """Put back the torch RNG state a checkpoint recorded (nothing when it recorded none)."""
     rng = meta.get("rng", {})
     if "torch" in rng:
-        torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(rng["torch"])), dtype=torch.uint8))
+        try:
+            torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(rng["torch"])), dtype=torch.uint8))
+        except (RuntimeError, ValueError) as e:  # base64 (the manifest check saw to it) of another length, or none
+            raise CheckpointError(f"the checkpoint's rng.torch is not a torch CPU RNG state ({e})",
+                                  "load another step, or one saved by moectl itself") from None
 
 
 def training_meta(cfg: Config, step: int, tensors: dict[str, torch.Tensor], world: int, probe_loss: float,

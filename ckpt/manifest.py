@@ -22,7 +22,10 @@ when it does not match (Megatron's `integrity.json` has only the former).
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
+import math
 import re
 import stat
 from importlib import metadata as _md
@@ -36,6 +39,7 @@ from ckpt.digest import TREE, TREE_FROM_VERSION
 from ckpt.problems import Problem
 from ckpt.seal import DIGEST_KEY, SEALED_FROM_VERSION, seal
 from ckpt.st_header import TORCH_NAME
+from moectl.core.config.schema import SECTIONS
 
 FORMAT = "moectl-checkpoint"
 FORMAT_VERSION = 3
@@ -82,6 +86,7 @@ def check_meta(meta: Any) -> list[str]:
     for k in TRAIN_STATE_COUNTERS if isinstance(state, dict) else ():
         if k in state and not _uint(state[k]):  # a resume counts on them: refuse here, not in int() there
             errs.append(f"meta train_state.{k} must be a non-negative int, got {state[k]!r}")
+    errs += _check_read_fields(meta)
     world = meta.get("world")
     if "world" in meta:
         if not isinstance(world, dict):
@@ -100,6 +105,50 @@ def check_meta(meta: Any) -> list[str]:
         except (TypeError, ValueError) as e:
             errs.append(f"meta is not strict-JSON serialisable: {e}")
     return errs
+
+
+def _check_read_fields(meta: dict[str, Any]) -> list[str]:
+    """What is wrong with the fields a load reads as more than plain data: the torch RNG state (base64), the probe's
+    loss (a number), the recorded config's sections (dicts). A manifest re-sealed with them malformed crashed a
+    resume or `ckpt validate` with a traceback; they are refused here, naming the key, as a bad counter is."""
+    errs = []
+    rng = meta.get("rng")
+    torch_rng = rng.get("torch") if isinstance(rng, dict) else None  # the state a resume restores (ckpt/logical.py)
+    if torch_rng is not None and not (isinstance(torch_rng, str) and _is_base64(torch_rng)):
+        errs.append(f"meta rng.torch must be a base64 string, got {_short(torch_rng)}")
+    probe = meta.get("probe")
+    if isinstance(probe, dict) and "loss" in probe:
+        loss = probe["loss"]
+        if not isinstance(loss, (int, float)) or isinstance(loss, bool):  # NaN: the strict-JSON check below
+            errs.append(f"meta probe.loss must be a number, got {_short(loss)}")
+    if isinstance(probe, dict) and "loss_hex" in probe and not _is_float_hex(probe["loss_hex"]):
+        errs.append(f"meta probe.loss_hex must be a float in hex (float.hex), got {_short(probe['loss_hex'])}")
+    config = meta.get("config")
+    for k in SECTIONS if isinstance(config, dict) else ():
+        if k in config and not isinstance(config[k], dict):
+            errs.append(f"meta config.{k} must be a dict, got {type(config[k]).__name__}")
+    return errs
+
+
+def _is_base64(text: str) -> bool:
+    try:
+        base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        return False
+    return True
+
+
+def _is_float_hex(x: Any) -> bool:
+    try:
+        return isinstance(x, str) and math.isfinite(float.fromhex(x))
+    except ValueError:
+        return False
+
+
+def _short(x: Any) -> str:
+    """`x` as a message quotes a value: its repr, cut at 40 characters (a manifest field can be long)."""
+    text = repr(x)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def build(step: int, meta: dict[str, Any], files: dict[str, Any], tensors: dict[str, Any]) -> dict[str, Any]:
@@ -192,6 +241,8 @@ def check(obj: Any, folder_step: int | None) -> list[str]:
         isinstance(obj[DIGEST_KEY], str) and _SHA_RE.match(obj[DIGEST_KEY])
     ):
         errs.append(f"{DIGEST_KEY} is not 64 lowercase hex digits")
+    if "writer" in obj and not isinstance(obj["writer"], dict):  # `ckpt inspect` lists its entries
+        errs.append(f"writer must be a dict, got {type(obj['writer']).__name__}")
     step = obj.get("step")
     if not _uint(step):
         errs.append(f"step {step!r} is not a non-negative int")
