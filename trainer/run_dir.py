@@ -15,7 +15,9 @@ rank that writes (rank 0):
 - a resume from step N that saves refuses a run_dir whose `checkpoints/` already holds committed steps after
   N: it would cut their records from `metrics.jsonl`, train, and then fail when its save reached one of their
   folders (a resume that saves nothing replays from N, as any resume does: its records replace theirs);
-- interrupted-save folders under `checkpoints/` are removed (`ckpt.cleanup`: only the ones a save wrote).
+- interrupted-save folders under `checkpoints/` are removed (`ckpt.cleanup`: only the ones a save wrote);
+- a run that saves refuses a `checkpoints/` it could not save into (a file, a folder this user may not
+  write, a `latest` that is a folder): found only at its first save, that cost every step before it.
 
 And before any of it, in the CLI (`check_config_not_replaced`): the config file passed to `train` is never
 the `config.yaml` the run writes, unless it is one a run wrote (its first line, `CONFIG_HEADER`) or already
@@ -220,14 +222,35 @@ def check_config_not_replaced(config_path: str | os.PathLike[str], cfg: Config) 
     )
 
 
-def prepare_run_dir(run_dir: Path, *, resuming: bool, overwrite: bool,
-                    resumed_at: int | None = None) -> tuple[RunDirLock, list[str]]:  # fmt: skip
+def check_checkpoints_folder(root: Path) -> None:
+    """Refuse, as a one-line `UsageError`, a checkpoints folder `root` a save could not write: a file (or
+    anything not a folder) in its place, a folder this user may not write, or a `latest` that is no file. A
+    `root` not there yet is fine: the first save creates it in run_dir, which `create_run_dir` found writable."""
+    fix = "move it out of the way, or train into another --run-dir"
+    if root.exists() or root.is_symlink():
+        if not root.is_dir():
+            raise UsageError(f"{root} is {_what_is(root)}, not a folder: the run could not save a checkpoint", fix)
+        if not os.access(root, os.W_OK | os.X_OK):
+            raise UsageError(f"{root} is not writable by this user: the run could not save a checkpoint",
+                             "make it writable (e.g. chmod u+rwx on it), or train into another --run-dir")
+        latest = root / names.LATEST
+        if (latest.exists() or latest.is_symlink()) and not latest.is_file():
+            what = "a folder" if latest.is_dir() else _what_is(latest)
+            raise UsageError(f"{latest} is {what}, not the file a save rewrites: the run could not commit a "
+                             "checkpoint", fix)  # fmt: skip
+
+
+def prepare_run_dir(run_dir: Path, *, resuming: bool, overwrite: bool, resumed_at: int | None = None,
+                    saves: bool = False) -> tuple[RunDirLock, list[str]]:  # fmt: skip
     """Everything above, in order; returns the held lock and lines worth logging (removed folders). `resuming`:
     the run continues after a step > 0 (its metrics are kept up to it); `resumed_at`: the step of the loaded
-    checkpoint where the run will save checkpoints from it (`check_later_checkpoints`), else None."""
+    checkpoint where the run will save checkpoints from it (`check_later_checkpoints`), else None; `saves`:
+    the run saves checkpoints (`check_checkpoints_folder`)."""
     create_run_dir(run_dir)
     lock = RunDirLock(run_dir)
     try:
+        if saves:
+            check_checkpoints_folder(run_dir / "checkpoints")
         if resumed_at is not None:
             check_later_checkpoints(run_dir, resumed_at)
         check_metrics_file(run_dir, resuming=resuming, overwrite=overwrite)

@@ -333,3 +333,32 @@ def test_a_step_0_checkpoint_counts_as_a_resume_and_nothing_to_train_is_not_refu
                 f"checkpoint.load={root / 'step_00000000'}").run(overwrite=True)  # fmt: skip
     done = trainer(tmp_path, "train.train_iters=2", "checkpoint.save_interval=2", f"checkpoint.load={root / 'step_00000002'}")
     assert done.run().steps == 2
+
+
+@pytest.mark.parametrize("make", ["file", "latest-folder", "read-only"])
+def test_a_checkpoints_folder_the_run_could_not_save_into_is_refused_before_the_first_step(
+        tmp_path: Path, make: str) -> None:
+    """A user trial: with run_dir/checkpoints a file, its `latest` a folder, or the folder read-only, the run
+    trained up to its first save and only then failed (exit 1, nothing committed): every step before it lost."""
+    root = tmp_path / "checkpoints"
+    if make == "file":
+        root.write_text("notes\n")
+    else:
+        (root / "latest").mkdir(parents=True)
+        if make == "read-only":
+            (root / "latest").rmdir()
+            root.chmod(0o500)
+            if os.access(root, os.W_OK):  # root ignores the mode: nothing to refuse
+                root.chmod(0o700)
+                pytest.skip("this user writes into any folder (root)")
+    try:
+        with pytest.raises(UsageError) as e:
+            trainer(tmp_path, "train.train_iters=4", "checkpoint.save_interval=2").run()
+    finally:
+        if root.is_dir():
+            root.chmod(0o700)
+    assert not (tmp_path / "metrics.jsonl").exists()  # refused before the first step
+    what = {"file": f"{root} is a file, not a folder", "read-only": f"{root} is not writable by this user",
+            "latest-folder": f"{root / 'latest'} is a folder, not the file a save rewrites"}[make]
+    assert what in e.value.message and "could not" in e.value.message, e.value.message
+    trainer(tmp_path, "train.train_iters=2").run()  # a run that saves nothing is not refused
