@@ -41,6 +41,22 @@ def _ours(entry: Path) -> bool:
     return bool(names.SHARD_RE.match(name) or name == names.MANIFEST) and entry.is_file() and not entry.is_symlink()
 
 
+def _interrupted_save(p: Path) -> bool:
+    """Whether `p` is a folder an interrupted save or delete left: its exact name, only checkpoint files in it."""
+    return ((names.TMP_DIR_RE.match(p.name) is not None or names.TRASH_DIR_RE.match(p.name) is not None)
+            and p.is_dir() and not p.is_symlink() and all(_ours(e) for e in p.iterdir()))  # fmt: skip
+
+
+def only_interrupted_saves(root: Path) -> list[str]:
+    """The names of the interrupted saves that are all `root` holds (a checkpoints folder a killed command left
+    behind, nothing committed in it), else []: also for a `root` that is empty, no folder or unreadable."""
+    try:
+        entries = sorted(root.iterdir())
+        return [p.name for p in entries] if entries and all(_interrupted_save(p) for p in entries) else []
+    except OSError:
+        return []
+
+
 def remove_interrupted_saves(root: str | os.PathLike[str]) -> Cleanup:
     """Delete the interrupted-save and half-deleted folders under `root` that hold only checkpoint files."""
     root = Path(root)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Optional
 
 from ckpt import names
+from ckpt.cleanup import only_interrupted_saves
 from ckpt.save import CheckpointSaveError
 from moectl.core.errors import CheckpointArgumentError, CheckpointError
 
@@ -28,6 +29,12 @@ def new_destination(p: Path, fix: str = "give a new folder: nothing is ever over
     into that folder, at that step."""
     p = p.expanduser()
     if p.exists() or p.is_symlink():
+        left = only_interrupted_saves(p) if p.is_dir() and not p.is_symlink() else []
+        if left:  # SIGKILL (the OOM killer, a scheduler) gives the command no chance to remove its unfinished save
+            raise CheckpointArgumentError(
+                f"destination {p} already exists, holding only {left[0]}{' and more' if len(left) > 1 else ''}: the "
+                "unfinished save of a command that was killed (nothing in it was committed)",
+                f"delete that folder (rm -r {p}) and run the command again, or give a new folder")
         raise CheckpointArgumentError(f"destination {p} already exists", fix)
     if source is not None:
         _outside(p, source.expanduser())

@@ -220,6 +220,26 @@ def test_an_interrupted_convert_leaves_nothing_and_can_be_run_again(tmp_path: Pa
     assert verify_checkpoint(convert_checkpoint(src, tmp_path / "out", "per-expert")) == []
 
 
+def test_a_rerun_after_a_killed_convert_names_the_unfinished_save_to_delete(tmp_path: Path) -> None:
+    """SIGKILL (the OOM killer, a scheduler) gives convert no chance to remove its `.tmp-` save: the rerun said
+    only "destination already exists". It names the unfinished save; anything else there stays the plain refusal."""
+    cfg = tiny_config()
+    src = save_model_checkpoint(tmp_path / "src", cfg, build_model(cfg).state_dict())
+    left = tmp_path / "out" / "step_00000000.tmp-1a2b3c"
+    left.mkdir(parents=True)
+    (left / "model-00000.safetensors").write_bytes(b"\0" * 64)  # half written
+    with pytest.raises(CheckpointError) as e:
+        convert_checkpoint(src, tmp_path / "out", "per-expert")
+    assert e.value.message == (f"destination {tmp_path / 'out'} already exists, holding only {left.name}: the "
+                               "unfinished save of a command that was killed (nothing in it was committed)")
+    assert e.value.fix.startswith(f"delete that folder (rm -r {tmp_path / 'out'}) and run the command again")
+    (left / "notes.txt").write_text("mine")  # no save writes this: the folder is not only an unfinished save
+    with pytest.raises(CheckpointError) as e:
+        convert_checkpoint(src, tmp_path / "out", "per-expert")
+    assert e.value.message == f"destination {tmp_path / 'out'} already exists"
+    assert (left / "notes.txt").exists()
+
+
 def test_a_destination_that_cannot_be_made_is_refused_before_any_work(tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """Into a read-only folder, convert ran and then failed with a save's error written for training runs."""
