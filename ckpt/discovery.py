@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Optional
 
 from ckpt import manifest, names
+from ckpt import problems as P
 from ckpt.problems import Problem
 from moectl.core.errors import CheckpointArgumentError, CheckpointError
 
@@ -271,6 +272,13 @@ def resolve_load_path(load: str | os.PathLike[str], advice: Advice = LOAD_ADVICE
         if _is_dir(sub):
             raise _run_folder(where, sub, advice)
         pending = list_uncommitted(p)
+        damaged = _damaged_manifest(pending)
+        if damaged is not None:  # not "never committed": the step may have been, and its manifest hurt since
+            step, why = damaged
+            raise CheckpointError(f"no committed checkpoint in {where}: {step.name} has a manifest.json that cannot be "
+                                  f"used ({why}), so it counts as never committed",
+                                  f"see what is wrong with `moectl ckpt validate {step}` and restore it from a copy, "
+                                  f"or {fix}")  # fmt: skip
         if pending or p.name == "checkpoints":  # a run's checkpoints folder before its first commit: a real state
             raise CheckpointError(f"no committed checkpoint in {where}: no step was committed yet{_saves(pending)}",
                                   fix)  # fmt: skip
@@ -280,6 +288,17 @@ def resolve_load_path(load: str | os.PathLike[str], advice: Advice = LOAD_ADVICE
             hint = "it is not a checkpoints folder (no step_NNNNNNNN folder in it)"
         raise CheckpointArgumentError(f"no committed checkpoint in {where}; {hint}", fix)  # the path is wrong: usage
     return found
+
+
+def _damaged_manifest(pending: list[Path]) -> Optional[tuple[Path, str]]:
+    """The newest of `pending`'s step_NNNNNNNN folders whose manifest.json is there but unusable (not valid JSON,
+    missing fields, ...), with the first reason; None when each lacks one (a save that never got to write it)."""
+    for p in sorted((q for q in pending if names.parse_step_dir(q.name) is not None), reverse=True):
+        _, problems = manifest.load(p)
+        bad = [pr for pr in problems if pr.kind != P.INCOMPLETE and not pr.denied]  # denied: `denied`, exit 2
+        if bad:
+            return p, bad[0].message
+    return None
 
 
 def _saves(pending: list[Path]) -> str:

@@ -250,3 +250,14 @@ def test_a_folder_without_a_committed_step_is_usage_unless_it_is_a_checkpoints_f
     with pytest.raises(CheckpointError) as err:
         resolve_load_path(tmp_path / "checkpoints")
     assert err.value.exit_code == 1 and err.value.message.endswith(": no step was committed yet")
+    # A step whose manifest.json is there but damaged, no `latest`: a helper's trial was told "no step was committed
+    # yet" and to "give a checkpoints folder", which it had given. The newest such step is named, and why.
+    (other / "step_00000006" / "manifest.json").write_text('{"broken": ')
+    for call in (resolve_load_path, open_checkpoint, verify_checkpoint):
+        with pytest.raises(CheckpointError) as err:
+            call(other)
+        assert err.value.exit_code == 1 and err.value.message.startswith(f"no committed checkpoint in {other}: "
+                                                                         "step_00000006 has a manifest.json that "
+                                                                         "cannot be used (not valid JSON")
+        assert err.value.message.endswith("so it counts as never committed")
+        assert err.value.fix.startswith(f"see what is wrong with `moectl ckpt validate {other / 'step_00000006'}`")
