@@ -43,6 +43,7 @@ from moectl.cli.outcome import (
     OUTCOME_DIR_ENV,
     abort_requested,
     read_checkpoint,
+    read_checkpoint_root,
     read_outcomes,
     read_pids,
     read_started,
@@ -218,9 +219,12 @@ class _LauncherSignals:
                     _signal_worker(pid, signal.SIGKILL)
 
     def _send(self, sig: signal.Signals) -> None:
-        """`sig` to each worker that has not reported how it ended."""
+        """`sig` to each worker that has not reported how it ended; not to a process /proc shows is no child of
+        this one (a worker that ended unreported left its pid to whatever came next: see `_kill`)."""
         for pid in read_pids(self.reports).values():
-            _signal_worker(pid, sig)
+            parent = _parent_of(pid)
+            if parent is None or parent == os.getpid():  # None: no /proc to ask (or already gone)
+                _signal_worker(pid, sig)
 
 
 def _signal_worker(pid: int, sig: signal.Signals) -> None:
@@ -237,19 +241,26 @@ def _signal_worker(pid: int, sig: signal.Signals) -> None:
 
 def _is_child(pid: int) -> bool:
     """Whether `pid` is a child of this process (`/proc/<pid>/stat`'s parent id; False where it cannot tell)."""
+    return _parent_of(pid) == os.getpid()
+
+
+def _parent_of(pid: int) -> Optional[int]:
+    """`pid`'s parent process id from `/proc/<pid>/stat`, or None where it cannot tell (no /proc, no such pid)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
-        return False
-    fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state, ppid, ...; comm may hold spaces
-    return len(fields) > 1 and fields[1] == str(os.getpid())
-
-
-def _newest_checkpoint(marked: Optional[str]) -> Optional[str]:
-    """The run's newest committed checkpoint, from the one rank 0 marked: the workers may have been killed while
-    a background save committed a newer one (and retention removed the marked one)."""
-    if marked is None:
         return None
+    fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state, ppid, ...; comm may hold spaces
+    return int(fields[1]) if len(fields) > 1 and fields[1].isdigit() else None
+
+
+def _newest_checkpoint(marked: Optional[str], root: Optional[str]) -> Optional[str]:
+    """The run's newest committed checkpoint, from the one rank 0 marked: the workers may have been killed while
+    a background save committed a newer one (and retention removed the marked one). Looked for only when the
+    mark lies in the run's own checkpoints folder `root` (`outcome.mark_checkpoint_root`): before its first save a
+    resumed run marks the checkpoint it loaded, and another run's folder may hold that run's later steps."""
+    if marked is None or root is None or Path(marked).parent != Path(root):
+        return marked
     from ckpt.discovery import find_latest  # here: the checkpoint format is not needed to launch
 
     try:
@@ -304,7 +315,8 @@ def launch_train(nproc_per_node: int, moectl_args: list[str], cpu_threads: Optio
             del os.environ[LAUNCHER_PID_ENV]
         d = Path(reports)
         return verdict(nproc_per_node, read_outcomes(d), exits, launcher_signal, saves, read_started(d),
-                       aborted=abort_requested(d), checkpoint=_newest_checkpoint(read_checkpoint(d)))  # fmt: skip
+                       aborted=abort_requested(d),
+                       checkpoint=_newest_checkpoint(read_checkpoint(d), read_checkpoint_root(d)))  # fmt: skip
 
 
 def reexec_args() -> list[str]:

@@ -136,8 +136,27 @@ def mark_checkpoint(path: str) -> None:
 
 def read_checkpoint(d: Path) -> str | None:
     """The checkpoint `mark_checkpoint` left, or None."""
+    return _read(d / CHECKPOINT)
+
+
+CHECKPOINT_ROOT = "checkpoint-root"  # the checkpoints folder the run saves into (`mark_checkpoint_root`)
+
+
+def mark_checkpoint_root(path: str) -> None:
+    """Leave the checkpoints folder this run saves into (rank 0, at start; never raises): only there may the
+    launcher look for a step newer than the marked one. A resumed run marks the checkpoint it loaded, maybe in
+    another run's folder, whose later steps are that run's, not this one's."""
+    _leave(CHECKPOINT_ROOT, path)
+
+
+def read_checkpoint_root(d: Path) -> str | None:
+    """The folder `mark_checkpoint_root` left, or None."""
+    return _read(d / CHECKPOINT_ROOT)
+
+
+def _read(path: Path) -> str | None:
     try:
-        return (d / CHECKPOINT).read_text(encoding="utf-8").strip() or None
+        return path.read_text(encoding="utf-8").strip() or None
     except OSError:
         return None
 

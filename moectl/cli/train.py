@@ -15,7 +15,7 @@ import signal
 import sys
 import traceback
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Optional
 
 import typer
 from rich.console import Console
@@ -145,10 +145,14 @@ def _metrics_where(cfg: Config) -> str:
     return f"metrics in {' and '.join(where)}"
 
 
-def _start_marking_state(rank: int) -> Any:
+def _start_marking_state(rank: int, checkpoint_root: Optional[Path] = None) -> Any:
     """A `RunState` that tells the launcher when its first step begins (`outcome.mark_started`) and, on rank 0,
-    which checkpoint is the newest committed one (`outcome.mark_checkpoint`)."""
+    which checkpoint is the newest committed one (`outcome.mark_checkpoint`) and the run's own checkpoints
+    folder, `checkpoint_root` (`outcome.mark_checkpoint_root`)."""
     from trainer.run_state import RunState
+
+    if rank == 0 and checkpoint_root is not None:
+        O.mark_checkpoint_root(str(checkpoint_root))
 
     class StartMarking(RunState):
         def __setattr__(self, name: str, value: Any) -> None:
@@ -192,7 +196,7 @@ def _train_here(cfg: Config, console: Console, rank: int, world: int, overwrite:
     from trainer.stop import StopSignals
 
     launched = O.outcome_dir() is not None
-    state = _start_marking_state(rank) if launched else RunState()
+    state = _start_marking_state(rank, Path(cfg.run_dir) / "checkpoints") if launched else RunState()
     if launched:
         O.mark_pid(rank)  # the launcher forwards a second Ctrl-C to this process itself
     saves = bool(cfg.checkpoint.save_interval)

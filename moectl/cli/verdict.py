@@ -92,6 +92,30 @@ def _how_it_ended(rank: int, exits: dict[int, Exit]) -> str:
     return f"exited with code {e.code} without a report"
 
 
+def _the_others(first: int, rest: list[int], exits: dict[int, Exit]) -> str:
+    """How the other unreported ranks ended, after `first`: "; so did rank 2" (the same way, as soon as torchrun
+    can tell), "; then ranks 0, 3 were killed by SIGKILL" (later: e.g. left waiting for it in NCCL, and killed
+    once the launcher's shutdown timeout passed), grouped by how they ended."""
+    t0, how0 = _ended_at(first, exits), _how_it_ended(first, exits)
+    groups: dict[tuple[bool, str], list[int]] = {}
+    for r in rest:
+        groups.setdefault((_ended_at(r, exits) > t0, _how_it_ended(r, exits)), []).append(r)
+    out = ""
+    for (later, how), ranks in groups.items():
+        if not later and how == how0:
+            out += f"; so did {_ranks(sorted(ranks))}"
+        else:
+            verb = how.replace("was ", "were ", 1) if len(ranks) > 1 else how
+            out += f"; {'then ' if later else ''}{_ranks(sorted(ranks))} {verb}"
+    e = exits.get(first)
+    if e is not None and e.signal == "SIGABRT" and any(later for later, _ in groups):
+        # NCCL's watchdog takes a rank down so (TORCH_NCCL_ASYNC_ERROR_HANDLING's default) when its collective
+        # times out; the rank it waited for is then killed after the shutdown timeout, and ends last
+        out += ("; a SIGABRT is also how NCCL's watchdog ends a rank whose collective timed out, so the ranks that "
+                "ended later may have hung")
+    return out
+
+
 def _ended_at(rank: int, exits: dict[int, Exit]) -> float:
     e = exits.get(rank)
     return e.at if e is not None and e.at is not None else float("inf")
@@ -123,7 +147,8 @@ def verdict(world_size: int, outcomes: dict[int, O.Outcome], exits: dict[int, Ex
     if missing:
         timed_out = sorted(r for r, o in outcomes.items() if o.kind == O.TIMEOUT)
         lost = sorted(r for r, o in outcomes.items() if o.kind == O.PEER_LOST)
-        missing.sort(key=lambda r: (_ended_at(r, exits), r))  # the first to end, then the lowest rank
+        seen = {r: i for i, r in enumerate(exits)}  # torchrun's order of finding them ended: its time is in seconds
+        missing.sort(key=lambda r: (_ended_at(r, exits), seen.get(r, len(seen)), r))
         m = missing[0]
         how = _how_it_ended(m, exits)
         if timed_out:
@@ -140,11 +165,7 @@ def verdict(world_size: int, outcomes: dict[int, O.Outcome], exits: dict[int, Ex
         else:
             seen = f" ({_ranks(lost)} lost it in a collective)" if lost else ""
             cause = f"rank {m} {how} {_during(step, bool(started))}{seen}"
-        later = [r for r in missing[1:] if _ended_at(r, exits) > _ended_at(m, exits)]
-        same = [r for r in missing[1:] if r not in later]
-        others = f"; so did {_ranks(same)}" if same else ""
-        if later:  # e.g. left waiting for it in NCCL, and killed once the launcher's shutdown timeout passed
-            others += f"; then {_ranks(later)} {_how_it_ended(later[0], exits)}"
+        others = _the_others(m, missing[1:], exits)
         return Verdict(exit_codes.FAILED, f"{cause}{others}. fix: {_resume_hint(outcomes, saves, checkpoint)}")
     kinds = {o.kind for o in outcomes.values()}
     if kinds <= {O.FINISHED}:

@@ -164,9 +164,13 @@ def test_the_kill_is_called_off_once_the_workers_have_ended(tmp_path: Path, deaf
 def test_the_kill_spares_a_process_that_is_not_a_worker_and_a_run_that_ended(tmp_path: Path,
                                                                              deaf: subprocess.Popen) -> None:
     """The pids come from files: a worker that ended unreported left its pid to whatever came next. Only this
-    process's own children (the agent's workers) are killed; and nothing once the agent's run has returned."""
-    stranger = subprocess.Popen(["sh", "-c", "sleep 60 & echo $!; wait"], stdout=subprocess.PIPE, text=True,
-                                start_new_session=True)  # its child: not this process's  # fmt: skip
+    process's own children (the agent's workers) are sent the abort's SIGINT and killed; and nothing once the
+    agent's run has returned. (The stranger was a shell's `sleep 60 &`, and the SIGINT it was sent then killed it
+    when it came before the shell's child had ignored SIGINT: a flaky test, and a signal to a stranger.)"""
+    code = ("import os, signal, time; signal.signal(signal.SIGINT, signal.SIG_DFL); print(os.getpid(), flush=True); "
+            "time.sleep(60)")  # SIGINT's default: the SIGINT a stranger must not get would end it
+    stranger = subprocess.Popen(["sh", "-c", f"'{sys.executable}' -c '{code}' & wait"], stdout=subprocess.PIPE,
+                                text=True, start_new_session=True)  # its child: not this process's  # fmt: skip
     signals = None
     try:
         assert stranger.stdout is not None
@@ -223,11 +227,16 @@ def test_the_abort_names_the_newest_committed_checkpoint_not_only_the_marked_one
         (root / names.step_dir_name(step) / names.MANIFEST).write_text("{}")
     (root / names.LATEST).write_text(names.step_dir_name(3))
     marked = str(root / names.step_dir_name(1))  # removed by retention since
-    assert _newest_checkpoint(marked) == str(root / names.step_dir_name(3))
-    assert _newest_checkpoint(str(root / names.step_dir_name(2))) == str(root / names.step_dir_name(3))
-    assert _newest_checkpoint(None) is None
+    assert _newest_checkpoint(marked, str(root)) == str(root / names.step_dir_name(3))
+    assert _newest_checkpoint(str(root / names.step_dir_name(2)), str(root)) == str(root / names.step_dir_name(3))
+    assert _newest_checkpoint(None, str(root)) is None
     unread = str(tmp_path / "nothing" / "step_00000001")
-    assert _newest_checkpoint(unread) == unread
+    assert _newest_checkpoint(unread, str(tmp_path / "nothing")) == unread
+    # A review: a resumed run marks the checkpoint it loaded; in another run's folder, whose later steps are that
+    # run's, the mark is named as it is (the line had named the other run's step 3)
+    loaded = str(root / names.step_dir_name(2))
+    assert _newest_checkpoint(loaded, str(tmp_path / "run" / "checkpoints")) == loaded
+    assert _newest_checkpoint(loaded, None) == loaded
 
 
 # `launch_local` with a stand-in agent that logs what torchrun's does around a Ctrl-C.

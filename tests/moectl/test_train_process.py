@@ -123,9 +123,9 @@ def test_a_killed_rank_is_one_line_naming_the_rank_the_step_and_the_checkpoint(t
     if DEVICE == "cpu":  # rank 0 lost it in the step after its last record, or after writing it (in the stop vote)
         assert any(line.startswith(f"error: rank 1 was killed by SIGKILL during step {s} (rank 0 lost it in a "
                                    "collective)") for s in (done, done + 1)), (line, done)  # fmt: skip
-    else:  # rank 0 waits in NCCL, runs no handler, and is killed after torchrun's shutdown timeout, unreported
-        assert line.startswith("error: rank 1 was killed by SIGKILL during training; then rank 0 was killed by "
-                               "SIGKILL."), line  # fmt: skip
+    else:  # rank 0 waits in NCCL, runs no handler and is killed after torchrun's shutdown timeout, unreported (or,
+        # outside that wait, takes the SIGTERM and reports): rank 1 is named first either way, not yet run on GPUs
+        assert line.startswith("error: rank 1 was killed by SIGKILL during "), line
     saved = (tmp_path / "checkpoints" / "latest").read_text().strip()
     assert line.endswith(f"fix: resume from {tmp_path / 'checkpoints' / saved} with --set "
                          f"checkpoint.load={tmp_path / 'checkpoints'}"), line  # fmt: skip

@@ -40,10 +40,21 @@ def test_ranks_that_all_ended_unreported_name_the_first_to_end_and_the_marked_ch
     v = verdict(2, {}, killed, saves=True, started={0, 1}, checkpoint=CKPT)
     assert (v.code, v.line) == (1, "rank 1 was killed by SIGKILL during training; then rank 0 was killed by SIGKILL. "
                                    f"fix: resume from {CKPT} with --set checkpoint.load=runs/x/checkpoints")
-    at_once = {1: Exit(-9, "SIGKILL", at=1000.0), 0: Exit(-6, "SIGABRT", at=1000.0)}  # ties: the lowest rank first
+    # a review: torchrun's times are whole seconds; within one, the order torchrun found them ended decides
+    at_once = {1: Exit(-9, "SIGKILL", at=1000.0), 0: Exit(-15, "SIGTERM", at=1000.0)}
     v = verdict(2, {}, at_once, saves=True)
-    assert v.line == ("rank 0 was killed by SIGABRT before the first step; so did rank 1. fix: no checkpoint was "
-                      "saved before it ended; run it again")
+    assert v.line == ("rank 1 was killed by SIGKILL before the first step; rank 0 was killed by SIGTERM. fix: no "
+                      "checkpoint was saved before it ended; run it again")
+    four = {1: Exit(-9, "SIGKILL", at=1000.0), 2: Exit(-9, "SIGKILL", at=1000.0), 0: Exit(-9, "SIGKILL", at=1030.0),
+            3: Exit(-9, "SIGKILL", at=1030.0), 4: Exit(1, at=1030.0)}  # fmt: skip
+    assert verdict(5, {}, four, started={0}).line.startswith(
+        "rank 1 was killed by SIGKILL during training; so did rank 2; then ranks 0, 3 were killed by SIGKILL; then "
+        "rank 4 exited with code 1 without a report. fix:")
+    # NCCL's watchdog SIGABRTs the rank that waited; the hung one is killed later: the line says it may be so
+    hung = {0: Exit(-6, "SIGABRT", at=1000.0), 1: Exit(-9, "SIGKILL", at=1030.0)}
+    assert verdict(2, {}, hung, started={0, 1}).line.startswith(
+        "rank 0 was killed by SIGABRT during training; then rank 1 was killed by SIGKILL; a SIGABRT is also how "
+        "NCCL's watchdog ends a rank whose collective timed out, so the ranks that ended later may have hung. fix:")
     unknown = {1: Exit(-9, "SIGKILL", at=1000.0), 0: Exit(-9, "SIGKILL")}  # a time only where torchrun gave one
     line = verdict(2, {}, unknown, started={0}).line
     assert line is not None and line.startswith(
@@ -178,10 +189,11 @@ def test_rank_0_marks_each_newer_checkpoint_for_the_launcher(tmp_path, monkeypat
     from moectl.cli.train import _start_marking_state
 
     monkeypatch.setenv(O.OUTCOME_DIR_ENV, str(tmp_path))
-    other = _start_marking_state(1)
+    other = _start_marking_state(1, Path("runs/x/checkpoints"))
     other.checkpoint = Path("runs/x/checkpoints/step_00000001")
-    assert O.read_checkpoint(tmp_path) is None  # rank 0's word only
-    state = _start_marking_state(0)
+    assert O.read_checkpoint(tmp_path) is None and O.read_checkpoint_root(tmp_path) is None  # rank 0's word only
+    state = _start_marking_state(0, Path("runs/x/checkpoints"))
+    assert O.read_checkpoint_root(tmp_path) == "runs/x/checkpoints"
     state.checkpoint = None
     assert O.read_checkpoint(tmp_path) is None
     for step in (1, 2):
