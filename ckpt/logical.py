@@ -196,7 +196,7 @@ def restore_rng(meta: dict[str, Any]) -> None:
     if "torch" in rng:
         try:
             torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(rng["torch"])), dtype=torch.uint8))
-        except (RuntimeError, ValueError) as e:  # base64 (the manifest check saw to it) of another length, or none
+        except (RuntimeError, ValueError, TypeError) as e:  # base64 of another length, none, or no string at all
             raise CheckpointError(f"the checkpoint's rng.torch is not a torch CPU RNG state ({e})",
                                   "load another step, or one saved by moectl itself") from None
 

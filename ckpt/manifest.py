@@ -113,9 +113,10 @@ def _check_read_fields(meta: dict[str, Any]) -> list[str]:
     resume or `ckpt validate` with a traceback; they are refused here, naming the key, as a bad counter is."""
     errs = []
     rng = meta.get("rng")
-    torch_rng = rng.get("torch") if isinstance(rng, dict) else None  # the state a resume restores (ckpt/logical.py)
-    if torch_rng is not None and not (isinstance(torch_rng, str) and _is_base64(torch_rng)):
-        errs.append(f"meta rng.torch must be a base64 string, got {_short(torch_rng)}")
+    if isinstance(rng, dict) and "torch" in rng:  # the state a resume restores (ckpt/logical.py): null included
+        torch_rng = rng["torch"]
+        if not (isinstance(torch_rng, str) and _is_base64(torch_rng)):
+            errs.append(f"meta rng.torch must be a base64 string, got {_short(torch_rng)}")
     probe = meta.get("probe")
     if isinstance(probe, dict) and "loss" in probe:
         loss = probe["loss"]

@@ -151,27 +151,28 @@ def test_a_models_own_tensors_fit_its_config(which: str) -> None:
 # `ValueError: both buffer length (0) and count (-1) must not be 0` (resume, validate: rng), `ValueError: could not
 # convert string to float: 'x'` (validate: probe), `AttributeError: 'str' object has no attribute 'get'` (resume:
 # a config section), `AttributeError: 'int' object has no attribute 'items'` (inspect: writer).
-MALFORMED = {
-    "rng": ({"torch": "!!!"}, "rng.torch must be a base64 string, got '!!!'"),
-    "probe.loss": ("x", "probe.loss must be a number, got 'x'"),
-    "probe.loss_hex": ("0xq", "probe.loss_hex must be a float in hex (float.hex), got '0xq'"),
-    "config.model": ("x", "config.model must be a dict, got str"),
-    "writer": (7, "writer must be a dict, got int"),
+MALFORMED = {  # id: (path, value, what the problem says)
+    "rng": ("rng", {"torch": "!!!"}, "rng.torch must be a base64 string, got '!!!'"),
+    "rng-null": ("rng", {"torch": None}, "rng.torch must be a base64 string, got None"),  # a review: a TypeError
+    "probe.loss": ("probe.loss", "x", "probe.loss must be a number, got 'x'"),
+    "probe.loss_hex": ("probe.loss_hex", "0xq", "probe.loss_hex must be a float in hex (float.hex), got '0xq'"),
+    "config.model": ("config.model", "x", "config.model must be a dict, got str"),
+    "writer": ("writer", 7, "writer must be a dict, got int"),
 }
 
 
 @pytest.mark.parametrize("key", list(MALFORMED))
 def test_a_resealed_field_that_a_load_reads_is_refused_everywhere(step: Path, key: str) -> None:
-    value, says = MALFORMED[key]
-    reseal(step, put(key, value))
+    path, value, says = MALFORMED[key]
+    reseal(step, put(path, value))
     _refused_everywhere(step, says)
 
 
 @pytest.mark.parametrize("command", ["inspect", "validate"])
 @pytest.mark.parametrize("key", list(MALFORMED))
 def test_the_cli_names_a_malformed_field_without_a_traceback(step: Path, key: str, command: str) -> None:
-    value, says = MALFORMED[key]
-    reseal(step, put(key, value))
+    path, value, says = MALFORMED[key]
+    reseal(step, put(path, value))
     r = runner.invoke(app, ["ckpt", command, str(step)], env={"COLUMNS": "400", "MOECTL_DEBUG": ""})
     assert r.exit_code == 1, r.output
     assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
@@ -186,3 +187,5 @@ def test_an_rng_state_of_another_size_is_a_checkpoint_error_not_a_crash() -> Non
         restore_rng({"rng": {"torch": "AAAA"}})
     with pytest.raises(CheckpointError, match=r"rng\.torch is not a torch CPU RNG state"):
         restore_rng({"rng": {"torch": ""}})
+    with pytest.raises(CheckpointError, match=r"rng\.torch is not a torch CPU RNG state"):
+        restore_rng({"rng": {"torch": None}})
