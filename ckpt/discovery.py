@@ -201,7 +201,9 @@ def find_latest(root: str | os.PathLike[str], advice: Advice = LOAD_ADVICE) -> P
         return pending
     if name is None:
         committed = list_committed(root)
-        return committed[-1] if committed else None
+        newest = committed[-1] if committed else None
+        _refuse_denied_newer(root, names.parse_step_dir(newest.name) if newest is not None else -1)
+        return newest
     target = root / name
     if not _is_dir(target):
         why, other = "does not exist", "an existing step folder"
@@ -277,8 +279,7 @@ def resolve_load_path(load: str | os.PathLike[str], advice: Advice = LOAD_ADVICE
             step, why = damaged
             raise CheckpointError(f"no committed checkpoint in {where}: {step.name} has a manifest.json that cannot be "
                                   f"used ({why}), so it counts as never committed",
-                                  f"see what is wrong with `moectl ckpt validate {step}` and restore it from a copy, "
-                                  f"or {fix}")  # fmt: skip
+                                  f"run `moectl ckpt validate {step}` to see what is wrong with it, or {fix}")
         if pending or p.name == "checkpoints":  # a run's checkpoints folder before its first commit: a real state
             raise CheckpointError(f"no committed checkpoint in {where}: no step was committed yet{_saves(pending)}",
                                   fix)  # fmt: skip
@@ -288,6 +289,18 @@ def resolve_load_path(load: str | os.PathLike[str], advice: Advice = LOAD_ADVICE
             hint = "it is not a checkpoints folder (no step_NNNNNNNN folder in it)"
         raise CheckpointArgumentError(f"no committed checkpoint in {where}; {hint}", fix)  # the path is wrong: usage
     return found
+
+
+def _refuse_denied_newer(root: Path, newest: int) -> None:
+    """Raise `denied`'s error (exit 2) for a step folder after step `newest` (the newest committed one, or -1)
+    whose manifest.json this user may not read: without `latest`, discovery would fall back on an older step
+    without a word, or call the step never committed, where a chmod is all that is wrong (a review's finding)."""
+    for p in _entries(root) if _is_dir(root) else []:
+        step = names.parse_step_dir(p.name)
+        if step is not None and step > newest and _is_dir(p):
+            refused = denied(p, manifest.load(p)[1])
+            if refused is not None:
+                raise refused
 
 
 def _damaged_manifest(pending: list[Path]) -> Optional[tuple[Path, str]]:

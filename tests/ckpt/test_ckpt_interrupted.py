@@ -260,4 +260,4 @@ def test_a_folder_without_a_committed_step_is_usage_unless_it_is_a_checkpoints_f
                                                                          "step_00000006 has a manifest.json that "
                                                                          "cannot be used (not valid JSON")
         assert err.value.message.endswith("so it counts as never committed")
-        assert err.value.fix.startswith(f"see what is wrong with `moectl ckpt validate {other / 'step_00000006'}`")
+        assert err.value.fix.startswith(f"run `moectl ckpt validate {other / 'step_00000006'}` to see what is wrong")

@@ -133,6 +133,25 @@ def test_an_unenterable_step_folder_is_unreadable_not_uncommitted(monkeypatch: p
     assert list_committed(root) == [root / "step_00000002"]  # retention never deletes what it cannot see
 
 
+@pytest.mark.parametrize("older", [True, False], ids=["older-step", "no-other-step"])
+def test_without_latest_a_newer_step_this_user_may_not_read_is_named_not_skipped(
+        monkeypatch: pytest.MonkeyPatch, root: Path, older: bool) -> None:
+    """A review: with no `latest`, a step whose manifest.json this user may not read was passed over for an older
+    committed step without a word (or, with none older, called never committed, exit 1); a chmod is all that is
+    wrong, and it is `denied`'s one line, exit 2, naming the file."""
+    (root / "latest").unlink()
+    if not older:  # the unreadable step is the only one
+        for f in (root / "step_00000002").iterdir():
+            f.unlink()
+        (root / "step_00000002").rmdir()
+    deny(monkeypatch, root / "step_00000004" / "manifest.json")
+    for call in (resolve_load_path, open_checkpoint):
+        with pytest.raises(CheckpointArgumentError, match=r"step_00000004/manifest.json cannot be read: Permission "
+                                                          r"denied") as e:  # fmt: skip
+            call(root)
+        assert e.value.exit_code == 2
+
+
 @pytest.mark.parametrize("what", list(TARGETS))
 @pytest.mark.parametrize("command", ["inspect", "inspect --json", "inspect --verify", "validate", "convert"])
 def test_ckpt_commands_say_it_in_one_line_exit_2(
