@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import shlex
 import tempfile
 from pathlib import Path
 from typing import Optional
@@ -33,8 +34,9 @@ def new_destination(p: Path, fix: str = "give a new folder: nothing is ever over
         if left:  # SIGKILL (the OOM killer, a scheduler) gives the command no chance to remove its unfinished save
             raise CheckpointArgumentError(
                 f"destination {p} already exists, holding only {left[0]}{' and more' if len(left) > 1 else ''}: the "
-                "unfinished save of a command that was killed (nothing in it was committed)",
-                f"delete that folder (rm -r {p}) and run the command again, or give a new folder")
+                "unfinished save of a command that was killed or is still running (nothing in it was committed)",
+                f"if no moectl command is writing there, delete it (rm -r {shlex.quote(str(p))}) and run the command "
+                "again; or give a new folder")
         raise CheckpointArgumentError(f"destination {p} already exists", fix)
     if source is not None:
         _outside(p, source.expanduser())
