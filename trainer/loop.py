@@ -421,7 +421,8 @@ class Trainer:
                                and start < cfg.train.train_iters)  # fmt: skip
                 lock, lines = prepare_run_dir(self.run_dir, resuming=start > 0, overwrite=overwrite,
                                               resumed_at=start if saves_after else None,
-                                              saves=bool(cfg.checkpoint.save_interval))  # fmt: skip
+                                              saves=bool(cfg.checkpoint.save_interval)
+                                              and start < cfg.train.train_iters)  # fmt: skip
                 writer = MetricsWriter(self.run_dir, jsonl=cfg.logging.jsonl, tensorboard=cfg.logging.tensorboard,
                                        resume_at=start)  # fmt: skip
                 if writer.dropped:

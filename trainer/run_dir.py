@@ -233,8 +233,8 @@ def check_checkpoints_folder(root: Path) -> None:
         if not os.access(root, os.W_OK | os.X_OK):
             raise UsageError(f"{root} is not writable by this user: the run could not save a checkpoint",
                              "make it writable (e.g. chmod u+rwx on it), or train into another --run-dir")
-        latest = root / names.LATEST
-        if (latest.exists() or latest.is_symlink()) and not latest.is_file():
+        latest = root / names.LATEST  # a broken link there is fine: a save's os.replace puts a file over it
+        if latest.exists() and not latest.is_file():
             what = "a folder" if latest.is_dir() else _what_is(latest)
             raise UsageError(f"{latest} is {what}, not the file a save rewrites: the run could not commit a "
                              "checkpoint", fix)  # fmt: skip
