@@ -362,3 +362,13 @@ def test_a_checkpoints_folder_the_run_could_not_save_into_is_refused_before_the_
             "latest-folder": f"{root / 'latest'} is a folder, not the file a save rewrites"}[make]
     assert what in e.value.message and "could not" in e.value.message, e.value.message
     trainer(tmp_path, "train.train_iters=2").run()  # a run that saves nothing is not refused
+
+
+def test_a_broken_latest_link_is_no_reason_to_refuse_a_saving_run(tmp_path: Path) -> None:
+    """A review: a dangling `latest` symlink was refused at start-up, though the save's os.replace puts a file
+    over it (and discovery takes it as absent)."""
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "latest").symlink_to(tmp_path / "nowhere")
+    trainer(tmp_path, "train.train_iters=2", "checkpoint.save_interval=2").run()
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_00000002"
+    assert not (tmp_path / "checkpoints" / "latest").is_symlink()
