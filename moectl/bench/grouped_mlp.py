@@ -53,6 +53,10 @@ from moectl.bench import te_paths
 from moectl.bench.oom import as_oom, free
 from moectl.bench.timing import SUSTAINED_SECONDS, dense_ceiling_tflops, dense_matmul, interleaved_ms, queued_ms, sustained_ms
 from moectl.core.arith import ceil_div
+from moectl.core.rules import INT64_MAX
+
+#: the widest element a path's tensors hold (the routing's int64 indices; the activations are at most fp32)
+_MAX_ELEMENT_BYTES = 8
 
 PATHS = ("loop", "eager", "compile", "grouped", "fused", "te")  # bf16 (fp32 in --quick on CPU)
 FP8_PATHS = fp8.FP8_PATHS
@@ -88,8 +92,10 @@ class Shape:
 
     @staticmethod
     def parse(text: str) -> "Shape":
-        """'E,h,f,m' -> Shape; refuses what no path could run: non-integers, and h or f not a multiple of 8
-        (the grouped GEMMs need 16-byte row strides in bf16)."""
+        """'E,h,f,m' -> Shape; refuses what no path could run: non-integers, h or f not a multiple of 8
+        (the grouped GEMMs need 16-byte row strides in bf16), and a shape whose tensors no int64 size holds
+        (`--shape 4,8,8,1e20`'s inputs ended the bench in a traceback from `torch.randperm`, "Overflow when
+        unpacking long long"; one merely too big for memory is an `OOM` row instead)."""
         try:
             parts = [int(p) for p in text.replace("x", ",").split(",")]
         except ValueError:
@@ -98,7 +104,16 @@ class Shape:
             raise ValueError(f"shape {text!r}: expected four positive integers E,h,f,m")
         if parts[1] % 8 or parts[2] % 8:
             raise ValueError(f"shape {text!r}: h and f must be multiples of 8 (16-byte rows for the grouped GEMMs)")
-        return Shape(*parts)
+        shape = Shape(*parts)
+        if shape.largest_tensor() * _MAX_ELEMENT_BYTES > INT64_MAX:
+            raise ValueError(f"shape {text!r}: its largest tensor would hold {shape.largest_tensor():,} elements, more "
+                             "than torch can address (its sizes are int64); give smaller numbers")
+        return shape
+
+    def largest_tensor(self) -> int:
+        """Elements of the largest tensor a path builds: fc1's weight [E, 2f, h], or the rows' activations
+        [E*m, max(h, 2f)]."""
+        return max(self.experts * 2 * self.ffn * self.hidden, self.rows * max(self.hidden, 2 * self.ffn))
 
 
 DEFAULT_SHAPES = (

@@ -60,7 +60,9 @@ def test_bad_shape_is_a_one_line_usage_error():
     assert result.exit_code == 2
     assert "expected four positive integers" in result.output
     # a shape no path could run (95 is no multiple of 8) and a word: the usage error, not a traceback mid-run
-    for shape, says in (("4,64,95,32", "multiples of 8"), ("a,b,c,d", "expected four positive integers")):
+    # and one whose tensors no int64 size can hold: "Overflow when unpacking long long" from torch.randperm
+    for shape, says in (("4,64,95,32", "multiples of 8"), ("a,b,c,d", "expected four positive integers"),
+                        ("4,8,8,99999999999999999999", "more than torch can address")):
         result = CliRunner().invoke(app, ["bench", "grouped-mlp", "--quick", "--shape", shape])
         assert result.exit_code == 2 and says in result.output and "Traceback" not in result.output
 
