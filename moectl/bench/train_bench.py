@@ -38,7 +38,7 @@ from moectl.bench.train_columns import Column
 from moectl.bench.train_shrink import quick_overrides
 from moectl.core.config.load import load_config
 from moectl.core.config.schema import Config
-from moectl.core.errors import MoectlError
+from moectl.core.errors import DataError, MoectlError
 
 Log = Callable[[str], None]
 
@@ -197,12 +197,15 @@ def _error_row(column: Column, message: str) -> dict[str, Any]:
 
 
 def run_column(cfg: Config, column: Column, bench: TrainBenchConfig, log: Log) -> dict[str, Any]:
-    """`measure_column`, with out-of-memory and user errors turned into an error row, memory freed after."""
+    """`measure_column`, with out-of-memory and user errors turned into an error row, memory freed after. A
+    `DataError` is raised: every column reads the same data, so it is the input's fault, not the column's."""
     error: Optional[str] = None
     try:
         row = measure_column(cfg, column, bench, log)
     except RuntimeError as e:
         error = as_oom(e)
+    except DataError:
+        raise
     except MoectlError as e:
         error = e.one_line()
     _free()  # after the except block: its traceback (and the tensors its frames hold) is gone

@@ -17,6 +17,7 @@ from moectl.cli.base import command
 from moectl.cli.bench import bench_app
 from moectl.cli.options import ConfigArg, JsonPathOpt, NprocOpt, SetOpt, examples
 from moectl.cli.output import write_json_file
+from moectl.core.errors import DataError, UsageError
 
 _HELP = (
     "Checkpoint speed at the config's model size: builds the model and optimizer (one training step), saves it "
@@ -84,28 +85,30 @@ def ckpt(
                            "validate or raw reads): the cheap rows of a table across sizes and rank counts.")
     ] = False,
 ) -> None:
-    from moectl.cli.launch import launch_local, reexec_args, under_torchrun
-
     from moectl.bench import ckpt_bench as cb
+    from moectl.cli.launch import launch_local, reexec_args, under_torchrun
+    from moectl.cli.train import refuse_on_rule_errors
+    from moectl.core.environment import says_it_once
 
-    # before any process starts: the bench replaces its folder, so one holding the user's files is refused here
-    cb.check_folder(cb.bench_folder(cb.CkptBenchConfig(config=config, sets=list(set_ or []), folder=folder)))
+    world = int(os.environ.get("WORLD_SIZE", "1")) if under_torchrun() else nproc_per_node
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    console = make_console(quiet=not rank0)
+    bench = cb.CkptBenchConfig(config=config, sets=list(set_ or []), folder=folder, quick=quick, keep=keep,
+                                saves_only=saves_only)
+    # Before any process starts, as `train` does: the bench replaces its folder, so one holding the user's files
+    # is refused here; a config that breaks a rule was one error line per worker, after torchrun's start-up.
+    # The launcher's workers check again, silently.
+    cb.check_folder(cb.bench_folder(bench))
+    cfg = cb.bench_config(bench, world)
+    refuse_on_rule_errors(cfg, world, make_console(quiet=not rank0 or not says_it_once(os.environ)))
     if nproc_per_node > 1 and not under_torchrun():
         raise typer.Exit(launch_local(nproc_per_node, reexec_args()))
 
     import torch
 
-    from moectl.cli.train import refuse_on_rule_errors
     from trainer.parallel.groups import destroy_distributed
     from trainer.runtime import pick_device
 
-    world = int(os.environ.get("WORLD_SIZE", "1")) if under_torchrun() else 1
-    rank0 = int(os.environ.get("RANK", "0")) == 0
-    console = make_console(quiet=not rank0)
-    bench = cb.CkptBenchConfig(config=config, sets=list(set_ or []), folder=folder, quick=quick, keep=keep,
-                                saves_only=saves_only)
-    cfg = cb.bench_config(bench, world)
-    refuse_on_rule_errors(cfg, world, console)
     device = pick_device(cfg.train.device, int(os.environ.get("LOCAL_RANK", "0")))
     meta: dict[str, Any] = {
         "config": str(config), "sets": bench.sets, "quick": quick, "saves_only": saves_only,
@@ -116,6 +119,9 @@ def ckpt(
     }  # fmt: skip
     try:
         result = cb.run(bench, cfg, meta, lambda line: console.print(line, style="dim", highlight=False))
+    except DataError as e:
+        # data that cannot be read as configured is bad input (2), as under `train`; DataError's own 1 reads "failed"
+        raise UsageError(e.message, e.fix) from e
     finally:
         if world > 1:
             destroy_distributed()

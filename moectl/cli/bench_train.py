@@ -13,7 +13,7 @@ from moectl.cli.base import command
 from moectl.cli.bench import bench_app, write_json
 from moectl.cli.console import make_console
 from moectl.cli.options import ConfigArg, JsonPathOpt, NprocOpt, SetOpt, examples
-from moectl.core.errors import UsageError
+from moectl.core.errors import DataError, UsageError
 
 _HELP = (
     "End-to-end training step: the real trainer (the code `moectl train` runs) for warm-up, timed and profiled "
@@ -157,14 +157,11 @@ def train(
         bool, typer.Option("--quick", help="The config's structure shrunk to a tiny CPU model, 2 steps: a CI smoke test.")
     ] = False,
 ) -> None:
-    from moectl.cli.launch import launch_local, reexec_args, under_torchrun
-
-    if nproc_per_node > 1 and not under_torchrun():
-        raise typer.Exit(launch_local(nproc_per_node, reexec_args()))
-
     from moectl.bench import train_bench as tb
     from moectl.bench.train_columns import pick
+    from moectl.cli.launch import launch_local, reexec_args, under_torchrun
     from moectl.cli.train import refuse_on_rule_errors
+    from moectl.core.environment import says_it_once
 
     try:
         columns = pick(column)
@@ -174,13 +171,24 @@ def train(
     counts.update({k: v for k, v in (("steps", steps), ("warmup", warmup), ("profile_steps", profile_steps))
                    if v is not None})  # fmt: skip
     bench = tb.TrainBenchConfig(config=config, sets=list(set_ or []), columns=columns, quick=quick, **counts)
-    world = int(os.environ.get("WORLD_SIZE", "1")) if under_torchrun() else 1
+    launching = nproc_per_node > 1 and not under_torchrun()
+    world = int(os.environ.get("WORLD_SIZE", "1")) if under_torchrun() else nproc_per_node
     rank0 = int(os.environ.get("RANK", "0")) == 0
     console = make_console(quiet=not rank0)
+    # Checked before any process starts, as `train` does: a bad config or column under --nproc-per-node was
+    # one error line per worker, after torchrun's start-up. The launcher's workers check again, silently.
     configs = [tb.column_config(bench, c, world) for c in columns]
     for cfg in configs:
-        refuse_on_rule_errors(cfg, world, console)
-    result = _run(bench, configs, world, console)
+        refuse_on_rule_errors(cfg, world, make_console(quiet=not rank0 or not says_it_once(os.environ)))
+    if launching:
+        raise typer.Exit(launch_local(nproc_per_node, reexec_args()))
+    try:
+        result = _run(bench, configs, world, console)
+    except DataError as e:
+        # Data that cannot be read as configured is bad input (2), as under `train`: every column reads the same
+        # data, so it is no column's error row (the bench ended 0 with each column an error); DataError's own 1
+        # would read "failed" to a script.
+        raise UsageError(e.message, e.fix) from e
     if rank0:
         render(result, console)
         write_json(result, json_path, console)

@@ -225,3 +225,24 @@ def test_a_run_stopped_in_a_tool_empties_the_users_folder(tmp_path: Path, monkey
                                    "--dir", str(mine)])  # fmt: skip
     assert res.exit_code == 130, res.output
     assert mine.is_dir() and list(mine.iterdir()) == []
+
+
+def test_data_that_cannot_be_read_is_bad_input(tmp_path: Path) -> None:
+    """A data.path that does not exist ended the bench 1 ("failed"); `train` refuses the same config with 2."""
+    missing = tmp_path / "nope.bin"
+    res = CliRunner().invoke(app, ["bench", "ckpt", str(TINY), "--quick", "--dir", str(tmp_path / "b"), "--set",
+                                   "data.source=tokens", "--set", f"data.path={missing}"])  # fmt: skip
+    assert res.exit_code == 2 and f"error: {missing}: no such file" in res.output, res.output
+    assert not (tmp_path / "b").exists()
+
+
+def test_a_launched_bench_refuses_a_bad_config_before_starting(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under --nproc-per-node each worker checked the rules after torchrun's start-up: one error line per
+    worker. Now the launcher refuses before starting any process, as `train` does."""
+    import moectl.cli.launch as launch
+
+    monkeypatch.setattr(launch, "launch_local", lambda *a, **k: pytest.fail("launched a refused bench"))
+    res = CliRunner().invoke(app, ["bench", "ckpt", str(TINY), "--quick", "--nproc-per-node", "2", "--dir",
+                                   str(tmp_path / "b"), "--set", "train.global_batch_size=6"])  # fmt: skip
+    assert res.exit_code == 2 and "MOE030" in res.output, res.output
+    assert res.output.count("error:") == 2, res.output  # the rule's line, then the refusal

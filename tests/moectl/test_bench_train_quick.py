@@ -138,3 +138,25 @@ def test_without_a_profile_the_table_says_nothing_of_device_time(tmp_path):
     assert "device time from a profile" not in res.output and "the split only shows" not in res.output
     res = CliRunner().invoke(app, [*args, "--profile-steps", "1"], env={"COLUMNS": "400"})
     assert res.exit_code == 0 and "device time from a profile of 1 more" in res.output, res.output
+
+
+def test_data_that_cannot_be_read_is_bad_input_not_an_error_row(tmp_path):
+    """Every column reads the same data: a data.path that does not exist ended the bench 0, each column an error
+    row; `train` refuses the same config with exit 2, one line naming the file."""
+    missing = tmp_path / "nope.bin"
+    res = CliRunner().invoke(app, ["bench", "train", str(TINY), "--quick", "--column", "ours", "--set",
+                                   "data.source=tokens", "--set", f"data.path={missing}"])  # fmt: skip
+    assert res.exit_code == 2, res.output
+    assert f"error: {missing}: no such file" in res.output and "training step" not in res.output
+
+
+@pytest.mark.parametrize("bad", [["--column", "fastest"], ["--set", "train.global_batch_size=6"]])
+def test_a_launched_bench_refuses_a_bad_column_or_config_before_starting(monkeypatch, bad):
+    """Under --nproc-per-node the columns and rules were checked by each worker, after torchrun's start-up: one
+    error line per worker. Now the launcher refuses before starting any process, as `train` does."""
+    import moectl.cli.launch as launch
+
+    monkeypatch.setattr(launch, "launch_local", lambda *a, **k: pytest.fail("launched a refused bench"))
+    res = CliRunner().invoke(app, ["bench", "train", str(TINY), "--quick", "--nproc-per-node", "2", *bad])
+    assert res.exit_code == 2, res.output
+    assert res.output.count("error:") == 1 + (bad[0] == "--set"), res.output  # a rule: its line, then the refusal
