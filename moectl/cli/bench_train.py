@@ -178,8 +178,9 @@ def train(
     # Checked before any process starts, as `train` does: a bad config or column under --nproc-per-node was
     # one error line per worker, after torchrun's start-up. The launcher's workers check again, silently.
     configs = [tb.column_config(bench, c, world) for c in columns]
-    for cfg in configs:
-        refuse_on_rule_errors(cfg, world, make_console(quiet=not rank0 or not says_it_once(os.environ)))
+    rules_console, shown = make_console(quiet=not rank0 or not says_it_once(os.environ)), set()
+    for cfg in configs:  # a violation of the file itself: once, not once per column
+        refuse_on_rule_errors(cfg, world, rules_console, shown=shown)
     if launching:
         raise typer.Exit(launch_local(nproc_per_node, reexec_args()))
     try:

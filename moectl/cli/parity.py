@@ -29,6 +29,7 @@ from moectl.cli.console import make_console
 from moectl.cli.options import ConfigArg, JsonPathOpt, SetOpt, examples
 from moectl.cli.output import OutputError, write_json_file
 from moectl.cli.train import NprocOpt, refuse_on_rule_errors
+from moectl.core.environment import says_it_once
 from moectl.core.errors import DataError, UsageError
 
 VERDICT_ENV = "MOECTL_PARITY_VERDICT"
@@ -80,8 +81,10 @@ def parity_command(
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else nproc_per_node
     rank0 = int(os.environ.get("RANK", "0")) == 0 if under_torchrun() else True
     console = make_console(quiet=not rank0)
+    # each violation once: not again for ON when OFF has it, nor by a worker of --nproc-per-node (its launcher said it)
+    rules_console, shown = make_console(quiet=not rank0 or not says_it_once(os.environ)), set()
     for cfg in (off, on):
-        refuse_on_rule_errors(cfg, world, console)
+        refuse_on_rule_errors(cfg, world, rules_console, shown=shown)
     if nproc_per_node > 1 and not under_torchrun():
         raise typer.Exit(_launch(nproc_per_node, reexec_args(), launch_local))
 

@@ -150,6 +150,13 @@ def test_data_that_cannot_be_read_is_bad_input_not_an_error_row(tmp_path):
     assert f"error: {missing}: no such file" in res.output and "training step" not in res.output
 
 
+def test_a_warning_of_the_config_is_printed_once_not_once_per_column(tmp_path):
+    """Each column's config is checked: a missing data.path was MOE045 three times, once per default column."""
+    res = CliRunner().invoke(app, ["bench", "train", str(TINY), "--quick", "--set", "data.source=tokens", "--set",
+                                   f"data.path={tmp_path / 'nope.bin'}"], env={"COLUMNS": "400"})  # fmt: skip
+    assert res.exit_code == 2 and res.output.count("MOE045") == 1, res.output
+
+
 @pytest.mark.parametrize("bad", [["--column", "fastest"], ["--set", "train.global_batch_size=6"]])
 def test_a_launched_bench_refuses_a_bad_column_or_config_before_starting(monkeypatch, bad):
     """Under --nproc-per-node the columns and rules were checked by each worker, after torchrun's start-up: one

@@ -78,6 +78,16 @@ def test_data_that_cannot_be_read_is_bad_usage_not_a_difference(tmp_path):
         assert len(errors) == 1 and words in errors[0] and "Traceback" not in res.output, res.output
 
 
+def test_a_warning_of_the_config_is_printed_once_not_for_off_and_on(tmp_path):
+    """OFF and ON are checked apart: a missing data.path was MOE045 twice (three times under --nproc-per-node 2,
+    the launched rank 0 saying it again); a warning that only ON's flag brings is still printed."""
+    res = runner.invoke(app, ["parity", "configs/tiny.yaml", "--set", "data.source=tokens", "--set",
+                              f"data.path={tmp_path / 'missing.bin'}", "--flag", "train.cpu_threads=4096",
+                              "--steps", "1"], env={"COLUMNS": "400"})  # fmt: skip
+    assert res.exit_code == 2, res.output
+    assert res.output.count("MOE045") == 1 and res.output.count("MOE072") == 1, res.output
+
+
 @pytest.mark.slow
 def test_two_ranks_exit_1_on_a_difference_without_a_failed_child(tmp_path):
     """The ranks' verdict reaches the parent: exit 1, and torchrun reports no failed child."""
