@@ -11,6 +11,7 @@ import contextlib
 import functools
 import os
 import signal
+import sys
 import traceback
 import warnings
 from typing import Any, Callable, Iterator, TypeVar
@@ -93,13 +94,13 @@ class Stopped(BaseException):
 
 
 @contextlib.contextmanager
-def _signals_raise() -> Iterator[None]:
+def _signals_raise(fired: list[int]) -> Iterator[None]:
     """While inside: the first SIGINT, SIGTERM or SIGHUP raises (KeyboardInterrupt, `Stopped`) in the main thread,
     where the command's cleanup runs (the default of the last two ends the process on the spot, leaving a partial
     output behind); from then on all three are ignored, so a second one cannot cut the cleanup short. A signal
-    already ignored (`nohup`'s SIGHUP) stays ignored."""
+    already ignored (`nohup`'s SIGHUP) stays ignored. `fired` collects the signals taken, for an error raised
+    in their wake (`_lost_peer`)."""
     saved: dict[int, Any] = {}
-    fired: list[int] = []
 
     def handle(signum: int, frame: Any) -> None:
         fired.append(signum)
@@ -124,6 +125,21 @@ def _signals_raise() -> Iterator[None]:
             current = signal.getsignal(sig)
             if current is handle or (fired and current is signal.SIG_IGN):
                 signal.signal(sig, previous)
+
+
+def _lost_peer(e: Exception) -> MoectlError | None:
+    """One rank of a launched multi-rank command (a bench, parity) whose collective lost its peer: the other rank
+    ended first (a Ctrl-C reached it sooner, or it failed and says why in its own line). As a `MoectlError`
+    (one line), where it was gloo's "Connection closed by peer" traceback; None for any other error."""
+    if os.environ.get("WORLD_SIZE", "1") in ("", "1") or "torch.distributed" not in sys.modules:
+        return None
+    from trainer.parallel.failures import collective_failure
+
+    failure = collective_failure(e, int(os.environ.get("RANK", "0")), None, 0.0)
+    if failure is None or failure.kind != "peer-lost":
+        return None
+    return MoectlError(f"rank {failure.rank} lost a peer in a collective: another rank ended first "
+                       f"({failure.detail})", "see that rank's own line, or the launcher's")
 
 
 def _name(target: typer.Typer, fn: Callable[..., Any], name: str | None) -> str:
@@ -151,11 +167,20 @@ def command(target: typer.Typer = app, name: str | None = None, stoppable: bool 
         @functools.wraps(fn)
         def wrapper(*args: Any, **kw: Any) -> Any:
             warn_unknown_variables()
+            fired: list[int] = []
             try:
-                if not (stoppable or interruptible):
-                    return fn(*args, **kw)
-                with _signals_raise():
-                    return fn(*args, **kw)
+                try:
+                    if not (stoppable or interruptible):
+                        return fn(*args, **kw)
+                    with _signals_raise(fired):
+                        return fn(*args, **kw)
+                except Exception as e:
+                    lost = _lost_peer(e)
+                    if lost is None:
+                        raise
+                    if fired:  # the stop reached the peer first, and its exit broke this rank's collective
+                        raise Stopped(fired[0]) from None
+                    raise lost from None
             except (KeyboardInterrupt, Stopped) as e:
                 signum = e.signum if isinstance(e, Stopped) else signal.SIGINT
                 if not stoppable:
