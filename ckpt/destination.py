@@ -35,7 +35,7 @@ def new_destination(p: Path, fix: str = "give a new folder: nothing is ever over
             raise CheckpointArgumentError(
                 f"destination {p} already exists, holding only {left[0]}{' and more' if len(left) > 1 else ''}: the "
                 "unfinished save of a command that was killed or is still running (nothing in it was committed)",
-                f"if no moectl command is writing there, delete it (rm -r {shlex.quote(str(p))}) and run the command "
+                f"if no moectl command is writing there, delete it (rm -r -- {shlex.quote(str(p))}) and run the command "
                 "again; or give a new folder")
         raise CheckpointArgumentError(f"destination {p} already exists", fix)
     if source is not None:

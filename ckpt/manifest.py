@@ -116,7 +116,8 @@ def _check_read_fields(meta: dict[str, Any]) -> list[str]:
     if isinstance(rng, dict) and "torch" in rng:  # the state a resume restores (ckpt/logical.py): null included
         torch_rng = rng["torch"]
         if not (isinstance(torch_rng, str) and _is_base64(torch_rng)):
-            errs.append(f"meta rng.torch must be a base64 string, got {_short(torch_rng)}")
+            got = "null" if torch_rng is None else _short(torch_rng)  # as JSON spells it
+            errs.append(f"meta rng.torch must be a base64 string, got {got}")
     probe = meta.get("probe")
     if isinstance(probe, dict) and "loss" in probe:
         loss = probe["loss"]

@@ -94,7 +94,7 @@ class Shape:
     def parse(text: str) -> "Shape":
         """'E,h,f,m' -> Shape; refuses what no path could run: non-integers, h or f not a multiple of 8
         (the grouped GEMMs need 16-byte row strides in bf16), and a shape whose tensors no int64 size holds
-        (`--shape 4,8,8,1e20`'s inputs ended the bench in a traceback from `torch.randperm`, "Overflow when
+        (`--shape 4,8,8,99999999999999999999`'s inputs ended the bench in a traceback from `torch.randperm`, "Overflow when
         unpacking long long"; one merely too big for memory is an `OOM` row instead)."""
         try:
             parts = [int(p) for p in text.replace("x", ",").split(",")]

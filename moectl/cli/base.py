@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import re
 import signal
 import sys
 import traceback
@@ -127,6 +128,10 @@ def _signals_raise(fired: list[int]) -> Iterator[None]:
                 signal.signal(sig, previous)
 
 
+#: a collective that timed out (NCCL's watchdog text says "communicator was aborted" too): a hang, not a peer gone
+_TIMED_OUT = re.compile(r"timed out|timeout|watchdog", re.IGNORECASE)
+
+
 def _lost_peer(e: Exception) -> MoectlError | None:
     """One rank of a launched multi-rank command (a bench, parity) whose collective lost its peer: the other rank
     ended first (a Ctrl-C reached it sooner, or it failed and says why in its own line). As a `MoectlError`
@@ -136,7 +141,7 @@ def _lost_peer(e: Exception) -> MoectlError | None:
     from trainer.parallel.failures import collective_failure
 
     failure = collective_failure(e, int(os.environ.get("RANK", "0")), None, 0.0)
-    if failure is None or failure.kind != "peer-lost":
+    if failure is None or failure.kind != "peer-lost" or _TIMED_OUT.search(str(e)):  # NCCL's watchdog: a hang
         return None
     return MoectlError(f"rank {failure.rank} lost a peer in a collective: another rank ended first "
                        f"({failure.detail})", "see that rank's own line, or the launcher's")
@@ -180,7 +185,7 @@ def command(target: typer.Typer = app, name: str | None = None, stoppable: bool 
                         raise
                     if fired:  # the stop reached the peer first, and its exit broke this rank's collective
                         raise Stopped(fired[0]) from None
-                    raise lost from None
+                    raise lost from e  # MOECTL_DEBUG=1 shows the backend's traceback under it
             except (KeyboardInterrupt, Stopped) as e:
                 signum = e.signum if isinstance(e, Stopped) else signal.SIGINT
                 if not stoppable:

@@ -254,12 +254,14 @@ def _parent_of(pid: int) -> Optional[int]:
     return int(fields[1]) if len(fields) > 1 and fields[1].isdigit() else None
 
 
-def _newest_checkpoint(marked: Optional[str], root: Optional[str]) -> Optional[str]:
+def _newest_checkpoint(marked: Optional[str], root: Optional[str], saves: bool = True) -> Optional[str]:
     """The run's newest committed checkpoint, from the one rank 0 marked: the workers may have been killed while
-    a background save committed a newer one (and retention removed the marked one). Looked for only when the
-    mark lies in the run's own checkpoints folder `root` (`outcome.mark_checkpoint_root`): before its first save a
-    resumed run marks the checkpoint it loaded, and another run's folder may hold that run's later steps."""
-    if marked is None or root is None or Path(marked).parent != Path(root):
+    a background save committed a newer one (and retention removed the marked one). Looked for only in a run
+    that `saves`, and when the mark lies in the run's own checkpoints folder `root` (`outcome.mark_checkpoint_root`;
+    the same folder however spelled): before its first save, or never saving, a resumed run marks the checkpoint
+    it loaded, and another run's folder may hold that run's later steps."""
+    if (marked is None or root is None or not saves
+            or os.path.realpath(Path(marked).parent) != os.path.realpath(root)):  # fmt: skip
         return marked
     from ckpt.discovery import find_latest  # here: the checkpoint format is not needed to launch
 
@@ -316,7 +318,7 @@ def launch_train(nproc_per_node: int, moectl_args: list[str], cpu_threads: Optio
         d = Path(reports)
         return verdict(nproc_per_node, read_outcomes(d), exits, launcher_signal, saves, read_started(d),
                        aborted=abort_requested(d),
-                       checkpoint=_newest_checkpoint(read_checkpoint(d), read_checkpoint_root(d)))  # fmt: skip
+                       checkpoint=_newest_checkpoint(read_checkpoint(d), read_checkpoint_root(d), saves))  # fmt: skip
 
 
 def reexec_args() -> list[str]:

@@ -55,7 +55,7 @@ HELP = (
 
 
 def refuse_on_rule_errors(cfg: Config, world_size: int, console: Console, refusal: str = "not starting",
-                          this_machine: bool = True, shown: set[tuple[str, str, str]] | None = None) -> None:
+                          this_machine: bool = True, shown: set[tuple[str, str, str, str]] | None = None) -> None:
     """Print every rule violation of `cfg` at `world_size`; raise one ConfigError (ending in `refusal`) if any
     is an error. `this_machine=False`: the config is for another machine (import-hf writes one to train
     elsewhere), so the rules about this one's GPU and Transformer Engine are left to `train` there.
@@ -69,8 +69,8 @@ def refuse_on_rule_errors(cfg: Config, world_size: int, console: Console, refusa
     violations = check(cfg, world_size=world_size) if this_machine else check_elsewhere(cfg, world_size)
     errors = [v for v in violations if v.severity == "error"]
     if shown is not None:
-        new = [v for v in violations if (v.rule, v.message, v.fix) not in shown]
-        shown.update((v.rule, v.message, v.fix) for v in violations)
+        new = [v for v in violations if (v.rule, v.severity, v.message, v.fix) not in shown]
+        shown.update((v.rule, v.severity, v.message, v.fix) for v in violations)
         violations = new
     if violations:  # a table on a terminal, a line each in a log (a run's output usually lands in one)
         print_violations(violations, console, lines=not console.is_terminal)

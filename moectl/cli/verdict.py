@@ -147,8 +147,8 @@ def verdict(world_size: int, outcomes: dict[int, O.Outcome], exits: dict[int, Ex
     if missing:
         timed_out = sorted(r for r, o in outcomes.items() if o.kind == O.TIMEOUT)
         lost = sorted(r for r, o in outcomes.items() if o.kind == O.PEER_LOST)
-        seen = {r: i for i, r in enumerate(exits)}  # torchrun's order of finding them ended: its time is in seconds
-        missing.sort(key=lambda r: (_ended_at(r, exits), seen.get(r, len(seen)), r))
+        found = {r: i for i, r in enumerate(exits)}  # torchrun's order of finding them ended: its time is in seconds
+        missing.sort(key=lambda r: (_ended_at(r, exits), found.get(r, len(found)), r))
         m = missing[0]
         how = _how_it_ended(m, exits)
         if timed_out:

@@ -233,7 +233,7 @@ def test_a_rerun_after_a_killed_convert_names_the_unfinished_save_to_delete(tmp_
     assert e.value.message == (f"destination {tmp_path / 'out'} already exists, holding only {left.name}: the "
                                "unfinished save of a command that was killed or is still running (nothing in it was "
                                "committed)")  # a review: a running convert's folder looks the same
-    assert e.value.fix.startswith(f"if no moectl command is writing there, delete it (rm -r {tmp_path / 'out'}) and "
+    assert e.value.fix.startswith(f"if no moectl command is writing there, delete it (rm -r -- {tmp_path / 'out'}) and "
                                   "run the command again")
     (left / "notes.txt").write_text("mine")  # no save writes this: the folder is not only an unfinished save
     with pytest.raises(CheckpointError) as e:

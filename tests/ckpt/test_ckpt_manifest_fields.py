@@ -153,7 +153,7 @@ def test_a_models_own_tensors_fit_its_config(which: str) -> None:
 # a config section), `AttributeError: 'int' object has no attribute 'items'` (inspect: writer).
 MALFORMED = {  # id: (path, value, what the problem says)
     "rng": ("rng", {"torch": "!!!"}, "rng.torch must be a base64 string, got '!!!'"),
-    "rng-null": ("rng", {"torch": None}, "rng.torch must be a base64 string, got None"),  # a review: a TypeError
+    "rng-null": ("rng", {"torch": None}, "rng.torch must be a base64 string, got null"),  # a review: a TypeError
     "probe.loss": ("probe.loss", "x", "probe.loss must be a number, got 'x'"),
     "probe.loss_hex": ("probe.loss_hex", "0xq", "probe.loss_hex must be a float in hex (float.hex), got '0xq'"),
     "config.model": ("config.model", "x", "config.model must be a dict, got str"),

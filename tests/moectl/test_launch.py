@@ -215,7 +215,8 @@ def test_a_signal_after_a_launched_bench_returned_leaves_its_exit_code() -> None
     assert (out.returncode, out.stderr) == (0, ""), (out.returncode, out.stderr)
 
 
-def test_the_abort_names_the_newest_committed_checkpoint_not_only_the_marked_one(tmp_path: Path) -> None:
+def test_the_abort_names_the_newest_committed_checkpoint_not_only_the_marked_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Rank 0 marks a checkpoint when its main thread learns of the commit; killed while a background save
     committed a newer one (and retention removed the marked one), the line must name the newer one."""
     from ckpt import names
@@ -237,6 +238,10 @@ def test_the_abort_names_the_newest_committed_checkpoint_not_only_the_marked_one
     loaded = str(root / names.step_dir_name(2))
     assert _newest_checkpoint(loaded, str(tmp_path / "run" / "checkpoints")) == loaded
     assert _newest_checkpoint(loaded, None) == loaded
+    # a second review: the same folder spelled otherwise is the run's own; a run that saves nothing has no newer step
+    monkeypatch.chdir(tmp_path)
+    assert _newest_checkpoint(loaded, "checkpoints") == str(root / names.step_dir_name(3))
+    assert _newest_checkpoint(loaded, str(root), saves=False) == loaded
 
 
 # `launch_local` with a stand-in agent that logs what torchrun's does around a Ctrl-C.
