@@ -106,6 +106,23 @@ def test_eval_batches_are_fixed_and_cover_the_stream(stream: TokenStream) -> Non
     assert sorted(st for h in halves for b in h for st in b) == starts  # dp=2 evaluates the same windows
 
 
+def test_eval_batches_are_read_when_asked_for_never_all_at_once(stream: TokenStream) -> None:
+    """A user trial: `train.eval_iters=20000` built every eval batch at start-up (29 s, 335 MB on a tiny model);
+    more would run the host out of memory. Ten million now cost nothing until read, and read the same windows."""
+    s = make(stream)
+    many = s.eval_batches(10_000_000)  # nothing read yet
+    assert len(many) == 10_000_000
+    x, y = many[-1]
+    tail = stream.window(s.num_starts - 1, s.seq_length + 1)
+    assert torch.equal(x[-1], tail[:-1]) and torch.equal(y[-1], tail[1:])  # the last window ends the stream
+    few = s.eval_batches(3)
+    eager = [s._batch(starts) for starts in s.eval_starts(3)]
+    assert [tuple(map(torch.Tensor.tolist, b)) for b in few] == [tuple(map(torch.Tensor.tolist, b)) for b in eager]
+    assert len(few[1:]) == 2 and torch.equal(few[1:][0][0], eager[1][0])
+    with pytest.raises(IndexError):
+        few[3]
+
+
 def test_bad_batch_sizes_and_short_streams_are_errors(stream: TokenStream) -> None:
     with pytest.raises(ConfigError, match="multiple of"):
         make(stream, global_batch_size=6, dp_size=2, micro_batch_size=2)
