@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import sys
 
 import typer
 
 from moectl.cli import exit_codes
-from moectl.cli.base import app
+from moectl.cli.base import app, distributed_worker
 from moectl.cli.console import say, stdout_to_devnull
 from moectl.cli import validate  # noqa: F401
 from moectl.cli import bench  # noqa: F401
@@ -51,22 +50,12 @@ def main() -> None:
             sys.exit(exit_codes.reader_gone())
         raise
     code = code if isinstance(code, int) else 0
-    if _distributed_worker():
+    if distributed_worker():
         # as train's ranks leave (docs/design.md, "A multi-rank worker leaves with os._exit"): gloo's threads can
         # abort a normal interpreter exit ("terminate called without an active exception", exit 1 after a
         # finished `bench param-gather --nproc-per-node 2`, 1 run in 5 on 2 CPU cores)
         exit_codes.end_process(code)
     sys.exit(code)
-
-
-def _distributed_worker() -> bool:
-    """Whether this process is one rank of several that may have joined a process group (torchrun's WORLD_SIZE,
-    and torch.distributed imported: a command that never loaded torch has no group to race)."""
-    try:
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-    except ValueError:
-        return False
-    return world > 1 and "torch.distributed" in sys.modules
 
 
 def _click_errors() -> tuple[type[Exception], type[Exception]]:

@@ -132,11 +132,21 @@ def _signals_raise(fired: list[int]) -> Iterator[None]:
 _TIMED_OUT = re.compile(r"timed out|timeout|watchdog", re.IGNORECASE)
 
 
+def distributed_worker() -> bool:
+    """Whether this process is one rank of several that may have joined a process group (torchrun's WORLD_SIZE,
+    and torch.distributed imported: a command that never loaded torch has no group to race)."""
+    try:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return False
+    return world > 1 and "torch.distributed" in sys.modules
+
+
 def _lost_peer(e: Exception) -> MoectlError | None:
     """One rank of a launched multi-rank command (a bench, parity) whose collective lost its peer: the other rank
     ended first (a Ctrl-C reached it sooner, or it failed and says why in its own line). As a `MoectlError`
     (one line), where it was gloo's "Connection closed by peer" traceback; None for any other error."""
-    if os.environ.get("WORLD_SIZE", "1") in ("", "1") or "torch.distributed" not in sys.modules:
+    if not distributed_worker():
         return None
     from trainer.parallel.failures import collective_failure
 
