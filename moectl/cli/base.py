@@ -22,7 +22,7 @@ import typer
 from moectl.cli import exit_codes
 from moectl.cli.console import say, stdout_reader_gone, stdout_to_devnull
 from moectl.core.environment import says_it_once, unknown_variables
-from moectl.core.errors import MoectlError
+from moectl.core.errors import DataError, MoectlError, UsageError
 from moectl.core.stop_signals import STOP_SIGNALS
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -126,6 +126,16 @@ def _signals_raise(fired: list[int]) -> Iterator[None]:
             current = signal.getsignal(sig)
             if current is handle or (fired and current is signal.SIG_IGN):
                 signal.signal(sig, previous)
+
+
+@contextlib.contextmanager
+def data_errors_are_usage() -> Iterator[None]:
+    """Inside: data that cannot be read as configured is bad input, exit 2, as under `train` (a `DataError` raised
+    becomes a `UsageError`): its own code, 1, reads "failed" to a script, and "different" from `parity`."""
+    try:
+        yield
+    except DataError as e:
+        raise UsageError(e.message, e.fix) from e
 
 
 #: a collective that timed out (NCCL's watchdog text says "communicator was aborted" too): a hang, not a peer gone

@@ -13,11 +13,10 @@ from rich.console import Console
 from moectl.cli.console import make_console
 from rich.table import Table
 
-from moectl.cli.base import command
+from moectl.cli.base import command, data_errors_are_usage
 from moectl.cli.bench import bench_app
 from moectl.cli.options import ConfigArg, JsonPathOpt, NprocOpt, SetOpt, examples
 from moectl.cli.output import write_json_file
-from moectl.core.errors import DataError, UsageError
 
 _HELP = (
     "Checkpoint speed at the config's model size: builds the model and optimizer (one training step), saves it "
@@ -87,8 +86,7 @@ def ckpt(
 ) -> None:
     from moectl.bench import ckpt_bench as cb
     from moectl.cli.launch import launch_local, reexec_args, under_torchrun
-    from moectl.cli.train import refuse_on_rule_errors
-    from moectl.core.environment import says_it_once
+    from moectl.cli.train import refuse_configs_once
 
     world = int(os.environ.get("WORLD_SIZE", "1")) if under_torchrun() else nproc_per_node
     rank0 = int(os.environ.get("RANK", "0")) == 0
@@ -100,7 +98,7 @@ def ckpt(
     # The launcher's workers check again, silently.
     cb.check_folder(cb.bench_folder(bench))
     cfg = cb.bench_config(bench, world)
-    refuse_on_rule_errors(cfg, world, make_console(quiet=not rank0 or not says_it_once(os.environ)))
+    refuse_configs_once([cfg], world, rank0)
     if nproc_per_node > 1 and not under_torchrun():
         raise typer.Exit(launch_local(nproc_per_node, reexec_args()))
 
@@ -118,10 +116,8 @@ def ckpt(
         "host": cb.host_meta(Path(cfg.run_dir).parent),
     }  # fmt: skip
     try:
-        result = cb.run(bench, cfg, meta, lambda line: console.print(line, style="dim", highlight=False))
-    except DataError as e:
-        # data that cannot be read as configured is bad input (2), as under `train`; DataError's own 1 reads "failed"
-        raise UsageError(e.message, e.fix) from e
+        with data_errors_are_usage():
+            result = cb.run(bench, cfg, meta, lambda line: console.print(line, style="dim", highlight=False))
     finally:
         if world > 1:
             destroy_distributed()

@@ -9,11 +9,11 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from moectl.cli.base import command
+from moectl.cli.base import command, data_errors_are_usage
 from moectl.cli.bench import bench_app, write_json
 from moectl.cli.console import make_console
 from moectl.cli.options import ConfigArg, JsonPathOpt, NprocOpt, SetOpt, examples
-from moectl.core.errors import DataError, UsageError
+from moectl.core.errors import UsageError
 
 _HELP = (
     "End-to-end training step: the real trainer (the code `moectl train` runs) for warm-up, timed and profiled "
@@ -160,8 +160,7 @@ def train(
     from moectl.bench import train_bench as tb
     from moectl.bench.train_columns import pick
     from moectl.cli.launch import launch_local, reexec_args, under_torchrun
-    from moectl.cli.train import refuse_on_rule_errors
-    from moectl.core.environment import says_it_once
+    from moectl.cli.train import refuse_configs_once
 
     try:
         columns = pick(column)
@@ -178,18 +177,13 @@ def train(
     # Checked before any process starts, as `train` does: a bad config or column under --nproc-per-node was
     # one error line per worker, after torchrun's start-up. The launcher's workers check again, silently.
     configs = [tb.column_config(bench, c, world) for c in columns]
-    rules_console, shown = make_console(quiet=not rank0 or not says_it_once(os.environ)), set()
-    for cfg in configs:  # a violation of the file itself: once, not once per column
-        refuse_on_rule_errors(cfg, world, rules_console, shown=shown)
+    refuse_configs_once(configs, world, rank0)  # a violation of the file itself: once, not once per column
     if launching:
         raise typer.Exit(launch_local(nproc_per_node, reexec_args()))
-    try:
+    # every column reads the same data: data that cannot be read is no column's error row (the bench ended 0
+    # with each column an error) but the input's
+    with data_errors_are_usage():
         result = _run(bench, configs, world, console)
-    except DataError as e:
-        # Data that cannot be read as configured is bad input (2), as under `train`: every column reads the same
-        # data, so it is no column's error row (the bench ended 0 with each column an error); DataError's own 1
-        # would read "failed" to a script.
-        raise UsageError(e.message, e.fix) from e
     if rank0:
         render(result, console)
         write_json(result, json_path, console)

@@ -24,13 +24,12 @@ import typer
 from rich import box
 from rich.table import Table
 
-from moectl.cli.base import app, command, report as report_error
+from moectl.cli.base import app, command, data_errors_are_usage, report as report_error
 from moectl.cli.console import make_console
 from moectl.cli.options import ConfigArg, JsonPathOpt, SetOpt, examples
 from moectl.cli.output import OutputError, write_json_file
-from moectl.cli.train import NprocOpt, refuse_on_rule_errors
-from moectl.core.environment import says_it_once
-from moectl.core.errors import DataError, UsageError
+from moectl.cli.train import NprocOpt, refuse_configs_once
+from moectl.core.errors import UsageError
 
 VERDICT_ENV = "MOECTL_PARITY_VERDICT"
 
@@ -81,10 +80,7 @@ def parity_command(
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else nproc_per_node
     rank0 = int(os.environ.get("RANK", "0")) == 0 if under_torchrun() else True
     console = make_console(quiet=not rank0)
-    # each violation once: not again for ON when OFF has it, nor by a worker of --nproc-per-node (its launcher said it)
-    rules_console, shown = make_console(quiet=not rank0 or not says_it_once(os.environ)), set()
-    for cfg in (off, on):
-        refuse_on_rule_errors(cfg, world, rules_console, shown=shown)
+    refuse_configs_once([off, on], world, rank0)  # not again for ON what OFF has
     if nproc_per_node > 1 and not under_torchrun():
         raise typer.Exit(_launch(nproc_per_node, reexec_args(), launch_local))
 
@@ -98,12 +94,8 @@ def parity_command(
     # "compared" counts what "N differ" counts: the loss, the grad norm and every tensor
     for col in ("step", "loss OFF", "loss ON", "grad norm OFF", "grad norm ON", "compared", "result"):
         table.add_column(col, justify="right" if col != "result" else "left")
-    try:
+    with data_errors_are_usage():  # both sides read their data as they are built, before the first step
         report = run_parity(off, on, steps, flags=list(flag), rtol=rtol)
-    except DataError as e:
-        # Both sides read their data as they are built, before the first step: data that cannot be read as
-        # configured is bad input (2), as under `train`; DataError's own 1 would read "different" to a script.
-        raise UsageError(e.message, e.fix) from e
     for r in report.records:
         result = "[green]equal[/]" if not r.differences else f"[red]{len(r.differences)} differ[/]"
         table.add_row(str(r.step), f"{r.off.loss:.6f}", f"{r.on.loss:.6f}", f"{r.off.grad_norm:.6f}",

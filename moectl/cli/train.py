@@ -15,7 +15,7 @@ import signal
 import sys
 import traceback
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any, Optional, Sequence
 
 import typer
 from rich.console import Console
@@ -29,6 +29,7 @@ from moectl.cli.options import ConfigArg, NprocOpt, RunDirOpt, SetOpt, examples
 from moectl.cli.verdict import aborted_line
 from moectl.core.config.load import load_config
 from moectl.core.config.schema import Config
+from moectl.core.environment import says_it_once
 from moectl.core.errors import ConfigError, DataError, MoectlError
 
 OverwriteOpt = Annotated[
@@ -81,6 +82,16 @@ def refuse_on_rule_errors(cfg: Config, world_size: int, console: Console, refusa
             f"the config breaks {len(errors)} rule(s) ({', '.join(v.rule for v in errors)}); {refusal}",
             "fix each violation above (moectl validate-config CONFIG shows them too)",
         )
+
+
+def refuse_configs_once(configs: Sequence[Config], world_size: int, rank0: bool) -> None:
+    """`refuse_on_rule_errors` over the configs a command builds from one file (bench train's columns, parity's OFF
+    and ON, bench ckpt's one): each violation printed once, by rank 0, and not by a launched worker (its
+    launcher checked them before it started any process)."""
+    console = make_console(quiet=not rank0 or not says_it_once(os.environ))
+    shown: set[tuple[str, str, str, str]] = set()
+    for cfg in configs:
+        refuse_on_rule_errors(cfg, world_size, console, shown=shown)
 
 
 def _launcher_threads(cfg: Config) -> int | None:
