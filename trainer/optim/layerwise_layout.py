@@ -143,9 +143,10 @@ def plan_layerwise_buffer(params: Sequence[torch.nn.Parameter], names: Mapping[t
     """Lay out `params` (backward order) into buckets whose shards each hold whole matrices (see module doc).
 
     `runs` (`trainer.distributed.layout.Runs`): per param its run's name or None. A run of per-expert weights
-    is planned as the grouped weight it stands for, member by member where that weight's slices would lie:
-    spread as it would be, or whole on one shard, back to back; its cost is its members' (Newton-Schulz cost
-    is per matrix, so that is the grouped weight's) and its LPT key the run's name (the grouped weight's).
+    that spreads is planned as the grouped weight it stands for, member by member where that weight's slices
+    would lie; so is every run on one shard (whole, back to back), its cost its members' (Newton-Schulz cost is
+    per matrix, so that is the grouped weight's) and its LPT key the run's name (the grouped weight's). A run
+    that does not spread over 2+ shards is placed member by member, as params of their own (module docstring).
     """
     if bucket_size < 1:
         raise ValueError(f"bucket_size must be positive, got {bucket_size}")
