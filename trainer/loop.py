@@ -416,13 +416,11 @@ class Trainer:
         if self.rt.is_main:
             cfg, start = self.cfg, self.start_step
             try:
+                saves = bool(cfg.checkpoint.save_interval) and start < cfg.train.train_iters  # steps left to save
                 # a loaded checkpoint, step 0 included (ckpt import-hf writes one), whose run will save
-                saves_after = (self.resumed_from is not None and bool(cfg.checkpoint.save_interval)
-                               and start < cfg.train.train_iters)  # fmt: skip
+                saves_after = self.resumed_from is not None and saves
                 lock, lines = prepare_run_dir(self.run_dir, resuming=start > 0, overwrite=overwrite,
-                                              resumed_at=start if saves_after else None,
-                                              saves=bool(cfg.checkpoint.save_interval)
-                                              and start < cfg.train.train_iters)  # fmt: skip
+                                              resumed_at=start if saves_after else None, saves=saves)  # fmt: skip
                 writer = MetricsWriter(self.run_dir, jsonl=cfg.logging.jsonl, tensorboard=cfg.logging.tensorboard,
                                        resume_at=start)  # fmt: skip
                 if writer.dropped:
