@@ -41,10 +41,20 @@ def _ours(entry: Path) -> bool:
     return bool(names.SHARD_RE.match(name) or name == names.MANIFEST) and entry.is_file() and not entry.is_symlink()
 
 
-def _interrupted_save(p: Path) -> bool:
-    """Whether `p` is a folder an interrupted save or delete left: its exact name, only checkpoint files in it."""
-    return ((names.TMP_DIR_RE.match(p.name) is not None or names.TRASH_DIR_RE.match(p.name) is not None)
-            and p.is_dir() and not p.is_symlink() and all(_ours(e) for e in p.iterdir()))  # fmt: skip
+def _leftover_name(name: str) -> bool:
+    """Whether `name` is what an interrupted save (`.tmp-`) or delete (`.trash-`) leaves."""
+    return bool(names.TMP_DIR_RE.match(name) or names.TRASH_DIR_RE.match(name))
+
+
+def _not_ours(p: Path) -> str | None:
+    """Why `p`, named as a leftover, is no folder of checkpoint files a save left (then it is never removed),
+    or None when it is one."""
+    if p.is_symlink() or not p.is_dir():
+        return "not a plain folder"
+    strangers = [e.name for e in p.iterdir() if not _ours(e)]
+    if strangers:
+        return f"holds {', '.join(sorted(strangers)[:3])}, which no save writes"
+    return None
 
 
 def only_interrupted_saves(root: Path) -> list[str]:
@@ -52,7 +62,8 @@ def only_interrupted_saves(root: Path) -> list[str]:
     behind, nothing committed in it), else []: also for a `root` that is empty, no folder or unreadable."""
     try:
         entries = sorted(root.iterdir())
-        return [p.name for p in entries] if entries and all(_interrupted_save(p) for p in entries) else []
+        left = entries and all(_leftover_name(p.name) and _not_ours(p) is None for p in entries)
+        return [p.name for p in entries] if left else []
     except OSError:
         return []
 
@@ -64,14 +75,11 @@ def remove_interrupted_saves(root: str | os.PathLike[str]) -> Cleanup:
     if not root.is_dir():
         return done
     for p in sorted(root.iterdir()):
-        if not (names.TMP_DIR_RE.match(p.name) or names.TRASH_DIR_RE.match(p.name)):
+        if not _leftover_name(p.name):
             continue
-        if p.is_symlink() or not p.is_dir():
-            done.kept.append((p, "not a plain folder"))
-            continue
-        strangers = [e.name for e in p.iterdir() if not _ours(e)]
-        if strangers:
-            done.kept.append((p, f"holds {', '.join(sorted(strangers)[:3])}, which no save writes"))
+        why = _not_ours(p)
+        if why is not None:
+            done.kept.append((p, why))
             continue
         shutil.rmtree(p, ignore_errors=True)
         if p.exists():
